@@ -1,0 +1,1 @@
+//! Helpers for multi-process tests that start real `kvtier` daemons.

@@ -1,0 +1,85 @@
+//! The crate's error type.
+//!
+//! Corruption, I/O failure and lack of space are kept apart (STYLE.md rule 7):
+//! the node must tell "refetch from a peer" from "the disk is failing".
+
+use std::io;
+use std::path::PathBuf;
+
+/// Errors returned by the tier crate.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// An operating-system I/O error.
+    #[error("I/O error while trying to {op} {path}: {source}")]
+    Io {
+        /// What was being done ("read region 3 of", "open").
+        op: &'static str,
+        /// The file involved.
+        path: PathBuf,
+        /// The OS error.
+        #[source]
+        source: io::Error,
+    },
+    /// Bytes on disk failed a check (magic, version, CRC, identity, length).
+    #[error("corrupt data in {what}: {detail}")]
+    Corrupt {
+        /// Which structure ("chunk header", "region 7 summary").
+        what: String,
+        /// What check failed, with the numbers.
+        detail: String,
+    },
+    /// The store was written by an incompatible format version.
+    #[error("store format version {found} is not supported by this build (supports {supported}); {hint}")]
+    IncompatibleVersion {
+        /// The version found on disk.
+        found: u32,
+        /// The version(s) this build reads.
+        supported: String,
+        /// What to do about it.
+        hint: &'static str,
+    },
+    /// The disk budget or the device is full; the writer pauses.
+    #[error("no space: {detail}")]
+    NoSpace {
+        /// Budget / free bytes involved.
+        detail: String,
+    },
+    /// A chunk is larger than the RAM budget or the region size.
+    #[error("chunk of {len} bytes is too large: {limit_name} is {limit} bytes")]
+    TooLarge {
+        /// The chunk's size.
+        len: u64,
+        /// Which limit.
+        limit_name: &'static str,
+        /// The limit.
+        limit: u64,
+    },
+    /// A previous write or fsync failed; the store refuses further disk I/O
+    /// until it is reopened (never retry on an unknown disk state).
+    #[error("the store is poisoned by a previous I/O error ({0}); reopen it")]
+    Poisoned(String),
+    /// The namespace was never registered with this store.
+    #[error("unknown namespace {0}")]
+    UnknownNamespace(crate::Namespace),
+    /// A caller passed a bad value.
+    #[error("invalid {what}: {value:?}")]
+    InvalidArgument {
+        /// What was invalid.
+        what: &'static str,
+        /// The value (truncated).
+        value: String,
+    },
+    /// The configuration contradicts itself.
+    #[error("invalid tier config: {0}")]
+    Config(String),
+    /// The store is shutting down.
+    #[error("the store is closed")]
+    Closed,
+    /// A capability that is not implemented yet (visible, never faked).
+    #[error("not implemented yet: {0}")]
+    Unimplemented(&'static str),
+}
+
+/// Shorthand result type.
+pub type Result<T, E = Error> = std::result::Result<T, E>;

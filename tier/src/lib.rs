@@ -1,0 +1,25 @@
+//! kvtier-tier: the local chunk store of a kvtier node.
+//!
+//! Owns: identifiers ([`Namespace`], [`ChunkKey`], [`ChunkId`]), the on-disk
+//! chunk format, the byte-budgeted RAM LRU, the NVMe segment store, recovery,
+//! the write policy (RAM first, disk on eviction / idle / flush) and the
+//! maintenance operations (verify, gc, stats).
+//!
+//! Does not own: networking of any kind, configuration files, processes.
+//! The node crate wires this store to its protocols and peers.
+//!
+//! The entry point is [`ChunkStore`]: open it with a [`TierConfig`], then
+//! `put` / `get` / `lookup_prefix` / `flush` from any thread. Calls are
+//! synchronous and may block on disk reads; async callers use
+//! `spawn_blocking` (a `get` that hits RAM never touches the disk).
+
+mod error;
+pub mod store;
+pub mod types;
+
+pub use error::{Error, Result};
+pub use store::{
+    ChunkObserver, ChunkStore, FlushReport, GcOptions, GcReport, Hit, NamespaceInfo, StoreStats,
+    TierConfig, VerifyOptions, VerifyReport, WritePolicy,
+};
+pub use types::{ChunkId, ChunkKey, GroupId, Namespace, NamespaceFamily, NamespaceRecord, Tier};
