@@ -14,6 +14,7 @@
 //! `spawn_blocking` (a `get` that hits RAM never touches the disk).
 
 mod error;
+pub mod format;
 pub mod store;
 pub mod types;
 
