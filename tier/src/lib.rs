@@ -15,6 +15,7 @@
 
 mod error;
 pub mod format;
+pub mod ram;
 pub mod store;
 pub mod types;
 

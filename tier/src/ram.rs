@@ -1,0 +1,1038 @@
+//! The RAM tier: a byte-budgeted, concurrent LRU of chunks with dirty/clean
+//! state.
+//!
+//! [`RamCache`] is driven by the store: a PUT calls [`RamCache::insert`]
+//! (dirty), which evicts least-recently-used entries until the new one fits
+//! and hands them back ([`Evicted`]) so the caller can write the dirty ones to
+//! disk; a disk write that completes calls [`RamCache::mark_clean`] with the
+//! sequence number it wrote, which is a no-op if the entry was replaced
+//! meanwhile. Idle flush and `flush()` pick work with
+//! [`RamCache::dirty_entries`].
+//!
+//! # Budget and accounting
+//! The budget is a hard, global byte limit: each entry is charged its payload
+//! length plus its name length (per-entry bookkeeping, ~200 bytes, is not
+//! charged). [`RamCache::used_bytes`] never exceeds [`RamCache::budget`]: an
+//! insert first reserves its bytes with a compare-and-swap on the global
+//! counter and evicts until the reservation succeeds, so a reading of
+//! `used_bytes` may include bytes reserved by inserts in flight.
+//!
+//! # Concurrency and LRU order
+//! Entries are spread over shards (16 by default), each a `parking_lot`
+//! mutex over an index table plus an intrusive doubly-linked list in a slab
+//! (O(1) get / insert / remove / evict). Every access stamps the entry with a
+//! global tick; each shard publishes the tick of its least-recently-used
+//! entry, and eviction takes the tail of the shard whose tail is oldest. With
+//! one thread this is exact global LRU; under concurrency it is LRU up to
+//! races between shards. No operation holds two shard locks at once.
+//!
+//! # Hashing
+//! Keys are already uniform hashes, so the index takes 8 key bytes folded
+//! with the namespace and group as the hash (no SipHash); the shard is picked
+//! from a multiplicative mix of the same value so that shard and bucket bits
+//! are independent.
+
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use hashbrown::HashTable;
+use parking_lot::Mutex;
+
+use crate::types::ChunkId;
+
+/// Default number of shards of [`RamCache::new`].
+pub const DEFAULT_SHARDS: usize = 16;
+
+const NIL: u32 = u32::MAX;
+const GOLDEN: u64 = 0x9E37_79B9_7F4A_7C15;
+
+/// One cached chunk, as returned by reads (cloning it clones `Bytes` handles,
+/// not the bytes).
+#[derive(Clone, Debug)]
+pub struct RamEntry {
+    /// The payload.
+    pub data: Bytes,
+    /// The optional name (e.g. a RESP key string).
+    pub name: Option<Bytes>,
+    /// True while the entry is not known to be on disk.
+    pub dirty: bool,
+    /// Sequence number of this insert; unique and increasing per cache, so a
+    /// replaced (or removed and re-inserted) entry always has a new one.
+    pub seq: u64,
+    /// When this version was inserted.
+    pub inserted: Instant,
+}
+
+impl RamEntry {
+    /// Bytes charged to the budget: payload plus name.
+    pub fn charged_bytes(&self) -> u64 {
+        charge(&self.data, self.name.as_ref())
+    }
+}
+
+/// An entry pushed out of the cache; the caller writes it to disk if dirty.
+#[derive(Clone, Debug)]
+pub struct Evicted {
+    /// Its chunk id.
+    pub id: ChunkId,
+    /// The entry as it was when evicted.
+    pub entry: RamEntry,
+}
+
+fn charge(data: &Bytes, name: Option<&Bytes>) -> u64 {
+    (data.len() + name.map_or(0, |n| n.len())) as u64
+}
+
+/// The index hash of a chunk id: key bytes are uniform, so fold, don't hash.
+#[inline]
+fn hash_id(id: &ChunkId) -> u64 {
+    let word = |b: &[u8]| {
+        let mut w = [0u8; 8];
+        w.copy_from_slice(&b[..8]);
+        u64::from_le_bytes(w)
+    };
+    let ns = word(&id.ns.0[..8]) ^ word(&id.ns.0[8..]).rotate_left(29);
+    word(&id.key.0[..8]) ^ ns.rotate_left(17) ^ u64::from(id.group).wrapping_mul(GOLDEN)
+}
+
+struct Node {
+    id: ChunkId,
+    hash: u64,
+    entry: RamEntry,
+    /// Global access tick of the last insert or promotion.
+    tick: u64,
+    prev: u32,
+    next: u32,
+}
+
+/// One shard: an index table of slab slots and an LRU list through them.
+struct Shard {
+    table: HashTable<u32>,
+    slots: Vec<Option<Node>>,
+    free: Vec<u32>,
+    /// Most recently used.
+    head: u32,
+    /// Least recently used.
+    tail: u32,
+}
+
+impl Shard {
+    fn new() -> Self {
+        Self {
+            table: HashTable::new(),
+            slots: Vec::new(),
+            free: Vec::new(),
+            head: NIL,
+            tail: NIL,
+        }
+    }
+
+    fn node(&self, i: u32) -> &Node {
+        self.slots[i as usize]
+            .as_ref()
+            .expect("linked slot is occupied")
+    }
+
+    fn node_mut(&mut self, i: u32) -> &mut Node {
+        self.slots[i as usize]
+            .as_mut()
+            .expect("linked slot is occupied")
+    }
+
+    fn find(&self, hash: u64, id: &ChunkId) -> Option<u32> {
+        let slots = &self.slots;
+        self.table
+            .find(hash, |&i| {
+                slots[i as usize].as_ref().is_some_and(|n| n.id == *id)
+            })
+            .copied()
+    }
+
+    fn tail_tick(&self) -> u64 {
+        if self.tail == NIL {
+            u64::MAX
+        } else {
+            self.node(self.tail).tick
+        }
+    }
+
+    fn unlink(&mut self, i: u32) {
+        let (prev, next) = {
+            let n = self.node(i);
+            (n.prev, n.next)
+        };
+        if prev == NIL {
+            self.head = next;
+        } else {
+            self.node_mut(prev).next = next;
+        }
+        if next == NIL {
+            self.tail = prev;
+        } else {
+            self.node_mut(next).prev = prev;
+        }
+    }
+
+    fn push_front(&mut self, i: u32) {
+        let old = self.head;
+        {
+            let n = self.node_mut(i);
+            n.prev = NIL;
+            n.next = old;
+        }
+        if old == NIL {
+            self.tail = i;
+        } else {
+            self.node_mut(old).prev = i;
+        }
+        self.head = i;
+    }
+
+    fn promote(&mut self, i: u32, tick: u64) {
+        self.node_mut(i).tick = tick;
+        if self.head != i {
+            self.unlink(i);
+            self.push_front(i);
+        }
+    }
+
+    fn insert_new(&mut self, node: Node) {
+        let hash = node.hash;
+        let i = match self.free.pop() {
+            Some(i) => {
+                self.slots[i as usize] = Some(node);
+                i
+            }
+            None => {
+                let i = u32::try_from(self.slots.len()).expect("fewer than 2^32 entries per shard");
+                assert!(i != NIL, "fewer than 2^32 - 1 entries per shard");
+                self.slots.push(Some(node));
+                i
+            }
+        };
+        let slots = &self.slots;
+        self.table.insert_unique(hash, i, |&j| {
+            slots[j as usize]
+                .as_ref()
+                .expect("indexed slot is occupied")
+                .hash
+        });
+        self.push_front(i);
+    }
+
+    fn remove_at(&mut self, i: u32) -> Node {
+        let hash = self.node(i).hash;
+        match self.table.find_entry(hash, |&j| j == i) {
+            Ok(e) => {
+                e.remove();
+            }
+            Err(_) => unreachable!("linked slot {i} is indexed"),
+        }
+        self.unlink(i);
+        self.free.push(i);
+        self.slots[i as usize]
+            .take()
+            .expect("linked slot is occupied")
+    }
+
+    fn pop_lru(&mut self) -> Option<Node> {
+        (self.tail != NIL).then(|| self.remove_at(self.tail))
+    }
+}
+
+/// A shard with the tick of its LRU entry published for eviction, padded to
+/// its own cache lines.
+#[repr(align(128))]
+struct ShardSlot {
+    /// Tick of the shard's LRU entry (`u64::MAX` when empty); written under
+    /// the lock, read without it to pick the eviction victim.
+    tail_tick: AtomicU64,
+    // parking_lot: short critical sections without await, no poisoning.
+    inner: Mutex<Shard>,
+}
+
+/// A byte-budgeted, sharded, concurrent LRU of chunks (see the module docs).
+///
+/// Shared by reference (`Arc<RamCache>`) between the store's callers and its
+/// flusher; every method takes `&self`.
+pub struct RamCache {
+    shards: Box<[ShardSlot]>,
+    shard_mask: usize,
+    budget: u64,
+    /// Bytes charged to entries plus reservations of inserts in flight.
+    used: AtomicU64,
+    /// Bytes charged to dirty entries.
+    dirty: AtomicU64,
+    len: AtomicUsize,
+    next_seq: AtomicU64,
+    next_tick: AtomicU64,
+}
+
+impl std::fmt::Debug for RamCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RamCache")
+            .field("budget", &self.budget)
+            .field("used", &self.used_bytes())
+            .field("dirty", &self.dirty_bytes())
+            .field("len", &self.len())
+            .field("shards", &self.shards.len())
+            .finish()
+    }
+}
+
+impl RamCache {
+    /// A cache of `budget_bytes` with [`DEFAULT_SHARDS`] shards.
+    pub fn new(budget_bytes: u64) -> Self {
+        Self::with_shards(budget_bytes, DEFAULT_SHARDS)
+    }
+
+    /// A cache with `shards` shards (rounded up to a power of two, at least
+    /// one). The budget is global, not split per shard.
+    pub fn with_shards(budget_bytes: u64, shards: usize) -> Self {
+        let n = shards.max(1).next_power_of_two();
+        Self {
+            shards: (0..n)
+                .map(|_| ShardSlot {
+                    tail_tick: AtomicU64::new(u64::MAX),
+                    inner: Mutex::new(Shard::new()),
+                })
+                .collect(),
+            shard_mask: n - 1,
+            budget: budget_bytes,
+            used: AtomicU64::new(0),
+            dirty: AtomicU64::new(0),
+            len: AtomicUsize::new(0),
+            next_seq: AtomicU64::new(1),
+            next_tick: AtomicU64::new(1),
+        }
+    }
+
+    fn slot(&self, hash: u64) -> &ShardSlot {
+        let mixed = hash.wrapping_mul(GOLDEN) >> 32;
+        &self.shards[mixed as usize & self.shard_mask]
+    }
+
+    fn tick(&self) -> u64 {
+        self.next_tick.fetch_add(1, Ordering::Relaxed)
+    }
+
+    fn try_reserve(&self, size: u64) -> bool {
+        self.used
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
+                used.checked_add(size).filter(|&u| u <= self.budget)
+            })
+            .is_ok()
+    }
+
+    /// Releases the accounting of a node that left the cache (called with
+    /// its shard locked, so `dirty` stays consistent with the flags).
+    fn release(&self, node: &Node) {
+        let size = node.entry.charged_bytes();
+        self.used.fetch_sub(size, Ordering::AcqRel);
+        if node.entry.dirty {
+            self.dirty.fetch_sub(size, Ordering::AcqRel);
+        }
+        self.len.fetch_sub(1, Ordering::AcqRel);
+    }
+
+    /// Removes `id` from a locked shard if present; returns the node.
+    fn take(&self, slot: &ShardSlot, shard: &mut Shard, hash: u64, id: &ChunkId) -> Option<Node> {
+        let i = shard.find(hash, id)?;
+        let node = shard.remove_at(i);
+        self.release(&node);
+        slot.tail_tick.store(shard.tail_tick(), Ordering::Release);
+        Some(node)
+    }
+
+    /// Evicts the LRU entry of the shard with the oldest tail; `false` when
+    /// every shard looked empty.
+    fn evict_one(&self, out: &mut Vec<Evicted>) -> bool {
+        let Some(victim) = self
+            .shards
+            .iter()
+            .filter(|s| s.tail_tick.load(Ordering::Acquire) != u64::MAX)
+            .min_by_key(|s| s.tail_tick.load(Ordering::Acquire))
+        else {
+            return false;
+        };
+        let mut shard = victim.inner.lock();
+        let Some(node) = shard.pop_lru() else {
+            return false;
+        };
+        self.release(&node);
+        victim.tail_tick.store(shard.tail_tick(), Ordering::Release);
+        drop(shard);
+        out.push(Evicted {
+            id: node.id,
+            entry: node.entry,
+        });
+        true
+    }
+
+    /// Inserts or replaces a chunk; returns its sequence number and the
+    /// entries evicted to make room (the caller writes the dirty ones).
+    ///
+    /// A chunk whose payload plus name exceeds the whole budget is refused
+    /// with [`crate::Error::TooLarge`] and the cache is left unchanged. A
+    /// replaced entry is dropped, not returned: the new version supersedes it.
+    pub fn insert(
+        &self,
+        id: ChunkId,
+        data: Bytes,
+        name: Option<Bytes>,
+        dirty: bool,
+    ) -> Result<(u64, Vec<Evicted>), crate::Error> {
+        let size = charge(&data, name.as_ref());
+        if size > self.budget {
+            return Err(crate::Error::TooLarge {
+                len: size,
+                limit_name: "ram-budget",
+                limit: self.budget,
+            });
+        }
+        let hash = hash_id(&id);
+        let slot = self.slot(hash);
+        let seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
+        let mut node = Node {
+            id,
+            hash,
+            entry: RamEntry {
+                data,
+                name,
+                dirty,
+                seq,
+                inserted: Instant::now(),
+            },
+            tick: 0,
+            prev: NIL,
+            next: NIL,
+        };
+        let mut evicted = Vec::new();
+        // Dropped after the locks are released (freeing big buffers).
+        let mut replaced = Vec::new();
+
+        let mut shard = slot.inner.lock();
+        replaced.extend(self.take(slot, &mut shard, hash, &id));
+        if !self.try_reserve(size) {
+            // Slow path: evict without holding our shard's lock (eviction
+            // locks the victim's shard; never hold two).
+            drop(shard);
+            while !self.try_reserve(size) {
+                if !self.evict_one(&mut evicted) {
+                    // Everything left is reserved by inserts in flight; they
+                    // finish without waiting, then become evictable.
+                    std::thread::yield_now();
+                }
+            }
+            shard = slot.inner.lock();
+            // A concurrent insert of the same id may have landed meanwhile:
+            // the last writer wins.
+            replaced.extend(self.take(slot, &mut shard, hash, &id));
+        }
+        node.tick = self.tick();
+        if dirty {
+            self.dirty.fetch_add(size, Ordering::AcqRel);
+        }
+        self.len.fetch_add(1, Ordering::AcqRel);
+        shard.insert_new(node);
+        slot.tail_tick.store(shard.tail_tick(), Ordering::Release);
+        drop(shard);
+        drop(replaced);
+        Ok((seq, evicted))
+    }
+
+    fn lookup(&self, id: &ChunkId, promote: bool) -> Option<RamEntry> {
+        let hash = hash_id(id);
+        let slot = self.slot(hash);
+        let mut shard = slot.inner.lock();
+        let i = shard.find(hash, id)?;
+        if promote {
+            let tick = self.tick();
+            shard.promote(i, tick);
+            slot.tail_tick.store(shard.tail_tick(), Ordering::Release);
+        }
+        Some(shard.node(i).entry.clone())
+    }
+
+    /// Reads a chunk and makes it the most recently used.
+    pub fn get(&self, id: &ChunkId) -> Option<RamEntry> {
+        self.lookup(id, true)
+    }
+
+    /// Reads a chunk without changing its LRU position.
+    pub fn peek(&self, id: &ChunkId) -> Option<RamEntry> {
+        self.lookup(id, false)
+    }
+
+    /// Whether the chunk is cached (no promotion).
+    pub fn contains(&self, id: &ChunkId) -> bool {
+        let hash = hash_id(id);
+        self.slot(hash).inner.lock().find(hash, id).is_some()
+    }
+
+    /// Removes a chunk; returns it if it was cached.
+    pub fn remove(&self, id: &ChunkId) -> Option<RamEntry> {
+        let hash = hash_id(id);
+        let slot = self.slot(hash);
+        let node = {
+            let mut shard = slot.inner.lock();
+            self.take(slot, &mut shard, hash, id)?
+        };
+        Some(node.entry)
+    }
+
+    /// Marks a chunk clean after its version `seq` reached the disk. Returns
+    /// `false` (and changes nothing) if the chunk is gone or was replaced
+    /// since (its `seq` differs).
+    pub fn mark_clean(&self, id: &ChunkId, seq: u64) -> bool {
+        let hash = hash_id(id);
+        let mut shard = self.slot(hash).inner.lock();
+        let Some(i) = shard.find(hash, id) else {
+            return false;
+        };
+        let entry = &mut shard.node_mut(i).entry;
+        if entry.seq != seq {
+            return false;
+        }
+        if entry.dirty {
+            entry.dirty = false;
+            self.dirty
+                .fetch_sub(entry.charged_bytes(), Ordering::AcqRel);
+        }
+        true
+    }
+
+    /// Up to `limit` dirty entries, oldest insert first; with `older_than`,
+    /// only those inserted at least that long ago (idle flush).
+    pub fn dirty_entries(
+        &self,
+        older_than: Option<Duration>,
+        limit: usize,
+    ) -> Vec<(ChunkId, RamEntry)> {
+        let now = Instant::now();
+        let old_enough = |e: &RamEntry| {
+            older_than.is_none_or(|age| now.saturating_duration_since(e.inserted) >= age)
+        };
+        let mut out = Vec::new();
+        if limit == 0 {
+            return out;
+        }
+        for slot in self.shards.iter() {
+            let shard = slot.inner.lock();
+            let mut found = Vec::new();
+            // From the LRU end: old entries first.
+            let mut i = shard.tail;
+            while i != NIL {
+                let n = shard.node(i);
+                if n.entry.dirty && old_enough(&n.entry) {
+                    found.push((n.id, n.entry.clone()));
+                }
+                i = n.prev;
+            }
+            drop(shard);
+            found.sort_by_key(|(_, e)| e.inserted);
+            found.truncate(limit);
+            out.append(&mut found);
+        }
+        out.sort_by_key(|(_, e)| e.inserted);
+        out.truncate(limit);
+        out
+    }
+
+    /// Bytes charged (payload + name of every entry, plus reservations of
+    /// inserts in flight); never more than [`RamCache::budget`].
+    pub fn used_bytes(&self) -> u64 {
+        self.used.load(Ordering::Acquire)
+    }
+
+    /// Number of cached chunks.
+    pub fn len(&self) -> usize {
+        self.len.load(Ordering::Acquire)
+    }
+
+    /// Whether the cache holds no chunk.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Bytes charged to dirty entries.
+    pub fn dirty_bytes(&self) -> u64 {
+        self.dirty.load(Ordering::Acquire)
+    }
+
+    /// The byte budget.
+    pub fn budget(&self) -> u64 {
+        self.budget
+    }
+
+    /// Keeps only the chunks for which `f` returns true; returns the others
+    /// (for gc and namespace drops; the caller decides what to do with dirty
+    /// ones).
+    pub fn retain(&self, mut f: impl FnMut(&ChunkId) -> bool) -> Vec<Evicted> {
+        let mut out = Vec::new();
+        for slot in self.shards.iter() {
+            let mut shard = slot.inner.lock();
+            let doomed: Vec<u32> = (0..shard.slots.len() as u32)
+                .filter(|&i| shard.slots[i as usize].as_ref().is_some_and(|n| !f(&n.id)))
+                .collect();
+            for i in doomed {
+                let node = shard.remove_at(i);
+                self.release(&node);
+                out.push(Evicted {
+                    id: node.id,
+                    entry: node.entry,
+                });
+            }
+            slot.tail_tick.store(shard.tail_tick(), Ordering::Release);
+        }
+        out
+    }
+
+    /// Every cached chunk id with its sequence number (a snapshot; shards
+    /// are visited one at a time).
+    pub fn ids(&self) -> Vec<(ChunkId, u64)> {
+        let mut out = Vec::with_capacity(self.len());
+        for slot in self.shards.iter() {
+            let shard = slot.inner.lock();
+            out.extend(shard.slots.iter().flatten().map(|n| (n.id, n.entry.seq)));
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::sync::atomic::AtomicBool;
+
+    use proptest::prelude::*;
+
+    use super::*;
+    use crate::types::{ChunkKey, Namespace};
+
+    fn id(n: u64) -> ChunkId {
+        let mut key = [0u8; 32];
+        // Spread like a real hash so every shard is used.
+        key[..8].copy_from_slice(&n.wrapping_mul(GOLDEN).rotate_left(23).to_le_bytes());
+        key[8..16].copy_from_slice(&n.to_le_bytes());
+        ChunkId::new(Namespace([1; 16]), ChunkKey(key), (n % 3) as u16)
+    }
+
+    fn bytes(len: usize, fill: u8) -> Bytes {
+        Bytes::from(vec![fill; len])
+    }
+
+    /// Recomputes every counter from the entries and checks the counters.
+    fn check_accounting(c: &RamCache) {
+        let ids = c.ids();
+        assert_eq!(ids.len(), c.len());
+        let (mut used, mut dirty) = (0, 0);
+        for (i, seq) in &ids {
+            let e = c.peek(i).expect("listed id is present");
+            assert_eq!(e.seq, *seq);
+            used += e.charged_bytes();
+            if e.dirty {
+                dirty += e.charged_bytes();
+            }
+        }
+        assert_eq!(c.used_bytes(), used);
+        assert_eq!(c.dirty_bytes(), dirty);
+        assert!(used <= c.budget());
+        for slot in c.shards.iter() {
+            let shard = slot.inner.lock();
+            // List and table agree.
+            let mut n = 0;
+            let mut i = shard.head;
+            let mut prev = NIL;
+            while i != NIL {
+                let node = shard.node(i);
+                assert_eq!(node.prev, prev);
+                assert_eq!(shard.find(node.hash, &node.id), Some(i));
+                prev = i;
+                i = node.next;
+                n += 1;
+            }
+            assert_eq!(prev, shard.tail);
+            assert_eq!(n, shard.table.len());
+            assert_eq!(slot.tail_tick.load(Ordering::Relaxed), shard.tail_tick());
+        }
+    }
+
+    #[test]
+    fn insert_get_replace_remove() {
+        let c = RamCache::new(1000);
+        let (s1, ev) = c.insert(id(1), bytes(100, 1), None, true).unwrap();
+        assert!(ev.is_empty());
+        assert_eq!(c.used_bytes(), 100);
+        assert_eq!(c.dirty_bytes(), 100);
+        let e = c.get(&id(1)).unwrap();
+        assert_eq!(e.data, bytes(100, 1));
+        assert!(e.dirty && e.seq == s1);
+        // Replace: new seq, new bytes, old accounting released.
+        let (s2, ev) = c
+            .insert(id(1), bytes(50, 2), Some(Bytes::from_static(b"nm")), false)
+            .unwrap();
+        assert!(ev.is_empty());
+        assert!(s2 > s1);
+        assert_eq!(c.used_bytes(), 52);
+        assert_eq!(c.dirty_bytes(), 0);
+        assert_eq!(c.len(), 1);
+        let e = c.peek(&id(1)).unwrap();
+        assert_eq!(
+            (e.data.len(), e.name.as_deref(), e.dirty),
+            (50, Some(&b"nm"[..]), false)
+        );
+        assert!(c.contains(&id(1)) && !c.contains(&id(2)));
+        assert!(c.get(&id(2)).is_none());
+        assert_eq!(c.remove(&id(1)).unwrap().seq, s2);
+        assert!(c.remove(&id(1)).is_none());
+        assert_eq!((c.used_bytes(), c.len()), (0, 0));
+        check_accounting(&c);
+    }
+
+    #[test]
+    fn too_large_is_refused_and_leaves_the_cache_unchanged() {
+        let c = RamCache::new(100);
+        c.insert(id(1), bytes(60, 1), None, true).unwrap();
+        let err = c
+            .insert(id(1), bytes(99, 2), Some(bytes(2, 0)), true)
+            .unwrap_err();
+        assert!(
+            matches!(
+                err,
+                crate::Error::TooLarge {
+                    len: 101,
+                    limit: 100,
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        assert_eq!(c.peek(&id(1)).unwrap().data, bytes(60, 1));
+        // Exactly the budget fits (evicting the rest).
+        let (_, ev) = c.insert(id(2), bytes(100, 3), None, false).unwrap();
+        assert_eq!(ev.len(), 1);
+        assert_eq!(ev[0].id, id(1));
+        assert!(ev[0].entry.dirty);
+        assert_eq!(c.used_bytes(), 100);
+    }
+
+    #[test]
+    fn evicts_least_recently_used_across_shards() {
+        let c = RamCache::new(300);
+        for n in 0..3 {
+            c.insert(id(n), bytes(100, n as u8), None, n == 0).unwrap();
+        }
+        c.get(&id(0)); // 1 is now the LRU
+        let (_, ev) = c.insert(id(3), bytes(100, 3), None, true).unwrap();
+        assert_eq!(ev.iter().map(|e| e.id).collect::<Vec<_>>(), vec![id(1)]);
+        c.peek(&id(2)); // peek does not promote
+        let (_, ev) = c.insert(id(4), bytes(150, 4), None, true).unwrap();
+        assert_eq!(
+            ev.iter().map(|e| e.id).collect::<Vec<_>>(),
+            vec![id(2), id(0)]
+        );
+        assert!(ev[1].entry.dirty);
+        check_accounting(&c);
+    }
+
+    #[test]
+    fn mark_clean_only_for_the_current_version() {
+        let c = RamCache::new(1000);
+        let (s1, _) = c.insert(id(1), bytes(10, 1), None, true).unwrap();
+        let (s2, _) = c.insert(id(1), bytes(20, 2), None, true).unwrap();
+        assert!(!c.mark_clean(&id(1), s1), "stale seq must not clean");
+        assert_eq!(c.dirty_bytes(), 20);
+        assert!(c.mark_clean(&id(1), s2));
+        assert!(c.mark_clean(&id(1), s2), "idempotent");
+        assert_eq!(c.dirty_bytes(), 0);
+        assert!(!c.peek(&id(1)).unwrap().dirty);
+        // Removed and re-inserted: the old seq never matches again.
+        c.remove(&id(1));
+        let (s3, _) = c.insert(id(1), bytes(20, 2), None, true).unwrap();
+        assert!(s3 > s2 && !c.mark_clean(&id(1), s2));
+        assert!(!c.mark_clean(&id(9), s3));
+        check_accounting(&c);
+    }
+
+    #[test]
+    fn dirty_entries_oldest_first_with_age_and_limit() {
+        let c = RamCache::new(10_000);
+        for n in 0..10 {
+            c.insert(id(n), bytes(10, 0), None, n % 2 == 0).unwrap();
+        }
+        let all = c.dirty_entries(None, 100);
+        assert_eq!(
+            all.iter().map(|(i, _)| *i).collect::<Vec<_>>(),
+            (0..10).step_by(2).map(id).collect::<Vec<_>>()
+        );
+        assert_eq!(c.dirty_entries(None, 2).len(), 2);
+        assert_eq!(c.dirty_entries(None, 2)[0].0, id(0));
+        assert!(c.dirty_entries(None, 0).is_empty());
+        assert!(
+            c.dirty_entries(Some(Duration::from_secs(3600)), 100)
+                .is_empty()
+        );
+        let (i, e) = &all[0];
+        assert!(c.mark_clean(i, e.seq));
+        assert_eq!(c.dirty_entries(None, 100).len(), 4);
+    }
+
+    #[test]
+    fn retain_and_ids() {
+        let c = RamCache::new(10_000);
+        for n in 0..20 {
+            c.insert(id(n), bytes(n as usize, 0), None, true).unwrap();
+        }
+        let gone = c.retain(|i| i.group != 0);
+        assert_eq!(gone.len(), 7);
+        assert!(gone.iter().all(|e| e.id.group == 0 && e.entry.dirty));
+        assert_eq!(c.len(), 13);
+        assert!(c.ids().iter().all(|(i, _)| i.group != 0));
+        check_accounting(&c);
+        // Reuse of freed slots.
+        for n in 100..120 {
+            c.insert(id(n), bytes(5, 0), None, false).unwrap();
+        }
+        check_accounting(&c);
+    }
+
+    #[test]
+    fn a_hash_collision_keeps_both_entries() {
+        // Same first 8 key bytes, namespace and group: same index hash.
+        let a = ChunkId::new(Namespace([0; 16]), ChunkKey([0; 32]), 0);
+        let mut k = [0u8; 32];
+        k[31] = 1;
+        let b = ChunkId::new(Namespace([0; 16]), ChunkKey(k), 0);
+        assert_eq!(hash_id(&a), hash_id(&b));
+        let c = RamCache::new(100);
+        c.insert(a, bytes(1, 1), None, false).unwrap();
+        c.insert(b, bytes(2, 2), None, false).unwrap();
+        assert_eq!(c.get(&a).unwrap().data.len(), 1);
+        assert_eq!(c.get(&b).unwrap().data.len(), 2);
+        c.remove(&a);
+        assert!(c.contains(&b) && !c.contains(&a));
+    }
+
+    /// A deliberately simple LRU: a Vec in recency order, LRU first.
+    #[derive(Default)]
+    struct Model {
+        entries: Vec<(ChunkId, u64, bool, u64)>, // id, size, dirty, seq
+        budget: u64,
+    }
+
+    impl Model {
+        fn used(&self) -> u64 {
+            self.entries.iter().map(|e| e.1).sum()
+        }
+        fn pos(&self, i: &ChunkId) -> Option<usize> {
+            self.entries.iter().position(|e| e.0 == *i)
+        }
+    }
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Insert(u8, u16, bool),
+        Get(u8),
+        Peek(u8),
+        Remove(u8),
+        MarkClean(u8, bool),
+        Retain(u8),
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            4 => (0u8..24, 0u16..400, any::<bool>()).prop_map(|(k, s, d)| Op::Insert(k, s, d)),
+            3 => (0u8..24).prop_map(Op::Get),
+            1 => (0u8..24).prop_map(Op::Peek),
+            1 => (0u8..24).prop_map(Op::Remove),
+            1 => (0u8..24, any::<bool>()).prop_map(|(k, cur)| Op::MarkClean(k, cur)),
+            1 => (2u8..7).prop_map(Op::Retain),
+        ]
+    }
+
+    fn run_model(shards: usize, ops: Vec<Op>) -> Result<(), TestCaseError> {
+        let budget = 1000;
+        let c = RamCache::with_shards(budget, shards);
+        let mut m = Model {
+            budget,
+            ..Default::default()
+        };
+        for op in ops {
+            match op {
+                Op::Insert(k, size, dirty) => {
+                    let i = id(u64::from(k));
+                    let r = c.insert(i, bytes(usize::from(size) * 3, k), None, dirty);
+                    let size = u64::from(size) * 3;
+                    if size > m.budget {
+                        prop_assert!(r.is_err());
+                        continue;
+                    }
+                    let (seq, ev) = r.unwrap();
+                    if let Some(p) = m.pos(&i) {
+                        m.entries.remove(p);
+                    }
+                    let mut want = vec![];
+                    while m.used() + size > m.budget {
+                        want.push(m.entries.remove(0));
+                    }
+                    m.entries.push((i, size, dirty, seq));
+                    let got: Vec<_> = ev
+                        .iter()
+                        .map(|e| (e.id, e.entry.charged_bytes(), e.entry.dirty, e.entry.seq))
+                        .collect();
+                    prop_assert_eq!(got, want);
+                }
+                Op::Get(k) | Op::Peek(k) => {
+                    let i = id(u64::from(k));
+                    let promote = matches!(op, Op::Get(_));
+                    let got = if promote { c.get(&i) } else { c.peek(&i) };
+                    match m.pos(&i) {
+                        Some(p) => {
+                            let e = got.expect("model has it");
+                            prop_assert_eq!(
+                                (e.charged_bytes(), e.dirty, e.seq),
+                                (m.entries[p].1, m.entries[p].2, m.entries[p].3)
+                            );
+                            prop_assert!(e.data.iter().all(|&b| b == k));
+                            if promote {
+                                let x = m.entries.remove(p);
+                                m.entries.push(x);
+                            }
+                        }
+                        None => prop_assert!(got.is_none()),
+                    }
+                }
+                Op::Remove(k) => {
+                    let i = id(u64::from(k));
+                    let got = c.remove(&i);
+                    match m.pos(&i) {
+                        Some(p) => {
+                            let x = m.entries.remove(p);
+                            prop_assert_eq!(got.map(|e| e.seq), Some(x.3));
+                        }
+                        None => prop_assert!(got.is_none()),
+                    }
+                }
+                Op::MarkClean(k, current) => {
+                    let i = id(u64::from(k));
+                    let p = m.pos(&i);
+                    let seq = match (p, current) {
+                        (Some(p), true) => m.entries[p].3,
+                        (Some(p), false) => m.entries[p].3.wrapping_sub(1),
+                        (None, _) => 1,
+                    };
+                    let ok = c.mark_clean(&i, seq);
+                    let want = p.is_some_and(|p| m.entries[p].3 == seq);
+                    prop_assert_eq!(ok, want);
+                    if want {
+                        m.entries[p.expect("present")].2 = false;
+                    }
+                }
+                Op::Retain(modulo) => {
+                    let keep = |i: &ChunkId| i.key.0[8] % modulo != 0;
+                    let mut gone: Vec<_> = c.retain(keep).into_iter().map(|e| e.id).collect();
+                    let mut want: Vec<_> = m
+                        .entries
+                        .iter()
+                        .filter(|e| !keep(&e.0))
+                        .map(|e| e.0)
+                        .collect();
+                    m.entries.retain(|e| keep(&e.0));
+                    gone.sort();
+                    want.sort();
+                    prop_assert_eq!(gone, want);
+                }
+            }
+            prop_assert_eq!(c.used_bytes(), m.used());
+            prop_assert_eq!(c.len(), m.entries.len());
+            let dirty: u64 = m.entries.iter().filter(|e| e.2).map(|e| e.1).sum();
+            prop_assert_eq!(c.dirty_bytes(), dirty);
+        }
+        check_accounting(&c);
+        Ok(())
+    }
+
+    proptest! {
+        #[test]
+        fn agrees_with_a_simple_lru_model_one_shard(ops in proptest::collection::vec(op(), 1..200)) {
+            run_model(1, ops)?;
+        }
+
+        #[test]
+        fn agrees_with_a_simple_lru_model_sharded(ops in proptest::collection::vec(op(), 1..200)) {
+            // Single-threaded, the oldest-tail eviction is exact global LRU.
+            run_model(DEFAULT_SHARDS, ops)?;
+        }
+    }
+
+    #[test]
+    fn concurrent_stress_keeps_invariants() {
+        let budget = 64 * 1024;
+        let c = Arc::new(RamCache::with_shards(budget, 4));
+        let stop = Arc::new(AtomicBool::new(false));
+        let watcher = {
+            let (c, stop) = (Arc::clone(&c), Arc::clone(&stop));
+            std::thread::spawn(move || {
+                let mut samples = 0u64;
+                while !stop.load(Ordering::Acquire) && samples < 10_000_000 {
+                    assert!(c.used_bytes() <= c.budget());
+                    samples += 1;
+                }
+            })
+        };
+        let workers: Vec<_> = (0..4u64)
+            .map(|t| {
+                let c = Arc::clone(&c);
+                std::thread::spawn(move || {
+                    let mut x = t.wrapping_mul(GOLDEN) | 1;
+                    for _ in 0..20_000 {
+                        x ^= x << 13;
+                        x ^= x >> 7;
+                        x ^= x << 17;
+                        let k = x % 64;
+                        let i = id(k);
+                        match (x >> 8) % 8 {
+                            0..=2 => {
+                                let size = ((x >> 16) % 20_000) as usize;
+                                let (_, ev) =
+                                    c.insert(i, bytes(size, k as u8), None, x & 1 == 0).unwrap();
+                                for e in ev {
+                                    assert!(e.entry.data.iter().all(|&b| b == e.id.key.0[8]));
+                                }
+                            }
+                            3 | 4 => {
+                                if let Some(e) = c.get(&i) {
+                                    assert!(e.data.iter().all(|&b| b == k as u8));
+                                    c.mark_clean(&i, e.seq);
+                                }
+                            }
+                            5 => {
+                                c.remove(&i);
+                            }
+                            6 => {
+                                for (i, e) in c.dirty_entries(None, 4) {
+                                    c.mark_clean(&i, e.seq);
+                                }
+                            }
+                            _ => {
+                                if x % 97 == 0 {
+                                    c.retain(|i| i.key.0[8] % 5 != 0);
+                                } else {
+                                    c.peek(&i);
+                                }
+                            }
+                        }
+                    }
+                })
+            })
+            .collect();
+        for w in workers {
+            w.join().expect("worker");
+        }
+        stop.store(true, Ordering::Release);
+        watcher.join().expect("watcher");
+        check_accounting(&c);
+    }
+}
