@@ -1,0 +1,405 @@
+//! Cluster certificates: a cluster CA and node certificates it signs
+//! (rcgen), and loading them back (x509-parser).
+//!
+//! Identity lives in the certificate:
+//! - the cluster id as a SAN URI `kvtier://cluster/NAME` (CA and nodes) and
+//!   the subject `O=kvtier cluster NAME`;
+//! - the node name as a SAN URI `kvtier://node/NAME`, the subject CN and a
+//!   SAN DNS name.
+//!
+//! Files (PEM): `init-ca` writes `ca.pem` + `ca.key`; `issue` writes
+//! `ca.pem`, `node.pem` and `node.key`. Key files are created 0600.
+
+use std::fs;
+use std::io::Write;
+use std::net::IpAddr;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::Path;
+use std::time::{Duration, SystemTime};
+
+use rcgen::{
+    BasicConstraints, CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose, IsCa,
+    KeyPair, KeyUsagePurpose, SanType,
+};
+use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+
+use crate::Error;
+
+/// SAN URI prefix carrying the cluster id.
+pub const CLUSTER_URI_PREFIX: &str = "kvtier://cluster/";
+/// SAN URI prefix carrying the node name.
+pub const NODE_URI_PREFIX: &str = "kvtier://node/";
+/// CA certificate file name.
+pub const CA_CERT_FILE: &str = "ca.pem";
+/// CA key file name (only in the CA directory).
+pub const CA_KEY_FILE: &str = "ca.key";
+/// Node certificate file name.
+pub const NODE_CERT_FILE: &str = "node.pem";
+/// Node key file name.
+pub const NODE_KEY_FILE: &str = "node.key";
+
+fn cert_err(what: impl Into<String>, detail: impl std::fmt::Display) -> Error {
+    Error::Cert {
+        what: what.into(),
+        detail: detail.to_string(),
+    }
+}
+
+fn io_err(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> Error {
+    let what = what.into();
+    move |source| Error::Io { what, source }
+}
+
+/// Checks a cluster or node name: 1–63 chars of `[A-Za-z0-9.-]`, starting
+/// with a letter or digit (usable as a DNS label and in a URI).
+pub fn validate_name(kind: &str, name: &str) -> Result<(), Error> {
+    let ok = !name.is_empty()
+        && name.len() <= 63
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'.')
+        && name.as_bytes()[0].is_ascii_alphanumeric();
+    if ok {
+        Ok(())
+    } else {
+        Err(Error::Config(format!(
+            "invalid {kind} name {name:?}: use 1-63 characters of [A-Za-z0-9.-], starting with a letter or digit"
+        )))
+    }
+}
+
+/// Validity window of a new certificate.
+#[derive(Debug, Clone, Copy)]
+pub struct Validity {
+    /// Start.
+    pub not_before: SystemTime,
+    /// End.
+    pub not_after: SystemTime,
+}
+
+impl Validity {
+    /// From one hour ago (clock skew) for `days` days.
+    pub fn days(days: u32) -> Self {
+        let now = SystemTime::now();
+        Self {
+            not_before: now - Duration::from_secs(3600),
+            not_after: now + Duration::from_secs(u64::from(days) * 86_400),
+        }
+    }
+}
+
+/// A cluster CA in memory (certificate and key, PEM).
+pub struct CaMaterial {
+    /// Cluster id.
+    pub cluster: String,
+    /// CA certificate, PEM.
+    pub cert_pem: String,
+    /// CA private key, PEM.
+    pub key_pem: String,
+}
+
+/// A node's files in memory (PEM).
+pub struct NodeMaterial {
+    /// CA certificate, PEM.
+    pub ca_pem: String,
+    /// Node certificate, PEM.
+    pub cert_pem: String,
+    /// Node private key, PEM.
+    pub key_pem: String,
+}
+
+/// Creates a new cluster CA.
+pub fn init_ca(cluster: &str, validity: Validity) -> Result<CaMaterial, Error> {
+    validate_name("cluster", cluster)?;
+    let key = KeyPair::generate().map_err(|e| cert_err("generate CA key", e))?;
+    let mut p = CertificateParams::default();
+    let mut dn = DistinguishedName::new();
+    dn.push(DnType::CommonName, format!("kvtier CA {cluster}"));
+    dn.push(
+        DnType::OrganizationName,
+        format!("kvtier cluster {cluster}"),
+    );
+    p.distinguished_name = dn;
+    p.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
+    p.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
+    p.subject_alt_names = vec![SanType::URI(
+        format!("{CLUSTER_URI_PREFIX}{cluster}")
+            .try_into()
+            .map_err(|e| cert_err("cluster URI", e))?,
+    )];
+    p.not_before = validity.not_before.into();
+    p.not_after = validity.not_after.into();
+    let cert = p
+        .self_signed(&key)
+        .map_err(|e| cert_err("self-sign CA", e))?;
+    Ok(CaMaterial {
+        cluster: cluster.to_owned(),
+        cert_pem: cert.pem(),
+        key_pem: key.serialize_pem(),
+    })
+}
+
+/// Issues a node certificate signed by `ca`. `node` becomes the CN, a SAN
+/// DNS name and the SAN URI `kvtier://node/NODE`; `ips` and `dns` are extra
+/// SANs.
+pub fn issue(
+    ca: &CaMaterial,
+    node: &str,
+    ips: &[IpAddr],
+    dns: &[String],
+    validity: Validity,
+) -> Result<NodeMaterial, Error> {
+    validate_name("node", node)?;
+    let ca_key = KeyPair::from_pem(&ca.key_pem).map_err(|e| cert_err("parse CA key", e))?;
+    let ca_params = CertificateParams::from_ca_cert_pem(&ca.cert_pem)
+        .map_err(|e| cert_err("parse CA certificate", e))?;
+    // rcgen signs with an issuer `Certificate`; rebuilding it from the
+    // parsed params keeps the CA's subject and key id.
+    let ca_cert = ca_params
+        .self_signed(&ca_key)
+        .map_err(|e| cert_err("load CA as issuer", e))?;
+    let key = KeyPair::generate().map_err(|e| cert_err("generate node key", e))?;
+    let mut p = CertificateParams::default();
+    let mut dn = DistinguishedName::new();
+    dn.push(DnType::CommonName, node);
+    dn.push(
+        DnType::OrganizationName,
+        format!("kvtier cluster {}", ca.cluster),
+    );
+    p.distinguished_name = dn;
+    p.is_ca = IsCa::ExplicitNoCa;
+    p.key_usages = vec![KeyUsagePurpose::DigitalSignature];
+    p.extended_key_usages = vec![
+        ExtendedKeyUsagePurpose::ServerAuth,
+        ExtendedKeyUsagePurpose::ClientAuth,
+    ];
+    let mut sans = vec![
+        SanType::URI(
+            format!("{CLUSTER_URI_PREFIX}{}", ca.cluster)
+                .try_into()
+                .map_err(|e| cert_err("cluster URI", e))?,
+        ),
+        SanType::URI(
+            format!("{NODE_URI_PREFIX}{node}")
+                .try_into()
+                .map_err(|e| cert_err("node URI", e))?,
+        ),
+        SanType::DnsName(node.try_into().map_err(|e| cert_err("node DNS name", e))?),
+    ];
+    for d in dns {
+        sans.push(SanType::DnsName(
+            d.as_str()
+                .try_into()
+                .map_err(|e| cert_err(format!("DNS name {d}"), e))?,
+        ));
+    }
+    for ip in ips {
+        sans.push(SanType::IpAddress(*ip));
+    }
+    p.subject_alt_names = sans;
+    p.not_before = validity.not_before.into();
+    p.not_after = validity.not_after.into();
+    let cert = p
+        .signed_by(&key, &ca_cert, &ca_key)
+        .map_err(|e| cert_err("sign node certificate", e))?;
+    Ok(NodeMaterial {
+        ca_pem: ca.cert_pem.clone(),
+        cert_pem: cert.pem(),
+        key_pem: key.serialize_pem(),
+    })
+}
+
+/// Writes `contents` to `path`, refusing to overwrite; `secret` files get
+/// mode 0600.
+fn write_new(path: &Path, contents: &str, secret: bool) -> Result<(), Error> {
+    let mut o = fs::OpenOptions::new();
+    o.write(true).create_new(true);
+    o.mode(if secret { 0o600 } else { 0o644 });
+    let mut f = o
+        .open(path)
+        .map_err(io_err(format!("create {}", path.display())))?;
+    f.write_all(contents.as_bytes())
+        .and_then(|()| f.sync_all())
+        .map_err(io_err(format!("write {}", path.display())))
+}
+
+fn read_file(path: &Path) -> Result<String, Error> {
+    fs::read_to_string(path).map_err(io_err(format!("read {}", path.display())))
+}
+
+impl CaMaterial {
+    /// Writes `ca.pem` and `ca.key` (0600) into `dir` (created if needed);
+    /// refuses to overwrite existing files.
+    pub fn write_to(&self, dir: &Path) -> Result<(), Error> {
+        fs::create_dir_all(dir).map_err(io_err(format!("create {}", dir.display())))?;
+        write_new(&dir.join(CA_KEY_FILE), &self.key_pem, true)?;
+        write_new(&dir.join(CA_CERT_FILE), &self.cert_pem, false)
+    }
+
+    /// Reads `ca.pem` and `ca.key` from `dir`; the cluster id comes from the
+    /// CA certificate.
+    pub fn read_from(dir: &Path) -> Result<Self, Error> {
+        let cert_pem = read_file(&dir.join(CA_CERT_FILE))?;
+        let key_pem = read_file(&dir.join(CA_KEY_FILE))?;
+        let der = pem_certs(&cert_pem, "CA certificate")?;
+        let first = der
+            .first()
+            .ok_or_else(|| cert_err("CA certificate", "no certificate in ca.pem"))?;
+        let id = CertIdentity::parse(first)?;
+        let cluster = id
+            .cluster
+            .ok_or_else(|| cert_err("CA certificate", "carries no kvtier://cluster/ URI"))?;
+        Ok(Self {
+            cluster,
+            cert_pem,
+            key_pem,
+        })
+    }
+}
+
+impl NodeMaterial {
+    /// Writes `ca.pem`, `node.pem` and `node.key` (0600) into `dir`.
+    pub fn write_to(&self, dir: &Path) -> Result<(), Error> {
+        fs::create_dir_all(dir).map_err(io_err(format!("create {}", dir.display())))?;
+        write_new(&dir.join(NODE_KEY_FILE), &self.key_pem, true)?;
+        write_new(&dir.join(NODE_CERT_FILE), &self.cert_pem, false)?;
+        write_new(&dir.join(CA_CERT_FILE), &self.ca_pem, false)
+    }
+
+    /// Reads the three files from `dir`.
+    pub fn read_from(dir: &Path) -> Result<Self, Error> {
+        Ok(Self {
+            ca_pem: read_file(&dir.join(CA_CERT_FILE))?,
+            cert_pem: read_file(&dir.join(NODE_CERT_FILE))?,
+            key_pem: read_file(&dir.join(NODE_KEY_FILE))?,
+        })
+    }
+}
+
+/// Parses all certificates in a PEM string.
+pub fn pem_certs(pem: &str, what: &str) -> Result<Vec<CertificateDer<'static>>, Error> {
+    let mut rd = pem.as_bytes();
+    let v: Result<Vec<_>, _> = rustls_pemfile::certs(&mut rd).collect();
+    let v = v.map_err(|e| cert_err(format!("parse {what}"), e))?;
+    if v.is_empty() {
+        return Err(cert_err(format!("parse {what}"), "no CERTIFICATE block"));
+    }
+    Ok(v)
+}
+
+/// Parses the private key in a PEM string.
+pub fn pem_key(pem: &str) -> Result<PrivateKeyDer<'static>, Error> {
+    let mut rd = pem.as_bytes();
+    rustls_pemfile::private_key(&mut rd)
+        .map_err(|e| cert_err("parse private key", e))?
+        .ok_or_else(|| cert_err("parse private key", "no PRIVATE KEY block"))
+}
+
+/// The kvtier identity a certificate carries.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CertIdentity {
+    /// Cluster id from the `kvtier://cluster/` SAN URI.
+    pub cluster: Option<String>,
+    /// Node name from the `kvtier://node/` SAN URI (or the CN).
+    pub node: Option<String>,
+    /// End of validity, seconds since the Unix epoch.
+    pub not_after: i64,
+    /// Start of validity, seconds since the Unix epoch.
+    pub not_before: i64,
+}
+
+impl CertIdentity {
+    /// Parses a DER certificate.
+    pub fn parse(der: &[u8]) -> Result<Self, Error> {
+        let (_, cert) = x509_parser::parse_x509_certificate(der)
+            .map_err(|e| cert_err("parse certificate", e))?;
+        let mut cluster = None;
+        let mut node = None;
+        if let Ok(Some(san)) = cert.subject_alternative_name() {
+            for n in &san.value.general_names {
+                if let x509_parser::extensions::GeneralName::URI(u) = n {
+                    if let Some(c) = u.strip_prefix(CLUSTER_URI_PREFIX) {
+                        cluster = Some(c.to_owned());
+                    } else if let Some(c) = u.strip_prefix(NODE_URI_PREFIX) {
+                        node = Some(c.to_owned());
+                    }
+                }
+            }
+        }
+        if node.is_none() {
+            node = cert
+                .subject()
+                .iter_common_name()
+                .next()
+                .and_then(|cn| cn.as_str().ok())
+                .map(str::to_owned);
+        }
+        Ok(Self {
+            cluster,
+            node,
+            not_after: cert.validity().not_after.timestamp(),
+            not_before: cert.validity().not_before.timestamp(),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ca_and_node_carry_identity() {
+        let ca = init_ca("prod", Validity::days(30)).expect("ca");
+        let node = issue(
+            &ca,
+            "spark-1",
+            &["127.0.0.1".parse().expect("ip")],
+            &[],
+            Validity::days(10),
+        )
+        .expect("issue");
+        let der = pem_certs(&node.cert_pem, "node").expect("pem");
+        let id = CertIdentity::parse(&der[0]).expect("parse");
+        assert_eq!(id.cluster.as_deref(), Some("prod"));
+        assert_eq!(id.node.as_deref(), Some("spark-1"));
+        let ca_id =
+            CertIdentity::parse(&pem_certs(&ca.cert_pem, "ca").expect("pem")[0]).expect("parse");
+        assert_eq!(ca_id.cluster.as_deref(), Some("prod"));
+        pem_key(&node.key_pem).expect("key parses");
+    }
+
+    #[test]
+    fn files_round_trip_with_0600_keys() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().expect("tmp");
+        let ca = init_ca("c1", Validity::days(1)).expect("ca");
+        ca.write_to(&dir.path().join("ca")).expect("write ca");
+        assert!(
+            ca.write_to(&dir.path().join("ca")).is_err(),
+            "never overwrites"
+        );
+        let ca2 = CaMaterial::read_from(&dir.path().join("ca")).expect("read ca");
+        assert_eq!(ca2.cluster, "c1");
+        let n = issue(&ca2, "n1", &[], &["n1.example".into()], Validity::days(1)).expect("issue");
+        n.write_to(&dir.path().join("n1")).expect("write node");
+        let mode = fs::metadata(dir.path().join("n1").join(NODE_KEY_FILE))
+            .expect("meta")
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o777, 0o600);
+        let mode = fs::metadata(dir.path().join("ca").join(CA_KEY_FILE))
+            .expect("meta")
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o777, 0o600);
+        NodeMaterial::read_from(&dir.path().join("n1")).expect("read node");
+    }
+
+    #[test]
+    fn bad_names_rejected() {
+        for bad in ["", "-x", "a b", "x/y", "a_b", &"a".repeat(64)] {
+            assert!(validate_name("node", bad).is_err(), "{bad:?}");
+        }
+        validate_name("node", "spark-2.lan").expect("ok");
+    }
+}

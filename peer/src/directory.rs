@@ -1,0 +1,337 @@
+//! The remote availability index: which peers hold which chunk.
+//!
+//! Answered from RAM only; never waits on the network. One entry per
+//! distinct chunk id held by any peer:
+//!
+//! | field   | bytes | why |
+//! |---------|------:|-----|
+//! | fingerprint | 16 | 128-bit mix of (namespace, key, group) |
+//! | holders | 4 | bitmask of peer slots (≤ [`MAX_SLOTS`]) |
+//! | len     | 4 | payload length, saturated at `u32::MAX` (stats only) |
+//!
+//! 24 bytes in a hashbrown table (+1 control byte, load factor ≤ 7/8, power
+//! of two buckets) is 27–55 bytes per entry depending on where the count
+//! falls between two table sizes; `directory_memory_per_entry` in the tests
+//! measures it for 1M entries. A fingerprint collision (≈ 2⁻⁶⁴ per pair)
+//! can only make a peer look like a holder of a chunk it lacks: the fetch
+//! then verifies the id and the payload CRC and turns it into a miss.
+
+use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
+
+use parking_lot::RwLock;
+
+use crate::id::{PeerChunkId, PeerNamespace};
+use crate::proto::msg::Op;
+
+/// Most peer slots one directory tracks.
+pub const MAX_SLOTS: usize = 32;
+
+/// A 128-bit fingerprint of a chunk id.
+pub type Fingerprint = [u64; 2];
+
+#[inline]
+fn fmix(mut k: u64) -> u64 {
+    k ^= k >> 33;
+    k = k.wrapping_mul(0xff51_afd7_ed55_8ccd);
+    k ^= k >> 33;
+    k = k.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
+    k ^ (k >> 33)
+}
+
+/// Fingerprints `id` (deterministic, not keyed: ids are already hashes).
+pub fn fingerprint(id: &PeerChunkId) -> Fingerprint {
+    let w = |b: &[u8]| {
+        let mut a = [0u8; 8];
+        a.copy_from_slice(b);
+        u64::from_le_bytes(a)
+    };
+    let words = [
+        w(&id.ns.0[..8]),
+        w(&id.ns.0[8..]),
+        w(&id.key[..8]),
+        w(&id.key[8..16]),
+        w(&id.key[16..24]),
+        w(&id.key[24..]),
+        u64::from(id.group),
+    ];
+    let mut a = 0x9e37_79b9_7f4a_7c15u64;
+    let mut b = 0x6a09_e667_f3bc_c909u64;
+    for (i, x) in words.iter().enumerate() {
+        a = fmix(a ^ x);
+        b = fmix(b ^ x.rotate_left(17 + i as u32));
+    }
+    [a, b]
+}
+
+/// Hasher for fingerprints: they are uniform already, take the first word.
+#[derive(Default)]
+pub struct FpHasher(u64);
+
+impl Hasher for FpHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(b);
+        }
+    }
+    fn write_u64(&mut self, v: u64) {
+        if self.0 == 0 {
+            self.0 = v;
+        }
+    }
+}
+
+#[derive(Clone, Copy)]
+struct Entry {
+    holders: u32,
+    len: u32,
+}
+
+#[derive(Default, Clone)]
+struct SlotStats {
+    chunks: u64,
+    bytes: u64,
+    namespaces: HashMap<PeerNamespace, u64>,
+}
+
+#[derive(Default)]
+struct Inner {
+    map: hashbrown::HashMap<Fingerprint, Entry, BuildHasherDefault<FpHasher>>,
+    slots: Vec<SlotStats>,
+}
+
+/// Per-slot totals.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SlotTotals {
+    /// Chunks the peer is said to hold.
+    pub chunks: u64,
+    /// Their payload bytes.
+    pub bytes: u64,
+}
+
+/// Which peers hold which chunk. Shared by the transport (writers, one per
+/// peer) and lookups (readers).
+pub struct Directory {
+    // parking_lot RwLock: critical sections are short and never span an
+    // await; lookups far outnumber updates.
+    inner: RwLock<Inner>,
+}
+
+impl Default for Directory {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Directory {
+    /// An empty directory.
+    pub fn new() -> Self {
+        Self {
+            inner: RwLock::new(Inner {
+                map: Default::default(),
+                slots: vec![SlotStats::default(); MAX_SLOTS],
+            }),
+        }
+    }
+
+    /// Bitmask of slots said to hold `id`.
+    pub fn holders(&self, id: &PeerChunkId) -> u32 {
+        let fp = fingerprint(id);
+        self.inner.read().map.get(&fp).map_or(0, |e| e.holders)
+    }
+
+    /// Bitmasks for many ids under one lock.
+    pub fn holders_many<'a>(&self, ids: impl IntoIterator<Item = &'a PeerChunkId>) -> Vec<u32> {
+        let g = self.inner.read();
+        ids.into_iter()
+            .map(|id| g.map.get(&fingerprint(id)).map_or(0, |e| e.holders))
+            .collect()
+    }
+
+    /// Records that `slot` holds `id`.
+    pub fn add(&self, slot: usize, id: &PeerChunkId, len: u64) {
+        self.apply(slot, std::iter::once(Op::Add(*id, len)));
+    }
+
+    /// Applies ops from `slot` in order.
+    pub fn apply(&self, slot: usize, ops: impl IntoIterator<Item = Op>) {
+        if slot >= MAX_SLOTS {
+            return;
+        }
+        let bit = 1u32 << slot;
+        let mut g = self.inner.write();
+        let Inner { map, slots } = &mut *g;
+        let st = &mut slots[slot];
+        for op in ops {
+            match op {
+                Op::Add(id, len) => {
+                    let e = map.entry(fingerprint(&id)).or_insert(Entry {
+                        holders: 0,
+                        len: u32::try_from(len).unwrap_or(u32::MAX),
+                    });
+                    if e.holders & bit == 0 {
+                        e.holders |= bit;
+                        st.chunks += 1;
+                        st.bytes += u64::from(e.len);
+                        *st.namespaces.entry(id.ns).or_default() += 1;
+                    }
+                }
+                Op::Remove(id) => {
+                    let fp = fingerprint(&id);
+                    if let Some(e) = map.get_mut(&fp) {
+                        if e.holders & bit != 0 {
+                            e.holders &= !bit;
+                            st.chunks -= 1;
+                            st.bytes -= u64::from(e.len);
+                            if let Some(c) = st.namespaces.get_mut(&id.ns) {
+                                *c -= 1;
+                                if *c == 0 {
+                                    st.namespaces.remove(&id.ns);
+                                }
+                            }
+                        }
+                        if e.holders == 0 {
+                            map.remove(&fp);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Forgets everything `slot` was said to hold (O(entries)).
+    pub fn clear_slot(&self, slot: usize) {
+        if slot >= MAX_SLOTS {
+            return;
+        }
+        let bit = 1u32 << slot;
+        let mut g = self.inner.write();
+        if g.slots[slot].chunks == 0 {
+            return;
+        }
+        g.map.retain(|_, e| {
+            e.holders &= !bit;
+            e.holders != 0
+        });
+        g.slots[slot] = SlotStats::default();
+    }
+
+    /// Totals for `slot`.
+    pub fn totals(&self, slot: usize) -> SlotTotals {
+        let g = self.inner.read();
+        g.slots
+            .get(slot)
+            .map_or_else(SlotTotals::default, |s| SlotTotals {
+                chunks: s.chunks,
+                bytes: s.bytes,
+            })
+    }
+
+    /// Chunk counts per namespace held by `slot`.
+    pub fn namespaces(&self, slot: usize) -> Vec<(PeerNamespace, u64)> {
+        let g = self.inner.read();
+        g.slots
+            .get(slot)
+            .map(|s| s.namespaces.iter().map(|(k, v)| (*k, *v)).collect())
+            .unwrap_or_default()
+    }
+
+    /// Distinct chunk ids tracked.
+    pub fn len(&self) -> usize {
+        self.inner.read().map.len()
+    }
+
+    /// Whether nothing is tracked.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Bytes allocated by the index table (buckets and control bytes).
+    pub fn table_bytes(&self) -> usize {
+        self.inner.read().map.allocation_size()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn id(i: u64, ns: u8) -> PeerChunkId {
+        let mut key = [0u8; 32];
+        key[..8].copy_from_slice(&i.to_le_bytes());
+        PeerChunkId {
+            ns: PeerNamespace([ns; 16]),
+            key,
+            group: 0,
+        }
+    }
+
+    #[test]
+    fn add_remove_and_slot_bits() {
+        let d = Directory::new();
+        d.add(0, &id(1, 1), 100);
+        d.add(3, &id(1, 1), 100);
+        d.add(3, &id(2, 1), 50);
+        assert_eq!(d.holders(&id(1, 1)), 0b1001);
+        assert_eq!(d.holders(&id(2, 1)), 0b1000);
+        assert_eq!(d.holders(&id(1, 2)), 0, "same key, other namespace");
+        assert_eq!(
+            d.totals(3),
+            SlotTotals {
+                chunks: 2,
+                bytes: 150
+            }
+        );
+        d.apply(3, [Op::Remove(id(1, 1)), Op::Remove(id(9, 1))]);
+        assert_eq!(d.holders(&id(1, 1)), 0b1);
+        assert_eq!(
+            d.totals(3),
+            SlotTotals {
+                chunks: 1,
+                bytes: 50
+            }
+        );
+        d.clear_slot(0);
+        assert_eq!(d.holders(&id(1, 1)), 0);
+        assert_eq!(d.len(), 1);
+        assert_eq!(d.namespaces(3), vec![(PeerNamespace([1; 16]), 1)]);
+        // Duplicate add is idempotent.
+        d.add(3, &id(2, 1), 50);
+        assert_eq!(d.totals(3).chunks, 1);
+        // Out-of-range slot is ignored, never panics.
+        d.add(MAX_SLOTS, &id(5, 1), 1);
+        assert_eq!(d.holders(&id(5, 1)), 0);
+    }
+
+    #[test]
+    fn group_is_part_of_identity() {
+        let mut a = id(1, 1);
+        let d = Directory::new();
+        d.add(0, &a, 1);
+        a.group = 1;
+        assert_eq!(d.holders(&a), 0);
+    }
+
+    /// Measures the bytes per remote entry for 1M entries (the number
+    /// quoted in docs/benchmarks.md). `#[ignore]`d for time; run with
+    /// `cargo nextest run -p kvtier-peer --run-ignored all directory_memory`.
+    #[test]
+    #[ignore = "allocates ~60 MB; run explicitly"]
+    fn directory_memory_per_entry() {
+        let d = Directory::new();
+        let n = 1_000_000u64;
+        for i in 0..n {
+            d.add(0, &id(i, 1), 1 << 20);
+        }
+        assert_eq!(d.len() as u64, n);
+        let per = d.table_bytes() as f64 / n as f64;
+        println!(
+            "directory: {n} entries, {} table bytes, {per:.1} bytes/entry",
+            d.table_bytes()
+        );
+        assert!(per <= 64.0, "{per} bytes per entry");
+    }
+}

@@ -1,0 +1,406 @@
+//! rustls configurations for the peer links: mutual TLS against the
+//! cluster CA (ring provider, TLS 1.3 only, ALPN `kvtier/1`).
+//!
+//! Both verifiers wrap rustls' webpki verifiers (chain to the cluster CA,
+//! validity window, signatures) and ALSO check that the certificate carries
+//! our cluster id and a node name, and is not expired. Every refusal is
+//! logged with its reason. The server-name check of the client side is done
+//! against the node name in the presented certificate: seeds are addresses,
+//! and the node name is learned from the certificate (and must match the
+//! hello).
+
+use std::sync::Arc;
+
+use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
+use rustls::crypto::CryptoProvider;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName, UnixTime};
+use rustls::server::danger::{ClientCertVerified, ClientCertVerifier};
+use rustls::{DigitallySignedStruct, DistinguishedName, RootCertStore, SignatureScheme};
+
+use crate::Error;
+use crate::cert::{CertIdentity, NodeMaterial, pem_certs, pem_key};
+
+/// ALPN protocol id of the peer protocol.
+pub const ALPN: &[u8] = b"kvtier/1";
+
+fn provider() -> Arc<CryptoProvider> {
+    Arc::new(rustls::crypto::ring::default_provider())
+}
+
+fn tls_err(what: &str, e: impl std::fmt::Display) -> Error {
+    Error::Tls(format!("{what}: {e}"))
+}
+
+/// TLS configuration for one node: both directions, plus the identity
+/// learned from the certificate files.
+#[derive(Clone)]
+pub struct TlsSetup {
+    /// Config for accepting peers.
+    pub server: Arc<rustls::ServerConfig>,
+    /// Config for dialing peers.
+    pub client: Arc<rustls::ClientConfig>,
+    /// Our node name (from our certificate).
+    pub node_name: String,
+    /// Our cluster id (from the CA certificate).
+    pub cluster: String,
+    /// Whether this is the `--insecure-dev` setup (no CA).
+    pub insecure: bool,
+}
+
+impl std::fmt::Debug for TlsSetup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TlsSetup")
+            .field("node_name", &self.node_name)
+            .field("cluster", &self.cluster)
+            .field("insecure", &self.insecure)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Checks the kvtier identity of a peer certificate; returns the node name.
+fn check_identity(
+    end_entity: &CertificateDer<'_>,
+    cluster: &str,
+    now: UnixTime,
+) -> Result<String, String> {
+    let id = CertIdentity::parse(end_entity).map_err(|e| e.to_string())?;
+    let now = i64::try_from(now.as_secs()).unwrap_or(i64::MAX);
+    if id.not_after < now {
+        return Err(format!(
+            "certificate expired at unix time {} (now {now})",
+            id.not_after
+        ));
+    }
+    if id.not_before > now {
+        return Err(format!(
+            "certificate not valid before unix time {} (now {now})",
+            id.not_before
+        ));
+    }
+    match id.cluster.as_deref() {
+        Some(c) if c == cluster => {}
+        Some(c) => {
+            return Err(format!(
+                "certificate is for cluster {c:?}, we are {cluster:?}"
+            ));
+        }
+        None => return Err("certificate carries no kvtier://cluster/ URI".into()),
+    }
+    id.node
+        .ok_or_else(|| "certificate carries no node name".into())
+}
+
+fn refused(side: &str, reason: &str) -> rustls::Error {
+    tracing::warn!(side, reason, "refused peer certificate");
+    rustls::Error::General(format!("kvtier: refused peer certificate: {reason}"))
+}
+
+#[derive(Debug)]
+struct ClusterServerVerifier {
+    inner: Arc<rustls::client::WebPkiServerVerifier>,
+    cluster: String,
+}
+
+impl ServerCertVerifier for ClusterServerVerifier {
+    fn verify_server_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        _server_name: &ServerName<'_>,
+        ocsp: &[u8],
+        now: UnixTime,
+    ) -> Result<ServerCertVerified, rustls::Error> {
+        let id = CertIdentity::parse(end_entity).map_err(|e| refused("client", &e.to_string()))?;
+        let node = id
+            .node
+            .ok_or_else(|| refused("client", "certificate carries no node name"))?;
+        let name = ServerName::try_from(node.clone()).map_err(|e| {
+            refused(
+                "client",
+                &format!("node name {node:?} is not a DNS name: {e}"),
+            )
+        })?;
+        self.inner
+            .verify_server_cert(end_entity, intermediates, &name, ocsp, now)
+            .map_err(|e| refused("client", &e.to_string()))?;
+        check_identity(end_entity, &self.cluster, now).map_err(|r| refused("client", &r))?;
+        Ok(ServerCertVerified::assertion())
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        self.inner.verify_tls12_signature(message, cert, dss)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        self.inner.verify_tls13_signature(message, cert, dss)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.inner.supported_verify_schemes()
+    }
+}
+
+#[derive(Debug)]
+struct ClusterClientVerifier {
+    inner: Arc<dyn ClientCertVerifier>,
+    cluster: String,
+}
+
+impl ClientCertVerifier for ClusterClientVerifier {
+    fn root_hint_subjects(&self) -> &[DistinguishedName] {
+        self.inner.root_hint_subjects()
+    }
+
+    fn verify_client_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        now: UnixTime,
+    ) -> Result<ClientCertVerified, rustls::Error> {
+        self.inner
+            .verify_client_cert(end_entity, intermediates, now)
+            .map_err(|e| refused("server", &e.to_string()))?;
+        check_identity(end_entity, &self.cluster, now).map_err(|r| refused("server", &r))?;
+        Ok(ClientCertVerified::assertion())
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        self.inner.verify_tls12_signature(message, cert, dss)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        self.inner.verify_tls13_signature(message, cert, dss)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.inner.supported_verify_schemes()
+    }
+
+    fn client_auth_mandatory(&self) -> bool {
+        true
+    }
+}
+
+/// Accepts any certificate (still checks handshake signatures): only for
+/// `--insecure-dev`, which binds loopback only.
+#[derive(Debug)]
+struct InsecureVerifier(Arc<CryptoProvider>);
+
+impl InsecureVerifier {
+    fn sig12(
+        &self,
+        m: &[u8],
+        c: &CertificateDer<'_>,
+        d: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls12_signature(m, c, d, &self.0.signature_verification_algorithms)
+    }
+    fn sig13(
+        &self,
+        m: &[u8],
+        c: &CertificateDer<'_>,
+        d: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls13_signature(m, c, d, &self.0.signature_verification_algorithms)
+    }
+}
+
+impl ServerCertVerifier for InsecureVerifier {
+    fn verify_server_cert(
+        &self,
+        _: &CertificateDer<'_>,
+        _: &[CertificateDer<'_>],
+        _: &ServerName<'_>,
+        _: &[u8],
+        _: UnixTime,
+    ) -> Result<ServerCertVerified, rustls::Error> {
+        Ok(ServerCertVerified::assertion())
+    }
+    fn verify_tls12_signature(
+        &self,
+        m: &[u8],
+        c: &CertificateDer<'_>,
+        d: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        self.sig12(m, c, d)
+    }
+    fn verify_tls13_signature(
+        &self,
+        m: &[u8],
+        c: &CertificateDer<'_>,
+        d: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        self.sig13(m, c, d)
+    }
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.0.signature_verification_algorithms.supported_schemes()
+    }
+}
+
+impl ClientCertVerifier for InsecureVerifier {
+    fn root_hint_subjects(&self) -> &[DistinguishedName] {
+        &[]
+    }
+    fn verify_client_cert(
+        &self,
+        _: &CertificateDer<'_>,
+        _: &[CertificateDer<'_>],
+        _: UnixTime,
+    ) -> Result<ClientCertVerified, rustls::Error> {
+        Ok(ClientCertVerified::assertion())
+    }
+    fn verify_tls12_signature(
+        &self,
+        m: &[u8],
+        c: &CertificateDer<'_>,
+        d: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        self.sig12(m, c, d)
+    }
+    fn verify_tls13_signature(
+        &self,
+        m: &[u8],
+        c: &CertificateDer<'_>,
+        d: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        self.sig13(m, c, d)
+    }
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.0.signature_verification_algorithms.supported_schemes()
+    }
+}
+
+fn build(
+    provider: Arc<CryptoProvider>,
+    chain: Vec<CertificateDer<'static>>,
+    key: PrivateKeyDer<'static>,
+    client_verifier: Arc<dyn ClientCertVerifier>,
+    server_verifier: Arc<dyn ServerCertVerifier>,
+) -> Result<(rustls::ServerConfig, rustls::ClientConfig), Error> {
+    let mut server = rustls::ServerConfig::builder_with_provider(provider.clone())
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .map_err(|e| tls_err("server protocol versions", e))?
+        .with_client_cert_verifier(client_verifier)
+        .with_single_cert(chain.clone(), key.clone_key())
+        .map_err(|e| tls_err("server certificate", e))?;
+    server.alpn_protocols = vec![ALPN.to_vec()];
+    let mut client = rustls::ClientConfig::builder_with_provider(provider)
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .map_err(|e| tls_err("client protocol versions", e))?
+        .dangerous()
+        .with_custom_certificate_verifier(server_verifier)
+        .with_client_auth_cert(chain, key)
+        .map_err(|e| tls_err("client certificate", e))?;
+    client.alpn_protocols = vec![ALPN.to_vec()];
+    Ok((server, client))
+}
+
+impl TlsSetup {
+    /// Builds the mutual-TLS setup from a node's files (`ca.pem`,
+    /// `node.pem`, `node.key`). Fails if our own certificate does not carry
+    /// the CA's cluster id, a node name, or is expired.
+    pub fn from_material(m: &NodeMaterial) -> Result<Self, Error> {
+        let provider = provider();
+        let ca = pem_certs(&m.ca_pem, "ca.pem")?;
+        let chain = pem_certs(&m.cert_pem, "node.pem")?;
+        let key = pem_key(&m.key_pem)?;
+        let ca_id = CertIdentity::parse(&ca[0])?;
+        let cluster = ca_id.cluster.ok_or_else(|| Error::Cert {
+            what: "ca.pem".into(),
+            detail: "CA certificate carries no kvtier://cluster/ URI".into(),
+        })?;
+        let node_name =
+            check_identity(&chain[0], &cluster, UnixTime::now()).map_err(|why| Error::Cert {
+                what: "node.pem".into(),
+                detail: why,
+            })?;
+        let mut roots = RootCertStore::empty();
+        for c in ca {
+            roots
+                .add(c)
+                .map_err(|e| tls_err("add CA to root store", e))?;
+        }
+        let roots = Arc::new(roots);
+        let client_inner = rustls::server::WebPkiClientVerifier::builder_with_provider(
+            roots.clone(),
+            provider.clone(),
+        )
+        .build()
+        .map_err(|e| tls_err("client verifier", e))?;
+        let server_inner =
+            rustls::client::WebPkiServerVerifier::builder_with_provider(roots, provider.clone())
+                .build()
+                .map_err(|e| tls_err("server verifier", e))?;
+        let (server, client) = build(
+            provider,
+            chain,
+            key,
+            Arc::new(ClusterClientVerifier {
+                inner: client_inner,
+                cluster: cluster.clone(),
+            }),
+            Arc::new(ClusterServerVerifier {
+                inner: server_inner,
+                cluster: cluster.clone(),
+            }),
+        )?;
+        Ok(Self {
+            server: Arc::new(server),
+            client: Arc::new(client),
+            node_name,
+            cluster,
+            insecure: false,
+        })
+    }
+
+    /// The `--insecure-dev` setup: a fresh self-signed certificate, and
+    /// verifiers that accept any peer certificate. The transport refuses to
+    /// use it on anything but loopback addresses.
+    pub fn insecure_dev(node_name: &str) -> Result<Self, Error> {
+        crate::cert::validate_name("node", node_name)?;
+        let provider = provider();
+        let ck = rcgen::generate_simple_self_signed(vec![node_name.to_owned()]).map_err(|e| {
+            Error::Cert {
+                what: "self-signed certificate".into(),
+                detail: e.to_string(),
+            }
+        })?;
+        let chain = vec![ck.cert.der().clone()];
+        let key = PrivateKeyDer::Pkcs8(ck.key_pair.serialize_der().into());
+        let v = Arc::new(InsecureVerifier(provider.clone()));
+        let (server, client) = build(provider, chain, key, v.clone(), v)?;
+        Ok(Self {
+            server: Arc::new(server),
+            client: Arc::new(client),
+            node_name: node_name.to_owned(),
+            cluster: "insecure-dev".into(),
+            insecure: true,
+        })
+    }
+}
+
+/// The node name in a peer's certificate chain as quinn hands it over.
+pub fn peer_node_name(chain: &[CertificateDer<'static>]) -> Option<String> {
+    let id = CertIdentity::parse(chain.first()?).ok()?;
+    id.node
+}

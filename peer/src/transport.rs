@@ -1,0 +1,1434 @@
+//! The quinn driver: one QUIC endpoint per node, a link to every seed peer,
+//! serving of inbound links, and chunk fetches.
+//!
+//! Topology: each node dials every seed (one outbound connection per peer)
+//! and accepts connections from the others, so every pair has two
+//! connections. Over its *outbound* connection a node subscribes to the
+//! peer's availability (control stream: hello, then snapshot and deltas
+//! from the peer, pings from us), measures liveness and RTT, and fetches
+//! chunks (one bidirectional stream per chunk). Over *inbound* connections
+//! it publishes its own availability and serves fetches. No dedup or
+//! leader election is needed, and a restarted peer is re-synced by the
+//! reconnect of the outbound link.
+//!
+//! Call order: [`PeerHandle::start`] inside a tokio runtime, then
+//! `local_added`/`local_removed` as the store changes, `holders`/`fetch` on
+//! the read path, and [`PeerHandle::shutdown`] at the end (returns once
+//! every task has finished).
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use bytes::{Bytes, BytesMut};
+use parking_lot::{Mutex, RwLock};
+use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
+use quinn::{Connection, RecvStream, SendStream, VarInt};
+use rand::Rng;
+use tokio::sync::{Notify, Semaphore, broadcast, mpsc, watch};
+use tokio::task::JoinHandle;
+
+use crate::Error;
+use crate::directory::{Directory, MAX_SLOTS};
+use crate::id::{ChunkBytes, PeerChunkId, PeerNamespace};
+use crate::proto::frame::{self, FrameHeader, HEADER_LEN};
+use crate::proto::health::{Backoff, HealthConfig, PeerHealth, PeerState};
+use crate::proto::msg::{FetchStatus, Message};
+use crate::proto::sync::{Publisher, RemoteSync, SyncAction, snapshot_messages};
+use crate::tls::{TlsSetup, peer_node_name};
+
+/// Future returned by [`ChunkSource::read`].
+pub type SourceFuture = Pin<Box<dyn Future<Output = Option<ChunkBytes>> + Send + 'static>>;
+
+/// What the node supplies so this node can serve fetches and snapshots.
+pub trait ChunkSource: Send + Sync + 'static {
+    /// Reads a chunk for a peer: the payload as stored and its recorded
+    /// CRC32C (`None` if not held or unreadable). Must not block the
+    /// calling task (disk reads belong on the tier's I/O threads).
+    fn read(&self, id: &PeerChunkId) -> SourceFuture;
+    /// Every chunk held locally (RAM or disk) with its payload length.
+    /// Called on a blocking thread when a peer subscribes.
+    fn snapshot(&self) -> Vec<(PeerChunkId, u64)>;
+    /// Namespace records (opaque JSON bytes) of the namespaces held here.
+    fn namespace_records(&self) -> Vec<(PeerNamespace, Vec<u8>)>;
+}
+
+/// QUIC transport tuning (same settings for the raw-quinn baseline bench).
+#[derive(Debug, Clone, Copy)]
+pub struct TransportTuning {
+    /// Initial datagram size (must fit the path MTU from the first packet).
+    /// Default: 1200.
+    pub initial_mtu: u16,
+    /// Upper bound for MTU discovery and the largest UDP payload accepted.
+    /// Default: 8952 (9000-byte jumbo frames minus IPv6 + UDP headers).
+    pub max_udp_payload: u16,
+    /// Per-stream receive window. Default: 16 MiB.
+    pub stream_window: u32,
+    /// Per-connection receive window. Default: 64 MiB.
+    pub conn_window: u32,
+    /// Per-connection send window. Default: 64 MiB.
+    pub send_window: u64,
+    /// UDP socket send/receive buffer size requested from the kernel.
+    /// Default: 8 MiB (the kernel may cap it at `net.core.[rw]mem_max`).
+    pub socket_buffer: u32,
+}
+
+impl Default for TransportTuning {
+    fn default() -> Self {
+        Self {
+            initial_mtu: 1200,
+            max_udp_payload: 8952,
+            stream_window: 16 << 20,
+            conn_window: 64 << 20,
+            send_window: 64 << 20,
+            socket_buffer: 8 << 20,
+        }
+    }
+}
+
+impl TransportTuning {
+    /// Settings for loopback links: the first datagram is already jumbo
+    /// sized (loopback MTU is 64 KiB).
+    pub fn loopback() -> Self {
+        Self {
+            initial_mtu: 8952,
+            ..Self::default()
+        }
+    }
+
+    /// quinn's transport config for these settings plus liveness timers.
+    pub fn transport_config(
+        &self,
+        keep_alive: Duration,
+        idle_timeout: Duration,
+    ) -> quinn::TransportConfig {
+        let mut t = quinn::TransportConfig::default();
+        t.initial_mtu(self.initial_mtu.max(1200));
+        let mut mtu = quinn::MtuDiscoveryConfig::default();
+        mtu.upper_bound(self.max_udp_payload.max(self.initial_mtu).max(1200));
+        t.mtu_discovery_config(Some(mtu));
+        t.stream_receive_window(VarInt::from_u32(self.stream_window));
+        t.receive_window(VarInt::from_u32(self.conn_window));
+        t.send_window(self.send_window);
+        t.max_concurrent_bidi_streams(VarInt::from_u32(256));
+        t.max_concurrent_uni_streams(VarInt::from_u32(0));
+        t.keep_alive_interval(Some(keep_alive));
+        t.max_idle_timeout(quinn::IdleTimeout::try_from(idle_timeout).ok());
+        t
+    }
+
+    /// quinn's endpoint config for these settings.
+    pub fn endpoint_config(&self) -> quinn::EndpointConfig {
+        let mut e = quinn::EndpointConfig::default();
+        let v = self.max_udp_payload.max(self.initial_mtu).max(1200);
+        // Values from 1200 to 65527 are accepted; ours are clamped above.
+        let _ = e.max_udp_payload_size(v);
+        e
+    }
+
+    /// Binds a UDP socket with the configured buffer sizes.
+    pub fn bind_socket(&self, addr: SocketAddr) -> std::io::Result<std::net::UdpSocket> {
+        let s = std::net::UdpSocket::bind(addr)?;
+        let size = self.socket_buffer as usize;
+        // Best effort: the kernel caps these at rmem_max / wmem_max.
+        let _ = rustix::net::sockopt::set_socket_recv_buffer_size(&s, size);
+        let _ = rustix::net::sockopt::set_socket_send_buffer_size(&s, size);
+        Ok(s)
+    }
+}
+
+/// Peer configuration (the node maps its own config onto this).
+#[derive(Debug, Clone)]
+pub struct PeerConfig {
+    /// Address to listen on for peers. Default: 127.0.0.1:0.
+    pub listen: SocketAddr,
+    /// Seed peers, `host:port`. Our own address may be listed (it is
+    /// recognised by name and skipped). Default: none.
+    pub peers: Vec<String>,
+    /// Handshake + hello timeout. Default: 2 s.
+    pub connect_timeout: Duration,
+    /// Ping interval on each outbound link. Default: 250 ms.
+    pub ping_interval: Duration,
+    /// Silence before a peer is suspect. Default: 1 s.
+    pub suspect_after: Duration,
+    /// Silence before a peer is down and its link dropped. Default: 3 s.
+    pub down_after: Duration,
+    /// QUIC keep-alive interval. Default: 500 ms.
+    pub keep_alive: Duration,
+    /// QUIC idle timeout (connection closed when silent this long).
+    /// Default: 3 s.
+    pub idle_timeout: Duration,
+    /// First reconnect delay. Default: 100 ms.
+    pub backoff_base: Duration,
+    /// Largest reconnect delay. Default: 5 s.
+    pub backoff_max: Duration,
+    /// Concurrent fetches per peer (requester side). Default: 16.
+    pub max_fetches_per_peer: u32,
+    /// Bytes per second served to one peer; 0 = unlimited. Default: 0.
+    pub serve_rate_limit: u64,
+    /// Flush a delta when this many changes are pending. Default: 1024.
+    pub delta_max_batch: usize,
+    /// Flush a delta when the oldest change is this old. Default: 5 ms.
+    pub delta_max_delay: Duration,
+    /// Largest chunk payload accepted in a fetch reply. Default: 256 MiB.
+    pub max_chunk_len: u64,
+    /// QUIC tuning.
+    pub tuning: TransportTuning,
+}
+
+impl Default for PeerConfig {
+    fn default() -> Self {
+        Self {
+            listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+            peers: Vec::new(),
+            connect_timeout: Duration::from_secs(2),
+            ping_interval: Duration::from_millis(250),
+            suspect_after: Duration::from_secs(1),
+            down_after: Duration::from_secs(3),
+            keep_alive: Duration::from_millis(500),
+            idle_timeout: Duration::from_secs(3),
+            backoff_base: Duration::from_millis(100),
+            backoff_max: Duration::from_secs(5),
+            max_fetches_per_peer: 16,
+            serve_rate_limit: 0,
+            delta_max_batch: 1024,
+            delta_max_delay: Duration::from_millis(5),
+            max_chunk_len: 256 << 20,
+            tuning: TransportTuning::default(),
+        }
+    }
+}
+
+impl PeerConfig {
+    /// Rejects contradictions (never clamps). `insecure` is the
+    /// `--insecure-dev` mode: then the listen address must be loopback.
+    pub fn validate(&self, insecure: bool) -> Result<(), Error> {
+        let bad = |m: String| Err(Error::Config(m));
+        if self.peers.len() > MAX_SLOTS {
+            return bad(format!(
+                "{} peers configured, at most {MAX_SLOTS}",
+                self.peers.len()
+            ));
+        }
+        if self.suspect_after >= self.down_after {
+            return bad("suspect-after must be shorter than down-after".into());
+        }
+        if self.ping_interval >= self.suspect_after {
+            return bad("ping-interval must be shorter than suspect-after".into());
+        }
+        if self.max_fetches_per_peer == 0 {
+            return bad("max-fetches-per-peer must be at least 1".into());
+        }
+        if self.backoff_base.is_zero() || self.backoff_base > self.backoff_max {
+            return bad("backoff-base must be > 0 and <= backoff-max".into());
+        }
+        if insecure && !self.listen.ip().is_loopback() {
+            return bad(format!(
+                "--insecure-dev binds loopback only; peer-listen {} is not a loopback address",
+                self.listen
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Why a fetch from peers produced no bytes (the caller treats it as a
+/// miss).
+#[derive(Debug, Clone, thiserror::Error)]
+#[non_exhaustive]
+pub enum FetchError {
+    /// No up or suspect peer is known to hold the chunk.
+    #[error("no peer holds the chunk")]
+    NoHolder,
+    /// The deadline passed.
+    #[error("peer fetch timed out after {after:?} (peer {peer})")]
+    Timeout {
+        /// Peer being asked when time ran out.
+        peer: String,
+        /// The timeout.
+        after: Duration,
+    },
+    /// The holder no longer has it.
+    #[error("peer {peer} does not have the chunk")]
+    NotFound {
+        /// Peer.
+        peer: String,
+    },
+    /// The holder refused (busy) or failed to read it.
+    #[error("peer {peer} could not serve the chunk: {why}")]
+    Refused {
+        /// Peer.
+        peer: String,
+        /// Reason it gave.
+        why: String,
+    },
+    /// The bytes received failed verification.
+    #[error("peer {peer} sent a corrupt reply: {why}")]
+    Corrupt {
+        /// Peer.
+        peer: String,
+        /// What did not match.
+        why: String,
+    },
+    /// The connection or stream failed.
+    #[error("peer {peer}: {why}")]
+    Transport {
+        /// Peer.
+        peer: String,
+        /// Error.
+        why: String,
+    },
+    /// This node is shutting down.
+    #[error("peer transport is shutting down")]
+    ShuttingDown,
+}
+
+/// A peer offered as a holder.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PeerRef {
+    /// Slot index (position in the seed list).
+    pub slot: u16,
+    /// Node name (from its certificate).
+    pub name: Arc<str>,
+    /// State when asked.
+    pub state: PeerState,
+}
+
+/// One row of `kvtier peers`.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct PeerStatus {
+    /// Node name (`None` until first connected).
+    pub name: Option<String>,
+    /// Seed address as configured.
+    pub addr: String,
+    /// State now.
+    pub state: PeerState,
+    /// Smoothed RTT in microseconds (QUIC's estimate while connected).
+    pub rtt_us: Option<u64>,
+    /// Chunks the peer holds (as synced here).
+    pub chunks: u64,
+    /// Their payload bytes.
+    pub bytes: u64,
+    /// Whether the availability view is in sync.
+    pub synced: bool,
+    /// Milliseconds since the last snapshot or delta was applied.
+    pub last_sync_age_ms: Option<u64>,
+    /// Payload bytes fetched from this peer.
+    pub bytes_fetched: u64,
+    /// Payload bytes served to this peer.
+    pub bytes_served: u64,
+    /// Fetches from this peer that succeeded.
+    pub fetches_ok: u64,
+    /// Fetches from this peer that failed (any reason).
+    pub fetches_failed: u64,
+    /// Successful connects so far.
+    pub connects: u64,
+    /// Snapshots forced by gaps or resets.
+    pub resyncs: u64,
+}
+
+#[derive(Default)]
+struct ServeStats {
+    bytes: AtomicU64,
+}
+
+/// One configured peer.
+struct Slot {
+    index: usize,
+    seed: String,
+    name: RwLock<Option<Arc<str>>>,
+    conn: RwLock<Option<Connection>>,
+    health: Mutex<PeerHealth>,
+    sync: Mutex<RemoteSync>,
+    namespaces: Mutex<Vec<(PeerNamespace, Vec<u8>)>>,
+    is_self: AtomicBool,
+    fetch_sem: Semaphore,
+    in_flight: AtomicU32,
+    bytes_fetched: AtomicU64,
+    fetches_ok: AtomicU64,
+    fetches_failed: AtomicU64,
+    connects: AtomicU64,
+}
+
+impl Slot {
+    fn label(&self) -> String {
+        self.name
+            .read()
+            .as_deref()
+            .map_or_else(|| self.seed.clone(), str::to_owned)
+    }
+}
+
+struct Shared {
+    cfg: PeerConfig,
+    node_name: String,
+    cluster: String,
+    insecure: bool,
+    endpoint: quinn::Endpoint,
+    client_cfg: quinn::ClientConfig,
+    // parking_lot: pushes are O(1) and the flusher holds it only to cut a
+    // batch and hand it to the broadcast channel (never across await).
+    publisher: Mutex<Publisher>,
+    deltas: broadcast::Sender<Bytes>,
+    flush_now: Notify,
+    ns_version: watch::Sender<u64>,
+    directory: Directory,
+    slots: Vec<Arc<Slot>>,
+    source: Arc<dyn ChunkSource>,
+    // parking_lot: looked up once per inbound connection.
+    served: Mutex<HashMap<String, Arc<ServeStats>>>,
+    shutdown: watch::Sender<bool>,
+    // parking_lot: pushed at start and per connection, drained at shutdown.
+    tasks: Mutex<Vec<JoinHandle<()>>>,
+    corrupt_replies: AtomicU64,
+}
+
+/// Handle to the running peer layer; cheap to clone.
+#[derive(Clone)]
+pub struct PeerHandle {
+    shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for PeerHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PeerHandle")
+            .field("node", &self.shared.node_name)
+            .field("cluster", &self.shared.cluster)
+            .finish_non_exhaustive()
+    }
+}
+
+fn spawn(shared: &Shared, fut: impl Future<Output = ()> + Send + 'static) {
+    let h = tokio::spawn(fut);
+    let mut tasks = shared.tasks.lock();
+    tasks.retain(|t| !t.is_finished());
+    tasks.push(h);
+}
+
+impl PeerHandle {
+    /// Binds the endpoint and starts the link, accept and flush tasks.
+    /// Must be called inside a tokio runtime.
+    pub fn start(
+        cfg: PeerConfig,
+        tls: TlsSetup,
+        source: Arc<dyn ChunkSource>,
+    ) -> Result<Self, Error> {
+        cfg.validate(tls.insecure)?;
+        let transport = Arc::new(
+            cfg.tuning
+                .transport_config(cfg.keep_alive, cfg.idle_timeout),
+        );
+        let server_crypto = QuicServerConfig::try_from(tls.server.clone())
+            .map_err(|e| Error::Tls(format!("quic server config: {e}")))?;
+        let mut server_cfg = quinn::ServerConfig::with_crypto(Arc::new(server_crypto));
+        server_cfg.transport_config(transport.clone());
+        let client_crypto = QuicClientConfig::try_from(tls.client.clone())
+            .map_err(|e| Error::Tls(format!("quic client config: {e}")))?;
+        let mut client_cfg = quinn::ClientConfig::new(Arc::new(client_crypto));
+        client_cfg.transport_config(transport);
+        let socket = cfg
+            .tuning
+            .bind_socket(cfg.listen)
+            .map_err(|e| Error::Transport(format!("bind {}: {e}", cfg.listen)))?;
+        let runtime =
+            quinn::default_runtime().ok_or_else(|| Error::Transport("no tokio runtime".into()))?;
+        let endpoint = quinn::Endpoint::new(
+            cfg.tuning.endpoint_config(),
+            Some(server_cfg),
+            socket,
+            runtime,
+        )
+        .map_err(|e| Error::Transport(format!("create endpoint: {e}")))?;
+        let health = HealthConfig {
+            ping_interval: cfg.ping_interval,
+            suspect_after: cfg.suspect_after,
+            down_after: cfg.down_after,
+        };
+        let slots = cfg
+            .peers
+            .iter()
+            .enumerate()
+            .map(|(index, seed)| {
+                Arc::new(Slot {
+                    index,
+                    seed: seed.clone(),
+                    name: RwLock::new(None),
+                    conn: RwLock::new(None),
+                    health: Mutex::new(PeerHealth::new(health)),
+                    sync: Mutex::new(RemoteSync::new()),
+                    namespaces: Mutex::new(Vec::new()),
+                    is_self: AtomicBool::new(false),
+                    fetch_sem: Semaphore::new(cfg.max_fetches_per_peer as usize),
+                    in_flight: AtomicU32::new(0),
+                    bytes_fetched: AtomicU64::new(0),
+                    fetches_ok: AtomicU64::new(0),
+                    fetches_failed: AtomicU64::new(0),
+                    connects: AtomicU64::new(0),
+                })
+            })
+            .collect();
+        let epoch: u64 = rand::thread_rng().r#gen();
+        let (deltas, _) = broadcast::channel(1024);
+        let shared = Arc::new(Shared {
+            publisher: Mutex::new(Publisher::new(
+                epoch,
+                cfg.delta_max_batch,
+                cfg.delta_max_delay,
+            )),
+            cfg,
+            node_name: tls.node_name.clone(),
+            cluster: tls.cluster.clone(),
+            insecure: tls.insecure,
+            endpoint,
+            client_cfg,
+            deltas,
+            flush_now: Notify::new(),
+            ns_version: watch::channel(0).0,
+            directory: Directory::new(),
+            slots,
+            source,
+            served: Mutex::new(HashMap::new()),
+            shutdown: watch::channel(false).0,
+            tasks: Mutex::new(Vec::new()),
+            corrupt_replies: AtomicU64::new(0),
+        });
+        spawn(&shared, accept_loop(shared.clone()));
+        spawn(&shared, flush_loop(shared.clone()));
+        for slot in &shared.slots {
+            spawn(&shared, link_loop(shared.clone(), slot.clone()));
+        }
+        tracing::info!(node = %shared.node_name, cluster = %shared.cluster, addr = ?shared.endpoint.local_addr().ok(), peers = shared.slots.len(), "peer layer started");
+        Ok(Self { shared })
+    }
+
+    /// Address the endpoint is bound to.
+    pub fn local_addr(&self) -> std::io::Result<SocketAddr> {
+        self.shared.endpoint.local_addr()
+    }
+
+    /// Our node name.
+    pub fn node_name(&self) -> &str {
+        &self.shared.node_name
+    }
+
+    /// Our cluster id.
+    pub fn cluster(&self) -> &str {
+        &self.shared.cluster
+    }
+
+    /// Records that this node now holds `id` (cheap; batched into deltas).
+    pub fn local_added(&self, id: PeerChunkId, len: u64) {
+        let full = {
+            let mut p = self.shared.publisher.lock();
+            p.added(id, len, Instant::now());
+            p.batch_full()
+        };
+        if full {
+            self.shared.flush_now.notify_one();
+        }
+    }
+
+    /// Records that this node no longer holds `id`.
+    pub fn local_removed(&self, id: PeerChunkId) {
+        let full = {
+            let mut p = self.shared.publisher.lock();
+            p.removed(id, Instant::now());
+            p.batch_full()
+        };
+        if full {
+            self.shared.flush_now.notify_one();
+        }
+    }
+
+    /// Tells subscribers that the namespace records changed (they are
+    /// re-read from the source and re-sent).
+    pub fn namespaces_changed(&self) {
+        self.shared.ns_version.send_modify(|v| *v += 1);
+    }
+
+    /// Up or suspect peers said to hold `id`, best first (RAM only).
+    pub fn holders(&self, id: &PeerChunkId) -> Vec<PeerRef> {
+        let mask = self.shared.directory.holders(id);
+        self.refs(mask)
+    }
+
+    /// For each id, whether any up or suspect peer holds it (one lock).
+    pub fn available(&self, ids: &[PeerChunkId]) -> Vec<bool> {
+        let live = self.live_mask();
+        self.shared
+            .directory
+            .holders_many(ids)
+            .into_iter()
+            .map(|m| m & live != 0)
+            .collect()
+    }
+
+    fn live_mask(&self) -> u32 {
+        let now = Instant::now();
+        let mut m = 0u32;
+        for s in &self.shared.slots {
+            if s.health.lock().state(now) != PeerState::Down {
+                m |= 1 << s.index;
+            }
+        }
+        m
+    }
+
+    fn refs(&self, mask: u32) -> Vec<PeerRef> {
+        if mask == 0 {
+            return Vec::new();
+        }
+        let now = Instant::now();
+        let mut v: Vec<(PeerRef, (bool, Duration, u32))> = Vec::new();
+        for s in &self.shared.slots {
+            if mask & (1 << s.index) == 0 {
+                continue;
+            }
+            let state = s.health.lock().state(now);
+            if state == PeerState::Down {
+                continue;
+            }
+            let Some(name) = s.name.read().clone() else {
+                continue;
+            };
+            let rtt = s
+                .conn
+                .read()
+                .as_ref()
+                .map_or(Duration::MAX, Connection::rtt);
+            let key = (
+                state != PeerState::Up,
+                rtt,
+                s.in_flight.load(Ordering::Relaxed),
+            );
+            v.push((
+                PeerRef {
+                    slot: s.index as u16,
+                    name,
+                    state,
+                },
+                key,
+            ));
+        }
+        v.sort_by_key(|a| a.1);
+        v.into_iter().map(|(r, _)| r).collect()
+    }
+
+    /// Fetches `id` from the best holder, with one retry on another holder;
+    /// the whole call ends within `timeout`. The bytes are verified (id,
+    /// length, payload CRC32C) before they are returned.
+    pub async fn fetch(&self, id: &PeerChunkId, timeout: Duration) -> Result<Bytes, FetchError> {
+        if *self.shared.shutdown.borrow() {
+            return Err(FetchError::ShuttingDown);
+        }
+        let deadline = tokio::time::Instant::now() + timeout;
+        let holders = self.holders(id);
+        if holders.is_empty() {
+            return Err(FetchError::NoHolder);
+        }
+        let mut last = FetchError::NoHolder;
+        for h in holders.iter().take(2) {
+            let slot = self.shared.slots[h.slot as usize].clone();
+            slot.in_flight.fetch_add(1, Ordering::Relaxed);
+            let r = tokio::time::timeout_at(deadline, fetch_from(&self.shared, &slot, id)).await;
+            slot.in_flight.fetch_sub(1, Ordering::Relaxed);
+            match r {
+                Ok(Ok(b)) => {
+                    slot.fetches_ok.fetch_add(1, Ordering::Relaxed);
+                    slot.bytes_fetched
+                        .fetch_add(b.len() as u64, Ordering::Relaxed);
+                    return Ok(b);
+                }
+                Ok(Err(e)) => {
+                    slot.fetches_failed.fetch_add(1, Ordering::Relaxed);
+                    if matches!(e, FetchError::Corrupt { .. }) {
+                        self.shared.corrupt_replies.fetch_add(1, Ordering::Relaxed);
+                    }
+                    tracing::debug!(peer = %h.name, error = %e, "peer fetch failed");
+                    last = e;
+                }
+                Err(_) => {
+                    slot.fetches_failed.fetch_add(1, Ordering::Relaxed);
+                    return Err(FetchError::Timeout {
+                        peer: h.name.to_string(),
+                        after: timeout,
+                    });
+                }
+            }
+        }
+        Err(last)
+    }
+
+    /// Replies that failed verification so far.
+    pub fn corrupt_replies(&self) -> u64 {
+        self.shared.corrupt_replies.load(Ordering::Relaxed)
+    }
+
+    /// Status of every configured peer (our own seed entry excluded).
+    pub fn peers(&self) -> Vec<PeerStatus> {
+        let now = Instant::now();
+        let served = self.shared.served.lock();
+        self.shared
+            .slots
+            .iter()
+            .filter(|s| !s.is_self.load(Ordering::Relaxed))
+            .map(|s| {
+                let name = s.name.read().as_deref().map(str::to_owned);
+                let state = s.health.lock().state(now);
+                let rtt = s.conn.read().as_ref().map(|c| c.rtt().as_micros() as u64);
+                let t = self.shared.directory.totals(s.index);
+                let sync = s.sync.lock();
+                let bytes_served = name
+                    .as_ref()
+                    .and_then(|n| served.get(n))
+                    .map_or(0, |st| st.bytes.load(Ordering::Relaxed));
+                PeerStatus {
+                    name,
+                    addr: s.seed.clone(),
+                    state,
+                    rtt_us: rtt,
+                    chunks: t.chunks,
+                    bytes: t.bytes,
+                    synced: sync.is_synced(),
+                    last_sync_age_ms: sync
+                        .last_activity()
+                        .map(|a| now.saturating_duration_since(a).as_millis() as u64),
+                    bytes_fetched: s.bytes_fetched.load(Ordering::Relaxed),
+                    bytes_served,
+                    fetches_ok: s.fetches_ok.load(Ordering::Relaxed),
+                    fetches_failed: s.fetches_failed.load(Ordering::Relaxed),
+                    connects: s.connects.load(Ordering::Relaxed),
+                    resyncs: sync.gaps(),
+                }
+            })
+            .collect()
+    }
+
+    /// Namespace records peers published: (peer name, namespace, record).
+    pub fn namespace_records(&self) -> Vec<(String, PeerNamespace, Vec<u8>)> {
+        let mut out = Vec::new();
+        for s in &self.shared.slots {
+            let label = s.label();
+            for (ns, rec) in s.namespaces.lock().iter() {
+                out.push((label.clone(), *ns, rec.clone()));
+            }
+        }
+        out
+    }
+
+    /// Chunk counts per namespace per peer: (peer name, namespace, chunks).
+    pub fn namespace_counts(&self) -> Vec<(String, PeerNamespace, u64)> {
+        let mut out = Vec::new();
+        for s in &self.shared.slots {
+            let label = s.label();
+            for (ns, n) in self.shared.directory.namespaces(s.index) {
+                out.push((label.clone(), ns, n));
+            }
+        }
+        out
+    }
+
+    /// Distinct remote chunk ids tracked, and the index's table bytes.
+    pub fn directory_size(&self) -> (usize, usize) {
+        (
+            self.shared.directory.len(),
+            self.shared.directory.table_bytes(),
+        )
+    }
+
+    /// Closes every connection and waits (up to `grace`) for all tasks.
+    pub async fn shutdown(&self, grace: Duration) {
+        self.shared.shutdown.send_replace(true);
+        self.shared.endpoint.close(VarInt::from_u32(0), b"shutdown");
+        let tasks: Vec<_> = std::mem::take(&mut *self.shared.tasks.lock());
+        let deadline = tokio::time::Instant::now() + grace;
+        for t in tasks {
+            let abort = t.abort_handle();
+            if tokio::time::timeout_at(deadline, t).await.is_err() {
+                abort.abort();
+            }
+        }
+        let _ = tokio::time::timeout_at(deadline, self.shared.endpoint.wait_idle()).await;
+    }
+}
+
+// ---------------------------------------------------------------------------
+// framing over quinn streams
+
+#[derive(Debug)]
+enum StreamErr {
+    Closed,
+    Io(String),
+    Decode(crate::proto::DecodeError),
+}
+
+impl std::fmt::Display for StreamErr {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Closed => f.write_str("stream closed"),
+            Self::Io(e) => f.write_str(e),
+            Self::Decode(e) => write!(f, "bad frame: {e}"),
+        }
+    }
+}
+
+async fn read_frame(recv: &mut RecvStream) -> Result<Message, StreamErr> {
+    let mut header = [0u8; HEADER_LEN];
+    match recv.read_exact(&mut header).await {
+        Ok(()) => {}
+        Err(quinn::ReadExactError::FinishedEarly(0)) => return Err(StreamErr::Closed),
+        Err(e) => return Err(StreamErr::Io(e.to_string())),
+    }
+    let h = FrameHeader::decode(&header).map_err(StreamErr::Decode)?;
+    let mut body = vec![0u8; h.body_len as usize];
+    recv.read_exact(&mut body)
+        .await
+        .map_err(|e| StreamErr::Io(e.to_string()))?;
+    h.check_body(&header, &body).map_err(StreamErr::Decode)?;
+    Message::decode_body(h.kind, &body).map_err(StreamErr::Decode)
+}
+
+async fn write_msg(send: &mut SendStream, m: &Message) -> Result<(), StreamErr> {
+    send.write_all(&frame::encode(m))
+        .await
+        .map_err(|e| StreamErr::Io(e.to_string()))
+}
+
+/// Reads frames into a channel so the owner can `select!` on them (reading
+/// a frame is not cancel-safe).
+fn frame_reader(
+    mut recv: RecvStream,
+) -> (mpsc::Receiver<Result<Message, StreamErr>>, JoinHandle<()>) {
+    let (tx, rx) = mpsc::channel(64);
+    let h = tokio::spawn(async move {
+        loop {
+            let r = read_frame(&mut recv).await;
+            let stop = r.is_err();
+            if tx.send(r).await.is_err() || stop {
+                break;
+            }
+        }
+    });
+    (rx, h)
+}
+
+// ---------------------------------------------------------------------------
+// publisher side
+
+async fn flush_loop(shared: Arc<Shared>) {
+    let mut shutdown = shared.shutdown.subscribe();
+    let far = Duration::from_secs(3600);
+    loop {
+        let deadline = shared.publisher.lock().deadline();
+        let sleep_until = deadline.map_or_else(
+            || tokio::time::Instant::now() + far,
+            tokio::time::Instant::from_std,
+        );
+        tokio::select! {
+            _ = shared.flush_now.notified() => {}
+            _ = tokio::time::sleep_until(sleep_until) => {}
+            _ = shutdown.changed() => return,
+        }
+        let now = Instant::now();
+        let mut p = shared.publisher.lock();
+        while let Some(d) = p.poll_delta(now) {
+            // Sent under the lock so the channel order is the seq order.
+            let _ = shared.deltas.send(Bytes::from(frame::encode(&d)));
+        }
+    }
+}
+
+/// Subscribes to deltas at a consistent point: returns the receiver and the
+/// `(epoch, seq)` a snapshot taken now must carry.
+fn subscribe(shared: &Shared) -> (broadcast::Receiver<Bytes>, u64, u64) {
+    let mut p = shared.publisher.lock();
+    if let Some(d) = p.flush() {
+        let _ = shared.deltas.send(Bytes::from(frame::encode(&d)));
+    }
+    (shared.deltas.subscribe(), p.epoch(), p.seq())
+}
+
+async fn send_snapshot(
+    shared: &Arc<Shared>,
+    send: &mut SendStream,
+) -> Result<broadcast::Receiver<Bytes>, StreamErr> {
+    let (rx, epoch, seq) = subscribe(shared);
+    let src = shared.source.clone();
+    let entries = tokio::task::spawn_blocking(move || src.snapshot())
+        .await
+        .map_err(|e| StreamErr::Io(format!("snapshot task: {e}")))?;
+    for m in snapshot_messages(epoch, seq, entries) {
+        write_msg(send, &m).await?;
+    }
+    Ok(rx)
+}
+
+async fn send_namespaces(shared: &Arc<Shared>, send: &mut SendStream) -> Result<(), StreamErr> {
+    let src = shared.source.clone();
+    let records = tokio::task::spawn_blocking(move || src.namespace_records())
+        .await
+        .map_err(|e| StreamErr::Io(format!("namespace task: {e}")))?;
+    write_msg(send, &Message::Namespaces { records }).await
+}
+
+async fn accept_loop(shared: Arc<Shared>) {
+    let mut shutdown = shared.shutdown.subscribe();
+    loop {
+        let incoming = tokio::select! {
+            i = shared.endpoint.accept() => i,
+            _ = shutdown.changed() => return,
+        };
+        let Some(incoming) = incoming else { return };
+        let s2 = shared.clone();
+        spawn(&shared, async move {
+            let remote = incoming.remote_address();
+            let conn = match tokio::time::timeout(s2.cfg.connect_timeout, incoming).await {
+                Ok(Ok(c)) => c,
+                Ok(Err(e)) => {
+                    tracing::warn!(%remote, error = %e, "inbound peer handshake failed");
+                    return;
+                }
+                Err(_) => {
+                    tracing::warn!(%remote, "inbound peer handshake timed out");
+                    return;
+                }
+            };
+            serve_conn(s2, conn).await;
+        });
+    }
+}
+
+fn conn_name(conn: &Connection) -> Option<String> {
+    let any = conn.peer_identity()?;
+    let chain = any
+        .downcast::<Vec<rustls::pki_types::CertificateDer<'static>>>()
+        .ok()?;
+    peer_node_name(&chain)
+}
+
+async fn serve_conn(shared: Arc<Shared>, conn: Connection) {
+    let cert_name = conn_name(&conn);
+    let remote = conn.remote_address();
+    let label = cert_name.clone().unwrap_or_else(|| remote.to_string());
+    let stats = shared
+        .served
+        .lock()
+        .entry(label.clone())
+        .or_default()
+        .clone();
+    let limiter = Arc::new(RateLimiter::new(shared.cfg.serve_rate_limit));
+    let mut shutdown = shared.shutdown.subscribe();
+    loop {
+        let (send, recv) = tokio::select! {
+            r = conn.accept_bi() => match r {
+                Ok(s) => s,
+                Err(e) => {
+                    tracing::debug!(peer = %label, error = %e, "inbound peer connection ended");
+                    return;
+                }
+            },
+            _ = shutdown.changed() => return,
+        };
+        let s2 = shared.clone();
+        let st = stats.clone();
+        let lim = limiter.clone();
+        let cn = cert_name.clone();
+        let lb = label.clone();
+        tokio::spawn(async move {
+            if let Err(e) = serve_stream(s2, send, recv, cn, st, lim).await {
+                tracing::debug!(peer = %lb, error = %e, "peer stream ended");
+            }
+        });
+    }
+}
+
+async fn serve_stream(
+    shared: Arc<Shared>,
+    mut send: SendStream,
+    mut recv: RecvStream,
+    cert_name: Option<String>,
+    stats: Arc<ServeStats>,
+    limiter: Arc<RateLimiter>,
+) -> Result<(), StreamErr> {
+    let first = tokio::time::timeout(shared.cfg.connect_timeout, read_frame(&mut recv))
+        .await
+        .map_err(|_| StreamErr::Io("no request within the timeout".into()))??;
+    match first {
+        Message::FetchRequest { id } => serve_fetch(&shared, send, id, &stats, &limiter).await,
+        Message::Hello {
+            node_name, cluster, ..
+        } => {
+            if cluster != shared.cluster {
+                tracing::warn!(peer = %node_name, %cluster, "refused hello from another cluster");
+                return Err(StreamErr::Io("cluster mismatch".into()));
+            }
+            if !shared.insecure && cert_name.as_deref() != Some(node_name.as_str()) {
+                tracing::warn!(peer = %node_name, cert = ?cert_name, "refused hello: name differs from certificate");
+                return Err(StreamErr::Io("name mismatch".into()));
+            }
+            let epoch = shared.publisher.lock().epoch();
+            write_msg(
+                &mut send,
+                &Message::Hello {
+                    node_name: shared.node_name.clone(),
+                    cluster: shared.cluster.clone(),
+                    epoch,
+                },
+            )
+            .await?;
+            serve_control(shared, send, recv).await
+        }
+        other => Err(StreamErr::Io(format!(
+            "unexpected first message kind {}",
+            other.kind()
+        ))),
+    }
+}
+
+async fn serve_control(
+    shared: Arc<Shared>,
+    mut send: SendStream,
+    recv: RecvStream,
+) -> Result<(), StreamErr> {
+    let (mut frames, reader) = frame_reader(recv);
+    let _reader = AbortOnDrop(reader);
+    let mut shutdown = shared.shutdown.subscribe();
+    let mut ns_rx = shared.ns_version.subscribe();
+    ns_rx.borrow_and_update();
+    send_namespaces(&shared, &mut send).await?;
+    let mut deltas = send_snapshot(&shared, &mut send).await?;
+    loop {
+        tokio::select! {
+            d = deltas.recv() => match d {
+                Ok(f) => send.write_chunk(f).await.map_err(|e| StreamErr::Io(e.to_string()))?,
+                Err(broadcast::error::RecvError::Lagged(n)) => {
+                    tracing::info!(lagged = n, "peer subscriber lagged; sending a new snapshot");
+                    deltas = send_snapshot(&shared, &mut send).await?;
+                }
+                Err(broadcast::error::RecvError::Closed) => return Ok(()),
+            },
+            m = frames.recv() => match m {
+                Some(Ok(Message::Ping { nonce })) => write_msg(&mut send, &Message::Pong { nonce }).await?,
+                Some(Ok(Message::Resync)) => {
+                    deltas = send_snapshot(&shared, &mut send).await?;
+                }
+                Some(Ok(_)) => {}
+                Some(Err(e)) => return Err(e),
+                None => return Ok(()),
+            },
+            r = ns_rx.changed() => {
+                if r.is_ok() {
+                    send_namespaces(&shared, &mut send).await?;
+                }
+            }
+            _ = shutdown.changed() => return Ok(()),
+        }
+    }
+}
+
+async fn serve_fetch(
+    shared: &Arc<Shared>,
+    mut send: SendStream,
+    id: PeerChunkId,
+    stats: &ServeStats,
+    limiter: &RateLimiter,
+) -> Result<(), StreamErr> {
+    let got = shared.source.read(&id).await;
+    let reply = |status, len, crc| Message::FetchReply {
+        status,
+        id,
+        len,
+        crc,
+    };
+    let Some(chunk) = got else {
+        write_msg(&mut send, &reply(FetchStatus::NotFound, 0, 0)).await?;
+        let _ = send.finish();
+        return Ok(());
+    };
+    let len = chunk.payload.len() as u64;
+    write_msg(&mut send, &reply(FetchStatus::Ok, len, chunk.crc)).await?;
+    if limiter.limited() {
+        let mut rest = chunk.payload;
+        while !rest.is_empty() {
+            let piece = rest.split_to(rest.len().min(256 << 10));
+            limiter.acquire(piece.len() as u64).await;
+            send.write_chunk(piece)
+                .await
+                .map_err(|e| StreamErr::Io(e.to_string()))?;
+        }
+    } else {
+        send.write_chunk(chunk.payload)
+            .await
+            .map_err(|e| StreamErr::Io(e.to_string()))?;
+    }
+    let _ = send.finish();
+    stats.bytes.fetch_add(len, Ordering::Relaxed);
+    Ok(())
+}
+
+/// Token bucket for bytes served to one peer (burst: one second).
+struct RateLimiter {
+    rate: u64,
+    // parking_lot: a few arithmetic ops; the wait happens outside the lock.
+    state: Mutex<(f64, Instant)>,
+}
+
+impl RateLimiter {
+    fn new(rate: u64) -> Self {
+        Self {
+            rate,
+            state: Mutex::new((rate as f64, Instant::now())),
+        }
+    }
+
+    fn limited(&self) -> bool {
+        self.rate > 0
+    }
+
+    async fn acquire(&self, n: u64) {
+        let wait = {
+            let mut s = self.state.lock();
+            let now = Instant::now();
+            let rate = self.rate as f64;
+            s.0 = (s.0 + now.saturating_duration_since(s.1).as_secs_f64() * rate).min(rate);
+            s.1 = now;
+            s.0 -= n as f64;
+            if s.0 >= 0.0 {
+                Duration::ZERO
+            } else {
+                Duration::from_secs_f64(-s.0 / rate)
+            }
+        };
+        if !wait.is_zero() {
+            tokio::time::sleep(wait).await;
+        }
+    }
+}
+
+struct AbortOnDrop(JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+// ---------------------------------------------------------------------------
+// subscriber side: one outbound link per seed
+
+async fn link_loop(shared: Arc<Shared>, slot: Arc<Slot>) {
+    let mut shutdown = shared.shutdown.subscribe();
+    let mut backoff = Backoff::new(shared.cfg.backoff_base, shared.cfg.backoff_max);
+    loop {
+        if *shutdown.borrow() {
+            return;
+        }
+        match connect(&shared, &slot).await {
+            Ok(Some((conn, send, recv))) => {
+                backoff.reset();
+                run_link(&shared, &slot, &conn, send, recv).await;
+                conn.close(VarInt::from_u32(0), b"link closed");
+                *slot.conn.write() = None;
+                slot.health.lock().on_disconnected();
+                slot.sync.lock().reset();
+                shared.directory.clear_slot(slot.index);
+                if let Some((old, new)) = slot.health.lock().poll_transition(Instant::now()) {
+                    tracing::warn!(peer = %slot.label(), from = old.as_str(), to = new.as_str(), "peer state");
+                }
+            }
+            Ok(None) => {
+                slot.is_self.store(true, Ordering::Relaxed);
+                tracing::debug!(seed = %slot.seed, "seed is this node; skipped");
+                return;
+            }
+            Err(e) => {
+                if backoff.attempts() == 0 {
+                    tracing::warn!(seed = %slot.seed, error = %e, "cannot connect to peer");
+                } else {
+                    tracing::debug!(seed = %slot.seed, error = %e, attempt = backoff.attempts(), "cannot connect to peer");
+                }
+            }
+        }
+        let delay = backoff.next_delay(rand::thread_rng().r#gen());
+        tokio::select! {
+            _ = tokio::time::sleep(delay) => {}
+            _ = shutdown.changed() => return,
+        }
+    }
+}
+
+type Link = (Connection, SendStream, RecvStream);
+
+/// Dials the seed and exchanges hellos. `Ok(None)`: the seed is us.
+async fn connect(shared: &Arc<Shared>, slot: &Slot) -> Result<Option<Link>, String> {
+    let fut = async {
+        let addr = tokio::net::lookup_host(slot.seed.as_str())
+            .await
+            .map_err(|e| format!("resolve {}: {e}", slot.seed))?
+            .next()
+            .ok_or_else(|| format!("resolve {}: no address", slot.seed))?;
+        if shared.insecure && !addr.ip().is_loopback() {
+            return Err(format!("--insecure-dev refuses non-loopback peer {addr}"));
+        }
+        if shared.endpoint.local_addr().is_ok_and(|a| a == addr) {
+            return Ok(None);
+        }
+        let conn = shared
+            .endpoint
+            .connect_with(shared.client_cfg.clone(), addr, "kvtier-peer")
+            .map_err(|e| format!("connect {addr}: {e}"))?
+            .await
+            .map_err(|e| format!("handshake with {addr}: {e}"))?;
+        let cert_name = conn_name(&conn);
+        let (mut send, mut recv) = conn
+            .open_bi()
+            .await
+            .map_err(|e| format!("open control stream: {e}"))?;
+        let epoch = shared.publisher.lock().epoch();
+        write_msg(
+            &mut send,
+            &Message::Hello {
+                node_name: shared.node_name.clone(),
+                cluster: shared.cluster.clone(),
+                epoch,
+            },
+        )
+        .await
+        .map_err(|e| e.to_string())?;
+        let hello = read_frame(&mut recv)
+            .await
+            .map_err(|e| format!("read hello: {e}"))?;
+        let Message::Hello {
+            node_name, cluster, ..
+        } = hello
+        else {
+            return Err(format!("expected hello, got message kind {}", hello.kind()));
+        };
+        if cluster != shared.cluster {
+            return Err(format!(
+                "peer is in cluster {cluster:?}, we are {:?}",
+                shared.cluster
+            ));
+        }
+        if !shared.insecure && cert_name.as_deref() != Some(node_name.as_str()) {
+            return Err(format!(
+                "hello name {node_name:?} differs from certificate {cert_name:?}"
+            ));
+        }
+        if node_name == shared.node_name {
+            conn.close(VarInt::from_u32(0), b"self");
+            return Ok(None);
+        }
+        Ok(Some((conn, send, recv, node_name)))
+    };
+    let r = tokio::time::timeout(shared.cfg.connect_timeout, fut)
+        .await
+        .map_err(|_| format!("connect to {} timed out", slot.seed))??;
+    let Some((conn, send, recv, name)) = r else {
+        return Ok(None);
+    };
+    let prev = slot.name.write().replace(Arc::from(name.as_str()));
+    if prev.as_deref().is_some_and(|p| p != name) {
+        tracing::warn!(seed = %slot.seed, old = ?prev, new = %name, "peer at this address changed name");
+    }
+    *slot.conn.write() = Some(conn.clone());
+    slot.connects.fetch_add(1, Ordering::Relaxed);
+    let now = Instant::now();
+    let mut h = slot.health.lock();
+    h.on_connected(now);
+    if let Some((old, new)) = h.poll_transition(now) {
+        tracing::info!(peer = %name, addr = %conn.remote_address(), from = old.as_str(), to = new.as_str(), "peer state");
+    }
+    Ok(Some((conn, send, recv)))
+}
+
+async fn run_link(
+    shared: &Arc<Shared>,
+    slot: &Slot,
+    conn: &Connection,
+    mut send: SendStream,
+    recv: RecvStream,
+) {
+    let (mut frames, reader) = frame_reader(recv);
+    let _reader = AbortOnDrop(reader);
+    let mut shutdown = shared.shutdown.subscribe();
+    let label = slot.label();
+    loop {
+        let next = slot
+            .health
+            .lock()
+            .next_timeout()
+            .unwrap_or_else(|| Instant::now() + Duration::from_secs(1));
+        tokio::select! {
+            m = frames.recv() => {
+                let now = Instant::now();
+                let msg = match m {
+                    Some(Ok(m)) => m,
+                    Some(Err(e)) => {
+                        tracing::warn!(peer = %label, error = %e, "peer control stream failed");
+                        return;
+                    }
+                    None => return,
+                };
+                match msg {
+                    Message::Pong { nonce } => {
+                        slot.health.lock().on_pong(nonce, now);
+                    }
+                    Message::Namespaces { records } => {
+                        slot.health.lock().on_heard(now);
+                        *slot.namespaces.lock() = records;
+                    }
+                    other => {
+                        slot.health.lock().on_heard(now);
+                        let action = slot.sync.lock().handle(other, now);
+                        match action {
+                            SyncAction::Clear => shared.directory.clear_slot(slot.index),
+                            SyncAction::Add(entries) => shared.directory.apply(
+                                slot.index,
+                                entries.into_iter().map(|(id, len)| crate::proto::Op::Add(id, len)),
+                            ),
+                            SyncAction::Apply(ops) => shared.directory.apply(slot.index, ops),
+                            SyncAction::RequestResync => {
+                                tracing::info!(peer = %label, "availability gap; asking for a new snapshot");
+                                if write_msg(&mut send, &Message::Resync).await.is_err() {
+                                    return;
+                                }
+                            }
+                            SyncAction::Synced => {
+                                tracing::debug!(peer = %label, chunks = shared.directory.totals(slot.index).chunks, "availability in sync");
+                            }
+                            SyncAction::None => {}
+                        }
+                    }
+                }
+            }
+            _ = tokio::time::sleep_until(tokio::time::Instant::from_std(next)) => {}
+            e = conn.closed() => {
+                tracing::warn!(peer = %label, reason = %e, "peer connection lost");
+                return;
+            }
+            _ = shutdown.changed() => return,
+        }
+        let now = Instant::now();
+        let (ping, transition, state) = {
+            let mut h = slot.health.lock();
+            (h.poll_ping(now), h.poll_transition(now), h.state(now))
+        };
+        if let Some((old, new)) = transition {
+            tracing::warn!(peer = %label, from = old.as_str(), to = new.as_str(), "peer state");
+        }
+        if state == PeerState::Down {
+            return;
+        }
+        if let Some(nonce) = ping {
+            if write_msg(&mut send, &Message::Ping { nonce })
+                .await
+                .is_err()
+            {
+                return;
+            }
+        }
+    }
+}
+
+async fn fetch_from(
+    shared: &Arc<Shared>,
+    slot: &Slot,
+    id: &PeerChunkId,
+) -> Result<Bytes, FetchError> {
+    let peer = slot.label();
+    let tr = |why: String| FetchError::Transport {
+        peer: peer.clone(),
+        why,
+    };
+    let _permit = slot
+        .fetch_sem
+        .acquire()
+        .await
+        .map_err(|_| FetchError::ShuttingDown)?;
+    let conn = slot
+        .conn
+        .read()
+        .clone()
+        .ok_or_else(|| tr("not connected".into()))?;
+    let (mut send, mut recv) = conn.open_bi().await.map_err(|e| tr(e.to_string()))?;
+    send.write_all(&frame::encode(&Message::FetchRequest { id: *id }))
+        .await
+        .map_err(|e| tr(e.to_string()))?;
+    let _ = send.finish();
+    let reply = read_frame(&mut recv).await.map_err(|e| match e {
+        StreamErr::Decode(d) => FetchError::Corrupt {
+            peer: peer.clone(),
+            why: d.to_string(),
+        },
+        other => tr(other.to_string()),
+    })?;
+    let corrupt = |why: String| FetchError::Corrupt {
+        peer: peer.clone(),
+        why,
+    };
+    let Message::FetchReply {
+        status,
+        id: rid,
+        len,
+        crc,
+    } = reply
+    else {
+        return Err(corrupt(format!(
+            "expected a fetch reply, got kind {}",
+            reply.kind()
+        )));
+    };
+    if rid != *id {
+        return Err(corrupt(
+            "reply names another chunk (namespace, key or group differ)".into(),
+        ));
+    }
+    match status {
+        FetchStatus::Ok => {}
+        FetchStatus::NotFound => return Err(FetchError::NotFound { peer }),
+        FetchStatus::Busy => {
+            return Err(FetchError::Refused {
+                peer,
+                why: "busy".into(),
+            });
+        }
+        FetchStatus::Failed => {
+            return Err(FetchError::Refused {
+                peer,
+                why: "read failed on the holder".into(),
+            });
+        }
+    }
+    if len > shared.cfg.max_chunk_len {
+        return Err(corrupt(format!(
+            "length {len} exceeds the limit {}",
+            shared.cfg.max_chunk_len
+        )));
+    }
+    let len = len as usize;
+    let mut buf = BytesMut::with_capacity(len);
+    while buf.len() < len {
+        match recv.read_chunk(len - buf.len(), true).await {
+            Ok(Some(c)) => buf.extend_from_slice(&c.bytes),
+            Ok(None) => {
+                return Err(corrupt(format!(
+                    "stream ended after {} of {len} payload bytes",
+                    buf.len()
+                )));
+            }
+            Err(e) => return Err(tr(e.to_string())),
+        }
+    }
+    let got = crc32c::crc32c(&buf);
+    if got != crc {
+        return Err(corrupt(format!(
+            "payload crc32c {got:#010x} != {crc:#010x}"
+        )));
+    }
+    Ok(buf.freeze())
+}
