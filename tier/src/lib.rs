@@ -13,11 +13,21 @@
 //! synchronous and may block on disk reads; async callers use
 //! `spawn_blocking` (a `get` that hits RAM never touches the disk).
 
+pub mod config;
+pub mod device;
 mod error;
 pub mod format;
+pub mod index;
+pub mod layout;
+mod maintenance;
+pub mod manifest;
 pub mod ram;
+mod segment;
 pub mod store;
+#[cfg(feature = "test_utils")]
+pub mod testdev;
 pub mod types;
+mod writer;
 
 pub use error::{Error, Result};
 pub use store::{

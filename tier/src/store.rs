@@ -1,110 +1,44 @@
-//! [`ChunkStore`]: the facade over the RAM LRU and the NVMe segment store.
+//! [`ChunkStore`]: the facade over the RAM LRU ([`crate::ram::RamCache`])
+//! and the NVMe segment store (`segment.rs`, `writer.rs`).
 //!
-//! INTERIM: this file fixes the public API that `node` codes against. The
-//! implementation below is RAM-only (a plain map with a byte budget); the
-//! disk tier, recovery, write policy and maintenance are being built behind
-//! this same API (see docs/STATUS.md). Disk-only operations return
-//! [`Error::Unimplemented`] until then, never a fake success.
+//! Write policy (no tax): a PUT lands in RAM (dirty) and returns. Disk
+//! writes happen (a) when RAM evicts a dirty chunk (queued to the writer
+//! thread with `try_send`: under [`WritePolicy::NoTax`] a full queue drops the
+//! chunk and counts it in `dropped_unwritten`; under
+//! [`WritePolicy::Backpressure`] the PUT waits for queue space), (b) in idle
+//! time, for dirty chunks older than `idle-flush-after`, only while the writer
+//! queue is empty (thread `kvtier-idle`), (c) on [`ChunkStore::flush`], which
+//! returns when every chunk dirty at the call is durable, and (d) on
+//! [`ChunkStore::close`]. Nothing else writes: an idle store does no I/O.
+//!
+//! Reads go RAM first, then disk (only if the in-RAM index has the id: a
+//! miss does no I/O); every disk read is verified (header CRC, namespace,
+//! key, group, name, length, payload CRC) and any failure is a miss, a
+//! `verify_failures` count and a log line.
 
-use std::collections::HashMap;
-use std::path::PathBuf;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
-use std::time::Duration;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use crossbeam_channel::{Sender, TrySendError, bounded};
 use parking_lot::{Mutex, RwLock};
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 
+pub use crate::config::{TierConfig, WritePolicy};
+use crate::device::{Device, DirectMode, FileDevice};
+use crate::format::ChunkHeader;
+use crate::index::Location;
+use crate::manifest::{self, NsEntry};
+use crate::ram::{Evicted, RamCache};
+use crate::segment::{Disk, ReadMiss};
+use crate::writer::{Hooks, Job, Msg, Ticket, Writer};
 use crate::{ChunkId, ChunkKey, Error, GroupId, Namespace, NamespaceRecord, Result, Tier};
 
-/// What to do when the disk writer falls behind.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
-#[serde(rename_all = "kebab-case")]
-pub enum WritePolicy {
-    /// Never block PUT: a dirty chunk evicted from RAM that cannot be queued
-    /// for writing is dropped and counted (`dropped_unwritten`). Default.
-    #[default]
-    NoTax,
-    /// PUT waits for writer queue space, so every evicted chunk reaches disk.
-    Backpressure,
-}
-
-/// Configuration of a [`ChunkStore`]. Field docs end with their default.
-#[derive(Clone, Debug, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case", deny_unknown_fields, default)]
-pub struct TierConfig {
-    /// Directory holding the store's files. Default: `./kvtier-data`.
-    pub data_dir: PathBuf,
-    /// Hard byte limit of the RAM LRU. Default: 1 GiB. Minimum: 1 MiB.
-    pub ram_budget: u64,
-    /// Hard byte limit of the NVMe store (preallocated). Default: 16 GiB;
-    /// 0 disables the disk tier (RAM only).
-    pub disk_budget: u64,
-    /// Size of one region of the segment store. Default: 64 MiB.
-    pub region_size: u64,
-    /// Dirty chunks older than this are written when the writer is idle.
-    /// Default: 30 s.
-    #[serde(with = "duration_ms")]
-    pub idle_flush_after: Duration,
-    /// Write policy when the writer falls behind. Default: `no-tax`.
-    pub write_policy: WritePolicy,
-    /// Number of chunks the writer queue holds. Default: 64.
-    pub writer_queue: usize,
-    /// Promote disk hits into RAM as clean entries. Default: true.
-    pub promote_on_read: bool,
-    /// Use O_DIRECT when the filesystem supports it. Default: true.
-    pub direct_io: bool,
-}
-
-mod duration_ms {
-    use serde::{Deserialize, Deserializer, Serializer};
-    use std::time::Duration;
-
-    pub fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_u64(d.as_millis() as u64)
-    }
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
-        Ok(Duration::from_millis(u64::deserialize(d)?))
-    }
-}
-
-impl Default for TierConfig {
-    fn default() -> Self {
-        Self {
-            data_dir: PathBuf::from("kvtier-data"),
-            ram_budget: 1 << 30,
-            disk_budget: 16 << 30,
-            region_size: 64 << 20,
-            idle_flush_after: Duration::from_secs(30),
-            write_policy: WritePolicy::NoTax,
-            writer_queue: 64,
-            promote_on_read: true,
-            direct_io: true,
-        }
-    }
-}
-
-impl TierConfig {
-    /// Rejects contradictions (never clamps silently).
-    pub fn validate(&self) -> Result<()> {
-        if self.ram_budget < (1 << 20) {
-            return Err(Error::Config(format!(
-                "ram-budget is {} bytes; the minimum is 1 MiB",
-                self.ram_budget
-            )));
-        }
-        if self.disk_budget != 0 && self.disk_budget < 2 * self.region_size {
-            return Err(Error::Config(format!(
-                "disk-budget ({}) must hold at least two regions of region-size ({}), or be 0",
-                self.disk_budget, self.region_size
-            )));
-        }
-        if self.writer_queue == 0 {
-            return Err(Error::Config("writer-queue must be at least 1".into()));
-        }
-        Ok(())
-    }
-}
+/// Name of the store file inside the data dir.
+pub const STORE_FILE: &str = "store.kvt";
 
 /// A successful read.
 #[derive(Clone, Debug)]
@@ -179,6 +113,14 @@ pub struct StoreStats {
     pub writer_paused_nospace: bool,
     /// Whether O_DIRECT is in use (false: buffered fallback).
     pub direct_io: bool,
+    /// Chunks the disk writer failed to write (I/O error, no space, too big).
+    pub disk_write_failures: u64,
+    /// Whether the disk tier is poisoned by a failed write or sync.
+    pub disk_poisoned: bool,
+    /// Regions in the store file.
+    pub disk_regions: u64,
+    /// Bytes of RAM used by the disk index.
+    pub index_bytes: u64,
 }
 
 /// Result of [`ChunkStore::flush`].
@@ -243,81 +185,288 @@ pub trait ChunkObserver: Send + Sync {
     fn removed(&self, id: &ChunkId);
 }
 
-struct RamChunk {
-    data: Bytes,
-    name: Option<Bytes>,
+/// Live atomic groups: which chunks belong to which transaction.
+#[derive(Default)]
+struct Txns {
+    next: u64,
+    members: HashMap<u64, Vec<ChunkId>>,
+    of: HashMap<ChunkId, (u64, u32)>,
+}
+
+#[derive(Default)]
+struct Counters {
+    hits_ram: AtomicU64,
+    hits_disk: AtomicU64,
+    misses: AtomicU64,
+    puts: AtomicU64,
+    bytes_in: AtomicU64,
+    bytes_out: AtomicU64,
+    ram_evictions: AtomicU64,
+    dropped_unwritten: AtomicU64,
+}
+
+pub(crate) struct Inner {
+    config: TierConfig,
+    pub(crate) ram: RamCache,
+    pub(crate) disk: Option<Arc<Disk>>,
+    tx: Option<Sender<Msg>>,
+    // parking_lot: namespaces change rarely; reads are short.
+    namespaces: RwLock<BTreeMap<Namespace, NsEntry>>,
+    // parking_lot: only registration and manifest writes take it; it keeps
+    // two manifest writers from racing.
+    manifest_lock: Mutex<()>,
+    counters: Counters,
+    // parking_lot: swapped rarely, read on every add/remove.
+    observer: RwLock<Option<Arc<dyn ChunkObserver>>>,
+    /// Deletes whose jobs may still be queued: a job inserted before the
+    /// delete is skipped. parking_lot: short sections.
+    cancel: Mutex<HashMap<ChunkId, Instant>>,
+    // parking_lot: short sections on atomic puts and group breaks.
+    txns: Mutex<Txns>,
+    /// Held for writing while an atomic group is inserted into RAM, for
+    /// reading by every read: a reader sees all of a group or none of it.
+    /// parking_lot: never held across I/O.
+    gate: RwLock<()>,
+    closed: AtomicBool,
+    recovery_micros: AtomicU64,
 }
 
 /// The local chunk store: a byte-budgeted RAM LRU over an NVMe segment store.
 ///
 /// Thread-safe; share it in an `Arc`. Call order: [`ChunkStore::open`], then
-/// any mix of operations from any thread, then [`ChunkStore::close`].
+/// any mix of operations from any thread, then [`ChunkStore::close`] (which
+/// flushes). Dropping the store without `close` stops its threads without
+/// flushing: dirty chunks that only live in RAM are lost, the file stays
+/// consistent. Calls may block on disk reads: async callers use
+/// `spawn_blocking`. Disk writes run on the `kvtier-writer` thread.
 pub struct ChunkStore {
-    config: TierConfig,
-    // parking_lot: short critical sections, never held across I/O or await.
-    ram: RwLock<HashMap<ChunkId, RamChunk>>,
-    // parking_lot: namespaces change rarely; reads are short.
-    namespaces: RwLock<HashMap<Namespace, NamespaceRecord>>,
-    // parking_lot: counters snapshot, short sections.
-    stats: Mutex<StoreStats>,
-    observer: RwLock<Option<Arc<dyn ChunkObserver>>>,
+    inner: Arc<Inner>,
+    // parking_lot: taken once at close.
+    threads: Mutex<Vec<JoinHandle<()>>>,
+    idle_stop: Mutex<Option<Sender<()>>>,
 }
 
 impl ChunkStore {
     /// Opens (or creates) the store in `config.data_dir`, rebuilding the index.
     pub fn open(config: TierConfig) -> Result<Self> {
         config.validate()?;
-        let stats = StoreStats {
-            ram_budget: config.ram_budget,
-            disk_budget: config.disk_budget,
-            ..Default::default()
+        std::fs::create_dir_all(&config.data_dir).map_err(|e| Error::Io {
+            op: "create the data dir",
+            path: config.data_dir.clone(),
+            source: e,
+        })?;
+        let dev: Option<Arc<dyn Device>> = if config.disk_budget == 0 {
+            None
+        } else {
+            let len = config.disk_budget / config.region_size * config.region_size;
+            let path = config.data_dir.join(STORE_FILE);
+            let mode = if config.direct_io {
+                DirectMode::Auto
+            } else {
+                DirectMode::Off
+            };
+            let dev = FileDevice::open(&path, len, mode).map_err(|e| {
+                if e.raw_os_error() == Some(libc::ENOSPC) {
+                    Error::NoSpace {
+                        detail: format!("preallocating {len} bytes for {}: {e}", path.display()),
+                    }
+                } else {
+                    Error::Io {
+                        op: "open the store file",
+                        path: path.clone(),
+                        source: e,
+                    }
+                }
+            })?;
+            Some(Arc::new(dev))
         };
-        Ok(Self {
+        Self::open_inner(config, dev)
+    }
+
+    /// Opens the store on a given device (tests: counting, crashing and
+    /// failing devices). `config.disk_budget` is ignored: the device's
+    /// length decides; namespaces still live in `config.data_dir`.
+    #[cfg(feature = "test_utils")]
+    pub fn open_with_device(config: TierConfig, dev: Arc<dyn Device>) -> Result<Self> {
+        config.validate()?;
+        std::fs::create_dir_all(&config.data_dir).map_err(|e| Error::Io {
+            op: "create the data dir",
+            path: config.data_dir.clone(),
+            source: e,
+        })?;
+        Self::open_inner(config, Some(dev))
+    }
+
+    fn open_inner(config: TierConfig, dev: Option<Arc<dyn Device>>) -> Result<Self> {
+        let t0 = Instant::now();
+        let namespaces = manifest::load(&config.data_dir)?;
+        let ram = RamCache::new(config.ram_budget);
+        let (disk, rec) = match dev {
+            None => (None, None),
+            Some(dev) => {
+                let (d, rec) = Disk::open(dev, config.region_size)?;
+                (Some(Arc::new(d)), Some(rec))
+            }
+        };
+        let mut txns = Txns::default();
+        if let (Some(d), Some(rec)) = (&disk, &rec) {
+            txns.next = rec.max_txn + 1;
+            for (id, loc) in d.index.read().iter() {
+                if loc.txn != 0 {
+                    txns.members.entry(loc.txn).or_default().push(*id);
+                }
+            }
+            let sizes: Vec<(u64, u32)> = txns
+                .members
+                .iter()
+                .map(|(t, m)| (*t, m.len() as u32))
+                .collect();
+            for (t, n) in sizes {
+                for id in txns.members[&t].clone() {
+                    txns.of.insert(id, (t, n));
+                }
+            }
+        }
+        txns.next = txns.next.max(1);
+        let (tx, rx) = bounded(config.writer_queue);
+        let has_disk = disk.is_some();
+        let inner = Arc::new(Inner {
             config,
-            ram: RwLock::new(HashMap::new()),
-            namespaces: RwLock::new(HashMap::new()),
-            stats: Mutex::new(stats),
+            ram,
+            disk: disk.clone(),
+            tx: has_disk.then_some(tx),
+            namespaces: RwLock::new(namespaces),
+            manifest_lock: Mutex::new(()),
+            counters: Counters::default(),
             observer: RwLock::new(None),
-        })
+            cancel: Mutex::new(HashMap::new()),
+            txns: Mutex::new(txns),
+            gate: RwLock::new(()),
+            closed: AtomicBool::new(false),
+            recovery_micros: AtomicU64::new(0),
+        });
+        let store = Self {
+            inner: inner.clone(),
+            threads: Mutex::new(Vec::new()),
+            idle_stop: Mutex::new(None),
+        };
+        if let (Some(d), Some(rec)) = (disk, rec) {
+            let needs_seal = !rec.unsealed.is_empty();
+            let hooks: Arc<dyn Hooks> = inner.clone();
+            let writer = Writer::new(d.clone(), hooks, rec, WRITE_BATCH);
+            let h = std::thread::Builder::new()
+                .name("kvtier-writer".into())
+                .spawn(move || writer.run(rx))
+                .map_err(|e| Error::Io {
+                    op: "spawn the writer thread for",
+                    path: inner.config.data_dir.clone(),
+                    source: e,
+                })?;
+            store.threads.lock().push(h);
+            if needs_seal {
+                // Seal the regions recovered from batch records now, so no
+                // later write can land behind their intact batches.
+                let (ack, wait) = bounded(1);
+                inner.send(Msg::SealRecovered(ack))?;
+                wait.recv().map_err(|_| Error::Closed)??;
+            }
+            let (stop_tx, stop_rx) = bounded::<()>(1);
+            let weak = Arc::downgrade(&inner);
+            let period = (inner.config.idle_flush_after / 4)
+                .clamp(Duration::from_millis(10), Duration::from_secs(1));
+            let h = std::thread::Builder::new()
+                .name("kvtier-idle".into())
+                .spawn(move || {
+                    while let Err(crossbeam_channel::RecvTimeoutError::Timeout) =
+                        stop_rx.recv_timeout(period)
+                    {
+                        match weak.upgrade() {
+                            Some(inner) => inner.idle_pass(),
+                            None => return,
+                        }
+                    }
+                })
+                .map_err(|e| Error::Io {
+                    op: "spawn the idle flush thread for",
+                    path: inner.config.data_dir.clone(),
+                    source: e,
+                })?;
+            store.threads.lock().push(h);
+            *store.idle_stop.lock() = Some(stop_tx);
+            tracing::info!(
+                chunks = d.index.read().len(),
+                micros = t0.elapsed().as_micros() as u64,
+                direct_io = d.dev.direct_io(),
+                "chunk store opened"
+            );
+        }
+        inner
+            .recovery_micros
+            .store(t0.elapsed().as_micros() as u64, Ordering::Relaxed);
+        Ok(store)
     }
 
     /// The configuration the store was opened with.
     pub fn config(&self) -> &TierConfig {
-        &self.config
+        &self.inner.config
     }
 
     /// Installs the availability observer (replacing any previous one).
     pub fn set_observer(&self, observer: Arc<dyn ChunkObserver>) {
-        *self.observer.write() = Some(observer);
+        *self.inner.observer.write() = Some(observer);
     }
 
     /// Registers (idempotently) a namespace record; returns its id. The record
-    /// is kept durably so `namespaces()` can list it after a restart.
+    /// is kept durably (`namespaces.json`, written atomically) so
+    /// `namespaces()` lists it after a restart.
     pub fn register_namespace(&self, record: &NamespaceRecord) -> Result<Namespace> {
         let id = record.id();
-        self.namespaces.write().entry(id).or_insert_with(|| record.clone());
+        if self.inner.namespaces.read().contains_key(&id) {
+            return Ok(id);
+        }
+        let _g = self.inner.manifest_lock.lock();
+        let mut snapshot = self.inner.namespaces.read().clone();
+        if snapshot.contains_key(&id) {
+            return Ok(id);
+        }
+        snapshot.insert(
+            id,
+            NsEntry {
+                record: record.clone(),
+                last_used_ms: crate::layout::now_ms(),
+            },
+        );
+        manifest::store(&self.inner.config.data_dir, &snapshot)?;
+        *self.inner.namespaces.write() = snapshot;
         Ok(id)
     }
 
     /// The record of a registered namespace.
     pub fn namespace_record(&self, ns: &Namespace) -> Option<NamespaceRecord> {
-        self.namespaces.read().get(ns).cloned()
+        self.inner
+            .namespaces
+            .read()
+            .get(ns)
+            .map(|e| e.record.clone())
     }
 
     /// All registered namespaces with their usage.
     pub fn namespaces(&self) -> Vec<NamespaceInfo> {
-        let ram = self.ram.read();
-        self.namespaces
+        let mut usage: HashMap<Namespace, (u64, u64)> = HashMap::new();
+        for (id, len) in self.ids() {
+            let u = usage.entry(id.ns).or_default();
+            u.0 += 1;
+            u.1 += len;
+        }
+        self.inner
+            .namespaces
             .read()
             .iter()
-            .map(|(id, record)| {
-                let (chunks, bytes) = ram
-                    .iter()
-                    .filter(|(cid, _)| cid.ns == *id)
-                    .fold((0, 0), |(c, b), (_, v)| (c + 1, b + v.data.len() as u64));
+            .map(|(id, e)| {
+                let (chunks, bytes) = usage.get(id).copied().unwrap_or_default();
                 NamespaceInfo {
                     id: *id,
-                    record: record.clone(),
+                    record: e.record.clone(),
                     chunks,
                     bytes,
                 }
@@ -328,104 +477,110 @@ impl ChunkStore {
     /// Stores a chunk in RAM (dirty). Replaces an existing chunk with the same id.
     /// Never waits for the disk under the default write policy.
     pub fn put(&self, id: ChunkId, data: Bytes) -> Result<()> {
-        self.put_inner(id, None, data)
+        self.inner.put_inner(id, None, data, None)
     }
 
     /// Stores a chunk with a name (e.g. a RESP key string) that is kept in the
     /// header and compared on every read by [`ChunkStore::get_named`].
     pub fn put_named(&self, id: ChunkId, name: Bytes, data: Bytes) -> Result<()> {
-        self.put_inner(id, Some(name), data)
+        ChunkHeader::check_name_len(name.len()).map_err(|e| Error::InvalidArgument {
+            what: "chunk name",
+            value: e.to_string(),
+        })?;
+        self.inner.put_inner(id, Some(name), data, None)
     }
 
     /// Stores several chunks that become visible together or not at all,
     /// also across crashes (a boundary manifest).
+    ///
+    /// Guarantee: the chunks are inserted into RAM while readers are held
+    /// off, so a reader sees all of them or none. On disk each member
+    /// carries the group's transaction id and size; recovery shows a group
+    /// only if every member is found intact, so a crash at any point shows
+    /// all or none. Later, when any member is lost (its write failed, it was
+    /// dropped unwritten, its region was reclaimed), the other members are
+    /// dropped too. A plain put of a member's id takes it out of the group.
+    /// The whole group must fit in the RAM budget at once.
     pub fn put_atomic(&self, chunks: Vec<(ChunkId, Bytes)>) -> Result<()> {
-        for (id, data) in chunks {
-            self.put_inner(id, None, data)?;
+        let inner = &self.inner;
+        inner.check_open()?;
+        let mut ids: Vec<ChunkId> = Vec::with_capacity(chunks.len());
+        let mut total = 0u64;
+        for (id, data) in &chunks {
+            if !inner.namespaces.read().contains_key(&id.ns) {
+                return Err(Error::UnknownNamespace(id.ns));
+            }
+            total += data.len() as u64;
+            if !ids.contains(id) {
+                ids.push(*id);
+            }
         }
-        Ok(())
-    }
-
-    fn put_inner(&self, id: ChunkId, name: Option<Bytes>, data: Bytes) -> Result<()> {
-        if !self.namespaces.read().contains_key(&id.ns) {
-            return Err(Error::UnknownNamespace(id.ns));
-        }
-        let len = data.len() as u64;
-        if len > self.config.ram_budget {
+        if total > inner.config.ram_budget {
             return Err(Error::TooLarge {
-                len,
-                limit_name: "ram-budget",
-                limit: self.config.ram_budget,
+                len: total,
+                limit_name: "ram-budget (an atomic group must fit at once)",
+                limit: inner.config.ram_budget,
             });
         }
-        {
-            let mut ram = self.ram.write();
-            let used: u64 = ram.values().map(|c| c.data.len() as u64).sum();
-            let replaced = ram.get(&id).map_or(0, |c| c.data.len() as u64);
-            if used - replaced + len > self.config.ram_budget {
-                return Err(Error::Unimplemented(
-                    "RAM eviction to the disk tier (interim RAM-only store is full)",
-                ));
+        if chunks.is_empty() {
+            return Ok(());
+        }
+        let size = ids.len() as u32;
+        let _gate = inner.gate.write();
+        let txn = {
+            let mut t = inner.txns.lock();
+            let txn = t.next;
+            t.next += 1;
+            for id in &ids {
+                inner.leave_group(&mut t, id);
+                t.of.insert(*id, (txn, size));
             }
-            ram.insert(id, RamChunk { data, name });
+            t.members.insert(txn, ids.clone());
+            txn
+        };
+        let mut evicted = Vec::new();
+        let mut res = Ok(());
+        for (id, data) in chunks {
+            match inner.ram_insert(id, None, data, true, &mut evicted) {
+                Ok(()) => {}
+                Err(e) => {
+                    res = Err(e);
+                    break;
+                }
+            }
         }
-        {
-            let mut s = self.stats.lock();
-            s.puts += 1;
-            s.bytes_in += len;
+        drop(_gate);
+        if res.is_err() {
+            inner.break_group(txn);
         }
-        if let Some(o) = self.observer.read().as_ref() {
-            o.added(&id, len);
-        }
-        Ok(())
+        inner.handle_evicted(evicted);
+        res
     }
 
     /// Reads a chunk: RAM, then disk. Any failure is a miss (counted, logged).
     pub fn get(&self, id: &ChunkId) -> Option<Hit> {
-        self.get_inner(id, None)
+        self.inner.get_inner(id, None)
     }
 
     /// Reads a chunk stored with [`ChunkStore::put_named`]; a chunk whose
     /// stored name differs (a hash collision, or no name) is a miss.
     pub fn get_named(&self, id: &ChunkId, name: &[u8]) -> Option<Hit> {
-        self.get_inner(id, Some(name))
-    }
-
-    fn get_inner(&self, id: &ChunkId, name: Option<&[u8]>) -> Option<Hit> {
-        let hit = {
-            let ram = self.ram.read();
-            ram.get(id).and_then(|c| {
-                if name.is_some() && c.name.as_deref() != name {
-                    return None;
-                }
-                Some(c.data.clone())
-            })
-        };
-        let mut s = self.stats.lock();
-        match hit {
-            Some(data) => {
-                s.hits_ram += 1;
-                s.bytes_out += data.len() as u64;
-                Some(Hit {
-                    data,
-                    tier: Tier::Ram,
-                })
-            }
-            None => {
-                s.misses += 1;
-                None
-            }
-        }
+        self.inner.get_inner(id, Some(name))
     }
 
     /// Where a chunk lives, from the in-RAM index only (no disk I/O).
     pub fn locate(&self, id: &ChunkId) -> Option<Tier> {
-        self.ram.read().contains_key(id).then_some(Tier::Ram)
+        let _g = self.inner.gate.read();
+        if self.inner.ram.contains(id) {
+            return Some(Tier::Ram);
+        }
+        let d = self.inner.disk.as_ref()?;
+        d.index.read().contains(id).then_some(Tier::Disk)
     }
 
     /// For an ordered key list: fills `tiers` with where each key lives (or
     /// `None`) and returns the length of the longest present prefix. Touches
-    /// no disk.
+    /// no disk: the disk index is probed in one prefetched batch.
     pub fn lookup_prefix(
         &self,
         ns: Namespace,
@@ -433,65 +588,617 @@ impl ChunkStore {
         keys: &[ChunkKey],
         tiers: &mut Vec<Option<Tier>>,
     ) -> usize {
+        let _g = self.inner.gate.read();
+        let mut locs = Vec::new();
+        if let Some(d) = &self.inner.disk {
+            d.index.read().get_batch(&ns, group, keys, &mut locs);
+        } else {
+            locs.resize(keys.len(), None);
+        }
         tiers.clear();
-        tiers.extend(keys.iter().map(|k| self.locate(&ChunkId::new(ns, *k, group))));
+        tiers.extend(keys.iter().zip(&locs).map(|(k, loc)| {
+            if self.inner.ram.contains(&ChunkId::new(ns, *k, group)) {
+                Some(Tier::Ram)
+            } else {
+                loc.map(|_| Tier::Disk)
+            }
+        }));
         tiers.iter().take_while(|t| t.is_some()).count()
     }
 
-    /// Removes a chunk from RAM and disk; returns whether it existed.
+    /// Removes a chunk from RAM and disk; returns whether it existed. The
+    /// removal reaches the disk as a tombstone, durable at the next flush.
     pub fn delete(&self, id: &ChunkId) -> bool {
-        let existed = self.ram.write().remove(id).is_some();
-        if existed {
-            if let Some(o) = self.observer.read().as_ref() {
-                o.removed(id);
-            }
-        }
-        existed
+        self.inner.delete_inner(id, true)
     }
 
     /// Writes every chunk that is dirty at the call; returns when they are durable.
     pub fn flush(&self) -> Result<FlushReport> {
-        Err(Error::Unimplemented("flush to the disk tier"))
+        self.inner.check_open()?;
+        self.inner.flush_inner(None)
     }
 
     /// A snapshot of the counters.
     pub fn stats(&self) -> StoreStats {
-        let mut s = self.stats.lock().clone();
-        let ram = self.ram.read();
-        s.ram_chunks = ram.len() as u64;
-        s.ram_bytes = ram.values().map(|c| c.data.len() as u64).sum();
-        s.dirty_bytes = s.ram_bytes;
+        let i = &self.inner;
+        let c = &i.counters;
+        let mut s = StoreStats {
+            ram_chunks: i.ram.len() as u64,
+            ram_bytes: i.ram.used_bytes(),
+            ram_budget: i.config.ram_budget,
+            dirty_bytes: i.ram.dirty_bytes(),
+            disk_budget: i.config.disk_budget,
+            hits_ram: c.hits_ram.load(Ordering::Relaxed),
+            hits_disk: c.hits_disk.load(Ordering::Relaxed),
+            misses: c.misses.load(Ordering::Relaxed),
+            puts: c.puts.load(Ordering::Relaxed),
+            bytes_in: c.bytes_in.load(Ordering::Relaxed),
+            bytes_out: c.bytes_out.load(Ordering::Relaxed),
+            ram_evictions: c.ram_evictions.load(Ordering::Relaxed),
+            dropped_unwritten: c.dropped_unwritten.load(Ordering::Relaxed),
+            recovery_micros: i.recovery_micros.load(Ordering::Relaxed),
+            ..Default::default()
+        };
+        if let Some(d) = &i.disk {
+            let dc = &d.counters;
+            let ix = d.index.read();
+            s.disk_chunks = ix.len() as u64;
+            s.index_bytes = ix.memory_bytes() as u64;
+            drop(ix);
+            s.disk_bytes = d.live_bytes.load(Ordering::Relaxed);
+            s.region_evictions = dc.region_evictions.load(Ordering::Relaxed);
+            s.disk_writes = dc.disk_writes.load(Ordering::Relaxed);
+            s.disk_write_bytes = dc.disk_write_bytes.load(Ordering::Relaxed);
+            s.disk_reads = dc.disk_reads.load(Ordering::Relaxed);
+            s.verify_failures = dc.verify_failures.load(Ordering::Relaxed);
+            s.disk_write_failures = dc.write_failures.load(Ordering::Relaxed);
+            s.writer_paused_nospace = d.paused_nospace.load(Ordering::Relaxed);
+            s.direct_io = d.dev.direct_io();
+            s.disk_poisoned = d.poisoned().is_some();
+            s.disk_regions = u64::from(d.region_count);
+        }
+        s.writer_queue_depth = i.tx.as_ref().map_or(0, |t| t.len() as u64);
         s
     }
 
     /// Every chunk id held (RAM or disk) with its payload length: the snapshot
     /// the peer sync publishes.
     pub fn ids(&self) -> Vec<(ChunkId, u64)> {
-        self.ram
-            .read()
-            .iter()
-            .map(|(id, c)| (*id, c.data.len() as u64))
-            .collect()
+        let mut out: HashMap<ChunkId, u64> = HashMap::new();
+        if let Some(d) = &self.inner.disk {
+            out.extend(
+                d.index
+                    .read()
+                    .iter()
+                    .map(|(id, l)| (*id, u64::from(l.payload_len))),
+            );
+        }
+        for (id, _) in self.inner.ram.ids() {
+            if let Some(e) = self.inner.ram.peek(&id) {
+                out.insert(id, e.data.len() as u64);
+            }
+        }
+        out.into_iter().collect()
     }
 
     /// Re-reads and checks every chunk on disk. `progress(done, total)` is
     /// called as it goes.
     pub fn verify(
         &self,
-        _opts: &VerifyOptions,
-        _progress: &mut dyn FnMut(u64, u64),
+        opts: &VerifyOptions,
+        progress: &mut dyn FnMut(u64, u64),
     ) -> Result<VerifyReport> {
-        Err(Error::Unimplemented("verify of the disk tier"))
+        self.inner.check_open()?;
+        crate::maintenance::verify(&self.inner, opts, progress)
     }
 
     /// Drops namespaces by id or age.
-    pub fn gc(&self, _opts: &GcOptions) -> Result<GcReport> {
-        Err(Error::Unimplemented("gc"))
+    pub fn gc(&self, opts: &GcOptions) -> Result<GcReport> {
+        self.inner.check_open()?;
+        crate::maintenance::gc(&self.inner, opts)
     }
 
     /// Flushes dirty chunks within `deadline`, stops the I/O threads and
     /// closes the files. Further calls fail with [`Error::Closed`].
-    pub fn close(&self, _deadline: Duration) -> Result<FlushReport> {
-        Ok(FlushReport::default())
+    pub fn close(&self, deadline: Duration) -> Result<FlushReport> {
+        if self.inner.closed.swap(true, Ordering::SeqCst) {
+            return Err(Error::Closed);
+        }
+        let report = self.inner.flush_inner(Some(Instant::now() + deadline));
+        self.inner.persist_last_used();
+        self.stop_threads();
+        report
+    }
+
+    fn stop_threads(&self) {
+        self.idle_stop.lock().take();
+        if let Some(tx) = &self.inner.tx {
+            let (ack, wait) = bounded(1);
+            if tx.send(Msg::Stop(ack)).is_ok() {
+                let _ = wait.recv();
+            }
+        }
+        for h in self.threads.lock().drain(..) {
+            let _ = h.join();
+        }
+    }
+
+    /// Test hook: one pass of the idle flusher, as its timer would run it.
+    #[cfg(feature = "test_utils")]
+    pub fn idle_tick(&self) {
+        self.inner.idle_pass();
+    }
+
+    /// Test hook: a clone of the disk index location of `id`, as
+    /// `(region, offset within the file, record length)`.
+    #[cfg(feature = "test_utils")]
+    pub fn disk_location(&self, id: &ChunkId) -> Option<(u32, u64, u64)> {
+        let d = self.inner.disk.as_ref()?;
+        let l = d.index.read().get(id)?;
+        Some((
+            l.region,
+            d.region_base(l.region) + u64::from(l.offset),
+            u64::from(l.header_len) + u64::from(l.payload_len),
+        ))
+    }
+
+    /// Test hook: header length of the chunk `id` on disk.
+    #[cfg(feature = "test_utils")]
+    pub fn disk_header_len(&self, id: &ChunkId) -> Option<u32> {
+        let d = self.inner.disk.as_ref()?;
+        d.index.read().get(id).map(|l| l.header_len)
+    }
+}
+
+impl Drop for ChunkStore {
+    fn drop(&mut self) {
+        if !self.inner.closed.swap(true, Ordering::SeqCst) {
+            self.stop_threads();
+        }
+    }
+}
+
+/// Bytes gathered per disk write.
+const WRITE_BATCH: usize = 4 << 20;
+
+impl Inner {
+    fn check_open(&self) -> Result<()> {
+        if self.closed.load(Ordering::SeqCst) {
+            return Err(Error::Closed);
+        }
+        Ok(())
+    }
+
+    fn send(&self, m: Msg) -> Result<()> {
+        match &self.tx {
+            Some(tx) => tx.send(m).map_err(|_| Error::Closed),
+            None => Err(Error::Closed),
+        }
+    }
+
+    fn observer(&self) -> Option<Arc<dyn ChunkObserver>> {
+        self.observer.read().clone()
+    }
+
+    fn touch(&self, ns: &Namespace) {
+        // Coarse (a minute): kept in memory, persisted at flush/close/gc.
+        let now = crate::layout::now_ms();
+        let stale = self
+            .namespaces
+            .read()
+            .get(ns)
+            .is_some_and(|e| now > e.last_used_ms + 60_000);
+        if stale {
+            if let Some(e) = self.namespaces.write().get_mut(ns) {
+                e.last_used_ms = now;
+            }
+        }
+    }
+
+    pub(crate) fn persist_last_used(&self) {
+        let _g = self.manifest_lock.lock();
+        let snap = self.namespaces.read().clone();
+        if snap.is_empty() {
+            return;
+        }
+        if let Err(e) = manifest::store(&self.config.data_dir, &snap) {
+            tracing::warn!(error = %e, "could not persist namespace last-used times");
+        }
+    }
+
+    pub(crate) fn forget_namespaces(&self, gone: &[Namespace]) -> Result<()> {
+        let _g = self.manifest_lock.lock();
+        let mut snap = self.namespaces.read().clone();
+        for ns in gone {
+            snap.remove(ns);
+        }
+        manifest::store(&self.config.data_dir, &snap)?;
+        *self.namespaces.write() = snap;
+        Ok(())
+    }
+
+    pub(crate) fn namespace_last_used(&self) -> Vec<(Namespace, u64)> {
+        self.namespaces
+            .read()
+            .iter()
+            .map(|(id, e)| (*id, e.last_used_ms))
+            .collect()
+    }
+
+    fn ram_insert(
+        &self,
+        id: ChunkId,
+        name: Option<Bytes>,
+        data: Bytes,
+        dirty: bool,
+        evicted: &mut Vec<Evicted>,
+    ) -> Result<()> {
+        let len = data.len() as u64;
+        let (_, ev) = self.ram.insert(id, data, name, dirty)?;
+        evicted.extend(ev);
+        if dirty {
+            self.counters.puts.fetch_add(1, Ordering::Relaxed);
+            self.counters.bytes_in.fetch_add(len, Ordering::Relaxed);
+            if let Some(o) = self.observer() {
+                o.added(&id, len);
+            }
+        }
+        Ok(())
+    }
+
+    fn put_inner(
+        &self,
+        id: ChunkId,
+        name: Option<Bytes>,
+        data: Bytes,
+        _txn: Option<()>,
+    ) -> Result<()> {
+        self.check_open()?;
+        if !self.namespaces.read().contains_key(&id.ns) {
+            return Err(Error::UnknownNamespace(id.ns));
+        }
+        {
+            let mut t = self.txns.lock();
+            if t.of.contains_key(&id) {
+                self.leave_group(&mut t, &id);
+            }
+        }
+        let mut evicted = Vec::new();
+        self.ram_insert(id, name, data, true, &mut evicted)?;
+        self.touch(&id.ns);
+        self.handle_evicted(evicted);
+        Ok(())
+    }
+
+    /// Takes `id` out of its atomic group (it was replaced).
+    fn leave_group(&self, t: &mut Txns, id: &ChunkId) {
+        if let Some((txn, _)) = t.of.remove(id) {
+            if let Some(m) = t.members.get_mut(&txn) {
+                m.retain(|x| x != id);
+                if m.is_empty() {
+                    t.members.remove(&txn);
+                }
+            }
+        }
+    }
+
+    /// Drops every remaining member of `txn` (one member was lost).
+    fn break_group(&self, txn: u64) {
+        let members = {
+            let mut t = self.txns.lock();
+            let m = t.members.remove(&txn).unwrap_or_default();
+            for id in &m {
+                t.of.remove(id);
+            }
+            m
+        };
+        if members.is_empty() {
+            return;
+        }
+        tracing::debug!(
+            txn,
+            members = members.len(),
+            "atomic group lost a member; dropping the rest"
+        );
+        let obs = self.observer();
+        for id in members {
+            let in_ram = self.ram.remove(&id).is_some();
+            let on_disk = self.disk.as_ref().is_some_and(|d| {
+                let mut ix = d.index.write();
+                if ix.get(&id).is_some_and(|l| l.txn == txn) {
+                    if let Some(l) = ix.remove(&id) {
+                        d.live_bytes
+                            .fetch_sub(u64::from(l.payload_len), Ordering::Relaxed);
+                    }
+                    true
+                } else {
+                    false
+                }
+            });
+            if in_ram || on_disk {
+                self.cancel.lock().insert(id, Instant::now());
+                if let Some(o) = &obs {
+                    o.removed(&id);
+                }
+            }
+        }
+    }
+
+    fn txn_of(&self, id: &ChunkId) -> (u64, u32) {
+        self.txns.lock().of.get(id).copied().unwrap_or((0, 0))
+    }
+
+    fn on_disk(&self, id: &ChunkId) -> bool {
+        self.disk
+            .as_ref()
+            .is_some_and(|d| d.index.read().contains(id))
+    }
+
+    /// A chunk is gone from this node: tell the observer, break its group.
+    fn lost(&self, id: &ChunkId) {
+        if self.ram.contains(id) || self.on_disk(id) {
+            return;
+        }
+        if let Some(o) = self.observer() {
+            o.removed(id);
+        }
+        let (txn, _) = self.txn_of(id);
+        if txn != 0 {
+            self.break_group(txn);
+        }
+    }
+
+    fn handle_evicted(&self, evicted: Vec<Evicted>) {
+        for e in evicted {
+            self.counters.ram_evictions.fetch_add(1, Ordering::Relaxed);
+            if !e.entry.dirty {
+                self.lost(&e.id);
+                continue;
+            }
+            let Some(tx) = &self.tx else {
+                self.counters
+                    .dropped_unwritten
+                    .fetch_add(1, Ordering::Relaxed);
+                self.lost(&e.id);
+                continue;
+            };
+            let (txn, txn_size) = self.txn_of(&e.id);
+            let job = Job {
+                id: e.id,
+                name: e.entry.name,
+                data: e.entry.data,
+                ram_seq: None,
+                inserted: e.entry.inserted,
+                txn,
+                txn_size,
+                created_ms: crate::layout::now_ms(),
+                ticket: None,
+            };
+            let sent = match self.config.write_policy {
+                WritePolicy::NoTax => match tx.try_send(Msg::Write(job)) {
+                    Ok(()) => true,
+                    Err(TrySendError::Full(_)) => false,
+                    Err(TrySendError::Disconnected(_)) => false,
+                },
+                WritePolicy::Backpressure => tx.send(Msg::Write(job)).is_ok(),
+            };
+            if !sent {
+                self.counters
+                    .dropped_unwritten
+                    .fetch_add(1, Ordering::Relaxed);
+                self.lost(&e.id);
+            }
+        }
+    }
+
+    fn get_inner(&self, id: &ChunkId, name: Option<&[u8]>) -> Option<Hit> {
+        let g = self.gate.read();
+        if let Some(e) = self.ram.get(id) {
+            drop(g);
+            if let Some(want) = name {
+                if e.name.as_deref().unwrap_or(&[]) != want {
+                    self.counters.misses.fetch_add(1, Ordering::Relaxed);
+                    return None;
+                }
+            }
+            self.counters.hits_ram.fetch_add(1, Ordering::Relaxed);
+            self.counters
+                .bytes_out
+                .fetch_add(e.data.len() as u64, Ordering::Relaxed);
+            self.touch(&id.ns);
+            return Some(Hit {
+                data: e.data,
+                tier: Tier::Ram,
+            });
+        }
+        let read = match &self.disk {
+            Some(d) if d.poisoned().is_none() => d.read_chunk(id, name),
+            _ => Err(ReadMiss::Absent),
+        };
+        drop(g);
+        match read {
+            Ok((data, stored_name)) => {
+                self.counters.hits_disk.fetch_add(1, Ordering::Relaxed);
+                self.counters
+                    .bytes_out
+                    .fetch_add(data.len() as u64, Ordering::Relaxed);
+                self.touch(&id.ns);
+                if self.config.promote_on_read {
+                    let mut ev = Vec::new();
+                    if self
+                        .ram_insert(*id, stored_name, data.clone(), false, &mut ev)
+                        .is_ok()
+                    {
+                        self.handle_evicted(ev);
+                    }
+                }
+                Some(Hit {
+                    data,
+                    tier: Tier::Disk,
+                })
+            }
+            Err(_) => {
+                self.counters.misses.fetch_add(1, Ordering::Relaxed);
+                None
+            }
+        }
+    }
+
+    pub(crate) fn delete_inner(&self, id: &ChunkId, notify: bool) -> bool {
+        let in_ram = self.ram.remove(id).is_some();
+        let mut on_disk = false;
+        if let Some(d) = &self.disk {
+            self.cancel.lock().insert(*id, Instant::now());
+            if let Some(l) = d.index.write().remove(id) {
+                d.live_bytes
+                    .fetch_sub(u64::from(l.payload_len), Ordering::Relaxed);
+                on_disk = true;
+            }
+            if let Some(tx) = &self.tx {
+                let _ = tx.send(Msg::Tombstone(*id, Instant::now()));
+            }
+        }
+        {
+            let mut t = self.txns.lock();
+            self.leave_group(&mut t, id);
+        }
+        if notify && (in_ram || on_disk) {
+            if let Some(o) = self.observer() {
+                o.removed(id);
+            }
+        }
+        in_ram || on_disk
+    }
+
+    fn flush_inner(&self, deadline: Option<Instant>) -> Result<FlushReport> {
+        let dirty = self.ram.dirty_entries(None, usize::MAX);
+        let Some(d) = &self.disk else {
+            return Ok(FlushReport {
+                failed: dirty.len() as u64,
+                ..Default::default()
+            });
+        };
+        if let Some(p) = d.poisoned() {
+            return Err(Error::Poisoned(p));
+        }
+        let ticket = Arc::new(Ticket::default());
+        for (id, e) in dirty {
+            let (txn, txn_size) = self.txn_of(&id);
+            self.send(Msg::Write(Job {
+                id,
+                name: e.name,
+                data: e.data,
+                ram_seq: Some(e.seq),
+                inserted: e.inserted,
+                txn,
+                txn_size,
+                created_ms: crate::layout::now_ms(),
+                ticket: Some(ticket.clone()),
+            }))?;
+        }
+        let (ack, wait) = bounded(1);
+        self.send(Msg::Flush(ack))?;
+        let res = match deadline {
+            None => wait.recv().map_err(|_| Error::Closed)?,
+            Some(t) => wait.recv_deadline(t).map_err(|_| Error::Io {
+                op: "flush within the close deadline",
+                path: self.config.data_dir.clone(),
+                source: std::io::Error::from(std::io::ErrorKind::TimedOut),
+            })?,
+        };
+        res?;
+        self.persist_last_used();
+        Ok(FlushReport {
+            chunks: ticket.written.load(Ordering::Relaxed),
+            bytes: ticket.bytes.load(Ordering::Relaxed),
+            failed: ticket.failed.load(Ordering::Relaxed),
+        })
+    }
+
+    fn idle_pass(&self) {
+        let (Some(tx), Some(d)) = (&self.tx, &self.disk) else {
+            return;
+        };
+        if self.closed.load(Ordering::SeqCst) || d.poisoned().is_some() || !tx.is_empty() {
+            return;
+        }
+        let limit = self.config.writer_queue;
+        for (id, e) in self
+            .ram
+            .dirty_entries(Some(self.config.idle_flush_after), limit)
+        {
+            let (txn, txn_size) = self.txn_of(&id);
+            let job = Job {
+                id,
+                name: e.name,
+                data: e.data,
+                ram_seq: Some(e.seq),
+                inserted: e.inserted,
+                txn,
+                txn_size,
+                created_ms: crate::layout::now_ms(),
+                ticket: None,
+            };
+            if tx.try_send(Msg::Write(job)).is_err() {
+                break;
+            }
+        }
+    }
+}
+
+impl Hooks for Inner {
+    fn wanted(&self, job: &Job) -> bool {
+        if let Some(t) = self.cancel.lock().get(&job.id) {
+            if job.inserted <= *t {
+                return false;
+            }
+        }
+        match job.ram_seq {
+            None => true,
+            Some(seq) => self
+                .ram
+                .peek(&job.id)
+                .is_some_and(|e| e.seq == seq && e.dirty),
+        }
+    }
+
+    fn written(&self, job: &Job) {
+        if let Some(seq) = job.ram_seq {
+            self.ram.mark_clean(&job.id, seq);
+        }
+        if let Some(t) = &job.ticket {
+            t.written.fetch_add(1, Ordering::Relaxed);
+            t.bytes.fetch_add(job.data.len() as u64, Ordering::Relaxed);
+        }
+    }
+
+    fn failed(&self, job: &Job) {
+        if let Some(t) = &job.ticket {
+            t.failed.fetch_add(1, Ordering::Relaxed);
+        }
+        if job.ram_seq.is_none() {
+            self.lost(&job.id);
+        }
+    }
+
+    fn reclaimed(&self, removed: Vec<(ChunkId, Location)>) {
+        let obs = self.observer();
+        for (id, loc) in removed {
+            if loc.txn != 0 {
+                self.break_group(loc.txn);
+            }
+            if !self.ram.contains(&id) {
+                if let Some(o) = &obs {
+                    o.removed(&id);
+                }
+            }
+        }
+    }
+
+    fn tombstone_done(&self, id: &ChunkId, at: Instant) {
+        let mut c = self.cancel.lock();
+        if c.get(id).is_some_and(|t| *t <= at) {
+            c.remove(id);
+        }
     }
 }

@@ -1,0 +1,123 @@
+//! [`TierConfig`]: the store's configuration, with defaults and a
+//! `validate()` that rejects contradictions (never clamps).
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::device::BLOCK;
+use crate::{Error, Result};
+
+/// Smallest accepted region size (64 KiB).
+pub const MIN_REGION_SIZE: u64 = 64 << 10;
+/// Largest accepted region size (1 GiB; offsets within a region are u32).
+pub const MAX_REGION_SIZE: u64 = 1 << 30;
+
+/// What to do when the disk writer falls behind.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "kebab-case")]
+pub enum WritePolicy {
+    /// Never block PUT: a dirty chunk evicted from RAM that cannot be queued
+    /// for writing is dropped and counted (`dropped_unwritten`). Default.
+    #[default]
+    NoTax,
+    /// PUT waits for writer queue space, so every evicted chunk reaches disk.
+    Backpressure,
+}
+
+/// Configuration of a [`crate::ChunkStore`]. Field docs end with their default.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case", deny_unknown_fields, default)]
+pub struct TierConfig {
+    /// Directory holding the store's files. Default: `./kvtier-data`.
+    pub data_dir: PathBuf,
+    /// Hard byte limit of the RAM LRU. Default: 1 GiB. Minimum: 1 MiB.
+    pub ram_budget: u64,
+    /// Hard byte limit of the NVMe store (preallocated). Default: 16 GiB;
+    /// 0 disables the disk tier (RAM only).
+    pub disk_budget: u64,
+    /// Size of one region of the segment store: the unit of append, seal
+    /// and reclaim. A multiple of 4 KiB between 64 KiB and 1 GiB; a chunk
+    /// (header + payload) must fit in one region. An existing store keeps
+    /// the region size it was created with (a different value is refused at
+    /// open). Default: 64 MiB.
+    pub region_size: u64,
+    /// Dirty chunks older than this are written when the writer is idle.
+    /// Default: 30 s.
+    #[serde(with = "duration_ms")]
+    pub idle_flush_after: Duration,
+    /// Write policy when the writer falls behind. Default: `no-tax`.
+    pub write_policy: WritePolicy,
+    /// Number of chunks the writer queue holds. Default: 64.
+    pub writer_queue: usize,
+    /// Promote disk hits into RAM as clean entries. Default: true.
+    pub promote_on_read: bool,
+    /// Use O_DIRECT when the filesystem supports it. Default: true.
+    pub direct_io: bool,
+}
+
+mod duration_ms {
+    use serde::{Deserialize, Deserializer, Serializer};
+    use std::time::Duration;
+
+    pub fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_u64(d.as_millis() as u64)
+    }
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+        Ok(Duration::from_millis(u64::deserialize(d)?))
+    }
+}
+
+impl Default for TierConfig {
+    fn default() -> Self {
+        Self {
+            data_dir: PathBuf::from("kvtier-data"),
+            ram_budget: 1 << 30,
+            disk_budget: 16 << 30,
+            region_size: 64 << 20,
+            idle_flush_after: Duration::from_secs(30),
+            write_policy: WritePolicy::NoTax,
+            writer_queue: 64,
+            promote_on_read: true,
+            direct_io: true,
+        }
+    }
+}
+
+impl TierConfig {
+    /// Rejects contradictions (never clamps silently).
+    pub fn validate(&self) -> Result<()> {
+        if self.ram_budget < (1 << 20) {
+            return Err(Error::Config(format!(
+                "ram-budget is {} bytes; the minimum is 1 MiB",
+                self.ram_budget
+            )));
+        }
+        if self.region_size % BLOCK != 0
+            || self.region_size < MIN_REGION_SIZE
+            || self.region_size > MAX_REGION_SIZE
+        {
+            return Err(Error::Config(format!(
+                "region-size is {} bytes; it must be a multiple of {BLOCK} between {MIN_REGION_SIZE} and {MAX_REGION_SIZE}",
+                self.region_size
+            )));
+        }
+        if self.disk_budget != 0 && self.disk_budget / self.region_size > u64::from(u32::MAX) {
+            return Err(Error::Config(format!(
+                "disk-budget ({}) holds more than 2^32 regions of region-size ({})",
+                self.disk_budget, self.region_size
+            )));
+        }
+        if self.disk_budget != 0 && self.disk_budget < 2 * self.region_size {
+            return Err(Error::Config(format!(
+                "disk-budget ({}) must hold at least two regions of region-size ({}), or be 0",
+                self.disk_budget, self.region_size
+            )));
+        }
+        if self.writer_queue == 0 {
+            return Err(Error::Config("writer-queue must be at least 1".into()));
+        }
+        Ok(())
+    }
+}

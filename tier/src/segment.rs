@@ -1,0 +1,458 @@
+//! The segment store's shared state: the device, its geometry, the index and
+//! the counters; the verified read path; and recovery (rebuilding the index
+//! at open from region summaries, or from batch records for a region that
+//! was not sealed).
+//!
+//! The writer thread (`writer.rs`) is the only one that writes; readers use
+//! [`Disk::read_chunk`] from the caller's thread.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+use bytes::Bytes;
+use parking_lot::{Mutex, RwLock};
+
+use crate::device::{AlignedBuf, BLOCK, Device, block_up};
+use crate::format::{ChunkHeader, crc32c};
+use crate::index::{Index, Location};
+use crate::layout::{
+    ArchivedEntry, BATCH_FIXED, BatchHead, DATA_START, Entry, KIND_CHUNK, KIND_TOMBSTONE,
+    OPEN_SLOT, STORE_VERSION, SealSlot, Superblock, SuperblockError, decode_entries,
+    decode_open_slot,
+};
+use crate::types::ChunkId;
+use crate::{Error, Result};
+
+/// Counters of the disk tier (monotonic since open).
+#[derive(Default)]
+pub(crate) struct DiskCounters {
+    pub disk_writes: AtomicU64,
+    pub disk_write_bytes: AtomicU64,
+    pub disk_reads: AtomicU64,
+    pub region_evictions: AtomicU64,
+    pub verify_failures: AtomicU64,
+    pub write_failures: AtomicU64,
+}
+
+/// The disk tier shared by readers and the writer thread.
+pub(crate) struct Disk {
+    pub dev: Arc<dyn Device>,
+    pub region_size: u64,
+    pub region_count: u32,
+    // parking_lot RwLock: many concurrent readers, short write sections by
+    // the writer (batch inserts, reclaim); never held across I/O.
+    pub index: RwLock<Index>,
+    // parking_lot Mutex: set once on a failed write/fsync, read rarely.
+    pub poison: Mutex<Option<String>>,
+    pub paused_nospace: AtomicBool,
+    pub counters: DiskCounters,
+    /// Payload bytes of the chunks in the index.
+    pub live_bytes: AtomicU64,
+}
+
+/// Why a disk read did not produce bytes.
+#[derive(Debug)]
+pub(crate) enum ReadMiss {
+    /// Not in the index (no I/O was done).
+    Absent,
+    /// The read or a check failed (logged, counted); the entry was dropped
+    /// from the index.
+    Bad,
+}
+
+/// What recovery found, handed to the writer.
+pub(crate) struct Recovered {
+    /// Per region: generation (0 = free) and whether it is sealed.
+    pub regions: Vec<(u64, bool)>,
+    /// Regions recovered from batch records that must be sealed now, with
+    /// their entries and data end.
+    pub unsealed: Vec<(u32, u64, Vec<Entry>, u64)>,
+    /// Highest generation seen.
+    pub max_generation: u64,
+    /// Highest transaction id seen.
+    pub max_txn: u64,
+}
+
+impl Disk {
+    /// Byte offset of region `r`.
+    pub fn region_base(&self, r: u32) -> u64 {
+        u64::from(r) * self.region_size
+    }
+
+    pub fn poisoned(&self) -> Option<String> {
+        self.poison.lock().clone()
+    }
+
+    /// Reads and fully verifies the chunk `id` (header CRC, identity, name,
+    /// length, payload CRC). A failed check or I/O error drops the entry.
+    pub fn read_chunk(
+        &self,
+        id: &ChunkId,
+        name: Option<&[u8]>,
+    ) -> Result<(Bytes, Option<Bytes>), ReadMiss> {
+        let Some(loc) = self.index.read().get(id) else {
+            return Err(ReadMiss::Absent);
+        };
+        match self.read_at_location(id, None, &loc) {
+            Ok((data, stored)) => {
+                // A different name is a plain miss (another key hashing to
+                // the same id), not corruption: keep the entry.
+                if let Some(want) = name {
+                    if stored.as_deref().unwrap_or(&[]) != want {
+                        return Err(ReadMiss::Absent);
+                    }
+                }
+                Ok((data, stored))
+            }
+            Err(why) => {
+                self.counters
+                    .verify_failures
+                    .fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(chunk = ?id, region = loc.region, offset = loc.offset, %why,
+                    "disk read failed verification; served as a miss and dropped");
+                let mut ix = self.index.write();
+                if ix.get(id) == Some(loc) {
+                    ix.remove(id);
+                    self.live_bytes
+                        .fetch_sub(u64::from(loc.payload_len), Ordering::Relaxed);
+                }
+                Err(ReadMiss::Bad)
+            }
+        }
+    }
+
+    /// Reads the record at `loc` and checks it against `id` and `loc`.
+    pub fn read_at_location(
+        &self,
+        id: &ChunkId,
+        name: Option<&[u8]>,
+        loc: &Location,
+    ) -> Result<(Bytes, Option<Bytes>), String> {
+        let hl = loc.header_len as usize;
+        let pl = loc.payload_len as usize;
+        let len = block_up((hl + pl) as u64);
+        if u64::from(loc.offset) + len > self.region_size {
+            return Err(format!(
+                "record of {len} bytes at {} overruns the region",
+                loc.offset
+            ));
+        }
+        let mut buf = AlignedBuf::zeroed(len as usize);
+        self.counters.disk_reads.fetch_add(1, Ordering::Relaxed);
+        self.dev
+            .read_at(
+                &mut buf,
+                self.region_base(loc.region) + u64::from(loc.offset),
+            )
+            .map_err(|e| format!("I/O error: {e}"))?;
+        let head = ChunkHeader::decode(&buf[..hl]).map_err(|e| e.to_string())?;
+        if head.encoded_len() != hl {
+            return Err(format!(
+                "header length {} differs from the index's {hl}",
+                head.encoded_len()
+            ));
+        }
+        head.check_identity(id, name).map_err(|e| e.to_string())?;
+        if head.payload_len != pl as u64 || head.payload_crc != loc.crc {
+            return Err(format!(
+                "header says {} bytes crc {:#010x}, index says {pl} bytes crc {:#010x}",
+                head.payload_len, head.payload_crc, loc.crc
+            ));
+        }
+        head.verify_payload(&buf[hl..hl + pl])
+            .map_err(|e| e.to_string())?;
+        Ok((Bytes::from_owner(buf).slice(hl..hl + pl), head.name))
+    }
+
+    fn io_err(&self, op: &'static str, e: std::io::Error) -> Error {
+        Error::Io {
+            op,
+            path: self.dev.path().to_path_buf(),
+            source: e,
+        }
+    }
+
+    /// Opens the device: formats a fresh one, else checks the superblock
+    /// against the configured geometry and rebuilds the index.
+    pub fn open(dev: Arc<dyn Device>, region_size: u64) -> Result<(Self, Recovered)> {
+        let region_count = u32::try_from(dev.len() / region_size).map_err(|_| {
+            Error::Config(format!("{} regions is too many", dev.len() / region_size))
+        })?;
+        let disk = Self {
+            dev,
+            region_size,
+            region_count,
+            index: RwLock::new(Index::default()),
+            poison: Mutex::new(None),
+            paused_nospace: AtomicBool::new(false),
+            counters: DiskCounters::default(),
+            live_bytes: AtomicU64::new(0),
+        };
+        let mut block = AlignedBuf::zeroed(BLOCK as usize);
+        disk.dev
+            .read_at(&mut block, 0)
+            .map_err(|e| disk.io_err("read the superblock of", e))?;
+        match Superblock::decode(&block) {
+            Ok(sb) => {
+                if sb.region_size != region_size {
+                    return Err(Error::Config(format!(
+                        "the store in {} was created with region-size {} but the config says {}; \
+                         set region-size back to {} or move the store away",
+                        disk.dev.path().display(),
+                        sb.region_size,
+                        region_size,
+                        sb.region_size
+                    )));
+                }
+                if sb.region_count != region_count {
+                    return Err(Error::Config(format!(
+                        "the store in {} holds {} regions ({} bytes) but disk-budget gives {}; \
+                         restore the disk-budget or move the store away",
+                        disk.dev.path().display(),
+                        sb.region_count,
+                        u64::from(sb.region_count) * region_size,
+                        region_count
+                    )));
+                }
+            }
+            Err(SuperblockError::Version(v)) => {
+                return Err(Error::IncompatibleVersion {
+                    found: v,
+                    supported: STORE_VERSION.to_string(),
+                    hint: "move the store away (or delete it) to start a fresh one",
+                });
+            }
+            Err(SuperblockError::Corrupt(detail)) => {
+                return Err(Error::Corrupt {
+                    what: format!("superblock of {}", disk.dev.path().display()),
+                    detail,
+                });
+            }
+            Err(SuperblockError::NoMagic) => {
+                if block.iter().any(|&b| b != 0) {
+                    return Err(Error::Corrupt {
+                        what: format!("superblock of {}", disk.dev.path().display()),
+                        detail: "no kvtier magic and not zeroed: not a kvtier store".into(),
+                    });
+                }
+                // A fresh device. Regions carry no valid open slot (zeroed),
+                // except after a crash of a previous format attempt, which
+                // wrote nothing but the superblock.
+                let sb = Superblock {
+                    version: STORE_VERSION,
+                    region_size,
+                    region_count,
+                    created_ms: crate::layout::now_ms(),
+                };
+                sb.encode_into(&mut block);
+                disk.dev
+                    .write_at(&block, 0)
+                    .and_then(|()| disk.dev.sync())
+                    .map_err(|e| disk.io_err("write the superblock of", e))?;
+            }
+        }
+        let rec = disk.recover()?;
+        Ok((disk, rec))
+    }
+
+    fn recover(&self) -> Result<Recovered> {
+        let mut slots = AlignedBuf::zeroed(2 * BLOCK as usize);
+        let mut order = Vec::new();
+        let mut regions = vec![(0u64, false); self.region_count as usize];
+        for r in 0..self.region_count {
+            self.dev
+                .read_at(&mut slots, self.region_base(r) + OPEN_SLOT)
+                .map_err(|e| self.io_err("read region slots of", e))?;
+            let Some(generation) = decode_open_slot(&slots[..BLOCK as usize], r) else {
+                continue;
+            };
+            let seal = SealSlot::decode(&slots[BLOCK as usize..])
+                .filter(|s| s.generation == generation && s.region == r);
+            order.push((generation, r, seal));
+        }
+        order.sort_unstable_by_key(|o| (o.0, o.1));
+        let total: u64 = order
+            .iter()
+            .filter_map(|(_, _, s)| s.map(|s| u64::from(s.entry_count)))
+            .sum();
+        let mut index = Index::with_capacity(total as usize);
+        let mut txns: HashMap<u64, (u32, Vec<ChunkId>)> = HashMap::new();
+        let mut rec = Recovered {
+            regions: Vec::new(),
+            unsealed: Vec::new(),
+            max_generation: order.last().map_or(0, |o| o.0),
+            max_txn: 0,
+        };
+        let mut apply = |r: u32, e: &Entry, index: &mut Index, max_txn: &mut u64| {
+            let id = e.id();
+            if e.kind == KIND_TOMBSTONE {
+                index.remove(&id);
+                return;
+            }
+            if e.txn != 0 {
+                *max_txn = (*max_txn).max(e.txn);
+                let t = txns.entry(e.txn).or_insert((e.txn_size, Vec::new()));
+                if !t.1.contains(&id) {
+                    t.1.push(id);
+                }
+            }
+            index.insert(
+                id,
+                Location {
+                    region: r,
+                    offset: e.offset,
+                    header_len: e.header_len,
+                    payload_len: e.payload_len,
+                    crc: e.payload_crc,
+                    txn: e.txn,
+                },
+            );
+        };
+        for (generation, r, seal) in order {
+            let summary = seal.and_then(|s| self.read_summary(r, &s).ok());
+            match summary {
+                Some(buf) => {
+                    let arch = decode_entries(&buf).map_err(|e| Error::Corrupt {
+                        what: format!("summary of region {r}"),
+                        detail: e,
+                    })?;
+                    for a in arch.iter() {
+                        apply(
+                            r,
+                            &ArchivedEntry::to_native(a),
+                            &mut index,
+                            &mut rec.max_txn,
+                        );
+                    }
+                    regions[r as usize] = (generation, true);
+                }
+                None => {
+                    let (entries, data_end) = self.scan_batches(r, generation)?;
+                    if entries.is_empty() {
+                        // Nothing durable: the region is free again.
+                        continue;
+                    }
+                    for e in &entries {
+                        apply(r, e, &mut index, &mut rec.max_txn);
+                    }
+                    regions[r as usize] = (generation, true);
+                    rec.unsealed.push((r, generation, entries, data_end));
+                }
+            }
+        }
+        // Atomic groups: hide every member of a group that is not complete.
+        for (txn, (size, members)) in txns {
+            if members.len() as u32 != size {
+                for id in members {
+                    if index.get(&id).is_some_and(|l| l.txn == txn) {
+                        index.remove(&id);
+                    }
+                }
+            }
+        }
+        let live: u64 = index.iter().map(|(_, l)| u64::from(l.payload_len)).sum();
+        self.live_bytes.store(live, Ordering::Relaxed);
+        *self.index.write() = index;
+        rec.regions = regions;
+        Ok(rec)
+    }
+
+    /// Reads and checks a sealed region's summary; Err means "scan instead".
+    pub fn read_summary(&self, r: u32, s: &SealSlot) -> Result<AlignedBuf, String> {
+        let off = u64::from(s.summary_offset);
+        let len = u64::from(s.summary_len);
+        if off < DATA_START || off % BLOCK != 0 || off + block_up(len) > self.region_size {
+            return Err(format!("summary at {off}+{len} is out of bounds"));
+        }
+        let mut buf = AlignedBuf::zeroed(block_up(len) as usize);
+        self.dev
+            .read_at(&mut buf, self.region_base(r) + off)
+            .map_err(|e| e.to_string())?;
+        buf.set_len(len as usize);
+        if crc32c(&buf) != s.summary_crc {
+            tracing::warn!(region = r, "region summary fails its crc; scanning batches");
+            return Err("summary crc mismatch".into());
+        }
+        Ok(buf)
+    }
+
+    /// Walks the batch records of region `r` from the start, verifying every
+    /// chunk of every batch; stops at the first invalid or torn batch.
+    /// Returns the entries of the intact batches and where they end.
+    pub fn scan_batches(&self, r: u32, generation: u64) -> Result<(Vec<Entry>, u64)> {
+        let mut entries = Vec::new();
+        let mut off = DATA_START;
+        let base = self.region_base(r);
+        let mut head_buf = AlignedBuf::zeroed(BLOCK as usize);
+        while off + BLOCK <= self.region_size {
+            if self.dev.read_at(&mut head_buf, base + off).is_err() {
+                break;
+            }
+            let Some(h) = BatchHead::decode(&head_buf[..BATCH_FIXED]) else {
+                break;
+            };
+            let blen = u64::from(h.batch_len);
+            if h.generation != generation
+                || h.region != r
+                || blen % BLOCK != 0
+                || blen < h.record_len()
+                || off + blen > self.region_size
+            {
+                break;
+            }
+            let mut batch = AlignedBuf::zeroed(blen as usize);
+            if self.dev.read_at(&mut batch, base + off).is_err() {
+                break;
+            }
+            let ents = &batch[BATCH_FIXED..BATCH_FIXED + h.entries_len as usize];
+            if crc32c(ents) != h.entries_crc {
+                break;
+            }
+            let Ok(arch) = decode_entries(ents) else {
+                break;
+            };
+            let list: Vec<Entry> = arch.iter().map(ArchivedEntry::to_native).collect();
+            if list.len() != h.entry_count as usize {
+                break;
+            }
+            // The record is intact, so the chain goes on; a chunk of the batch
+            // that is torn or corrupt is left out on its own. (Within one
+            // generation a position is written once, so a valid record at a
+            // chained position is genuine.)
+            for e in list {
+                if self.batch_entry_ok(&e, &batch, off, blen) {
+                    entries.push(e);
+                } else {
+                    self.counters
+                        .verify_failures
+                        .fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(region = r, offset = e.offset, chunk = ?e.id(),
+                        "torn or corrupt chunk in an unsealed region; dropped at recovery");
+                }
+            }
+            off += blen;
+        }
+        Ok((entries, off))
+    }
+
+    fn batch_entry_ok(&self, e: &Entry, batch: &[u8], batch_off: u64, blen: u64) -> bool {
+        if e.kind != KIND_CHUNK {
+            return e.kind == KIND_TOMBSTONE;
+        }
+        let start = u64::from(e.offset);
+        let end = start + u64::from(e.header_len) + u64::from(e.payload_len);
+        if start < batch_off || end > batch_off + blen {
+            return false;
+        }
+        let rec = &batch[(start - batch_off) as usize..(end - batch_off) as usize];
+        let hl = e.header_len as usize;
+        let Ok(head) = ChunkHeader::decode(&rec[..hl.min(rec.len())]) else {
+            return false;
+        };
+        head.encoded_len() == hl
+            && head.id == e.id()
+            && head.payload_crc == e.payload_crc
+            && head.verify_payload(&rec[hl..]).is_ok()
+    }
+}

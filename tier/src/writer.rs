@@ -1,0 +1,548 @@
+//! The writer thread (`kvtier-writer`): the only code that writes the store
+//! file. It takes jobs from a bounded channel, gathers them into large
+//! aligned batches (one `pwrite` each), appends them to the open region,
+//! seals full regions (summary + seal slot + fdatasync), opens the next
+//! region (a free one, else it reclaims the oldest sealed region, FIFO by
+//! generation, removing its index entries first), and answers flush markers
+//! after an fdatasync.
+//!
+//! A failed write or sync poisons the disk tier until reopen (STYLE.md rule
+//! 8), except ENOSPC, which pauses the writer: the batch fails, the writer
+//! keeps serving and tries again with the next batch.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
+
+use bytes::Bytes;
+use crossbeam_channel::{Receiver, Sender};
+
+use crate::device::{AlignedBuf, BLOCK, block_up};
+use crate::format::ChunkHeader;
+use crate::index::Location;
+use crate::layout::{
+    BATCH_FIXED, BatchHead, DATA_START, Entry, KIND_CHUNK, KIND_TOMBSTONE, OPEN_SLOT, SEAL_SLOT,
+    SealSlot, decode_entries, encode_entries, encode_open_slot, entries_len_bound,
+};
+use crate::segment::{Disk, Recovered};
+use crate::types::ChunkId;
+use crate::{Error, Result};
+
+/// Counts what a flush's jobs became.
+#[derive(Default)]
+pub(crate) struct Ticket {
+    pub written: AtomicU64,
+    pub bytes: AtomicU64,
+    pub failed: AtomicU64,
+}
+
+/// One chunk to write.
+pub(crate) struct Job {
+    pub id: ChunkId,
+    pub name: Option<Bytes>,
+    pub data: Bytes,
+    /// RAM sequence number when the job came from a RAM entry (flush, idle):
+    /// the entry is marked clean after the write if its seq is unchanged.
+    pub ram_seq: Option<u64>,
+    /// When this version was put (a delete after it cancels the job).
+    pub inserted: Instant,
+    pub txn: u64,
+    pub txn_size: u32,
+    pub created_ms: u64,
+    pub ticket: Option<Arc<Ticket>>,
+}
+
+/// Messages to the writer thread.
+pub(crate) enum Msg {
+    Write(Job),
+    /// Persist the deletion of an id (deleted at `.1`).
+    Tombstone(ChunkId, Instant),
+    /// Write everything queued before, fdatasync, then answer.
+    Flush(Sender<Result<()>>),
+    /// Like `Flush`, then exit.
+    Stop(Sender<Result<()>>),
+    /// Seal regions recovered from batch records, then answer.
+    SealRecovered(Sender<Result<()>>),
+}
+
+/// What the writer tells the store about.
+pub(crate) trait Hooks: Send + Sync {
+    /// Whether the job is still wanted (not deleted / superseded meanwhile).
+    fn wanted(&self, job: &Job) -> bool;
+    /// The job's chunk is written (not yet durable).
+    fn written(&self, job: &Job);
+    /// The job's chunk could not be written.
+    fn failed(&self, job: &Job);
+    /// These entries left the index because their region was reclaimed.
+    fn reclaimed(&self, removed: Vec<(ChunkId, Location)>);
+    /// A tombstone for `id` deleted at `at` was written.
+    fn tombstone_done(&self, id: &ChunkId, at: Instant);
+}
+
+struct OpenRegion {
+    r: u32,
+    generation: u64,
+    data_end: u64,
+    entries: Vec<Entry>,
+}
+
+pub(crate) struct Writer {
+    disk: Arc<Disk>,
+    hooks: Arc<dyn Hooks>,
+    /// Per region: generation (0 = free) and whether sealed.
+    regions: Vec<(u64, bool)>,
+    open: Option<OpenRegion>,
+    next_generation: u64,
+    batch_bytes: usize,
+    buf: AlignedBuf,
+    recovered: Vec<(u32, u64, Vec<Entry>, u64)>,
+}
+
+enum Item {
+    Job(Job),
+    Tomb(ChunkId, Instant),
+}
+
+impl Item {
+    fn record_len(&self) -> u64 {
+        match self {
+            Item::Job(j) => block_up(
+                ChunkHeader::encoded_len_for_name(j.name.as_ref().map_or(0, |n| n.len())) as u64
+                    + j.data.len() as u64,
+            ),
+            Item::Tomb(..) => 0,
+        }
+    }
+}
+
+impl Writer {
+    pub fn new(disk: Arc<Disk>, hooks: Arc<dyn Hooks>, rec: Recovered, batch_bytes: usize) -> Self {
+        Self {
+            disk,
+            hooks,
+            regions: rec.regions,
+            open: None,
+            next_generation: rec.max_generation + 1,
+            batch_bytes,
+            buf: AlignedBuf::zeroed(batch_bytes),
+            recovered: rec.unsealed,
+        }
+    }
+
+    /// The thread body.
+    pub fn run(mut self, rx: Receiver<Msg>) {
+        let mut items: Vec<Item> = Vec::new();
+        while let Ok(msg) = rx.recv() {
+            let mut control = None;
+            let mut bytes = 0usize;
+            let push = |m: Msg, items: &mut Vec<Item>, bytes: &mut usize| match m {
+                Msg::Write(j) => {
+                    *bytes += j.data.len();
+                    items.push(Item::Job(j));
+                    None
+                }
+                Msg::Tombstone(id, seq) => {
+                    items.push(Item::Tomb(id, seq));
+                    None
+                }
+                other => Some(other),
+            };
+            control = control.or(push(msg, &mut items, &mut bytes));
+            while control.is_none() && bytes < self.batch_bytes {
+                match rx.try_recv() {
+                    Ok(m) => control = push(m, &mut items, &mut bytes),
+                    Err(_) => break,
+                }
+            }
+            if !items.is_empty() {
+                self.write_items(std::mem::take(&mut items));
+            }
+            match control {
+                None => {}
+                Some(Msg::Flush(ack)) => {
+                    let _ = ack.send(self.sync());
+                }
+                Some(Msg::SealRecovered(ack)) => {
+                    let _ = ack.send(self.seal_recovered());
+                }
+                Some(Msg::Stop(ack)) => {
+                    let _ = ack.send(self.sync());
+                    return;
+                }
+                Some(Msg::Write(_) | Msg::Tombstone(..)) => unreachable!("handled by push"),
+            }
+        }
+    }
+
+    fn poison(&self, what: String) {
+        tracing::error!(error = %what, "disk tier poisoned until reopen");
+        let mut p = self.disk.poison.lock();
+        if p.is_none() {
+            *p = Some(what);
+        }
+    }
+
+    fn check_poison(&self) -> Result<()> {
+        match self.disk.poisoned() {
+            Some(p) => Err(Error::Poisoned(p)),
+            None => Ok(()),
+        }
+    }
+
+    fn sync(&mut self) -> Result<()> {
+        self.check_poison()?;
+        if let Err(e) = self.disk.dev.sync() {
+            self.poison(format!("fdatasync failed: {e}"));
+            return Err(Error::Io {
+                op: "sync",
+                path: self.disk.dev.path().to_path_buf(),
+                source: e,
+            });
+        }
+        Ok(())
+    }
+
+    fn seal_recovered(&mut self) -> Result<()> {
+        for (r, generation, entries, data_end) in std::mem::take(&mut self.recovered) {
+            self.check_poison()?;
+            let mut o = OpenRegion {
+                r,
+                generation,
+                data_end,
+                entries,
+            };
+            self.seal(&mut o)?;
+        }
+        Ok(())
+    }
+
+    fn fail_all(&self, items: &[Item]) {
+        for it in items {
+            if let Item::Job(j) = it {
+                self.disk
+                    .counters
+                    .write_failures
+                    .fetch_add(1, Ordering::Relaxed);
+                self.hooks.failed(j);
+            }
+        }
+    }
+
+    fn write_items(&mut self, items: Vec<Item>) {
+        let mut items: Vec<Item> = items
+            .into_iter()
+            .filter(|it| match it {
+                Item::Job(j) => self.hooks.wanted(j),
+                Item::Tomb(..) => true,
+            })
+            .collect();
+        let rs = self.disk.region_size;
+        let mut start = 0;
+        while start < items.len() {
+            if self.check_poison().is_err() {
+                self.fail_all(&items[start..]);
+                return;
+            }
+            if self.open.is_none() {
+                if let Err(e) = self.open_next_region() {
+                    self.poison(format!("opening a region failed: {e}"));
+                    self.fail_all(&items[start..]);
+                    return;
+                }
+            }
+            let o = self.open.as_ref().expect("a region is open");
+            let mut k = 0;
+            let mut data = 0u64;
+            while start + k < items.len() {
+                let rec = items[start + k].record_len();
+                let head = block_up(BATCH_FIXED as u64 + entries_len_bound(k + 1));
+                let summary = block_up(entries_len_bound(o.entries.len() + k + 1));
+                if o.data_end + head + data + rec + summary > rs {
+                    break;
+                }
+                data += rec;
+                k += 1;
+            }
+            if k == 0 {
+                if o.data_end == DATA_START {
+                    // Does not fit even in an empty region.
+                    tracing::warn!(
+                        len = items[start].record_len(),
+                        region_size = rs,
+                        "chunk larger than a region; not written"
+                    );
+                    self.fail_all(&items[start..start + 1]);
+                    start += 1;
+                } else if let Err(e) = self.seal_open() {
+                    tracing::error!(error = %e, "sealing a region failed");
+                }
+                continue;
+            }
+            let end = start + k;
+            if let Err(e) = self.write_batch(&mut items[start..end]) {
+                let nospace = matches!(&e, Error::NoSpace { .. });
+                if !nospace {
+                    self.poison(format!("batch write failed: {e}"));
+                }
+                self.fail_all(&items[start..end]);
+            }
+            start = end;
+        }
+    }
+
+    fn write_batch(&mut self, items: &mut [Item]) -> Result<()> {
+        let o = self.open.as_mut().expect("a region is open");
+        let r = o.r;
+        let base = self.disk.region_base(r);
+        let head_len = block_up(BATCH_FIXED as u64 + entries_len_bound(items.len()));
+        let total: u64 = head_len + items.iter().map(Item::record_len).sum::<u64>();
+        if self.buf.capacity() < total as usize {
+            self.buf = AlignedBuf::zeroed(total as usize);
+        }
+        self.buf.set_len(total as usize);
+        let buf = &mut self.buf[..];
+        let mut entries = Vec::with_capacity(items.len());
+        let mut at = head_len as usize;
+        for it in items.iter() {
+            match it {
+                Item::Job(j) => {
+                    let mut h =
+                        ChunkHeader::for_payload(j.id, j.name.clone(), &j.data, j.created_ms);
+                    h.flags = 0;
+                    let hl = h.encoded_len();
+                    h.encode_into(&mut buf[at..at + hl]);
+                    let pl = j.data.len();
+                    buf[at + hl..at + hl + pl].copy_from_slice(&j.data);
+                    let rec = block_up((hl + pl) as u64) as usize;
+                    buf[at + hl + pl..at + rec].fill(0);
+                    entries.push(Entry {
+                        ns: j.id.ns.0,
+                        key: j.id.key.0,
+                        group: j.id.group,
+                        kind: KIND_CHUNK,
+                        offset: (o.data_end + at as u64) as u32,
+                        header_len: hl as u32,
+                        payload_len: pl as u32,
+                        payload_crc: h.payload_crc,
+                        txn: j.txn,
+                        txn_size: j.txn_size,
+                    });
+                    at += rec;
+                }
+                Item::Tomb(id, _) => entries.push(Entry {
+                    ns: id.ns.0,
+                    key: id.key.0,
+                    group: id.group,
+                    kind: KIND_TOMBSTONE,
+                    offset: 0,
+                    header_len: 0,
+                    payload_len: 0,
+                    payload_crc: 0,
+                    txn: 0,
+                    txn_size: 0,
+                }),
+            }
+        }
+        let ents = encode_entries(&entries);
+        let bh = BatchHead {
+            region: r,
+            entry_count: entries.len() as u32,
+            generation: o.generation,
+            batch_len: total as u32,
+            entries_len: ents.len() as u32,
+            entries_crc: crate::format::crc32c(&ents),
+        };
+        bh.encode_into(&mut buf[..BATCH_FIXED]);
+        buf[BATCH_FIXED..BATCH_FIXED + ents.len()].copy_from_slice(&ents);
+        buf[BATCH_FIXED + ents.len()..head_len as usize].fill(0);
+        if let Err(e) = self.disk.dev.write_at(buf, base + o.data_end) {
+            if e.raw_os_error() == Some(libc::ENOSPC) {
+                if !self.disk.paused_nospace.swap(true, Ordering::Relaxed) {
+                    tracing::warn!(
+                        "device full (ENOSPC): the disk writer pauses; reads keep working"
+                    );
+                }
+                return Err(Error::NoSpace {
+                    detail: format!("writing {total} bytes to region {r}: {e}"),
+                });
+            }
+            return Err(Error::Io {
+                op: "write a batch to",
+                path: self.disk.dev.path().to_path_buf(),
+                source: e,
+            });
+        }
+        self.disk.paused_nospace.store(false, Ordering::Relaxed);
+        o.data_end += total;
+        let c = &self.disk.counters;
+        c.disk_write_bytes.fetch_add(total, Ordering::Relaxed);
+        {
+            let mut ix = self.disk.index.write();
+            for (it, e) in items.iter().zip(&entries) {
+                match it {
+                    Item::Job(_) => {
+                        let prev = ix.insert(
+                            e.id(),
+                            Location {
+                                region: r,
+                                offset: e.offset,
+                                header_len: e.header_len,
+                                payload_len: e.payload_len,
+                                crc: e.payload_crc,
+                                txn: e.txn,
+                            },
+                        );
+                        let old = prev.map_or(0, |p| u64::from(p.payload_len));
+                        self.disk
+                            .live_bytes
+                            .fetch_add(u64::from(e.payload_len), Ordering::Relaxed);
+                        self.disk.live_bytes.fetch_sub(old, Ordering::Relaxed);
+                    }
+                    Item::Tomb(id, _) => {
+                        if let Some(p) = ix.remove(id) {
+                            self.disk
+                                .live_bytes
+                                .fetch_sub(u64::from(p.payload_len), Ordering::Relaxed);
+                        }
+                    }
+                }
+            }
+        }
+        o.entries.extend_from_slice(&entries);
+        for it in items.iter() {
+            match it {
+                Item::Job(j) => {
+                    c.disk_writes.fetch_add(1, Ordering::Relaxed);
+                    self.hooks.written(j);
+                }
+                Item::Tomb(id, seq) => self.hooks.tombstone_done(id, *seq),
+            }
+        }
+        Ok(())
+    }
+
+    fn seal_open(&mut self) -> Result<()> {
+        let mut o = self.open.take().expect("a region is open");
+        self.seal(&mut o)
+    }
+
+    /// Writes the summary and the seal slot, then fdatasync.
+    fn seal(&mut self, o: &mut OpenRegion) -> Result<()> {
+        let base = self.disk.region_base(o.r);
+        let ents = encode_entries(&o.entries);
+        let slen = block_up(ents.len() as u64);
+        let mut buf = AlignedBuf::zeroed(slen as usize);
+        buf[..ents.len()].copy_from_slice(&ents);
+        let seal = SealSlot {
+            region: o.r,
+            generation: o.generation,
+            entry_count: o.entries.len() as u32,
+            summary_offset: o.data_end as u32,
+            summary_len: ents.len() as u32,
+            summary_crc: crate::format::crc32c(&ents),
+            data_end: o.data_end as u32,
+        };
+        let mut slot = AlignedBuf::zeroed(BLOCK as usize);
+        seal.encode_into(&mut slot);
+        let res = self
+            .disk
+            .dev
+            .write_at(&buf, base + o.data_end)
+            .and_then(|()| self.disk.dev.write_at(&slot, base + SEAL_SLOT))
+            .and_then(|()| self.disk.dev.sync());
+        if let Err(e) = res {
+            self.poison(format!("sealing region {} failed: {e}", o.r));
+            return Err(Error::Io {
+                op: "seal a region of",
+                path: self.disk.dev.path().to_path_buf(),
+                source: e,
+            });
+        }
+        self.regions[o.r as usize] = (o.generation, true);
+        Ok(())
+    }
+
+    /// Opens a free region, or reclaims the oldest sealed one first.
+    fn open_next_region(&mut self) -> Result<()> {
+        let r = match self.regions.iter().position(|&(g, _)| g == 0) {
+            Some(r) => r as u32,
+            None => {
+                let (r, _) = self
+                    .regions
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, (_, sealed))| *sealed)
+                    .min_by_key(|(_, (g, _))| *g)
+                    .expect("at least two regions, one of them sealed");
+                let r = r as u32;
+                self.reclaim(r);
+                r
+            }
+        };
+        let generation = self.next_generation;
+        self.next_generation += 1;
+        let mut slot = AlignedBuf::zeroed(BLOCK as usize);
+        encode_open_slot(&mut slot, r, generation);
+        let base = self.disk.region_base(r);
+        // The open slot is durable before any batch lands in the region, so
+        // a crash can never pair the old summary with new data.
+        self.disk
+            .dev
+            .write_at(&slot, base + OPEN_SLOT)
+            .and_then(|()| self.disk.dev.sync())
+            .map_err(|e| Error::Io {
+                op: "open a region of",
+                path: self.disk.dev.path().to_path_buf(),
+                source: e,
+            })?;
+        self.regions[r as usize] = (generation, false);
+        self.open = Some(OpenRegion {
+            r,
+            generation,
+            data_end: DATA_START,
+            entries: Vec::new(),
+        });
+        Ok(())
+    }
+
+    /// Removes every index entry of region `r` (its space is about to be
+    /// reused) and tells the store which.
+    fn reclaim(&mut self, r: u32) {
+        let (generation, _) = self.regions[r as usize];
+        let mut removed = Vec::new();
+        let seal = {
+            let mut slots = AlignedBuf::zeroed(BLOCK as usize);
+            self.disk
+                .dev
+                .read_at(&mut slots, self.disk.region_base(r) + SEAL_SLOT)
+                .ok()
+                .and_then(|()| SealSlot::decode(&slots))
+                .filter(|s| s.generation == generation && s.region == r)
+        };
+        let from_summary = seal.and_then(|s| self.disk.read_summary(r, &s).ok());
+        match from_summary.as_ref().and_then(|b| decode_entries(b).ok()) {
+            Some(arch) => {
+                let mut ix = self.disk.index.write();
+                for a in arch.iter() {
+                    let id = crate::layout::ArchivedEntry::to_native(a).id();
+                    if ix.get(&id).is_some_and(|l| l.region == r) {
+                        if let Some(l) = ix.remove(&id) {
+                            removed.push((id, l));
+                        }
+                    }
+                }
+            }
+            None => {
+                removed = self.disk.index.write().retain(|_, l| l.region != r);
+            }
+        }
+        let bytes: u64 = removed.iter().map(|(_, l)| u64::from(l.payload_len)).sum();
+        self.disk.live_bytes.fetch_sub(bytes, Ordering::Relaxed);
+        self.disk
+            .counters
+            .region_evictions
+            .fetch_add(1, Ordering::Relaxed);
+        self.regions[r as usize] = (0, false);
+        self.hooks.reclaimed(removed);
+    }
+}

@@ -1,0 +1,638 @@
+//! End-to-end tests of the chunk store on real files and on test devices:
+//! persistence across reopen, verified reads, the write policy (idle store
+//! writes nothing, no-tax drops, backpressure, flush durability), misses
+//! without I/O, corruption, version and geometry checks, and faults.
+
+use std::fs::OpenOptions;
+use std::os::unix::fs::FileExt;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+use tier::device::{Device, DirectMode, FileDevice};
+use tier::testdev::{CountingDevice, CrashDevice, FaultyDevice};
+use tier::{
+    ChunkId, ChunkKey, ChunkObserver, ChunkStore, Error, GcOptions, NamespaceRecord, Tier,
+    TierConfig, VerifyOptions, WritePolicy,
+};
+
+const MIB: u64 = 1 << 20;
+
+fn record(rank: u32) -> NamespaceRecord {
+    NamespaceRecord {
+        model: "test-model".into(),
+        engine: "vllm".into(),
+        tp_size: 2,
+        rank,
+        kv_dtype: "bfloat16".into(),
+        ..Default::default()
+    }
+}
+
+fn config(dir: &std::path::Path) -> TierConfig {
+    TierConfig {
+        data_dir: dir.to_path_buf(),
+        ram_budget: 4 * MIB,
+        disk_budget: 8 * MIB,
+        region_size: MIB,
+        idle_flush_after: Duration::from_secs(3600),
+        writer_queue: 64,
+        ..TierConfig::default()
+    }
+}
+
+fn id(ns: tier::Namespace, n: u64) -> ChunkId {
+    let mut key = [0u8; 32];
+    key[..8].copy_from_slice(&n.wrapping_mul(0x9e37_79b9_7f4a_7c15).to_le_bytes());
+    key[8..16].copy_from_slice(&n.to_le_bytes());
+    ChunkId::new(ns, ChunkKey(key), (n % 3) as u16)
+}
+
+fn payload(n: u64, len: usize) -> Bytes {
+    let mut v = vec![0u8; len];
+    let mut x = n.wrapping_mul(0x2545_f491_4f6c_dd1d) | 1;
+    for b in v.iter_mut() {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        *b = x as u8;
+    }
+    Bytes::from(v)
+}
+
+#[test]
+fn put_flush_reopen_get_round_trips() {
+    let dir = tempfile::tempdir().unwrap();
+    let ns;
+    {
+        let s = ChunkStore::open(config(dir.path())).unwrap();
+        ns = s.register_namespace(&record(0)).unwrap();
+        for n in 0..20 {
+            s.put(id(ns, n), payload(n, 10_000 + n as usize * 997))
+                .unwrap();
+        }
+        s.put_named(
+            id(ns, 100),
+            Bytes::from_static(b"resp:key"),
+            payload(100, 5000),
+        )
+        .unwrap();
+        let r = s.flush().unwrap();
+        assert_eq!(r.chunks, 21);
+        assert_eq!(r.failed, 0);
+        assert_eq!(s.stats().dirty_bytes, 0);
+        s.close(Duration::from_secs(10)).unwrap();
+        assert!(matches!(s.flush(), Err(Error::Closed)));
+    }
+    let s = ChunkStore::open(config(dir.path())).unwrap();
+    assert_eq!(s.namespace_record(&ns), Some(record(0)));
+    assert_eq!(s.stats().disk_chunks, 21);
+    for n in 0..20 {
+        assert_eq!(s.locate(&id(ns, n)), Some(Tier::Disk));
+        let h = s.get(&id(ns, n)).unwrap();
+        assert_eq!(h.tier, Tier::Disk);
+        assert_eq!(h.data, payload(n, 10_000 + n as usize * 997));
+        // Promoted into RAM as clean.
+        assert_eq!(s.get(&id(ns, n)).unwrap().tier, Tier::Ram);
+    }
+    assert_eq!(s.stats().dirty_bytes, 0);
+    assert!(s.get_named(&id(ns, 100), b"other").is_none());
+    assert_eq!(
+        s.get_named(&id(ns, 100), b"resp:key").unwrap().data,
+        payload(100, 5000)
+    );
+    let info = s.namespaces();
+    assert_eq!(info.len(), 1);
+    assert_eq!(info[0].chunks, 21);
+}
+
+#[test]
+fn miss_performs_zero_disk_io_and_lookup_prefix_reports_tiers() {
+    let dir = tempfile::tempdir().unwrap();
+    let file =
+        Arc::new(FileDevice::open(&dir.path().join("dev"), 8 * MIB, DirectMode::Auto).unwrap());
+    let dev = Arc::new(CountingDevice::new(file));
+    let s = ChunkStore::open_with_device(config(dir.path()), dev.clone()).unwrap();
+    let ns = s.register_namespace(&record(0)).unwrap();
+    for n in 0..8 {
+        s.put(id(ns, n), payload(n, 4096)).unwrap();
+    }
+    s.flush().unwrap();
+    s.delete(&id(ns, 7)); // goes through RAM and index
+    // Evict from RAM so they are disk-only: drop RAM copies by re-opening.
+    drop(s);
+    let s = ChunkStore::open_with_device(config(dir.path()), dev.clone()).unwrap();
+    s.put(id(ns, 50), payload(50, 100)).unwrap();
+    let before = dev.counts();
+    for n in 1000..3000 {
+        assert!(s.get(&id(ns, n)).is_none());
+        assert!(s.locate(&id(ns, n)).is_none());
+    }
+    assert!(
+        s.get(&id(ns, 7)).is_none(),
+        "deleted before the flush-less reopen? tombstone"
+    );
+    let keys: Vec<ChunkKey> = [0u64, 1, 2, 9999].iter().map(|&n| id(ns, n).key).collect();
+    let mut tiers = Vec::new();
+    // All in group n % 3: ids 0,1,2 are in groups 0,1,2; look up group 0 only.
+    let n = s.lookup_prefix(ns, 0, &keys[..1], &mut tiers);
+    assert_eq!((n, tiers.clone()), (1, vec![Some(Tier::Disk)]));
+    let n = s.lookup_prefix(ns, 0, &keys[3..], &mut tiers);
+    assert_eq!((n, tiers.clone()), (0, vec![None]));
+    assert_eq!(
+        dev.counts(),
+        before,
+        "misses and lookups must not touch the device"
+    );
+    assert_eq!(s.stats().misses, 2001);
+}
+
+#[test]
+fn an_idle_store_performs_zero_writes() {
+    let dir = tempfile::tempdir().unwrap();
+    let file =
+        Arc::new(FileDevice::open(&dir.path().join("dev"), 8 * MIB, DirectMode::Auto).unwrap());
+    let dev = Arc::new(CountingDevice::new(file));
+    let mut cfg = config(dir.path());
+    cfg.idle_flush_after = Duration::ZERO;
+    let s = ChunkStore::open_with_device(cfg, dev.clone()).unwrap();
+    let ns = s.register_namespace(&record(0)).unwrap();
+    let opened = dev.counts();
+    for _ in 0..5 {
+        s.idle_tick();
+    }
+    assert_eq!(
+        dev.counts().writes,
+        opened.writes,
+        "nothing dirty: no writes"
+    );
+    for n in 0..4 {
+        s.put(id(ns, n), payload(n, 1000)).unwrap();
+    }
+    // Idle flush writes dirty chunks (age 0), without a sync.
+    s.idle_tick();
+    wait_for(|| s.stats().dirty_bytes == 0);
+    let after_idle = dev.counts();
+    assert!(after_idle.writes > opened.writes);
+    for _ in 0..5 {
+        s.idle_tick();
+        for n in 0..4 {
+            assert!(s.get(&id(ns, n)).is_some());
+        }
+    }
+    s.flush().unwrap();
+    let flushed = dev.counts();
+    // Clean RAM, reads, idle ticks: zero further writes.
+    for _ in 0..5 {
+        s.idle_tick();
+        assert!(s.get(&id(ns, 1)).is_some());
+    }
+    std::thread::yield_now();
+    assert_eq!(dev.counts().writes, flushed.writes);
+    assert_eq!(dev.counts().write_bytes, flushed.write_bytes);
+}
+
+#[test]
+fn idle_flush_skips_young_chunks() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = ChunkStore::open(config(dir.path())).unwrap(); // idle age 1 h
+    let ns = s.register_namespace(&record(0)).unwrap();
+    s.put(id(ns, 1), payload(1, 1000)).unwrap();
+    s.idle_tick();
+    s.flush().unwrap(); // a barrier: the writer saw everything queued before
+    assert_eq!(s.stats().disk_writes, 1, "only flush wrote");
+}
+
+fn wait_for(mut f: impl FnMut() -> bool) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !f() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "condition not reached in 10 s"
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+/// A device whose writes block until released: the writer falls behind.
+struct GatedDevice {
+    inner: Arc<dyn Device>,
+    open: parking_lot::Mutex<bool>,
+    cv: parking_lot::Condvar,
+    writes: AtomicU64,
+}
+
+impl GatedDevice {
+    fn release(&self) {
+        *self.open.lock() = true;
+        self.cv.notify_all();
+    }
+}
+
+impl Device for GatedDevice {
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
+        self.inner.read_at(buf, offset)
+    }
+    fn write_at(&self, buf: &[u8], offset: u64) -> std::io::Result<()> {
+        let mut g = self.open.lock();
+        while !*g {
+            self.cv.wait(&mut g);
+        }
+        self.writes.fetch_add(1, Ordering::SeqCst);
+        self.inner.write_at(buf, offset)
+    }
+    fn sync(&self) -> std::io::Result<()> {
+        self.inner.sync()
+    }
+    fn len(&self) -> u64 {
+        self.inner.len()
+    }
+    fn direct_io(&self) -> bool {
+        false
+    }
+    fn path(&self) -> &std::path::Path {
+        self.inner.path()
+    }
+}
+
+fn gated(len: u64) -> Arc<GatedDevice> {
+    // Format the device first (superblock) so opening needs no gated write.
+    let inner: Arc<dyn Device> = Arc::new(CrashDevice::new(len));
+    Arc::new(GatedDevice {
+        inner,
+        open: parking_lot::Mutex::new(false),
+        cv: parking_lot::Condvar::new(),
+        writes: AtomicU64::new(0),
+    })
+}
+
+#[test]
+fn no_tax_put_never_waits_and_drops_what_cannot_be_queued() {
+    let dir = tempfile::tempdir().unwrap();
+    let dev = gated(8 * MIB);
+    dev.release();
+    let mut cfg = config(dir.path());
+    cfg.ram_budget = MIB;
+    cfg.writer_queue = 2;
+    let s = ChunkStore::open_with_device(cfg, dev.clone()).unwrap();
+    *dev.open.lock() = false; // the writer now blocks on its first write
+    let ns = s.register_namespace(&record(0)).unwrap();
+    // 40 x 100 KiB through a 1 MiB RAM: ~30 dirty evictions, queue of 2.
+    for n in 0..40 {
+        s.put(id(ns, n), payload(n, 100 << 10)).unwrap();
+    }
+    let st = s.stats();
+    assert!(st.ram_evictions >= 30, "{st:?}");
+    assert!(st.dropped_unwritten >= 25, "{st:?}");
+    dev.release();
+    s.flush().unwrap();
+    let st = s.stats();
+    // Every chunk is either readable with its exact bytes or counted dropped.
+    let mut present = 0;
+    for n in 0..40 {
+        if let Some(h) = s.get(&id(ns, n)) {
+            assert_eq!(h.data, payload(n, 100 << 10));
+            present += 1;
+        }
+    }
+    assert_eq!(present + st.dropped_unwritten, 40, "{st:?}");
+}
+
+#[test]
+fn backpressure_put_waits_and_loses_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let dev = gated(8 * MIB);
+    dev.release();
+    let mut cfg = config(dir.path());
+    cfg.ram_budget = MIB;
+    cfg.writer_queue = 2;
+    cfg.write_policy = WritePolicy::Backpressure;
+    let s = Arc::new(ChunkStore::open_with_device(cfg, dev.clone()).unwrap());
+    *dev.open.lock() = false;
+    let ns = s.register_namespace(&record(0)).unwrap();
+    let done = Arc::new(AtomicU64::new(0));
+    let t = {
+        let (s, done) = (s.clone(), done.clone());
+        std::thread::spawn(move || {
+            for n in 0..30 {
+                s.put(id(ns, n), payload(n, 100 << 10)).unwrap();
+                done.fetch_add(1, Ordering::SeqCst);
+            }
+        })
+    };
+    // The putter fills RAM, then blocks on the full queue.
+    wait_for(|| s.stats().writer_queue_depth == 2);
+    let stuck = done.load(Ordering::SeqCst);
+    assert!(stuck < 30);
+    dev.release();
+    t.join().unwrap();
+    s.flush().unwrap();
+    assert_eq!(s.stats().dropped_unwritten, 0);
+    for n in 0..30 {
+        assert_eq!(
+            s.get(&id(ns, n)).unwrap().data,
+            payload(n, 100 << 10),
+            "chunk {n}"
+        );
+    }
+}
+
+#[test]
+fn regions_are_reclaimed_fifo_and_observers_told() {
+    #[derive(Default)]
+    struct Obs {
+        added: AtomicU64,
+        removed: AtomicU64,
+    }
+    impl ChunkObserver for Obs {
+        fn added(&self, _: &ChunkId, _: u64) {
+            self.added.fetch_add(1, Ordering::SeqCst);
+        }
+        fn removed(&self, _: &ChunkId) {
+            self.removed.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = config(dir.path());
+    cfg.disk_budget = 4 * MIB; // 4 regions of 1 MiB
+    cfg.ram_budget = MIB;
+    cfg.write_policy = WritePolicy::Backpressure;
+    let s = ChunkStore::open(cfg.clone()).unwrap();
+    let obs = Arc::new(Obs::default());
+    s.set_observer(obs.clone());
+    let ns = s.register_namespace(&record(0)).unwrap();
+    // 12 MiB through a 4 MiB disk.
+    for n in 0..120 {
+        s.put(id(ns, n), payload(n, 100 << 10)).unwrap();
+    }
+    s.flush().unwrap();
+    let st = s.stats();
+    assert!(st.region_evictions >= 8, "{st:?}");
+    assert!(st.disk_bytes <= 4 * MIB);
+    // The newest chunks survive, the oldest are gone, nothing is wrong.
+    for n in 0..120 {
+        if let Some(h) = s.get(&id(ns, n)) {
+            assert_eq!(h.data, payload(n, 100 << 10));
+        }
+    }
+    assert!(s.get(&id(ns, 119)).is_some());
+    assert!(s.get(&id(ns, 0)).is_none());
+    assert!(obs.removed.load(Ordering::SeqCst) >= 80);
+    drop(s);
+    let s = ChunkStore::open(cfg).unwrap();
+    let ids = s.ids();
+    assert!(!ids.is_empty());
+    for (cid, len) in ids {
+        assert_eq!(len, 100 << 10);
+        let n = u64::from_le_bytes(cid.key.0[8..16].try_into().unwrap());
+        assert_eq!(s.get(&cid).unwrap().data, payload(n, 100 << 10));
+    }
+}
+
+fn flip_byte(path: &std::path::Path, at: u64) {
+    let f = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .unwrap();
+    let mut b = [0u8; 1];
+    f.read_exact_at(&mut b, at).unwrap();
+    b[0] ^= 0x40;
+    f.write_all_at(&b, at).unwrap();
+    f.sync_all().unwrap();
+}
+
+#[test]
+fn bit_flips_in_payload_or_header_are_misses_never_wrong_bytes() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = config(dir.path());
+    cfg.direct_io = false; // the buffered path, with the flips through the page cache
+    cfg.region_size = 64 << 10; // three chunks per region: 0..3 get sealed
+    let (ns, locs) = {
+        let s = ChunkStore::open(cfg.clone()).unwrap();
+        let ns = s.register_namespace(&record(0)).unwrap();
+        for n in 0..4 {
+            s.put(id(ns, n), payload(n, 12_000)).unwrap();
+        }
+        s.flush().unwrap();
+        let locs: Vec<_> = (0..4)
+            .map(|n| s.disk_location(&id(ns, n)).unwrap())
+            .collect();
+        s.close(Duration::from_secs(5)).unwrap();
+        (ns, locs)
+    };
+    let file = dir.path().join("store.kvt");
+    assert_eq!(locs[0].0, locs[2].0);
+    assert_ne!(locs[0].0, locs[3].0, "chunk 3 is in the next region");
+    flip_byte(&file, locs[0].1 + 200 + 5000); // payload
+    flip_byte(&file, locs[1].1 + 40); // header (key)
+    flip_byte(&file, locs[2].1 + 70); // header (payload crc)
+    let s = ChunkStore::open(cfg.clone()).unwrap();
+    assert!(!s.stats().direct_io);
+    for n in 0..3 {
+        assert!(s.get(&id(ns, n)).is_none(), "chunk {n}");
+        assert_eq!(s.locate(&id(ns, n)), None, "bad entry dropped");
+    }
+    assert_eq!(s.get(&id(ns, 3)).unwrap().data, payload(3, 12_000));
+    assert_eq!(s.stats().verify_failures, 3);
+    drop(s);
+    // verify finds them (again, after reopen) and repair drops them.
+    let s = ChunkStore::open(cfg).unwrap();
+    let mut calls = 0;
+    let r = s
+        .verify(&VerifyOptions { repair: false }, &mut |_, _| calls += 1)
+        .unwrap();
+    assert_eq!((r.checked, r.bad, r.dropped), (4, 3, 0));
+    assert_eq!(calls, 4);
+    assert_eq!(r.problems.len(), 3);
+    let r = s
+        .verify(&VerifyOptions { repair: true }, &mut |_, _| {})
+        .unwrap();
+    assert_eq!((r.bad, r.dropped), (3, 3));
+    let r = s
+        .verify(&VerifyOptions { repair: false }, &mut |_, _| {})
+        .unwrap();
+    assert_eq!((r.checked, r.bad), (1, 0));
+}
+
+#[test]
+fn another_store_version_or_region_size_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    ChunkStore::open(config(dir.path())).unwrap();
+    let mut cfg = config(dir.path());
+    cfg.region_size = 2 * MIB;
+    let e = ChunkStore::open(cfg).err().unwrap();
+    assert!(e.to_string().contains("region-size"), "{e}");
+    let mut cfg = config(dir.path());
+    cfg.disk_budget = 16 * MIB;
+    assert!(matches!(ChunkStore::open(cfg), Err(Error::Config(_))));
+    // Rewrite the superblock with version 9 (valid crc): refused, naming both.
+    let file = dir.path().join("store.kvt");
+    let f = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&file)
+        .unwrap();
+    let mut sb = [0u8; 64];
+    f.read_exact_at(&mut sb, 0).unwrap();
+    let mut decoded = tier::layout::Superblock::decode(&sb).unwrap();
+    decoded.version = 9;
+    decoded.encode_into(&mut sb);
+    f.write_all_at(&sb, 0).unwrap();
+    match ChunkStore::open(config(dir.path())) {
+        Err(Error::IncompatibleVersion {
+            found, supported, ..
+        }) => {
+            assert_eq!(found, 9);
+            assert_eq!(supported, "1");
+        }
+        other => panic!("expected IncompatibleVersion, got {:?}", other.err()),
+    }
+    // A flipped superblock byte is corruption, not a fresh store.
+    sb[20] ^= 1;
+    f.write_all_at(&sb, 0).unwrap();
+    assert!(matches!(
+        ChunkStore::open(config(dir.path())),
+        Err(Error::Corrupt { .. })
+    ));
+}
+
+#[test]
+fn enospc_pauses_the_writer_and_reads_keep_working() {
+    let dir = tempfile::tempdir().unwrap();
+    let inner: Arc<dyn Device> = Arc::new(CrashDevice::new(8 * MIB));
+    let dev = Arc::new(FaultyDevice::new(inner));
+    let s = ChunkStore::open_with_device(config(dir.path()), dev.clone()).unwrap();
+    let ns = s.register_namespace(&record(0)).unwrap();
+    s.put(id(ns, 1), payload(1, 5000)).unwrap();
+    s.flush().unwrap();
+    dev.fail_writes_after(0, libc::ENOSPC);
+    s.put(id(ns, 2), payload(2, 5000)).unwrap();
+    let r = s.flush().unwrap();
+    assert_eq!(r.failed, 1);
+    let st = s.stats();
+    assert!(st.writer_paused_nospace);
+    assert!(!st.disk_poisoned);
+    // Still served: from RAM (dirty, kept) and from disk.
+    assert!(s.get(&id(ns, 2)).is_some());
+    assert!(s.get(&id(ns, 1)).is_some());
+    dev.heal();
+    let r = s.flush().unwrap();
+    assert_eq!((r.chunks, r.failed), (1, 0));
+    assert!(!s.stats().writer_paused_nospace);
+}
+
+#[test]
+fn a_failed_write_or_sync_poisons_disk_io_until_reopen() {
+    let dir = tempfile::tempdir().unwrap();
+    let inner: Arc<dyn Device> = Arc::new(CrashDevice::new(8 * MIB));
+    let dev = Arc::new(FaultyDevice::new(inner.clone()));
+    let s = ChunkStore::open_with_device(config(dir.path()), dev.clone()).unwrap();
+    let ns = s.register_namespace(&record(0)).unwrap();
+    s.put(id(ns, 1), payload(1, 5000)).unwrap();
+    s.flush().unwrap();
+    dev.fail_syncs();
+    s.put(id(ns, 2), payload(2, 5000)).unwrap();
+    assert!(s.flush().is_err());
+    assert!(s.stats().disk_poisoned);
+    dev.heal();
+    assert!(matches!(s.flush(), Err(Error::Poisoned(_))));
+    // RAM keeps serving; disk reads are refused (a miss, not a wrong read).
+    assert!(s.get(&id(ns, 2)).is_some());
+    drop(s);
+    let s = ChunkStore::open_with_device(config(dir.path()), dev).unwrap();
+    assert_eq!(s.get(&id(ns, 1)).unwrap().data, payload(1, 5000));
+    s.put(id(ns, 3), payload(3, 10)).unwrap();
+    s.flush().unwrap();
+}
+
+#[test]
+fn gc_drops_namespaces_by_id_and_by_age() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = ChunkStore::open(config(dir.path())).unwrap();
+    let a = s.register_namespace(&record(0)).unwrap();
+    let b = s.register_namespace(&record(1)).unwrap();
+    for n in 0..5 {
+        s.put(id(a, n), payload(n, 1000)).unwrap();
+        s.put(id(b, n), payload(n, 1000)).unwrap();
+    }
+    s.flush().unwrap();
+    let dry = s
+        .gc(&GcOptions {
+            namespaces: vec![a],
+            older_than: None,
+            dry_run: true,
+        })
+        .unwrap();
+    assert_eq!((dry.chunks, dry.bytes), (5, 5000));
+    assert!(s.get(&id(a, 0)).is_some());
+    let r = s
+        .gc(&GcOptions {
+            namespaces: vec![a],
+            older_than: None,
+            dry_run: false,
+        })
+        .unwrap();
+    assert_eq!(r.chunks, 5);
+    assert!(s.get(&id(a, 0)).is_none());
+    assert!(s.namespace_record(&a).is_none());
+    assert!(s.get(&id(b, 0)).is_some());
+    // By age: everything is younger than an hour, older than zero.
+    let r = s
+        .gc(&GcOptions {
+            namespaces: vec![],
+            older_than: Some(Duration::from_secs(3600)),
+            dry_run: false,
+        })
+        .unwrap();
+    assert_eq!(r.chunks, 0);
+    s.flush().unwrap();
+    drop(s);
+    // The drop survives a reopen (tombstones).
+    let s = ChunkStore::open(config(dir.path())).unwrap();
+    assert!(s.get(&id(a, 1)).is_none());
+    assert!(s.namespace_record(&a).is_none());
+    assert_eq!(s.get(&id(b, 1)).unwrap().data, payload(1, 1000));
+    let r = s
+        .gc(&GcOptions {
+            namespaces: vec![],
+            older_than: Some(Duration::ZERO),
+            dry_run: false,
+        })
+        .unwrap();
+    assert_eq!(r.namespaces, vec![b]);
+    assert_eq!(r.chunks, 5);
+}
+
+#[test]
+fn ram_only_store_works_without_a_disk() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = config(dir.path());
+    cfg.disk_budget = 0;
+    let s = ChunkStore::open(cfg).unwrap();
+    let ns = s.register_namespace(&record(0)).unwrap();
+    s.put(id(ns, 1), payload(1, 100)).unwrap();
+    assert_eq!(s.get(&id(ns, 1)).unwrap().tier, Tier::Ram);
+    let r = s.flush().unwrap();
+    assert_eq!(r.failed, 1);
+    assert!(s.delete(&id(ns, 1)));
+    assert!(s.get(&id(ns, 1)).is_none());
+    assert!(!dir.path().join("store.kvt").exists());
+}
+
+#[test]
+fn unknown_namespace_and_oversized_chunks_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = ChunkStore::open(config(dir.path())).unwrap();
+    let ns = record(5).id();
+    assert!(matches!(
+        s.put(id(ns, 1), payload(1, 10)),
+        Err(Error::UnknownNamespace(_))
+    ));
+    let ns = s.register_namespace(&record(0)).unwrap();
+    assert!(matches!(
+        s.put(id(ns, 1), payload(1, 5 << 20)),
+        Err(Error::TooLarge { .. })
+    ));
+}
