@@ -525,7 +525,9 @@ impl PeerHandle {
         let full = {
             let mut p = self.shared.publisher.lock();
             p.added(id, len, Instant::now());
-            p.batch_full()
+            // Wake the flusher for the first change (it then sleeps until the
+            // batch deadline) and for a full batch.
+            p.batch_full() || p.pending() == 1
         };
         if full {
             self.shared.flush_now.notify_one();
@@ -537,7 +539,9 @@ impl PeerHandle {
         let full = {
             let mut p = self.shared.publisher.lock();
             p.removed(id, Instant::now());
-            p.batch_full()
+            // Wake the flusher for the first change (it then sleeps until the
+            // batch deadline) and for a full batch.
+            p.batch_full() || p.pending() == 1
         };
         if full {
             self.shared.flush_now.notify_one();

@@ -71,6 +71,11 @@ impl Publisher {
         self.pending.push(op);
     }
 
+    /// Changes waiting for the next delta.
+    pub fn pending(&self) -> usize {
+        self.pending.len()
+    }
+
     /// Whether the pending batch is full and should be flushed now.
     pub fn batch_full(&self) -> bool {
         self.pending.len() >= self.max_batch

@@ -1,0 +1,502 @@
+//! Real quinn + TLS tests on 127.0.0.1: handshake trust, sync, fetch,
+//! corruption, dead peers and restarts.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant, SystemTime};
+
+use bytes::Bytes;
+use parking_lot::Mutex;
+use peer::cert::{self, CaMaterial, NodeMaterial, Validity};
+use peer::tls::TlsSetup;
+use peer::{
+    ChunkBytes, ChunkSource, FetchError, PeerChunkId, PeerConfig, PeerHandle, PeerNamespace,
+    PeerState, SourceFuture,
+};
+
+/// In-memory chunk source with test hooks.
+#[derive(Default)]
+struct MemSource {
+    chunks: Mutex<HashMap<PeerChunkId, Bytes>>,
+    /// Flip a payload byte but keep the recorded CRC.
+    corrupt: AtomicBool,
+    /// Never answer reads (a stalled holder).
+    stall: AtomicBool,
+}
+
+impl MemSource {
+    fn insert(&self, id: PeerChunkId, b: Bytes) {
+        self.chunks.lock().insert(id, b);
+    }
+}
+
+impl ChunkSource for MemSource {
+    fn read(&self, id: &PeerChunkId) -> SourceFuture {
+        let got = self.chunks.lock().get(id).cloned();
+        let corrupt = self.corrupt.load(Ordering::Relaxed);
+        let stall = self.stall.load(Ordering::Relaxed);
+        Box::pin(async move {
+            if stall {
+                std::future::pending::<()>().await;
+            }
+            let b = got?;
+            let mut c = ChunkBytes::new(b);
+            if corrupt {
+                let mut v = c.payload.to_vec();
+                v[0] ^= 0xff;
+                c.payload = Bytes::from(v);
+            }
+            Some(c)
+        })
+    }
+
+    fn snapshot(&self) -> Vec<(PeerChunkId, u64)> {
+        self.chunks
+            .lock()
+            .iter()
+            .map(|(k, v)| (*k, v.len() as u64))
+            .collect()
+    }
+
+    fn namespace_records(&self) -> Vec<(PeerNamespace, Vec<u8>)> {
+        vec![(PeerNamespace([7; 16]), b"{\"rank\":0}".to_vec())]
+    }
+}
+
+fn id(i: u8) -> PeerChunkId {
+    PeerChunkId {
+        ns: PeerNamespace([7; 16]),
+        key: [i; 32],
+        group: 0,
+    }
+}
+
+fn payload(len: usize, seed: u8) -> Bytes {
+    Bytes::from(
+        (0..len)
+            .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
+            .collect::<Vec<u8>>(),
+    )
+}
+
+fn fast_cfg(peers: Vec<String>) -> PeerConfig {
+    PeerConfig {
+        listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+        peers,
+        connect_timeout: Duration::from_secs(1),
+        ping_interval: Duration::from_millis(50),
+        suspect_after: Duration::from_millis(300),
+        down_after: Duration::from_millis(1000),
+        keep_alive: Duration::from_millis(200),
+        idle_timeout: Duration::from_millis(1500),
+        backoff_base: Duration::from_millis(50),
+        backoff_max: Duration::from_millis(400),
+        ..PeerConfig::default()
+    }
+}
+
+struct Cluster {
+    ca: CaMaterial,
+}
+
+impl Cluster {
+    fn new(name: &str) -> Self {
+        Self {
+            ca: cert::init_ca(name, Validity::days(1)).expect("ca"),
+        }
+    }
+    fn node(&self, name: &str) -> TlsSetup {
+        let m = cert::issue(
+            &self.ca,
+            name,
+            &["127.0.0.1".parse().expect("ip")],
+            &[],
+            Validity::days(1),
+        )
+        .expect("issue");
+        TlsSetup::from_material(&m).expect("tls")
+    }
+}
+
+async fn poll<T>(what: &str, limit: Duration, mut f: impl FnMut() -> Option<T>) -> T {
+    let deadline = Instant::now() + limit;
+    loop {
+        if let Some(v) = f() {
+            return v;
+        }
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// Dials `server` with `client`'s TLS and reports whether the handshake
+/// (and a stream round trip, which needs the server to accept us) works.
+async fn handshake(server: &TlsSetup, client: &TlsSetup) -> Result<(), String> {
+    use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
+    let sc = quinn::ServerConfig::with_crypto(Arc::new(
+        QuicServerConfig::try_from(server.server.clone()).expect("server"),
+    ));
+    let ep = quinn::Endpoint::server(sc, "127.0.0.1:0".parse().expect("addr")).expect("bind");
+    let addr = ep.local_addr().expect("addr");
+    let ep2 = ep.clone();
+    let accept = tokio::spawn(async move {
+        let inc = ep2.accept().await?;
+        let c = inc.await.ok()?;
+        let (mut s, mut r) = c.accept_bi().await.ok()?;
+        let mut b = [0u8; 1];
+        r.read_exact(&mut b).await.ok()?;
+        s.write_all(&b).await.ok()?;
+        s.finish().ok()?;
+        c.closed().await;
+        Some(())
+    });
+    let mut cep = quinn::Endpoint::client("127.0.0.1:0".parse().expect("addr")).expect("client");
+    cep.set_default_client_config(quinn::ClientConfig::new(Arc::new(
+        QuicClientConfig::try_from(client.client.clone()).expect("client"),
+    )));
+    let r = async {
+        let c = cep
+            .connect(addr, "kvtier-peer")
+            .map_err(|e| e.to_string())?
+            .await
+            .map_err(|e| e.to_string())?;
+        let (mut s, mut r) = c.open_bi().await.map_err(|e| e.to_string())?;
+        s.write_all(&[42]).await.map_err(|e| e.to_string())?;
+        let mut b = [0u8; 1];
+        r.read_exact(&mut b).await.map_err(|e| e.to_string())?;
+        c.close(0u32.into(), b"done");
+        Ok::<_, String>(())
+    };
+    let r = tokio::time::timeout(Duration::from_secs(5), r)
+        .await
+        .unwrap_or_else(|_| Err("timeout".into()));
+    ep.close(0u32.into(), b"");
+    accept.abort();
+    r
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn handshake_trust_rules() {
+    let c = Cluster::new("prod");
+    let a = c.node("node-a");
+    let b = c.node("node-b");
+    handshake(&a, &b).await.expect("same CA must connect");
+
+    let foreign = Cluster::new("prod").node("node-x");
+    let e = handshake(&a, &foreign)
+        .await
+        .expect_err("foreign CA (client)");
+    assert!(!e.is_empty());
+    handshake(&foreign, &a)
+        .await
+        .expect_err("foreign CA (server)");
+
+    // Same CA key, but a certificate claiming another cluster id.
+    let other = CaMaterial {
+        cluster: "staging".into(),
+        cert_pem: c.ca.cert_pem.clone(),
+        key_pem: c.ca.key_pem.clone(),
+    };
+    let m = cert::issue(&other, "node-o", &[], &[], Validity::days(1)).expect("issue");
+    assert!(
+        TlsSetup::from_material(&m).is_err(),
+        "own cert with another cluster id is refused at start"
+    );
+    let o = TlsSetup::from_material_unchecked(&m).expect("tls");
+    handshake(&a, &o)
+        .await
+        .expect_err("other cluster id (client)");
+    handshake(&o, &a)
+        .await
+        .expect_err("other cluster id (server)");
+
+    // Expired certificate from the right CA.
+    let now = SystemTime::now();
+    let expired = Validity {
+        not_before: now - Duration::from_secs(10 * 86_400),
+        not_after: now - Duration::from_secs(86_400),
+    };
+    let m: NodeMaterial = cert::issue(&c.ca, "node-e", &[], &[], expired).expect("issue");
+    assert!(
+        TlsSetup::from_material(&m).is_err(),
+        "own expired cert refused at start"
+    );
+    let e = TlsSetup::from_material_unchecked(&m).expect("tls");
+    handshake(&a, &e).await.expect_err("expired (client)");
+    handshake(&e, &a).await.expect_err("expired (server)");
+}
+
+#[test]
+fn insecure_dev_refuses_non_loopback() {
+    let cfg = PeerConfig {
+        listen: "0.0.0.0:0".parse().expect("addr"),
+        ..PeerConfig::default()
+    };
+    assert!(cfg.validate(true).is_err());
+    cfg.validate(false).expect("fine with TLS");
+    let lo = PeerConfig::default();
+    lo.validate(true).expect("loopback ok");
+}
+
+struct Node {
+    handle: PeerHandle,
+    source: Arc<MemSource>,
+    addr: SocketAddr,
+}
+
+fn init_log() {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_test_writer()
+        .try_init();
+}
+
+fn start(tls: TlsSetup, cfg: PeerConfig) -> Node {
+    init_log();
+    let source = Arc::new(MemSource::default());
+    let handle = PeerHandle::start(cfg, tls, source.clone()).expect("start");
+    let addr = handle.local_addr().expect("addr");
+    Node {
+        handle,
+        source,
+        addr,
+    }
+}
+
+/// Starts A (no seeds) and B (seeded with A).
+fn pair(c: &Cluster) -> (Node, Node) {
+    let a = start(c.node("node-a"), fast_cfg(vec![]));
+    let b = start(c.node("node-b"), fast_cfg(vec![a.addr.to_string()]));
+    (a, b)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sync_and_fetch_byte_exact() {
+    let c = Cluster::new("prod");
+    let (a, b) = pair(&c);
+    // One chunk present before B subscribes (snapshot), one after (delta).
+    let p1 = payload(256 << 10, 1);
+    a.source.insert(id(1), p1.clone());
+    a.handle.local_added(id(1), p1.len() as u64);
+    poll("snapshot at B", Duration::from_secs(10), || {
+        (!b.handle.holders(&id(1)).is_empty()).then_some(())
+    })
+    .await;
+    let p2 = payload(4 << 20, 2);
+    a.source.insert(id(2), p2.clone());
+    a.handle.local_added(id(2), p2.len() as u64);
+    poll("delta at B", Duration::from_secs(5), || {
+        (!b.handle.holders(&id(2)).is_empty()).then_some(())
+    })
+    .await;
+    let h = b.handle.holders(&id(1));
+    assert_eq!(&*h[0].name, "node-a");
+    assert_eq!(h[0].state, PeerState::Up);
+    for (i, p) in [(1, &p1), (2, &p2)] {
+        let got = b
+            .handle
+            .fetch(&id(i), Duration::from_secs(5))
+            .await
+            .expect("fetch");
+        assert_eq!(&got, p, "byte-exact");
+    }
+    // Same key in another namespace is not offered.
+    let mut other = id(1);
+    other.ns = PeerNamespace([8; 16]);
+    assert!(b.handle.holders(&other).is_empty());
+    assert!(matches!(
+        b.handle.fetch(&other, Duration::from_secs(1)).await,
+        Err(FetchError::NoHolder)
+    ));
+    // Removal propagates.
+    a.handle.local_removed(id(1));
+    poll("removal at B", Duration::from_secs(5), || {
+        b.handle.holders(&id(1)).is_empty().then_some(())
+    })
+    .await;
+    let st = b.handle.peers();
+    assert_eq!(st.len(), 1);
+    assert_eq!(st[0].name.as_deref(), Some("node-a"));
+    assert_eq!(st[0].chunks, 1);
+    assert_eq!(st[0].bytes, p2.len() as u64);
+    assert_eq!(st[0].bytes_fetched, (p1.len() + p2.len()) as u64);
+    assert!(
+        b.handle
+            .namespace_records()
+            .iter()
+            .any(|(n, _, r)| n == "node-a" && r == b"{\"rank\":0}")
+    );
+    a.handle.shutdown(Duration::from_secs(2)).await;
+    b.handle.shutdown(Duration::from_secs(2)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn corrupt_payload_is_rejected() {
+    let c = Cluster::new("prod");
+    let (a, b) = pair(&c);
+    let p = payload(300_000, 9);
+    a.source.insert(id(3), p.clone());
+    a.handle.local_added(id(3), p.len() as u64);
+    poll("sync", Duration::from_secs(10), || {
+        (!b.handle.holders(&id(3)).is_empty()).then_some(())
+    })
+    .await;
+    a.source.corrupt.store(true, Ordering::Relaxed);
+    let r = b.handle.fetch(&id(3), Duration::from_secs(5)).await;
+    assert!(matches!(r, Err(FetchError::Corrupt { .. })), "{r:?}");
+    assert_eq!(b.handle.corrupt_replies(), 1);
+    a.source.corrupt.store(false, Ordering::Relaxed);
+    let got = b
+        .handle
+        .fetch(&id(3), Duration::from_secs(5))
+        .await
+        .expect("fetch");
+    assert_eq!(got, p);
+    a.handle.shutdown(Duration::from_secs(2)).await;
+    b.handle.shutdown(Duration::from_secs(2)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stalled_and_dead_peers_become_misses_within_the_timeout() {
+    let c = Cluster::new("prod");
+    let (a, b) = pair(&c);
+    let p = payload(1 << 20, 4);
+    a.source.insert(id(4), p.clone());
+    a.handle.local_added(id(4), p.len() as u64);
+    poll("sync", Duration::from_secs(10), || {
+        (!b.handle.holders(&id(4)).is_empty()).then_some(())
+    })
+    .await;
+    // Stalled holder: a miss at the timeout, never a hang.
+    a.source.stall.store(true, Ordering::Relaxed);
+    let t = Instant::now();
+    let r = b.handle.fetch(&id(4), Duration::from_millis(300)).await;
+    let took = t.elapsed();
+    assert!(matches!(r, Err(FetchError::Timeout { .. })), "{r:?}");
+    assert!(took < Duration::from_millis(1500), "took {took:?}");
+    a.source.stall.store(false, Ordering::Relaxed);
+
+    // Dead holder: B marks it down and stops offering it.
+    a.handle.shutdown(Duration::from_secs(2)).await;
+    drop(a);
+    poll("A down at B", Duration::from_secs(5), || {
+        (b.handle.peers()[0].state == PeerState::Down).then_some(())
+    })
+    .await;
+    let t = Instant::now();
+    let r = b.handle.fetch(&id(4), Duration::from_millis(500)).await;
+    assert!(r.is_err());
+    assert!(t.elapsed() < Duration::from_millis(600));
+    assert!(b.handle.holders(&id(4)).is_empty());
+    b.handle.shutdown(Duration::from_secs(2)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restarted_peer_is_resynced() {
+    let c = Cluster::new("prod");
+    let (a, b) = pair(&c);
+    let addr = a.addr;
+    a.source.insert(id(5), payload(1000, 5));
+    a.handle.local_added(id(5), 1000);
+    poll("sync", Duration::from_secs(10), || {
+        (!b.handle.holders(&id(5)).is_empty()).then_some(())
+    })
+    .await;
+    a.handle.shutdown(Duration::from_secs(2)).await;
+    drop(a);
+    poll("A down", Duration::from_secs(5), || {
+        (b.handle.peers()[0].state == PeerState::Down).then_some(())
+    })
+    .await;
+    // A comes back on the same address with different content.
+    let tls = c.node("node-a");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let a2 = loop {
+        let src = Arc::new(MemSource::default());
+        src.insert(id(6), payload(2000, 6));
+        let cfg = PeerConfig {
+            listen: addr,
+            ..fast_cfg(vec![])
+        };
+        match PeerHandle::start(cfg, tls.clone(), src.clone()) {
+            Ok(h) => break (h, src),
+            Err(e) => {
+                assert!(Instant::now() < deadline, "rebind {addr}: {e}");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    };
+    poll("resync after restart", Duration::from_secs(10), || {
+        (!b.handle.holders(&id(6)).is_empty()).then_some(())
+    })
+    .await;
+    assert!(b.handle.holders(&id(5)).is_empty(), "old content forgotten");
+    let got = b
+        .handle
+        .fetch(&id(6), Duration::from_secs(5))
+        .await
+        .expect("fetch");
+    assert_eq!(got, payload(2000, 6));
+    assert!(b.handle.peers()[0].connects >= 2);
+    a2.0.shutdown(Duration::from_secs(2)).await;
+    b.handle.shutdown(Duration::from_secs(2)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_node_mesh_and_self_seed() {
+    let c = Cluster::new("prod");
+    // Each node lists every address including its own (as a shared config
+    // would); bind first, then start with the full list.
+    let socks: Vec<std::net::UdpSocket> = (0..3)
+        .map(|_| std::net::UdpSocket::bind("127.0.0.1:0").expect("bind"))
+        .collect();
+    let addrs: Vec<SocketAddr> = socks
+        .iter()
+        .map(|s| s.local_addr().expect("addr"))
+        .collect();
+    drop(socks);
+    let seeds: Vec<String> = addrs.iter().map(ToString::to_string).collect();
+    let nodes: Vec<Node> = ["n0", "n1", "n2"]
+        .iter()
+        .zip(&addrs)
+        .map(|(n, a)| {
+            start(
+                c.node(n),
+                PeerConfig {
+                    listen: *a,
+                    ..fast_cfg(seeds.clone())
+                },
+            )
+        })
+        .collect();
+    for (i, n) in nodes.iter().enumerate() {
+        let p = payload(10_000, i as u8);
+        n.source.insert(id(10 + i as u8), p.clone());
+        n.handle.local_added(id(10 + i as u8), p.len() as u64);
+    }
+    for n in &nodes {
+        for i in 0..3u8 {
+            if n.source.chunks.lock().contains_key(&id(10 + i)) {
+                continue;
+            }
+            poll("mesh sync", Duration::from_secs(10), || {
+                (!n.handle.holders(&id(10 + i)).is_empty()).then_some(())
+            })
+            .await;
+            let got = n
+                .handle
+                .fetch(&id(10 + i), Duration::from_secs(5))
+                .await
+                .expect("fetch");
+            assert_eq!(got, payload(10_000, i));
+        }
+        let peers = n.handle.peers();
+        assert_eq!(peers.len(), 2, "own seed is skipped: {peers:?}");
+        assert!(peers.iter().all(|p| p.state == PeerState::Up));
+    }
+    for n in &nodes {
+        n.handle.shutdown(Duration::from_secs(2)).await;
+    }
+}
