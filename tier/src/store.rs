@@ -915,8 +915,9 @@ impl Inner {
                     false
                 }
             });
+            // Also cancels a write of this member that is queued or in flight.
+            self.cancel.lock().insert(id, Instant::now());
             if in_ram || on_disk {
-                self.cancel.lock().insert(id, Instant::now());
                 if let Some(o) = &obs {
                     o.removed(&id);
                 }

@@ -408,6 +408,24 @@ impl Writer {
                 }
             }
         }
+        // A job cancelled while it was being written (deleted, or its atomic
+        // group broke) must not stay visible: undo its index entry.
+        for (it, e) in items.iter().zip(&entries) {
+            if let Item::Job(j) = it {
+                if !self.hooks.wanted(j) {
+                    let mut ix = self.disk.index.write();
+                    if ix
+                        .get(&j.id)
+                        .is_some_and(|l| l.region == r && l.offset == e.offset)
+                    {
+                        ix.remove(&j.id);
+                        self.disk
+                            .live_bytes
+                            .fetch_sub(u64::from(e.payload_len), Ordering::Relaxed);
+                    }
+                }
+            }
+        }
         o.entries.extend_from_slice(&entries);
         for it in items.iter() {
             match it {
@@ -444,10 +462,13 @@ impl Writer {
         };
         let mut slot = AlignedBuf::zeroed(BLOCK as usize);
         seal.encode_into(&mut slot);
+        // The batches first, so a durable summary never lists a chunk whose
+        // bytes could still be lost.
         let res = self
             .disk
             .dev
-            .write_at(&buf, base + o.data_end)
+            .sync()
+            .and_then(|()| self.disk.dev.write_at(&buf, base + o.data_end))
             .and_then(|()| self.disk.dev.write_at(&slot, base + SEAL_SLOT))
             .and_then(|()| self.disk.dev.sync());
         if let Err(e) = res {

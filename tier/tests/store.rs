@@ -636,3 +636,89 @@ fn unknown_namespace_and_oversized_chunks_are_refused() {
         Err(Error::TooLarge { .. })
     ));
 }
+
+#[test]
+fn an_atomic_group_is_seen_whole_or_not_at_all() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = Arc::new(ChunkStore::open(config(dir.path())).unwrap());
+    let ns = s.register_namespace(&record(0)).unwrap();
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let keys: Vec<Vec<ChunkKey>> = (0..50u64)
+        .map(|g| {
+            (0..4)
+                .map(|m| ChunkKey([(g * 4 + m) as u8 + 1; 32]))
+                .collect()
+        })
+        .collect();
+    let reader = {
+        let (s, stop, keys) = (s.clone(), stop.clone(), keys.clone());
+        std::thread::spawn(move || {
+            let mut tiers = Vec::new();
+            let mut seen_whole = 0;
+            while !stop.load(Ordering::SeqCst) {
+                for k in &keys {
+                    let n = s.lookup_prefix(ns, 0, k, &mut tiers);
+                    let present = tiers.iter().filter(|t| t.is_some()).count();
+                    assert!(present == 0 || present == 4, "half a group: {present}");
+                    assert_eq!(n, present);
+                    seen_whole += usize::from(present == 4);
+                }
+            }
+            seen_whole
+        })
+    };
+    for k in &keys {
+        let chunks = k
+            .iter()
+            .enumerate()
+            .map(|(i, key)| (ChunkId::new(ns, *key, 0), payload(i as u64, 3000)))
+            .collect();
+        s.put_atomic(chunks).unwrap();
+    }
+    stop.store(true, Ordering::SeqCst);
+    reader.join().unwrap();
+    for k in &keys {
+        for key in k {
+            assert!(s.get(&ChunkId::new(ns, *key, 0)).is_some());
+        }
+    }
+    // A group larger than RAM is refused whole.
+    let big: Vec<_> = (0..5u64)
+        .map(|n| (id(ns, 10_000 + n), payload(n, 1 << 20)))
+        .collect();
+    assert!(matches!(s.put_atomic(big), Err(Error::TooLarge { .. })));
+    assert!(s.get(&id(ns, 10_000)).is_none());
+}
+
+#[test]
+fn a_group_that_loses_a_member_unwritten_disappears_whole() {
+    let dir = tempfile::tempdir().unwrap();
+    let dev = gated(8 * MIB);
+    dev.release();
+    let mut cfg = config(dir.path());
+    cfg.ram_budget = MIB;
+    cfg.writer_queue = 1;
+    let s = ChunkStore::open_with_device(cfg, dev.clone()).unwrap();
+    *dev.open.lock() = false; // the writer stalls: evictions get dropped
+    let ns = s.register_namespace(&record(0)).unwrap();
+    let group: Vec<_> = (0..3u64)
+        .map(|n| (id(ns, n), payload(n, 200 << 10)))
+        .collect();
+    s.put_atomic(group).unwrap();
+    for n in 0..3 {
+        assert!(s.locate(&id(ns, n)).is_some());
+    }
+    // Push the group out of RAM: with the writer stalled, members are dropped.
+    for n in 10..20 {
+        s.put(id(ns, n), payload(n, 200 << 10)).unwrap();
+    }
+    assert!(s.stats().dropped_unwritten >= 2);
+    dev.release();
+    s.flush().unwrap();
+    let present: Vec<bool> = (0..3).map(|n| s.get(&id(ns, n)).is_some()).collect();
+    assert_eq!(
+        present,
+        vec![false; 3],
+        "no member of a broken group stays visible"
+    );
+}
