@@ -8,7 +8,8 @@
 //!   block 0   superblock (region 0 only; unused elsewhere)
 //!   block 1   open slot  (written + synced when the region is (re)opened)
 //!   block 2   seal slot  (written when the region is sealed)
-//!   block 3.. batches: [batch record][chunk][chunk]...  (4 KiB aligned)
+//!   block 3.. batches: [batch record][chunk][chunk]...  (a batch is 4 KiB
+//!             aligned; its chunk records are packed at 64-byte alignment)
 //!             then, once sealed, the summary (rkyv entry list)
 //!
 //! superblock (little-endian)        open slot                 seal slot
@@ -52,6 +53,9 @@ pub const OPEN_SLOT: u64 = BLOCK;
 pub const SEAL_SLOT: u64 = 2 * BLOCK;
 /// Offset of the first batch within a region.
 pub const DATA_START: u64 = 3 * BLOCK;
+/// Chunk records (header + payload) start at multiples of this within a
+/// batch; small chunks are packed, the batch as a whole is block aligned.
+pub const RECORD_ALIGN: u64 = 64;
 /// Length of a batch record's fixed part (entries start here).
 pub const BATCH_FIXED: usize = 64;
 /// Entry kind: a chunk.
@@ -259,9 +263,10 @@ impl Entry {
         ChunkId::new(Namespace(self.ns), ChunkKey(self.key), self.group)
     }
 
-    /// Length of the chunk record on disk (header + payload, block padded).
+    /// Length of the chunk record on disk (header + payload, padded to
+    /// [`RECORD_ALIGN`]).
     pub fn record_len(&self) -> u64 {
-        block_up(u64::from(self.header_len) + u64::from(self.payload_len))
+        (u64::from(self.header_len) + u64::from(self.payload_len)).next_multiple_of(RECORD_ALIGN)
     }
 }
 

@@ -131,21 +131,23 @@ impl Disk {
     ) -> Result<(Bytes, Option<Bytes>), String> {
         let hl = loc.header_len as usize;
         let pl = loc.payload_len as usize;
-        let len = block_up((hl + pl) as u64);
-        if u64::from(loc.offset) + len > self.region_size {
+        // Records are packed at 64-byte alignment: read the covering blocks.
+        let start = u64::from(loc.offset);
+        let first = start / BLOCK * BLOCK;
+        let end = block_up(start + (hl + pl) as u64);
+        if end > self.region_size || start < DATA_START {
             return Err(format!(
-                "record of {len} bytes at {} overruns the region",
-                loc.offset
+                "record of {} bytes at {start} is outside the region",
+                hl + pl
             ));
         }
-        let mut buf = AlignedBuf::zeroed(len as usize);
+        let mut whole = AlignedBuf::zeroed((end - first) as usize);
         self.counters.disk_reads.fetch_add(1, Ordering::Relaxed);
         self.dev
-            .read_at(
-                &mut buf,
-                self.region_base(loc.region) + u64::from(loc.offset),
-            )
+            .read_at(&mut whole, self.region_base(loc.region) + first)
             .map_err(|e| format!("I/O error: {e}"))?;
+        let skip = (start - first) as usize;
+        let buf = &whole[skip..skip + hl + pl];
         let head = ChunkHeader::decode(&buf[..hl]).map_err(|e| e.to_string())?;
         if head.encoded_len() != hl {
             return Err(format!(
@@ -162,7 +164,10 @@ impl Disk {
         }
         head.verify_payload(&buf[hl..hl + pl])
             .map_err(|e| e.to_string())?;
-        Ok((Bytes::from_owner(buf).slice(hl..hl + pl), head.name))
+        Ok((
+            Bytes::from_owner(whole).slice(skip + hl..skip + hl + pl),
+            head.name,
+        ))
     }
 
     fn io_err(&self, op: &'static str, e: std::io::Error) -> Error {

@@ -21,8 +21,8 @@ use crate::device::{AlignedBuf, BLOCK, block_up};
 use crate::format::ChunkHeader;
 use crate::index::Location;
 use crate::layout::{
-    BATCH_FIXED, BatchHead, DATA_START, Entry, KIND_CHUNK, KIND_TOMBSTONE, OPEN_SLOT, SEAL_SLOT,
-    SealSlot, decode_entries, encode_entries, encode_open_slot, entries_len_bound,
+    BATCH_FIXED, BatchHead, DATA_START, Entry, KIND_CHUNK, KIND_TOMBSTONE, OPEN_SLOT, RECORD_ALIGN,
+    SEAL_SLOT, SealSlot, decode_entries, encode_entries, encode_open_slot, entries_len_bound,
 };
 use crate::segment::{Disk, Recovered};
 use crate::types::ChunkId;
@@ -106,10 +106,11 @@ enum Item {
 impl Item {
     fn record_len(&self) -> u64 {
         match self {
-            Item::Job(j) => block_up(
-                ChunkHeader::encoded_len_for_name(j.name.as_ref().map_or(0, |n| n.len())) as u64
-                    + j.data.len() as u64,
-            ),
+            Item::Job(j) => {
+                (ChunkHeader::encoded_len_for_name(j.name.as_ref().map_or(0, |n| n.len())) as u64
+                    + j.data.len() as u64)
+                    .next_multiple_of(RECORD_ALIGN)
+            }
             Item::Tomb(..) => 0,
         }
     }
@@ -257,7 +258,7 @@ impl Writer {
                 let rec = items[start + k].record_len();
                 let head = block_up(BATCH_FIXED as u64 + entries_len_bound(k + 1));
                 let summary = block_up(entries_len_bound(o.entries.len() + k + 1));
-                if o.data_end + head + data + rec + summary > rs {
+                if o.data_end + block_up(head + data + rec) + summary > rs {
                     break;
                 }
                 data += rec;
@@ -295,7 +296,7 @@ impl Writer {
         let r = o.r;
         let base = self.disk.region_base(r);
         let head_len = block_up(BATCH_FIXED as u64 + entries_len_bound(items.len()));
-        let total: u64 = head_len + items.iter().map(Item::record_len).sum::<u64>();
+        let total: u64 = block_up(head_len + items.iter().map(Item::record_len).sum::<u64>());
         if self.buf.capacity() < total as usize {
             self.buf = AlignedBuf::zeroed(total as usize);
         }
@@ -313,7 +314,7 @@ impl Writer {
                     h.encode_into(&mut buf[at..at + hl]);
                     let pl = j.data.len();
                     buf[at + hl..at + hl + pl].copy_from_slice(&j.data);
-                    let rec = block_up((hl + pl) as u64) as usize;
+                    let rec = ((hl + pl) as u64).next_multiple_of(RECORD_ALIGN) as usize;
                     buf[at + hl + pl..at + rec].fill(0);
                     entries.push(Entry {
                         ns: j.id.ns.0,
@@ -343,6 +344,7 @@ impl Writer {
                 }),
             }
         }
+        buf[at..].fill(0);
         let ents = encode_entries(&entries);
         let bh = BatchHead {
             region: r,
