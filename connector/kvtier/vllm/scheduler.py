@@ -1,0 +1,245 @@
+"""Scheduler side: one CLUSTER_LOOKUP per request, load and save plans.
+
+Runs in vLLM's engine-core process on the head node and talks only to that
+node's daemon, which answers for every rank from its cluster-wide
+availability map (min over ranks). It never moves KV bytes itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtier.vllm.config import KvtierConfig
+from kvtier.vllm.daemon import DaemonDown, DaemonLink
+from kvtier.vllm.layout import EngineLayout
+from kvtier.vllm.meta import ChunkLoad, ChunkSave, KvtierMetadata
+from kvtier.vllm.metrics import StatsRecorder
+
+logger = logging.getLogger("kvtier.vllm")
+
+
+@dataclass
+class _Req:
+    request: Any
+    #: Local prefix-cache hit passed to the last get_num_new_matched_tokens.
+    local_tokens: int = 0
+    #: Cached lookup: (number of keys asked, loadable chunks, present chunks).
+    lookup: tuple[int, int, int] | None = None
+    #: Chunks known stored on every rank or already scheduled for a save.
+    stored_chunks: int = 0
+    #: Whether any save was ever scheduled (the blocks must then be held at finish).
+    saved_any: bool = False
+    #: Prefill still running (saves happen only then, and at finish).
+    prefill_open: bool = True
+    #: The request's block ids per group, as the scheduler hands them out.
+    block_ids: list[list[int]] = field(default_factory=list)
+
+
+class KvtierScheduler:
+    """Scheduler-role logic of `KvtierConnector`."""
+
+    def __init__(self, cfg: KvtierConfig, layout: EngineLayout | None, enabled: bool, stats: StatsRecorder):
+        self.cfg = cfg
+        self.layout = layout
+        self.enabled = enabled and layout is not None
+        self.stats = stats
+        self._reqs: dict[str, _Req] = {}
+        self._pending_loads: dict[str, list[ChunkLoad]] = {}
+        self._final_saves: dict[str, list[ChunkSave]] = {}
+        self._finishing: list[str] = []
+        self._link = DaemonLink(cfg.socket, 1 << 20, cfg.lookup_timeout_ms, "scheduler lookups")
+        if self.enabled:
+            try:
+                self._link.client()
+            except DaemonDown:
+                pass  # warned once; lookups miss until it is up
+
+    # ---- lookups -----------------------------------------------------------
+
+    def _state(self, request: Any) -> _Req:
+        st = self._reqs.get(request.request_id)
+        if st is None or st.request is not request:
+            st = _Req(request=request)
+            self._reqs[request.request_id] = st
+        return st
+
+    def on_new_request(self, request: Any) -> None:
+        """Starts tracking a request."""
+        if self.enabled:
+            self._state(request)
+
+    def _lookup(self, st: _Req, keys: list[bytes]) -> tuple[int, int]:
+        """(loadable chunks after the size gate, chunks present on every rank)."""
+        if st.lookup is not None and st.lookup[0] == len(keys):
+            return st.lookup[1], st.lookup[2]
+        assert self.layout is not None
+        layout = self.layout
+        ranks = list(range(layout.tp_size))
+        gate = st.request.num_prompt_tokens < self.cfg.min_tokens_for_disk
+        loadable = present = len(keys)
+        t0 = time.perf_counter()
+        try:
+            for g in layout.groups:
+                mn, per = self._link.cluster_lookup(layout.record, ranks, keys, g.group_id)
+                if {p.rank for p in per} != set(ranks):
+                    raise RuntimeError(f"cluster lookup answered ranks {[p.rank for p in per]}, asked {ranks}")
+                mn = min([mn] + [p.prefix for p in per])
+                ram = min(p.ram_prefix for p in per)
+                present = min(present, mn)
+                loadable = min(loadable, min(ram, mn) if gate else mn)
+        except DaemonDown:
+            self.stats.add(lookup_errors=1)
+            return 0, 0
+        except Exception as e:  # noqa: BLE001 - a failed lookup is a miss
+            self.stats.add(lookup_errors=1)
+            self._link.fail(e)
+            return 0, 0
+        self.stats.observe("lookup_s", time.perf_counter() - t0)
+        self.stats.add(lookups=1)
+        if gate and present > loadable:
+            self.stats.add(gate_skipped_tokens=(present - loadable) * layout.chunk_tokens)
+        loadable = max(0, min(loadable, len(keys)))
+        st.lookup = (len(keys), loadable, max(0, min(present, len(keys))))
+        return st.lookup[1], st.lookup[2]
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Tokens loadable beyond the local hit (chunk-aligned, min over ranks); loads are async."""
+        if not self.enabled or not self.cfg.load:
+            return 0, False
+        layout = self.layout
+        assert layout is not None
+        st = self._state(request)
+        st.local_tokens = num_computed_tokens
+        # vLLM must compute at least the last token itself.
+        keys = layout.chunk_keys(request.block_hashes, request.num_tokens - 1)
+        if len(keys) * layout.chunk_tokens <= num_computed_tokens:
+            return 0, False
+        loadable, present = self._lookup(st, keys)
+        st.stored_chunks = max(st.stored_chunks, present)
+        hit = loadable * layout.chunk_tokens
+        if hit <= num_computed_tokens:
+            return 0, False
+        return hit - num_computed_tokens, True
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        """Plans the restore of the tokens the scheduler accepted."""
+        if not self.enabled:
+            return
+        st = self._state(request)
+        st.block_ids = [list(b) for b in blocks.get_block_ids()]
+        if num_external_tokens <= 0:
+            return
+        layout = self.layout
+        assert layout is not None
+        start = st.local_tokens
+        end = start + num_external_tokens
+        bs, cb, ct = layout.block_size, layout.chunk_blocks, layout.chunk_tokens
+        keys = layout.chunk_keys(request.block_hashes, end)
+        first_block, end_block = start // bs, end // bs
+        loads: list[ChunkLoad] = []
+        for c in range(start // ct, (end + ct - 1) // ct):
+            if c >= len(keys):
+                break
+            for g in layout.groups:
+                bids = st.block_ids[g.group_id]
+                dst = [
+                    (i, bids[c * cb + i])
+                    for i in range(cb)
+                    if first_block <= c * cb + i < end_block and c * cb + i < len(bids)
+                ]
+                if dst:
+                    loads.append(ChunkLoad(key=keys[c], group=g.group_id, chunk=c, dst=dst))
+        if loads:
+            self._pending_loads.setdefault(request.request_id, []).extend(loads)
+            self.stats.add(hit_tokens=num_external_tokens)
+            if request.num_prompt_tokens < self.cfg.min_tokens_for_disk:
+                self.stats.add(hit_tokens_ram=num_external_tokens)
+        st.stored_chunks = max(st.stored_chunks, end // ct)
+
+    # ---- saves -------------------------------------------------------------
+
+    def _save_chunks(self, st: _Req, upto_tokens: int, block_ids: list[list[int]]) -> list[ChunkSave]:
+        layout = self.layout
+        assert layout is not None
+        keys = layout.chunk_keys(st.request.block_hashes, upto_tokens)
+        cb = layout.chunk_blocks
+        out: list[ChunkSave] = []
+        for c in range(st.stored_chunks, len(keys)):
+            chunk: list[ChunkSave] = []
+            for g in layout.groups:
+                bids = block_ids[g.group_id] if g.group_id < len(block_ids) else []
+                if len(bids) < (c + 1) * cb:
+                    return out
+                chunk.append(ChunkSave(key=keys[c], group=g.group_id, block_ids=list(bids[c * cb : (c + 1) * cb])))
+            out.extend(chunk)
+            st.stored_chunks = c + 1
+        if out:
+            st.saved_any = True
+        return out
+
+    def build_connector_meta(self, scheduler_output: Any) -> KvtierMetadata:
+        """This step's loads, saves, finished holds and preemptions; resets step state."""
+        meta = KvtierMetadata()
+        if not self.enabled:
+            return meta
+        meta.loads, self._pending_loads = self._pending_loads, {}
+        meta.saves, self._final_saves = self._final_saves, {}
+        meta.finishing, self._finishing = self._finishing, []
+        meta.preempted = sorted(scheduler_output.preempted_req_ids or ())
+        if not self.cfg.store:
+            return meta
+        sched = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            st = self._reqs.get(new.req_id)
+            if st is None:
+                continue
+            st.block_ids = [list(b) for b in new.block_ids]
+            self._plan_prefill_saves(meta, st, new.num_computed_tokens + sched.get(new.req_id, 0))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            st = self._reqs.get(req_id)
+            if st is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if new_ids is not None:
+                if req_id in cached.resumed_req_ids:
+                    st.block_ids = [list(b) for b in new_ids]
+                else:
+                    while len(st.block_ids) < len(new_ids):
+                        st.block_ids.append([])
+                    for g, b in enumerate(new_ids):
+                        st.block_ids[g].extend(b)
+            self._plan_prefill_saves(meta, st, cached.num_computed_tokens[i] + sched.get(req_id, 0))
+        return meta
+
+    def _plan_prefill_saves(self, meta: KvtierMetadata, st: _Req, computed_after: int) -> None:
+        if not st.prefill_open:
+            return
+        prompt = st.request.num_prompt_tokens
+        saves = self._save_chunks(st, min(computed_after, prompt), st.block_ids)
+        if saves:
+            meta.saves.setdefault(st.request.request_id, []).extend(saves)
+        if computed_after >= prompt:
+            st.prefill_open = False
+
+    def request_finished(self, request: Any, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        """Schedules the final chunks' save; holds the blocks while saves are pending."""
+        st = self._reqs.pop(request.request_id, None)
+        self._pending_loads.pop(request.request_id, None)
+        if not self.enabled or st is None or not self.cfg.store:
+            return False, None
+        computed = max(0, request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0))
+        saves = self._save_chunks(st, computed, [list(b) for b in block_ids])
+        if saves:
+            self._final_saves.setdefault(request.request_id, []).extend(saves)
+        if not st.saved_any:
+            return False, None
+        self._finishing.append(request.request_id)
+        return True, None
+
+    def shutdown(self) -> None:
+        """Closes the daemon connection."""
+        self._link.close()

@@ -1,0 +1,415 @@
+"""Worker side: moves KV pages between this rank's GPU and its own node's daemon.
+
+One instance per rank, on every node. Saves and loads run on two background
+threads (each with its own daemon connection, shared-memory staging area and,
+on CUDA, its own stream), so the forward pass is never held: a save waits on
+a CUDA event recorded after the step's forward, then gathers, copies to
+staging and PUTs; a load GETs into staging and scatters into the request's
+blocks while the request waits in WAITING_FOR_REMOTE_KVS.
+
+Every rank reports every finished save and load (even when it had nothing to
+do, or is disabled), so vLLM's aggregation across workers completes.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvtier.vllm.config import KvtierConfig
+from kvtier.vllm.daemon import GET_DISK, GET_PEER, GET_RAM, DaemonDown, DaemonLink
+from kvtier.vllm.layout import EngineLayout
+from kvtier.vllm.meta import ChunkLoad, ChunkSave, KvtierMetadata
+from kvtier.vllm.metrics import StatsRecorder
+from kvtier.vllm.staging import Staging, byte_view, gather, scatter
+
+logger = logging.getLogger("kvtier.vllm")
+
+_STOP = object()
+
+
+@dataclass
+class _SaveJob:
+    req_id: str
+    group: int
+    chunks: list[ChunkSave]
+    event: Any = None
+    #: queued -> running -> done, or queued -> cancelled.
+    state: str = "queued"
+    #: Set when the source blocks may have been reused before the gather finished.
+    tainted: bool = False
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass
+class _LoadJob:
+    req_id: str
+    loads: list[ChunkLoad]
+
+
+def detect_rank(vllm_config: Any, tp_size: int) -> tuple[int | None, str]:
+    """This worker's TP rank from the initialized TP group, cross-checked with
+    the config; (None, why) when they disagree."""
+    cfg_rank = int(getattr(vllm_config.parallel_config, "rank", 0))
+    try:
+        from vllm.distributed import parallel_state as ps
+
+        if ps.model_parallel_is_initialized():
+            g_rank = int(ps.get_tensor_model_parallel_rank())
+            g_size = int(ps.get_tensor_model_parallel_world_size())
+            if g_size != tp_size:
+                return None, f"TP group has {g_size} ranks, config says tensor_parallel_size={tp_size}"
+            if g_rank != cfg_rank % tp_size:
+                return None, f"TP group rank {g_rank} != config rank {cfg_rank} (mod {tp_size})"
+            return g_rank, "tp-group"
+    except Exception as e:  # noqa: BLE001 - an unusable group is a disagreement
+        return None, f"cannot read the TP group: {e}"
+    if not 0 <= cfg_rank < tp_size:
+        return None, f"config rank {cfg_rank} is outside 0..{tp_size}"
+    return cfg_rank, "config (TP group not initialized)"
+
+
+class KvtierWorker:
+    """Worker-role logic of `KvtierConnector`."""
+
+    def __init__(self, cfg: KvtierConfig, layout: EngineLayout | None, vllm_config: Any, enabled: bool, stats: StatsRecorder):
+        self.cfg = cfg
+        self.layout = layout
+        self.stats = stats
+        self.enabled = enabled and layout is not None
+        self.rank: int | None = None
+        self.record: dict[str, Any] | None = None
+        if self.enabled:
+            assert layout is not None
+            rank, why = detect_rank(vllm_config, layout.tp_size)
+            if rank is None:
+                logger.error("kvtier: rank check failed (%s); the connector disables itself on this worker", why)
+                self.enabled = False
+            else:
+                self.rank = rank
+                self.record = layout.record_for_rank(rank)
+                logger.info("kvtier: worker rank %d (from %s), socket %s", rank, why, cfg.socket)
+        self.device: torch.device | None = None
+        self._layers: dict[int, list[torch.Tensor]] = {}
+        self._lock = threading.Lock()  # std lock: short critical sections shared with the I/O threads
+        self._pending_saves: dict[str, int] = {}
+        self._save_jobs: dict[str, list[_SaveJob]] = {}
+        self._finishing: set[str] = set()
+        self._seen_finished: set[str] = set()
+        self._done_loads: list[tuple[str, bool, set[int]]] = []
+        self._load_errors: set[int] = set()
+        self._threads: list[threading.Thread] = []
+        self._save_q: queue.Queue = queue.Queue()
+        self._load_q: queue.Queue = queue.Queue()
+        self._save_link = DaemonLink(cfg.socket, cfg.staging_bytes, cfg.timeout_ms, "worker saves")
+        self._load_link = DaemonLink(cfg.socket, cfg.staging_bytes, cfg.timeout_ms, "worker loads")
+        self._staging: dict[int, tuple[Any, Staging]] = {}
+
+    # ---- setup -------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Records per-group layer views, checks them against the layout, starts the I/O threads."""
+        if not self.enabled:
+            return
+        layout = self.layout
+        assert layout is not None
+        try:
+            for g in layout.groups:
+                views = []
+                for name in g.layer_names:
+                    if name not in kv_caches:
+                        raise ValueError(f"layer {name!r} of group {g.group_id} has no KV cache tensor")
+                    t = byte_view(kv_caches[name])
+                    if t[0].numel() != g.page_bytes:
+                        raise ValueError(
+                            f"layer {name!r}: page of {t[0].numel()} bytes, the KV cache spec says {g.page_bytes}"
+                        )
+                    views.append(t)
+                self._layers[g.group_id] = views
+            devs = {t.device for vs in self._layers.values() for t in vs}
+            if len(devs) != 1:
+                raise ValueError(f"KV caches on several devices: {devs}")
+            self.device = devs.pop()
+        except ValueError as e:
+            logger.error("kvtier: %s; the connector disables itself on this worker", e)
+            self.enabled = False
+            return
+        for g in layout.groups:
+            if g.chunk_bytes(layout.chunk_blocks) > self.cfg.staging_bytes:
+                logger.error(
+                    "kvtier: a chunk of group %d is %d bytes, more than staging_bytes=%d; disabled",
+                    g.group_id, g.chunk_bytes(layout.chunk_blocks), self.cfg.staging_bytes,
+                )
+                self.enabled = False
+                return
+        # Connect now so a daemon that is down is reported at start-up.
+        for link in (self._save_link, self._load_link):
+            try:
+                link.namespace(self.record or {})
+            except Exception:  # noqa: BLE001 - warned by the link
+                pass
+        for name, q, fn in (("kvtier-save", self._save_q, self._run_save), ("kvtier-load", self._load_q, self._run_load)):
+            t = threading.Thread(target=self._loop, args=(q, fn), name=name, daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def _staging_for(self, link: DaemonLink) -> Staging:
+        client = link.client()
+        cur = self._staging.get(id(link))
+        if cur is not None and cur[0] is client:
+            return cur[1]
+        if cur is not None:
+            cur[1].close()
+        assert self.device is not None
+        st = Staging(link.region(), link.region_address(), self.device)
+        self._staging[id(link)] = (client, st)
+        return st
+
+    def _loop(self, q: queue.Queue, fn: Any) -> None:
+        stream = None
+        if self.device is not None and self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+            stream = torch.cuda.Stream(self.device)
+        while True:
+            job = q.get()
+            if job is _STOP:
+                return
+            try:
+                if stream is not None:
+                    with torch.cuda.stream(stream):
+                        fn(job, stream)
+                else:
+                    fn(job, None)
+            except Exception:  # noqa: BLE001 - a job never kills the thread
+                logger.exception("kvtier: I/O job failed unexpectedly")
+                # Still report it, or vLLM would wait for this request forever.
+                if isinstance(job, _LoadJob):
+                    self._finish_load(job.req_id, job.loads, ok_before=-1)
+                elif isinstance(job, _SaveJob) and not job.done.is_set():
+                    self._save_done(job, dropped=len(job.chunks))
+
+    # ---- per step ----------------------------------------------------------
+
+    def start_load_kv(self, meta: KvtierMetadata) -> None:
+        """Queues this step's restores (asynchronous)."""
+        for req_id, loads in meta.loads.items():
+            if not self.enabled:
+                self._finish_load(req_id, loads, ok_before=-1)
+                continue
+            self._load_q.put(_LoadJob(req_id, loads))
+
+    def handle_preemptions(self, meta: KvtierMetadata) -> None:
+        """Cancels queued saves of preempted requests; waits (bounded) for running ones."""
+        deadline = time.monotonic() + self.cfg.timeout_ms / 1000.0
+        for req_id in meta.preempted:
+            with self._lock:
+                jobs = list(self._save_jobs.get(req_id, ()))
+                for j in jobs:
+                    if j.state == "queued":
+                        j.state = "cancelled"
+            for j in jobs:
+                if j.state == "running" and not j.done.wait(max(0.0, deadline - time.monotonic())):
+                    with self._lock:
+                        j.tainted = True
+
+    def wait_for_save(self, meta: KvtierMetadata) -> None:
+        """Queues this step's saves behind an event on the current stream; returns at once."""
+        with self._lock:
+            self._finishing.update(meta.finishing)
+        if not meta.saves:
+            return
+        if not self.enabled:
+            for chunks in meta.saves.values():
+                self.stats.add(save_dropped_chunks=len(chunks))
+            return
+        event = None
+        if self.device is not None and self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+        for req_id, chunks in meta.saves.items():
+            by_group: dict[int, list[ChunkSave]] = {}
+            for c in chunks:
+                by_group.setdefault(c.group, []).append(c)
+            for g, cs in by_group.items():
+                job = _SaveJob(req_id, g, cs, event)
+                with self._lock:
+                    self._pending_saves[req_id] = self._pending_saves.get(req_id, 0) + 1
+                    self._save_jobs.setdefault(req_id, []).append(job)
+                self._save_q.put(job)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
+        """(finished sending, finished receiving, failed receiving) since the last call."""
+        with self._lock:
+            self._seen_finished.update(r for r in finished_req_ids if r in self._finishing)
+            sending = {r for r in self._seen_finished if not self._pending_saves.get(r)}
+            for r in sending:
+                self._seen_finished.discard(r)
+                self._finishing.discard(r)
+                self._pending_saves.pop(r, None)
+                self._save_jobs.pop(r, None)
+            done, self._done_loads = self._done_loads, []
+        recving, failed = set(), set()
+        multi = self.layout is not None and len(self.layout.groups) > 1
+        for req_id, ok, bad_blocks in done:
+            recving.add(req_id)
+            if ok:
+                continue
+            self.stats.add(load_failed_requests=1)
+            if multi or not bad_blocks:
+                # Block ids are per group: vLLM takes request-level failures only.
+                failed.add(req_id)
+            else:
+                self._load_errors |= bad_blocks
+        return sending, recving, failed
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Blocks of the requests just reported as received whose restore failed."""
+        out, self._load_errors = self._load_errors, set()
+        return out
+
+    # ---- I/O threads -------------------------------------------------------
+
+    def _run_save(self, job: _SaveJob, stream: Any) -> None:
+        with self._lock:
+            if job.state == "cancelled":
+                self._save_done(job, dropped=len(job.chunks))
+                return
+            job.state = "running"
+        layout = self.layout
+        assert layout is not None and self.record is not None
+        group = next(g for g in layout.groups if g.group_id == job.group)
+        cb = layout.chunk_blocks
+        size = group.chunk_bytes(cb)
+        stored = failed = dropped = 0
+        t0 = time.perf_counter()
+        try:
+            if job.event is not None and stream is not None:
+                stream.wait_event(job.event)
+            ns = self._save_link.namespace(self.record)
+            staging = self._staging_for(self._save_link)
+            per = max(1, staging.nbytes // size)
+            for i in range(0, len(job.chunks), per):
+                batch = job.chunks[i : i + per]
+                ids = [b for c in batch for b in c.block_ids]
+                gather(self._layers[job.group], ids, len(batch), cb, staging)
+                if stream is not None:
+                    stream.synchronize()
+                with self._lock:
+                    tainted = job.tainted
+                if tainted:
+                    dropped += len(job.chunks) - i
+                    break
+                entries = [(c.key, k * size, size) for k, c in enumerate(batch)]
+                st = self._save_link.put(ns, entries, job.group)
+                ok = sum(1 for s in st if s)
+                stored += ok
+                failed += len(batch) - ok
+        except DaemonDown:
+            failed = len(job.chunks) - stored - dropped
+        except Exception as e:  # noqa: BLE001 - a failed save is a future miss
+            failed = len(job.chunks) - stored - dropped
+            self._save_link.fail(e)
+        self.stats.observe("save_s", time.perf_counter() - t0)
+        self.stats.add(save_chunks=stored, save_bytes=stored * size, save_failed_chunks=failed)
+        self._save_done(job, dropped=dropped)
+
+    def _save_done(self, job: _SaveJob, dropped: int) -> None:
+        if dropped:
+            self.stats.add(save_dropped_chunks=dropped)
+        with self._lock:
+            job.state = "done" if job.state != "cancelled" else "cancelled"
+            self._pending_saves[job.req_id] = self._pending_saves.get(job.req_id, 1) - 1
+        job.done.set()
+
+    def _run_load(self, job: _LoadJob, stream: Any) -> None:
+        layout = self.layout
+        assert layout is not None and self.record is not None
+        cb = layout.chunk_blocks
+        first_bad: int | None = None
+        t0 = time.perf_counter()
+        loaded_bytes = 0
+        hits = {GET_RAM: 0, GET_DISK: 0, GET_PEER: 0}
+        try:
+            ns = self._load_link.namespace(self.record)
+            staging = self._staging_for(self._load_link)
+            by_group: dict[int, list[ChunkLoad]] = {}
+            for ld in job.loads:
+                by_group.setdefault(ld.group, []).append(ld)
+            for gid, loads in by_group.items():
+                group = next(g for g in layout.groups if g.group_id == gid)
+                size = group.chunk_bytes(cb)
+                per = max(1, staging.nbytes // size)
+                for i in range(0, len(loads), per):
+                    batch = [ld for ld in loads[i : i + per] if first_bad is None or ld.chunk < first_bad]
+                    if not batch:
+                        break
+                    entries = [(ld.key, k * size, size) for k, ld in enumerate(batch)]
+                    statuses = self._load_link.get(ns, entries, gid)
+                    rows: list[int] = []
+                    bids: list[int] = []
+                    for k, (ld, (status, length)) in enumerate(zip(batch, statuses)):
+                        if status not in hits or length != size:
+                            first_bad = ld.chunk if first_bad is None else min(first_bad, ld.chunk)
+                            continue
+                        hits[status] += 1
+                        loaded_bytes += size
+                        for idx, bid in ld.dst:
+                            rows.append(k * cb + idx)
+                            bids.append(bid)
+                    if rows:
+                        scatter(self._layers[gid], len(batch), cb, staging, rows, bids)
+                        if stream is not None:
+                            stream.synchronize()
+        except DaemonDown:
+            first_bad = -1
+        except Exception as e:  # noqa: BLE001 - a failed load is recomputed by vLLM
+            self._load_link.fail(e)
+            first_bad = -1
+        self.stats.observe("load_s", time.perf_counter() - t0)
+        self.stats.add(
+            load_chunks=hits[GET_RAM] + hits[GET_DISK] + hits[GET_PEER],
+            load_bytes=loaded_bytes,
+            load_hit_ram=hits[GET_RAM],
+            load_hit_disk=hits[GET_DISK],
+            load_hit_peer=hits[GET_PEER],
+        )
+        self._finish_load(job.req_id, job.loads, ok_before=first_bad)
+
+    def _finish_load(self, req_id: str, loads: list[ChunkLoad], ok_before: int | None) -> None:
+        """Reports a load; `ok_before` is the first failed chunk (-1: all failed, None: none)."""
+        bad: set[int] = set()
+        if ok_before is not None:
+            bad = {bid for ld in loads if ok_before < 0 or ld.chunk >= ok_before for _, bid in ld.dst}
+            self.stats.add(load_failed_chunks=len({(ld.chunk, ld.group) for ld in loads if ok_before < 0 or ld.chunk >= ok_before}))
+        with self._lock:
+            self._done_loads.append((req_id, ok_before is None, bad))
+
+    # ---- teardown ----------------------------------------------------------
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Waits until both queues are drained (tests, shutdown)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with self._lock:
+                busy = any(self._pending_saves.values())
+            if not busy and self._save_q.empty() and self._load_q.empty():
+                return True
+            time.sleep(0.005)
+        return False
+
+    def shutdown(self) -> None:
+        """Stops the threads (after their current job) and closes the connections."""
+        for q in (self._save_q, self._load_q):
+            q.put(_STOP)
+        for t in self._threads:
+            t.join(timeout=self.cfg.timeout_ms / 1000.0)
+        for _, st in self._staging.values():
+            st.close()
+        self._save_link.close()
+        self._load_link.close()

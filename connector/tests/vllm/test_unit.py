@@ -1,0 +1,134 @@
+"""Connector pieces that need vLLM but no daemon: config, version check,
+namespace, gathers and scatters over every physical KV layout."""
+
+import pytest
+import torch
+
+import kvtier.vllm as kv
+from harness import BLOCK_SIZE, Engine, make_kv_cache_config, make_kv_caches, make_vllm_config
+from kvtier.vllm.compat import UnsupportedVllm, check_vllm
+from kvtier.vllm.config import ConfigError, KvtierConfig
+from kvtier.vllm.namespace import hash_algo_is_reproducible
+from kvtier.vllm.staging import Staging, byte_view, gather, scatter
+
+# tier::NamespaceRecord's JSON keys (tier/src/types.rs): the daemon refuses others.
+RECORD_KEYS = {
+    "model", "model-revision", "engine", "engine-version", "tp-size", "rank", "kv-dtype", "block-size",
+    "chunk-tokens", "hash-algo", "layout", "format-version", "salt", "info",
+}
+
+
+def test_config_defaults_and_unknown_key():
+    c = KvtierConfig.from_extra_config({})
+    assert c.min_tokens_for_disk == 32768 and c.save_policy == "prefill-and-finish"
+    with pytest.raises(ConfigError, match="min_token_for_disk"):
+        KvtierConfig.from_extra_config({"min_token_for_disk": 5})
+    with pytest.raises(ConfigError, match="integer"):
+        KvtierConfig.from_extra_config({"chunk_blocks": "16"})
+    with pytest.raises(ConfigError, match="not implemented yet"):
+        KvtierConfig.from_extra_config({"save_policy": "on-evict"})
+    with pytest.raises(ConfigError, match="save_policy"):
+        KvtierConfig.from_extra_config({"save_policy": "eager"})
+
+
+def test_connector_refuses_unknown_key_through_vllm():
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    vc = make_vllm_config({"sockt": "/x"})
+    with pytest.raises(ConfigError, match="sockt"):
+        kv.KvtierConnector(vc, KVConnectorRole.WORKER, make_kv_cache_config())
+
+
+def test_version_check_names_supported_versions(monkeypatch):
+    import vllm
+
+    assert check_vllm() == vllm.__version__
+    monkeypatch.setattr(vllm, "__version__", "0.32.1")
+    monkeypatch.delenv("KVTIER_VLLM_SKIP_VERSION_CHECK", raising=False)
+    with pytest.raises(UnsupportedVllm, match=r"supports vLLM 0\.33\.x; this is vLLM 0\.32\.1"):
+        check_vllm()
+
+
+def test_namespace_record_matches_tier_and_fences():
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    w0 = kv.KvtierConnector(make_vllm_config({"socket": "/nonexistent"}, tp_size=2, rank=0), KVConnectorRole.WORKER, make_kv_cache_config())
+    w1 = kv.KvtierConnector(make_vllm_config({"socket": "/nonexistent", "salt": "s"}, tp_size=2, rank=1), KVConnectorRole.WORKER, make_kv_cache_config())
+    r0, r1 = w0.worker.record, w1.worker.record
+    assert set(r0) == RECORD_KEYS
+    assert r0["rank"] == 0 and r1["rank"] == 1 and r0["tp-size"] == 2
+    assert r0["engine"] == "vllm" and r0["hash-algo"] == "sha256_cbor" and r0["kv-dtype"] == "bfloat16"
+    assert r0["block-size"] == BLOCK_SIZE and r0["chunk-tokens"] == 16 * BLOCK_SIZE
+    assert "page2048" in r0["layout"] and r1["salt"] == "s"
+    w0.shutdown()
+    w1.shutdown()
+
+
+def test_unreproducible_hash_disables_the_connector(monkeypatch, caplog):
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    assert not hash_algo_is_reproducible("xxhash")
+    assert hash_algo_is_reproducible("xxhash", {"PYTHONHASHSEED": "0"})
+    vc = make_vllm_config({"socket": "/nonexistent"}, hash_algo="xxhash")
+    with caplog.at_level("WARNING", logger="kvtier.vllm"):
+        c = kv.KvtierConnector(vc, KVConnectorRole.SCHEDULER, make_kv_cache_config())
+    assert not c.scheduler.enabled
+    assert "differ in every process" in caplog.text
+
+
+def test_rank_disagreement_disables_the_worker(caplog):
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    vc = make_vllm_config({"socket": "/nonexistent"}, tp_size=2, rank=5)
+    with caplog.at_level("ERROR", logger="kvtier.vllm"):
+        c = kv.KvtierConnector(vc, KVConnectorRole.WORKER, make_kv_cache_config())
+    assert not c.worker.enabled and "rank check failed" in caplog.text
+
+
+@pytest.mark.parametrize("layout", ["LBHNC", "BLHNC", "LHBNC", "BHLNC", "LBNHC"])
+def test_gather_scatter_round_trip_every_layout(layout):
+    cfg = make_kv_cache_config(num_blocks=40)
+    src = make_kv_caches(cfg, layout)
+    for t in src.values():
+        t.copy_(torch.randn(t.shape).to(t.dtype))
+    dst = make_kv_caches(cfg, layout)
+    layers_src = [byte_view(t) for t in src.values()]
+    layers_dst = [byte_view(t) for t in dst.values()]
+    cb, n = 4, 3
+    region = memoryview(bytearray(n * len(layers_src) * cb * layers_src[0][0].numel()))
+    st = Staging(region, 0, torch.device("cpu"))
+    blocks = [7, 3, 9, 1, 20, 21, 22, 23, 39, 0, 5, 6]
+    gather(layers_src, blocks, n, cb, st)
+    # Payload order: [chunk][layer][block][page bytes].
+    page = layers_src[0][0].numel()
+    raw = bytes(region)
+    for c in range(n):
+        for li, t in enumerate(layers_src):
+            for i in range(cb):
+                off = ((c * len(layers_src) + li) * cb + i) * page
+                assert raw[off : off + page] == t[blocks[c * cb + i]].contiguous().numpy().tobytes()
+    targets = [30, 31, 32, 33, 10, 11, 12, 13, 2, 4, 8, 15]
+    rows = list(range(n * cb))
+    scatter(layers_dst, n, cb, st, rows, targets)
+    for a, b in zip(src.values(), dst.values()):
+        assert torch.equal(a[blocks].view(torch.uint8), b[targets].view(torch.uint8))
+    untouched = [x for x in range(40) if x not in targets]
+    for b in dst.values():
+        assert not b[untouched].view(torch.uint8).any()
+
+
+def test_daemon_down_at_start_is_a_no_op(short_tmp, caplog):
+    sock = str(short_tmp / "none.sock")
+    with caplog.at_level("WARNING", logger="kvtier.vllm"):
+        e = Engine({"socket": sock, "min_tokens_for_disk": 0})
+    from harness import make_request
+
+    try:
+        e.add(make_request("a", list(range(1, 600)), max_tokens=2))
+        e.run(lambda: "a" in e.finished)
+        t = e.totals()
+        assert t["hit_tokens"] == 0 and t["save_chunks"] == 0 and t["lookup_errors"] >= 1
+        assert "cannot reach the daemon" in caplog.text
+    finally:
+        e.shutdown()
