@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Creates a cluster CA and certificates for a 4-node kvtier cluster with
+# `kvtier cert`. Usage:
+#   deploy/certs/make-certs.sh OUT_DIR [CLUSTER] [NODE=ADDR ...]
+# Defaults: cluster "kvtier", nodes spark1..spark4 without IP SANs.
+# Example:
+#   deploy/certs/make-certs.sh /tmp/kvtier-certs prod \
+#       spark1=10.0.0.1 spark2=10.0.0.2 spark3=10.0.0.3 spark4=10.0.0.4
+# Result: OUT_DIR/ca/{ca.pem,ca.key} (keep ca.key offline) and, per node,
+# OUT_DIR/NODE/{ca.pem,node.pem,node.key}: copy OUT_DIR/NODE to that node's
+# tls-dir (e.g. /etc/kvtier/tls). Key files are 0600. Existing files are
+# never overwritten.
+set -euo pipefail
+KVTIER=${KVTIER:-kvtier}
+out=${1:?usage: make-certs.sh OUT_DIR [CLUSTER] [NODE=ADDR ...]}
+cluster=${2:-kvtier}
+shift $(( $# >= 2 ? 2 : $# ))
+nodes=("$@")
+if [ ${#nodes[@]} -eq 0 ]; then
+  nodes=(spark1 spark2 spark3 spark4)
+fi
+"$KVTIER" cert init-ca --cluster "$cluster" --out "$out/ca"
+for spec in "${nodes[@]}"; do
+  name=${spec%%=*}
+  args=(--ca "$out/ca" --node "$name" --out "$out/$name")
+  if [ "$spec" != "$name" ]; then
+    args+=(--ip "${spec#*=}")
+  fi
+  "$KVTIER" cert issue "${args[@]}"
+done
+echo "cluster $cluster: CA in $out/ca, node directories: ${nodes[*]%%=*}"
