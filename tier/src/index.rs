@@ -7,9 +7,11 @@
 //! then of the entries, so the memory latency of a random probe overlaps with
 //! that of its neighbours.
 //!
-//! Layout: an open-addressing table of 8-byte slots (32-bit tag, 32-bit
-//! entry index; tag 0 = empty) with linear probing and backward-shift
-//! deletion, at most half full; entries live densely in a `Vec`.
+//! Layout: an open-addressing table of 16-byte slots (64-bit fingerprint,
+//! 32-bit entry index; fingerprint 0 = empty) with linear probing and
+//! backward-shift deletion, at most half full; entries live densely in a
+//! `Vec`. Both are advised to use huge pages (fewer TLB misses). A presence
+//! test needs only the slot array ([`Index::contains_batch`]).
 
 use crate::types::{ChunkId, ChunkKey, GroupId, Namespace};
 
@@ -33,8 +35,10 @@ pub struct Location {
 #[derive(Clone, Copy, Default)]
 #[repr(C)]
 struct Slot {
-    tag: u32,
+    /// 64-bit fingerprint of the id (never 0); 0 marks an empty slot.
+    fp: u64,
     idx: u32,
+    _pad: u32,
 }
 
 /// The index table. Not synchronised: the store wraps it in a lock.
@@ -44,18 +48,21 @@ pub struct Index {
     entries: Vec<(ChunkId, Location)>,
 }
 
+/// 64-bit fingerprint of (namespace, key, group): 16 key bytes folded with
+/// the namespace and group, one multiply, one shift (keys are uniform
+/// hashes already). The low bits pick the home slot.
 #[inline]
 fn hash_parts(ns: &Namespace, key: &ChunkKey, group: GroupId) -> u64 {
-    let k = u64::from_le_bytes(key.0[0..8].try_into().expect("8 bytes"));
-    let n0 = u64::from_le_bytes(ns.0[0..8].try_into().expect("8 bytes"));
-    let n1 = u64::from_le_bytes(ns.0[8..16].try_into().expect("8 bytes"));
-    let h = (k ^ n0 ^ n1.rotate_left(29) ^ u64::from(group)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-    h ^ (h >> 29)
+    let w = |b: &[u8], o: usize| u64::from_le_bytes(b[o..o + 8].try_into().expect("8 bytes"));
+    let k = w(&key.0, 0) ^ w(&key.0, 8).rotate_left(23);
+    let n = w(&ns.0, 0) ^ w(&ns.0, 8).rotate_left(29);
+    let h = (k ^ n.rotate_left(11) ^ u64::from(group)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    (h ^ (h >> 31)) | 1
 }
 
 #[inline]
-fn split(h: u64) -> (usize, u32) {
-    (h as usize, ((h >> 32) as u32) | 1)
+fn split(h: u64) -> (usize, u64) {
+    (h as usize, h)
 }
 
 #[inline(always)]
@@ -69,6 +76,32 @@ fn prefetch<T>(p: *const T) {
     let _ = p;
 }
 
+/// A zeroed vector of `n` elements whose pages the kernel may back with
+/// huge pages (fewer TLB misses on random probes); advice only.
+fn huge_vec<T: Copy + Default>(n: usize) -> Vec<T> {
+    let mut v: Vec<T> = Vec::with_capacity(n);
+    advise_huge(v.as_ptr() as usize, n * std::mem::size_of::<T>());
+    v.resize(n, T::default());
+    v
+}
+
+fn advise_huge(addr: usize, len: usize) {
+    const HUGE: usize = 2 << 20;
+    if len < HUGE {
+        return;
+    }
+    let page = 4096;
+    let start = addr.next_multiple_of(page);
+    let end = (addr + len) / page * page;
+    if end > start {
+        // SAFETY: advice on memory this process owns (the vector's buffer);
+        // MADV_HUGEPAGE never changes contents.
+        unsafe {
+            libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE);
+        }
+    }
+}
+
 impl Default for Index {
     fn default() -> Self {
         Self::with_capacity(0)
@@ -79,10 +112,15 @@ impl Index {
     /// An empty index sized for `n` entries without growing.
     pub fn with_capacity(n: usize) -> Self {
         let cap = (n.max(8) * 2).next_power_of_two();
+        let entries = Vec::with_capacity(n);
+        advise_huge(
+            entries.as_ptr() as usize,
+            n * std::mem::size_of::<(ChunkId, Location)>(),
+        );
         Self {
-            slots: vec![Slot::default(); cap],
+            slots: huge_vec(cap),
             mask: cap - 1,
-            entries: Vec::with_capacity(n),
+            entries,
         }
     }
 
@@ -109,10 +147,10 @@ impl Index {
         loop {
             pos &= self.mask;
             let s = self.slots[pos];
-            if s.tag == 0 {
+            if s.fp == 0 {
                 return None;
             }
-            if s.tag == tag && self.entries[s.idx as usize].0 == *id {
+            if s.fp == tag && self.entries[s.idx as usize].0 == *id {
                 return Some(pos);
             }
             pos += 1;
@@ -147,8 +185,12 @@ impl Index {
         let (mut pos, tag) = split(h);
         loop {
             pos &= self.mask;
-            if self.slots[pos].tag == 0 {
-                self.slots[pos] = Slot { tag, idx };
+            if self.slots[pos].fp == 0 {
+                self.slots[pos] = Slot {
+                    fp: tag,
+                    idx,
+                    _pad: 0,
+                };
                 return None;
             }
             pos += 1;
@@ -157,14 +199,18 @@ impl Index {
 
     fn grow(&mut self) {
         let cap = self.slots.len() * 2;
-        self.slots = vec![Slot::default(); cap];
+        self.slots = huge_vec(cap);
         self.mask = cap - 1;
         for (i, (id, _)) in self.entries.iter().enumerate() {
             let (mut pos, tag) = split(hash_parts(&id.ns, &id.key, id.group));
             loop {
                 pos &= self.mask;
-                if self.slots[pos].tag == 0 {
-                    self.slots[pos] = Slot { tag, idx: i as u32 };
+                if self.slots[pos].fp == 0 {
+                    self.slots[pos] = Slot {
+                        fp: tag,
+                        idx: i as u32,
+                        _pad: 0,
+                    };
                     break;
                 }
                 pos += 1;
@@ -183,11 +229,10 @@ impl Index {
         loop {
             pos = (pos + 1) & self.mask;
             let s = self.slots[pos];
-            if s.tag == 0 {
+            if s.fp == 0 {
                 break;
             }
-            let (id2, _) = &self.entries[s.idx as usize];
-            let home = split(hash_parts(&id2.ns, &id2.key, id2.group)).0 & self.mask;
+            let home = s.fp as usize & self.mask;
             // Move s into the hole if its home is not in (hole, pos].
             let dist_pos = pos.wrapping_sub(home) & self.mask;
             let dist_hole = hole.wrapping_sub(home) & self.mask;
@@ -215,7 +260,7 @@ impl Index {
         loop {
             pos &= self.mask;
             let s = self.slots[pos];
-            if s.tag == 0 {
+            if s.fp == 0 {
                 return None;
             }
             if s.idx == idx {
@@ -247,8 +292,9 @@ impl Index {
     }
 
     /// Batched lookup of `keys` in one namespace and group: `out[i]` is the
-    /// location of `keys[i]`. Prefetches slots, then entries, a window at a
-    /// time, so the random memory accesses of a window overlap.
+    /// location of `keys[i]`. Software-pipelined: the slot of key `i + D` is
+    /// prefetched while key `i` is probed, then the entries of the hits are
+    /// prefetched before their ids are compared.
     pub fn get_batch(
         &self,
         ns: &Namespace,
@@ -256,46 +302,73 @@ impl Index {
         keys: &[ChunkKey],
         out: &mut Vec<Option<Location>>,
     ) {
-        const W: usize = 32;
+        let mut cand = Vec::new();
+        self.probe_batch(ns, group, keys, &mut cand);
+        for &c in &cand {
+            if c != u32::MAX {
+                prefetch(&self.entries[c as usize]);
+            }
+        }
         out.clear();
-        out.resize(keys.len(), None);
-        let mut hashes = [0u64; W];
-        let mut cand = [u32::MAX; W];
-        for (w, window) in keys.chunks(W).enumerate() {
-            for (i, k) in window.iter().enumerate() {
-                let h = hash_parts(ns, k, group);
-                hashes[i] = h;
-                prefetch(&self.slots[split(h).0 & self.mask]);
+        out.extend(keys.iter().zip(&cand).map(|(k, &c)| {
+            if c == u32::MAX {
+                return None;
             }
-            for (i, _) in window.iter().enumerate() {
-                let (mut pos, tag) = split(hashes[i]);
-                cand[i] = u32::MAX;
-                loop {
-                    pos &= self.mask;
-                    let s = self.slots[pos];
-                    if s.tag == 0 {
-                        break;
-                    }
-                    if s.tag == tag {
-                        cand[i] = s.idx;
-                        prefetch(&self.entries[s.idx as usize]);
-                        break;
-                    }
-                    pos += 1;
+            let (id, loc) = &self.entries[c as usize];
+            if id.key == *k && id.ns == *ns && id.group == group {
+                Some(*loc)
+            } else {
+                // Another id with the same fingerprint: the full probe.
+                self.get(&ChunkId::new(*ns, *k, group))
+            }
+        }));
+    }
+
+    /// Batched presence test by 64-bit fingerprint only (no entry access):
+    /// `out[i]` tells whether `keys[i]` is present. A negative is exact; a
+    /// positive is wrong with probability about 2^-64 per key, and a read
+    /// that follows checks the full id (a false positive becomes a miss,
+    /// never wrong bytes).
+    pub fn contains_batch(
+        &self,
+        ns: &Namespace,
+        group: GroupId,
+        keys: &[ChunkKey],
+        out: &mut Vec<bool>,
+    ) {
+        let mut cand = Vec::new();
+        self.probe_batch(ns, group, keys, &mut cand);
+        out.clear();
+        out.extend(cand.iter().map(|&c| c != u32::MAX));
+    }
+
+    /// For each key: the entry index whose slot fingerprint matches, or
+    /// `u32::MAX`.
+    fn probe_batch(&self, ns: &Namespace, group: GroupId, keys: &[ChunkKey], cand: &mut Vec<u32>) {
+        const D: usize = 16;
+        let hashes: Vec<u64> = keys.iter().map(|k| hash_parts(ns, k, group)).collect();
+        for h in hashes.iter().take(D) {
+            prefetch(&self.slots[*h as usize & self.mask]);
+        }
+        cand.clear();
+        cand.reserve(keys.len());
+        for (i, &h) in hashes.iter().enumerate() {
+            if let Some(&ahead) = hashes.get(i + D) {
+                prefetch(&self.slots[ahead as usize & self.mask]);
+            }
+            let mut pos = h as usize;
+            let found = loop {
+                pos &= self.mask;
+                let s = self.slots[pos];
+                if s.fp == 0 {
+                    break u32::MAX;
                 }
-            }
-            for (i, k) in window.iter().enumerate() {
-                if cand[i] == u32::MAX {
-                    continue;
+                if s.fp == h {
+                    break s.idx;
                 }
-                let (id, loc) = &self.entries[cand[i] as usize];
-                out[w * W + i] = if id.key == *k && id.ns == *ns && id.group == group {
-                    Some(*loc)
-                } else {
-                    // A 32-bit tag collision: fall back to the full probe.
-                    self.get(&ChunkId::new(*ns, *k, group))
-                };
-            }
+                pos += 1;
+            };
+            cand.push(found);
         }
     }
 }

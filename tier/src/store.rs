@@ -589,18 +589,20 @@ impl ChunkStore {
         tiers: &mut Vec<Option<Tier>>,
     ) -> usize {
         let _g = self.inner.gate.read();
-        let mut locs = Vec::new();
+        let mut on_disk = Vec::new();
         if let Some(d) = &self.inner.disk {
-            d.index.read().get_batch(&ns, group, keys, &mut locs);
+            d.index
+                .read()
+                .contains_batch(&ns, group, keys, &mut on_disk);
         } else {
-            locs.resize(keys.len(), None);
+            on_disk.resize(keys.len(), false);
         }
         tiers.clear();
-        tiers.extend(keys.iter().zip(&locs).map(|(k, loc)| {
+        tiers.extend(keys.iter().zip(&on_disk).map(|(k, &disk)| {
             if self.inner.ram.contains(&ChunkId::new(ns, *k, group)) {
                 Some(Tier::Ram)
             } else {
-                loc.map(|_| Tier::Disk)
+                disk.then_some(Tier::Disk)
             }
         }));
         tiers.iter().take_while(|t| t.is_some()).count()
