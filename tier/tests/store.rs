@@ -722,3 +722,20 @@ fn a_group_that_loses_a_member_unwritten_disappears_whole() {
         "no member of a broken group stays visible"
     );
 }
+
+#[test]
+fn buffered_fallback_when_o_direct_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("dev");
+    let dev = Arc::new(FileDevice::open(&path, 8 * MIB, DirectMode::SimulateUnsupported).unwrap());
+    let s = ChunkStore::open_with_device(config(dir.path()), dev.clone()).unwrap();
+    assert!(!s.stats().direct_io, "fallback is visible in the stats");
+    let ns = s.register_namespace(&record(0)).unwrap();
+    s.put(id(ns, 1), payload(1, 70_000)).unwrap();
+    s.flush().unwrap();
+    drop(s);
+    // The same file works with O_DIRECT (where the filesystem allows it).
+    let dev = Arc::new(FileDevice::open(&path, 8 * MIB, DirectMode::Auto).unwrap());
+    let s = ChunkStore::open_with_device(config(dir.path()), dev).unwrap();
+    assert_eq!(s.get(&id(ns, 1)).unwrap().data, payload(1, 70_000));
+}
