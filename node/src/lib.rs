@@ -6,6 +6,8 @@
 //! cascade serves them all.
 
 pub mod context;
+pub mod http;
+pub mod resp;
 
 pub use context::{Location, NodeContext, RankPrefix};
 pub use peer;

@@ -1,0 +1,524 @@
+//! The HTTP endpoint: Prometheus metrics on `/metrics`, a JSON snapshot on
+//! `/status` and a liveness probe on `/healthz`.
+//!
+//! A deliberately small HTTP/1.1 server (GET and HEAD only, one request per
+//! connection, bounded request head, bounded time): it serves scrapers and
+//! operators on 127.0.0.1, not the data path. Metrics are encoded with the
+//! `prometheus-client` crate from a snapshot taken at scrape time.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
+use prometheus_client::metrics::MetricType;
+use prometheus_client::metrics::counter::ConstCounter;
+use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::registry::Registry;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::watch;
+use tokio::task::JoinSet;
+
+use crate::NodeContext;
+
+/// Largest request head accepted (request line + headers).
+pub const MAX_REQUEST_HEAD: usize = 8 * 1024;
+/// Time a client has to send its request head.
+const READ_TIMEOUT: Duration = Duration::from_secs(5);
+/// Time allowed to write a response.
+const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Most HTTP connections served at once.
+const MAX_CONNECTIONS: usize = 64;
+
+/// Errors of the HTTP endpoint.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum HttpError {
+    /// The listener failed.
+    #[error("HTTP listener I/O error while trying to {op}: {source}")]
+    Io {
+        /// What was being done.
+        op: &'static str,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// Serves `/metrics`, `/status` and `/healthz` on `listener` until
+/// `shutdown` completes; returns after every connection task has finished.
+pub async fn serve(
+    listener: TcpListener,
+    ctx: Arc<NodeContext>,
+    shutdown: impl Future<Output = ()> + Send,
+) -> Result<(), HttpError> {
+    let mut registry = Registry::with_prefix("kvtier");
+    registry.register_collector(Box::new(NodeCollector {
+        ctx: Arc::clone(&ctx),
+    }));
+    let registry = Arc::new(registry);
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let mut tasks = JoinSet::new();
+    tokio::pin!(shutdown);
+    loop {
+        tokio::select! {
+            () = &mut shutdown => break,
+            Some(_) = tasks.join_next(), if !tasks.is_empty() => {}
+            acc = listener.accept() => match acc {
+                Ok((sock, _)) => {
+                    if tasks.len() >= MAX_CONNECTIONS {
+                        drop(sock);
+                        continue;
+                    }
+                    let (ctx, registry, mut stop) = (Arc::clone(&ctx), Arc::clone(&registry), stop_rx.clone());
+                    tasks.spawn(async move {
+                        tokio::select! {
+                            r = handle(sock, &ctx, &registry) => {
+                                if let Err(e) = r {
+                                    tracing::debug!(error = %e, "HTTP connection ended");
+                                }
+                            }
+                            _ = stop.wait_for(|s| *s) => {}
+                        }
+                    });
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "HTTP accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            },
+        }
+    }
+    let _ = stop_tx.send(true);
+    while tasks.join_next().await.is_some() {}
+    Ok(())
+}
+
+/// A parsed request line.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Request {
+    /// `GET`, `HEAD`, ...
+    pub method: String,
+    /// The path without the query string.
+    pub path: String,
+}
+
+/// Why a request head is refused.
+#[derive(Debug, PartialEq, Eq)]
+pub enum HeadError {
+    /// More bytes are needed.
+    Incomplete,
+    /// The head is longer than [`MAX_REQUEST_HEAD`].
+    TooLarge,
+    /// Not an HTTP/1.x request line.
+    Malformed,
+}
+
+/// Parses an HTTP/1.x request head (only the request line matters; headers
+/// are skipped but must be complete).
+pub fn parse_head(buf: &[u8]) -> Result<Request, HeadError> {
+    let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") else {
+        return Err(if buf.len() >= MAX_REQUEST_HEAD {
+            HeadError::TooLarge
+        } else {
+            HeadError::Incomplete
+        });
+    };
+    if end + 4 > MAX_REQUEST_HEAD {
+        return Err(HeadError::TooLarge);
+    }
+    let head = std::str::from_utf8(&buf[..end]).map_err(|_| HeadError::Malformed)?;
+    let line = head.lines().next().ok_or(HeadError::Malformed)?;
+    let mut parts = line.split(' ');
+    let (Some(method), Some(target), Some(version), None) =
+        (parts.next(), parts.next(), parts.next(), parts.next())
+    else {
+        return Err(HeadError::Malformed);
+    };
+    if !version.starts_with("HTTP/1.") || method.is_empty() || !target.starts_with('/') {
+        return Err(HeadError::Malformed);
+    }
+    let path = target.split('?').next().unwrap_or(target);
+    Ok(Request {
+        method: method.to_owned(),
+        path: path.to_owned(),
+    })
+}
+
+/// A response: status, content type, body.
+#[derive(Debug)]
+pub struct Response {
+    /// Status code.
+    pub status: u16,
+    /// Content-Type header value.
+    pub content_type: &'static str,
+    /// The body.
+    pub body: Vec<u8>,
+}
+
+fn text(status: u16, body: &str) -> Response {
+    Response {
+        status,
+        content_type: "text/plain; charset=utf-8",
+        body: body.as_bytes().to_vec(),
+    }
+}
+
+fn reason(status: u16) -> &'static str {
+    match status {
+        200 => "OK",
+        400 => "Bad Request",
+        404 => "Not Found",
+        405 => "Method Not Allowed",
+        408 => "Request Timeout",
+        431 => "Request Header Fields Too Large",
+        _ => "Internal Server Error",
+    }
+}
+
+/// Answers one request (no I/O).
+pub fn respond(req: &Request, ctx: &NodeContext, registry: &Registry) -> Response {
+    if req.method != "GET" && req.method != "HEAD" {
+        return text(405, "only GET and HEAD are supported\n");
+    }
+    match req.path.as_str() {
+        "/healthz" => text(200, "ok\n"),
+        "/metrics" => {
+            let mut body = String::new();
+            match prometheus_client::encoding::text::encode(&mut body, registry) {
+                Ok(()) => Response {
+                    status: 200,
+                    content_type: "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                    body: body.into_bytes(),
+                },
+                Err(_) => text(500, "encoding metrics failed\n"),
+            }
+        }
+        "/status" => match serde_json::to_vec_pretty(&status_json(ctx)) {
+            Ok(mut body) => {
+                body.push(b'\n');
+                Response {
+                    status: 200,
+                    content_type: "application/json",
+                    body,
+                }
+            }
+            Err(_) => text(500, "encoding status failed\n"),
+        },
+        _ => text(404, "not found: try /metrics, /status or /healthz\n"),
+    }
+}
+
+/// The `/status` document.
+pub fn status_json(ctx: &NodeContext) -> serde_json::Value {
+    let c = &ctx.counters;
+    serde_json::json!({
+        "node": ctx.node_name,
+        "version": env!("CARGO_PKG_VERSION"),
+        "uptime_seconds": ctx.started.elapsed().as_secs_f64(),
+        "store": ctx.store.stats(),
+        "namespaces": ctx.store.namespaces(),
+        "requests": {
+            "native": c.native_requests.load(Ordering::Relaxed),
+            "native_errors": c.native_errors.load(Ordering::Relaxed),
+            "resp": c.resp_commands.load(Ordering::Relaxed),
+            "resp_errors": c.resp_errors.load(Ordering::Relaxed),
+            "connections": c.connections.load(Ordering::Relaxed),
+        },
+    })
+}
+
+async fn write_response(
+    sock: &mut TcpStream,
+    resp: &Response,
+    head_only: bool,
+) -> std::io::Result<()> {
+    let head = format!(
+        "HTTP/1.1 {} {}\r\nContent-Type: {}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        resp.status,
+        reason(resp.status),
+        resp.content_type,
+        resp.body.len()
+    );
+    let write = async {
+        sock.write_all(head.as_bytes()).await?;
+        if !head_only {
+            sock.write_all(&resp.body).await?;
+        }
+        sock.shutdown().await
+    };
+    tokio::time::timeout(WRITE_TIMEOUT, write)
+        .await
+        .map_err(|_| std::io::Error::from(std::io::ErrorKind::TimedOut))?
+}
+
+async fn handle(
+    mut sock: TcpStream,
+    ctx: &NodeContext,
+    registry: &Registry,
+) -> std::io::Result<()> {
+    let mut buf = Vec::with_capacity(1024);
+    let read = async {
+        let mut chunk = [0u8; 1024];
+        loop {
+            match parse_head(&buf) {
+                Err(HeadError::Incomplete) => {}
+                other => return Ok(other),
+            }
+            let n = sock.read(&mut chunk).await?;
+            if n == 0 {
+                return Ok(Err(HeadError::Malformed));
+            }
+            buf.extend_from_slice(&chunk[..n]);
+        }
+    };
+    let parsed: std::io::Result<Result<Request, HeadError>> =
+        match tokio::time::timeout(READ_TIMEOUT, read).await {
+            Ok(r) => r,
+            Err(_) => {
+                return write_response(
+                    &mut sock,
+                    &text(408, "request head not received in time\n"),
+                    false,
+                )
+                .await;
+            }
+        };
+    let (resp, head_only) = match parsed? {
+        Ok(req) => (respond(&req, ctx, registry), req.method == "HEAD"),
+        Err(HeadError::TooLarge) => (text(431, "request head too large\n"), false),
+        Err(_) => (text(400, "malformed HTTP request\n"), false),
+    };
+    write_response(&mut sock, &resp, head_only).await
+}
+
+/// Encodes the node's counters and gauges at scrape time.
+struct NodeCollector {
+    ctx: Arc<NodeContext>,
+}
+
+impl std::fmt::Debug for NodeCollector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NodeCollector")
+            .field("node", &self.ctx.node_name)
+            .finish()
+    }
+}
+
+fn counter(
+    enc: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    v: u64,
+) -> Result<(), std::fmt::Error> {
+    let m = ConstCounter::new(v);
+    let me = enc.encode_descriptor(name, help, None, m.metric_type())?;
+    m.encode(me)
+}
+
+fn gauge<T: prometheus_client::encoding::EncodeGaugeValue>(
+    enc: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    v: T,
+) -> Result<(), std::fmt::Error> {
+    let m = ConstGauge::new(v);
+    let me = enc.encode_descriptor(name, help, None, m.metric_type())?;
+    m.encode(me)
+}
+
+fn labeled_counter(
+    enc: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    label: &str,
+    values: &[(&str, u64)],
+) -> Result<(), std::fmt::Error> {
+    let mut me = enc.encode_descriptor(name, help, None, MetricType::Counter)?;
+    for (l, v) in values {
+        let labels = [(label, *l)];
+        let fam = me.encode_family(&labels)?;
+        ConstCounter::new(*v).encode(fam)?;
+    }
+    Ok(())
+}
+
+impl Collector for NodeCollector {
+    fn encode(&self, mut enc: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let s = self.ctx.store.stats();
+        let c = &self.ctx.counters;
+        let ld = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+        labeled_counter(
+            &mut enc,
+            "hits",
+            "Chunk reads served, by where the chunk was found",
+            "tier",
+            &[("ram", s.hits_ram), ("disk", s.hits_disk)],
+        )?;
+        counter(
+            &mut enc,
+            "misses",
+            "Chunk reads that found nothing (or failed verification)",
+            s.misses,
+        )?;
+        counter(&mut enc, "puts", "Chunks stored", s.puts)?;
+        counter(&mut enc, "bytes_in", "Payload bytes stored", s.bytes_in)?;
+        counter(&mut enc, "bytes_out", "Payload bytes read", s.bytes_out)?;
+        labeled_counter(
+            &mut enc,
+            "evictions",
+            "Evictions: chunks dropped from RAM, regions reclaimed on disk",
+            "kind",
+            &[("ram", s.ram_evictions), ("region", s.region_evictions)],
+        )?;
+        counter(
+            &mut enc,
+            "dropped_unwritten",
+            "Dirty chunks evicted from RAM without reaching disk (no-tax policy)",
+            s.dropped_unwritten,
+        )?;
+        counter(
+            &mut enc,
+            "verify_failures",
+            "Reads that failed verification (CRC, identity, length) or I/O",
+            s.verify_failures,
+        )?;
+        counter(
+            &mut enc,
+            "disk_writes",
+            "Chunks written to disk",
+            s.disk_writes,
+        )?;
+        counter(
+            &mut enc,
+            "disk_write_bytes",
+            "Bytes written to disk, headers and padding included",
+            s.disk_write_bytes,
+        )?;
+        counter(&mut enc, "disk_reads", "Disk read operations", s.disk_reads)?;
+        gauge(&mut enc, "ram_chunks", "Chunks in RAM", s.ram_chunks as i64)?;
+        gauge(
+            &mut enc,
+            "ram_bytes",
+            "Payload bytes in RAM",
+            s.ram_bytes as i64,
+        )?;
+        gauge(
+            &mut enc,
+            "ram_budget_bytes",
+            "RAM budget",
+            s.ram_budget as i64,
+        )?;
+        gauge(
+            &mut enc,
+            "dirty_bytes",
+            "Bytes in RAM not yet durable on disk",
+            s.dirty_bytes as i64,
+        )?;
+        gauge(
+            &mut enc,
+            "disk_chunks",
+            "Chunks on disk",
+            s.disk_chunks as i64,
+        )?;
+        gauge(
+            &mut enc,
+            "disk_bytes",
+            "Payload bytes on disk",
+            s.disk_bytes as i64,
+        )?;
+        gauge(
+            &mut enc,
+            "disk_budget_bytes",
+            "Disk budget",
+            s.disk_budget as i64,
+        )?;
+        gauge(
+            &mut enc,
+            "writer_queue_depth",
+            "Chunks queued for the disk writer",
+            s.writer_queue_depth as i64,
+        )?;
+        gauge(
+            &mut enc,
+            "writer_paused_nospace",
+            "1 while the disk writer is paused for lack of space",
+            i64::from(s.writer_paused_nospace),
+        )?;
+        gauge(
+            &mut enc,
+            "recovery_seconds",
+            "Time the last start spent rebuilding the index",
+            s.recovery_micros as f64 / 1e6,
+        )?;
+        gauge(
+            &mut enc,
+            "uptime_seconds",
+            "Time since the node started",
+            self.ctx.started.elapsed().as_secs_f64(),
+        )?;
+        labeled_counter(
+            &mut enc,
+            "requests",
+            "Requests served by each local interface",
+            "interface",
+            &[
+                ("native", ld(&c.native_requests)),
+                ("resp", ld(&c.resp_commands)),
+            ],
+        )?;
+        labeled_counter(
+            &mut enc,
+            "request_errors",
+            "Requests answered with an error, by interface",
+            "interface",
+            &[
+                ("native", ld(&c.native_errors)),
+                ("resp", ld(&c.resp_errors)),
+            ],
+        )?;
+        counter(
+            &mut enc,
+            "connections",
+            "Client connections accepted (all interfaces)",
+            ld(&c.connections),
+        )?;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parse_head_cases() {
+        assert_eq!(
+            parse_head(b"GET /metrics?x=1 HTTP/1.1\r\nHost: a\r\n\r\n"),
+            Ok(Request {
+                method: "GET".into(),
+                path: "/metrics".into()
+            })
+        );
+        assert_eq!(
+            parse_head(b"GET /metrics HTTP/1.1\r\nHost"),
+            Err(HeadError::Incomplete)
+        );
+        assert_eq!(parse_head(b"GARBAGE\r\n\r\n"), Err(HeadError::Malformed));
+        assert_eq!(
+            parse_head(b"GET metrics HTTP/1.1\r\n\r\n"),
+            Err(HeadError::Malformed)
+        );
+        assert_eq!(
+            parse_head(b"GET / SPDY/3\r\n\r\n"),
+            Err(HeadError::Malformed)
+        );
+        assert_eq!(
+            parse_head(&vec![b'a'; MAX_REQUEST_HEAD]),
+            Err(HeadError::TooLarge)
+        );
+    }
+}

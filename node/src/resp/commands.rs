@@ -1,0 +1,864 @@
+//! Execution of parsed RESP commands against a [`NodeContext`], with replies
+//! byte for byte as Redis 7 sends them (RESP2).
+//!
+//! Check order is Redis's: unknown command, then arity, then authentication.
+//! Every read goes through [`NodeContext::get`] / [`NodeContext::locate`], so
+//! the node's read cascade serves RESP like every other interface.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use tier::{ChunkId, WritePolicy};
+
+use super::RespOptions;
+use super::keys::{KeyMapper, LMCACHE_ENGINE, MAX_KEY_LEN, RESP_ENGINE};
+use super::reply::Output;
+use crate::NodeContext;
+use crate::context::NodeCounters;
+
+/// The Redis version kvtier reports (`redis_version`, `HELLO`): the RESP
+/// behaviour it mimics.
+pub const REDIS_COMPAT_VERSION: &str = "7.2.0";
+/// Exact Redis error texts.
+pub const NOAUTH: &str = "-NOAUTH Authentication required.";
+/// See [`NOAUTH`].
+pub const WRONGPASS: &str = "-WRONGPASS invalid username-password pair or user is disabled.";
+const NOPROTO: &str = "-NOPROTO unsupported protocol version";
+const NOT_INTEGER: &str = "value is not an integer or out of range";
+const SYNTAX: &str = "syntax error";
+/// Pins taken by positive EXISTS replies, per connection.
+const PINS_MAX: usize = 32;
+/// How long a pin protects a key from vanishing before its GET.
+const PIN_TTL: Duration = Duration::from_secs(10);
+/// Slots of the per-key write epochs that invalidate pins.
+const EPOCH_SLOTS: usize = 1024;
+
+/// State shared by every connection of one RESP listener.
+pub struct Shared {
+    /// The node.
+    pub ctx: Arc<NodeContext>,
+    /// Listener options.
+    pub opts: RespOptions,
+    /// Key → chunk id mapping.
+    pub keys: KeyMapper,
+    /// Connections open now.
+    pub clients: AtomicU64,
+    /// The listening port (for INFO).
+    pub port: u16,
+    next_client_id: AtomicU64,
+    // Bumped by every SET / DEL of a key hashing to the slot; a pin is only
+    // served while its slot is unchanged, so a pin never outlives a write.
+    epochs: Box<[AtomicU64]>,
+}
+
+impl std::fmt::Debug for Shared {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Shared")
+            .field("port", &self.port)
+            .field("clients", &self.clients)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Shared {
+    /// State for a listener on `port`.
+    pub fn new(ctx: Arc<NodeContext>, opts: RespOptions, port: u16) -> Self {
+        Self {
+            ctx,
+            opts,
+            keys: KeyMapper::new(),
+            clients: AtomicU64::new(0),
+            port,
+            next_client_id: AtomicU64::new(1),
+            epochs: (0..EPOCH_SLOTS).map(|_| AtomicU64::new(0)).collect(),
+        }
+    }
+
+    fn epoch_slot(&self, id: &ChunkId) -> &AtomicU64 {
+        let i = u16::from_le_bytes([id.key.0[0], id.key.0[1]]) as usize % EPOCH_SLOTS;
+        &self.epochs[i]
+    }
+
+    fn bump(&self, id: &ChunkId) {
+        self.epoch_slot(id).fetch_add(1, Ordering::AcqRel);
+    }
+}
+
+struct Pin {
+    key: Bytes,
+    epoch: u64,
+    at: Instant,
+    data: Bytes,
+}
+
+/// Per-connection state.
+pub struct Session {
+    /// Client id (CLIENT ID, HELLO).
+    pub id: u64,
+    /// Whether commands other than AUTH / HELLO / QUIT are allowed.
+    pub authenticated: bool,
+    /// Name set by CLIENT SETNAME / HELLO SETNAME.
+    pub name: Option<Bytes>,
+    /// Set by QUIT: close after the reply.
+    pub close: bool,
+    pins: VecDeque<Pin>,
+}
+
+impl std::fmt::Debug for Session {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Session")
+            .field("id", &self.id)
+            .field("authenticated", &self.authenticated)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Session {
+    /// A new session; authenticated from the start when no password is set.
+    pub fn new(shared: &Shared) -> Self {
+        Self {
+            id: shared.next_client_id.fetch_add(1, Ordering::Relaxed),
+            authenticated: shared.opts.password.is_none(),
+            name: None,
+            close: false,
+            pins: VecDeque::new(),
+        }
+    }
+}
+
+type Res = Result<(), Vec<u8>>;
+
+fn err(msg: impl Into<Vec<u8>>) -> Res {
+    Err(msg.into())
+}
+
+fn wrong_args(name: &str) -> Vec<u8> {
+    format!("wrong number of arguments for '{name}' command").into_bytes()
+}
+
+/// `%.Ns` of a C string: up to the first NUL, at most `n` bytes.
+fn c_str(b: &[u8], n: usize) -> &[u8] {
+    let end = b.iter().position(|&c| c == 0).unwrap_or(b.len()).min(n);
+    &b[..end]
+}
+
+fn unknown_command(args: &[Bytes]) -> Vec<u8> {
+    let mut rest: Vec<u8> = Vec::new();
+    for a in &args[1..] {
+        if rest.len() >= 128 {
+            break;
+        }
+        let room = 128 - rest.len();
+        rest.push(b'\'');
+        rest.extend_from_slice(c_str(a, room));
+        rest.extend_from_slice(b"' ");
+    }
+    let mut m = b"unknown command '".to_vec();
+    m.extend_from_slice(c_str(&args[0], 128));
+    m.extend_from_slice(b"', with args beginning with: ");
+    m.extend_from_slice(&rest);
+    m
+}
+
+fn unknown_subcommand(sub: &[u8], cmd: &str) -> Vec<u8> {
+    let mut m = b"unknown subcommand '".to_vec();
+    m.extend_from_slice(c_str(sub, 128));
+    m.extend_from_slice(format!("'. Try {cmd} HELP.").as_bytes());
+    m
+}
+
+struct Spec {
+    name: &'static str,
+    arity: i32,
+    no_auth: bool,
+}
+
+const COMMANDS: &[Spec] = &[
+    Spec {
+        name: "auth",
+        arity: -2,
+        no_auth: true,
+    },
+    Spec {
+        name: "client",
+        arity: -2,
+        no_auth: false,
+    },
+    Spec {
+        name: "command",
+        arity: -1,
+        no_auth: false,
+    },
+    Spec {
+        name: "config",
+        arity: -2,
+        no_auth: false,
+    },
+    Spec {
+        name: "dbsize",
+        arity: 1,
+        no_auth: false,
+    },
+    Spec {
+        name: "del",
+        arity: -2,
+        no_auth: false,
+    },
+    Spec {
+        name: "exists",
+        arity: -2,
+        no_auth: false,
+    },
+    Spec {
+        name: "get",
+        arity: 2,
+        no_auth: false,
+    },
+    Spec {
+        name: "hello",
+        arity: -1,
+        no_auth: true,
+    },
+    Spec {
+        name: "info",
+        arity: -1,
+        no_auth: false,
+    },
+    Spec {
+        name: "ping",
+        arity: -1,
+        no_auth: false,
+    },
+    Spec {
+        name: "quit",
+        arity: -1,
+        no_auth: true,
+    },
+    Spec {
+        name: "select",
+        arity: 2,
+        no_auth: false,
+    },
+    Spec {
+        name: "set",
+        arity: -3,
+        no_auth: false,
+    },
+];
+
+fn arity_ok(arity: i32, argc: usize) -> bool {
+    let argc = i64::try_from(argc).unwrap_or(i64::MAX);
+    let arity = i64::from(arity);
+    if arity >= 0 {
+        argc == arity
+    } else {
+        argc >= -arity
+    }
+}
+
+/// Executes one command, appending its reply to `out`. Returns whether the
+/// reply was an error.
+pub async fn execute(
+    shared: &Shared,
+    session: &mut Session,
+    args: Vec<Bytes>,
+    out: &mut Output,
+) -> bool {
+    let counters = &shared.ctx.counters;
+    NodeCounters::inc(&counters.resp_commands);
+    let res = dispatch(shared, session, &args, out).await;
+    match res {
+        Ok(()) => false,
+        Err(msg) => {
+            NodeCounters::inc(&counters.resp_errors);
+            out.error(msg);
+            true
+        }
+    }
+}
+
+async fn dispatch(shared: &Shared, s: &mut Session, args: &[Bytes], out: &mut Output) -> Res {
+    let Some(name) = args.first() else {
+        return Ok(());
+    };
+    let lower = name.to_ascii_lowercase();
+    let Some(spec) = COMMANDS
+        .iter()
+        .find(|c| c.name.as_bytes() == lower.as_slice())
+    else {
+        return Err(unknown_command(args));
+    };
+    if !arity_ok(spec.arity, args.len()) {
+        return Err(wrong_args(spec.name));
+    }
+    if !s.authenticated && !spec.no_auth {
+        return err(NOAUTH);
+    }
+    match spec.name {
+        "auth" => auth(shared, s, args, out),
+        "client" => client(s, args, out),
+        "command" => command(args, out),
+        "config" => config(shared, args, out),
+        "dbsize" => {
+            out.integer(resp_keys(shared) as i64);
+            Ok(())
+        }
+        "del" => del(shared, args, out),
+        "exists" => exists(shared, s, args, out),
+        "get" => get(shared, s, &args[1], out).await,
+        "hello" => hello(shared, s, args, out),
+        "info" => info(shared, args, out),
+        "ping" => match args.len() {
+            1 => {
+                out.simple("PONG");
+                Ok(())
+            }
+            2 => {
+                out.bulk(&args[1]);
+                Ok(())
+            }
+            _ => Err(wrong_args("ping")),
+        },
+        "quit" => {
+            s.close = true;
+            out.ok();
+            Ok(())
+        }
+        "select" => match super::parser::string_to_i64(&args[1]) {
+            None => err(NOT_INTEGER),
+            Some(0) => {
+                out.ok();
+                Ok(())
+            }
+            Some(_) => err("DB index is out of range"),
+        },
+        "set" => set(shared, args, out).await,
+        _ => Err(unknown_command(args)),
+    }
+}
+
+fn password_matches(configured: &str, given: &[u8]) -> bool {
+    let c = configured.as_bytes();
+    // Length leaks; content compared in constant time.
+    c.len() == given.len() && c.iter().zip(given).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0
+}
+
+/// Redis's credential check for the `default` user.
+fn check_credentials(shared: &Shared, user: Option<&[u8]>, pass: &[u8]) -> Res {
+    if let Some(u) = user {
+        if u != b"default" {
+            return err(WRONGPASS);
+        }
+    }
+    match &shared.opts.password {
+        None => Ok(()),
+        Some(pw) if password_matches(pw, pass) => Ok(()),
+        Some(_) => err(WRONGPASS),
+    }
+}
+
+fn auth(shared: &Shared, s: &mut Session, args: &[Bytes], out: &mut Output) -> Res {
+    if args.len() > 3 {
+        return err(SYNTAX);
+    }
+    if args.len() == 2 && shared.opts.password.is_none() {
+        return err(
+            "AUTH <password> called without any password configured for the default user. Are you sure your configuration is correct?",
+        );
+    }
+    let (user, pass) = if args.len() == 3 {
+        (Some(&args[1][..]), &args[2][..])
+    } else {
+        (None, &args[1][..])
+    };
+    check_credentials(shared, user, pass)?;
+    s.authenticated = true;
+    out.ok();
+    Ok(())
+}
+
+fn hello(shared: &Shared, s: &mut Session, args: &[Bytes], out: &mut Output) -> Res {
+    if args.len() >= 2 {
+        match super::parser::string_to_i64(&args[1]) {
+            None => return err("Protocol version is not an integer or out of range"),
+            // kvtier speaks RESP2 only.
+            Some(2) => {}
+            Some(_) => return err(NOPROTO),
+        }
+    }
+    let mut auth: Option<(&[u8], &[u8])> = None;
+    let mut setname: Option<&Bytes> = None;
+    let mut j = 2;
+    while j < args.len() {
+        let more = args.len() - 1 - j;
+        let opt = args[j].to_ascii_lowercase();
+        if opt == b"auth" && more >= 2 {
+            auth = Some((&args[j + 1], &args[j + 2]));
+            j += 3;
+        } else if opt == b"setname" && more >= 1 {
+            setname = Some(&args[j + 1]);
+            j += 2;
+        } else {
+            let mut m = b"Syntax error in HELLO option '".to_vec();
+            m.extend_from_slice(c_str(&args[j], usize::MAX));
+            m.push(b'\'');
+            return Err(m);
+        }
+    }
+    if let Some((user, pass)) = auth {
+        check_credentials(shared, Some(user), pass)?;
+        s.authenticated = true;
+    }
+    if !s.authenticated {
+        return err(
+            "-NOAUTH HELLO must be called with the client already authenticated, otherwise the HELLO <proto> AUTH <user> <pass> option can be used to authenticate the client and select the RESP protocol version at the same time",
+        );
+    }
+    if let Some(n) = setname {
+        s.name = Some(n.clone());
+    }
+    out.array_header(14);
+    out.bulk(b"server");
+    out.bulk(b"redis");
+    out.bulk(b"version");
+    out.bulk(REDIS_COMPAT_VERSION.as_bytes());
+    out.bulk(b"proto");
+    out.integer(2);
+    out.bulk(b"id");
+    out.integer(s.id as i64);
+    out.bulk(b"mode");
+    out.bulk(b"standalone");
+    out.bulk(b"role");
+    out.bulk(b"master");
+    out.bulk(b"modules");
+    out.array_header(0);
+    Ok(())
+}
+
+fn client(s: &mut Session, args: &[Bytes], out: &mut Output) -> Res {
+    let sub = args[1].to_ascii_lowercase();
+    match sub.as_slice() {
+        b"id" if args.len() == 2 => out.integer(s.id as i64),
+        b"id" => return Err(wrong_args("client|id")),
+        b"getname" if args.len() == 2 => match &s.name {
+            Some(n) => out.bulk(n),
+            None => out.null(),
+        },
+        b"getname" => return Err(wrong_args("client|getname")),
+        b"setname" if args.len() == 3 => {
+            if args[2].iter().any(|&b| b <= b' ' || b > b'~') {
+                return err("Client names cannot contain spaces, newlines or special characters.");
+            }
+            s.name = (!args[2].is_empty()).then(|| args[2].clone());
+            out.ok();
+        }
+        b"setname" => return Err(wrong_args("client|setname")),
+        // Everything else (SETINFO, TRACKING, NO-EVICT, ...) is accepted and ignored.
+        _ => out.ok(),
+    }
+    Ok(())
+}
+
+fn command(args: &[Bytes], out: &mut Output) -> Res {
+    if args.len() == 1 {
+        out.array_header(0);
+        return Ok(());
+    }
+    let sub = args[1].to_ascii_lowercase();
+    match sub.as_slice() {
+        b"count" => out.integer(COMMANDS.len() as i64),
+        b"docs" | b"list" => out.array_header(0),
+        b"info" => {
+            out.array_header(args.len() - 2);
+            for _ in 2..args.len() {
+                out.null_array();
+            }
+        }
+        _ => return Err(unknown_subcommand(&args[1], "COMMAND")),
+    }
+    Ok(())
+}
+
+fn config(shared: &Shared, args: &[Bytes], out: &mut Output) -> Res {
+    let sub = args[1].to_ascii_lowercase();
+    match sub.as_slice() {
+        b"get" => {
+            if args.len() < 3 {
+                return Err(wrong_args("config|get"));
+            }
+            let st = shared.ctx.store.stats();
+            let params: [(&str, String); 5] = [
+                ("save", String::new()),
+                ("appendonly", "no".into()),
+                ("maxmemory", st.ram_budget.to_string()),
+                ("databases", "1".into()),
+                ("maxclients", shared.opts.max_connections.to_string()),
+            ];
+            let mut found = Vec::new();
+            for (k, v) in &params {
+                if args[2..]
+                    .iter()
+                    .any(|p| &p[..] == b"*" || p.eq_ignore_ascii_case(k.as_bytes()))
+                {
+                    found.push((*k, v.clone()));
+                }
+            }
+            out.array_header(found.len() * 2);
+            for (k, v) in found {
+                out.bulk(k.as_bytes());
+                out.bulk(v.as_bytes());
+            }
+            Ok(())
+        }
+        b"set" | b"resetstat" | b"rewrite" => err(
+            "CONFIG SET, RESETSTAT and REWRITE are not supported by kvtier; use its config file",
+        ),
+        _ => Err(unknown_subcommand(&args[1], "CONFIG")),
+    }
+}
+
+/// Chunks held in RESP namespaces.
+fn resp_keys(shared: &Shared) -> u64 {
+    shared
+        .ctx
+        .store
+        .namespaces()
+        .iter()
+        .filter(|n| n.record.engine == RESP_ENGINE || n.record.engine == LMCACHE_ENGINE)
+        .map(|n| n.chunks)
+        .sum()
+}
+
+fn exists(shared: &Shared, s: &mut Session, args: &[Bytes], out: &mut Output) -> Res {
+    let mut n = 0i64;
+    for key in &args[1..] {
+        if key.len() > MAX_KEY_LEN {
+            continue;
+        }
+        let id = shared.keys.id(key);
+        let Some(loc) = shared.ctx.locate(&id) else {
+            continue;
+        };
+        n += 1;
+        if loc == crate::Location::Ram {
+            pin(shared, s, key, &id);
+        }
+    }
+    out.integer(n);
+    Ok(())
+}
+
+/// Keeps a RAM-resident key's bytes for a short while after a positive
+/// EXISTS: LMCache's native client stalls on a miss after a hit, so a chunk
+/// evicted between its EXISTS and GET is still served (unless it was
+/// written or deleted through RESP since).
+fn pin(shared: &Shared, s: &mut Session, key: &Bytes, id: &ChunkId) {
+    let epoch = shared.epoch_slot(id).load(Ordering::Acquire);
+    let Some(hit) = shared.ctx.store.get_named(id, key) else {
+        return;
+    };
+    s.pins.retain(|p| p.key != *key);
+    if s.pins.len() >= PINS_MAX {
+        s.pins.pop_front();
+    }
+    s.pins.push_back(Pin {
+        key: key.clone(),
+        epoch,
+        at: Instant::now(),
+        data: hit.data,
+    });
+}
+
+fn take_pin(shared: &Shared, s: &mut Session, key: &[u8], id: &ChunkId) -> Option<Bytes> {
+    let i = s.pins.iter().position(|p| p.key == key)?;
+    let p = s.pins.remove(i)?;
+    let fresh =
+        p.at.elapsed() < PIN_TTL && shared.epoch_slot(id).load(Ordering::Acquire) == p.epoch;
+    fresh.then_some(p.data)
+}
+
+async fn get(shared: &Shared, s: &mut Session, key: &Bytes, out: &mut Output) -> Res {
+    if key.len() > MAX_KEY_LEN {
+        out.null();
+        return Ok(());
+    }
+    let id = shared.keys.id(key);
+    match shared.ctx.get(id, Some(key.clone())).await {
+        Some(hit) => {
+            if !s.pins.is_empty() {
+                s.pins.retain(|p| p.key != *key);
+            }
+            out.bulk_bytes(hit.data);
+        }
+        None => match take_pin(shared, s, key, &id) {
+            Some(data) => out.bulk_bytes(data),
+            None => out.null(),
+        },
+    }
+    Ok(())
+}
+
+fn del(shared: &Shared, args: &[Bytes], out: &mut Output) -> Res {
+    let mut n = 0i64;
+    for key in &args[1..] {
+        if key.len() > MAX_KEY_LEN {
+            continue;
+        }
+        let id = shared.keys.id(key);
+        shared.bump(&id);
+        if shared.ctx.store.delete(&id) {
+            n += 1;
+        }
+    }
+    out.integer(n);
+    Ok(())
+}
+
+async fn set(shared: &Shared, args: &[Bytes], out: &mut Output) -> Res {
+    let (key, value) = (&args[1], &args[2]);
+    let (mut nx, mut xx, mut get_old) = (false, false, false);
+    let mut i = 3;
+    while i < args.len() {
+        let opt = args[i].to_ascii_uppercase();
+        match opt.as_slice() {
+            b"NX" if !xx => nx = true,
+            b"XX" if !nx => xx = true,
+            b"GET" => get_old = true,
+            b"KEEPTTL" => {}
+            b"EX" | b"PX" | b"EXAT" | b"PXAT" => {
+                if i + 1 >= args.len() {
+                    return err(SYNTAX);
+                }
+                let o = String::from_utf8_lossy(&opt).into_owned();
+                return err(format!(
+                    "SET option '{o}' is not supported by kvtier: keys do not expire (the cache evicts by size)"
+                ));
+            }
+            _ => return err(SYNTAX),
+        }
+        i += 1;
+    }
+    if key.len() > MAX_KEY_LEN {
+        return err(format!(
+            "key of {} bytes is too long: kvtier accepts keys of at most {MAX_KEY_LEN} bytes",
+            key.len()
+        ));
+    }
+    let ctx = &shared.ctx;
+    let id = shared
+        .keys
+        .id_for_write(ctx, key)
+        .map_err(|e| format!("kvtier could not store the value: {e}").into_bytes())?;
+    let old = if get_old || nx || xx {
+        if get_old {
+            ctx.get(id, Some(key.clone())).await.map(|h| h.data)
+        } else {
+            ctx.locate(&id).map(|_| Bytes::new())
+        }
+    } else {
+        None
+    };
+    let blocked = (nx && old.is_some()) || (xx && old.is_none());
+    if !blocked {
+        shared.bump(&id);
+        let store = Arc::clone(&ctx.store);
+        let (k, v) = (key.clone(), value.clone());
+        let res = if store.config().write_policy == WritePolicy::Backpressure {
+            // May wait for the disk writer: never on a runtime worker.
+            tokio::task::spawn_blocking(move || store.put_named(id, k, v))
+                .await
+                .unwrap_or_else(|e| {
+                    Err(tier::Error::InvalidArgument {
+                        what: "put task",
+                        value: e.to_string(),
+                    })
+                })
+        } else {
+            store.put_named(id, k, v)
+        };
+        res.map_err(|e| format!("kvtier could not store the value: {e}").into_bytes())?;
+        shared.bump(&id);
+    }
+    if get_old {
+        match old {
+            Some(d) => out.bulk_bytes(d),
+            None => out.null(),
+        }
+    } else if blocked {
+        out.null();
+    } else {
+        out.ok();
+    }
+    Ok(())
+}
+
+fn human(bytes: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "K", "M", "G", "T"];
+    let mut v = bytes as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u + 1 < UNITS.len() {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u == 0 {
+        format!("{bytes}B")
+    } else {
+        format!("{v:.2}{}", UNITS[u])
+    }
+}
+
+/// The INFO text for the requested sections (Redis's layout: `# Name`
+/// headers, `field:value` lines, a blank line between sections).
+pub fn info_text(shared: &Shared, sections: &[Bytes]) -> String {
+    let all = ["server", "clients", "memory", "stats", "keyspace"];
+    let wanted: Vec<String> = sections
+        .iter()
+        .map(|s| String::from_utf8_lossy(s).to_ascii_lowercase())
+        .collect();
+    let include = |name: &str| {
+        wanted.is_empty()
+            || wanted
+                .iter()
+                .any(|w| w == name || w == "all" || w == "default" || w == "everything")
+    };
+    let ctx = &shared.ctx;
+    let st = ctx.store.stats();
+    let uptime = ctx.started.elapsed().as_secs();
+    let c = &ctx.counters;
+    let mut out = String::new();
+    for name in all {
+        if !include(name) {
+            continue;
+        }
+        if !out.is_empty() {
+            out.push_str("\r\n");
+        }
+        let lines: Vec<(String, String)> = match name {
+            "server" => vec![
+                ("redis_version".into(), REDIS_COMPAT_VERSION.into()),
+                ("kvtier_version".into(), env!("CARGO_PKG_VERSION").into()),
+                ("redis_mode".into(), "standalone".into()),
+                ("os".into(), std::env::consts::OS.into()),
+                ("arch_bits".into(), (usize::BITS).to_string()),
+                ("process_id".into(), std::process::id().to_string()),
+                ("tcp_port".into(), shared.port.to_string()),
+                ("uptime_in_seconds".into(), uptime.to_string()),
+                ("uptime_in_days".into(), (uptime / 86_400).to_string()),
+                ("kvtier_node".into(), ctx.node_name.clone()),
+            ],
+            "clients" => vec![
+                (
+                    "connected_clients".into(),
+                    shared.clients.load(Ordering::Relaxed).to_string(),
+                ),
+                ("maxclients".into(), shared.opts.max_connections.to_string()),
+            ],
+            "memory" => vec![
+                ("used_memory".into(), st.ram_bytes.to_string()),
+                ("used_memory_human".into(), human(st.ram_bytes)),
+                ("maxmemory".into(), st.ram_budget.to_string()),
+                ("maxmemory_human".into(), human(st.ram_budget)),
+                ("maxmemory_policy".into(), "allkeys-lru".into()),
+                ("kvtier_dirty_bytes".into(), st.dirty_bytes.to_string()),
+                ("kvtier_disk_bytes".into(), st.disk_bytes.to_string()),
+                ("kvtier_disk_budget".into(), st.disk_budget.to_string()),
+            ],
+            "stats" => vec![
+                (
+                    "total_connections_received".into(),
+                    c.connections.load(Ordering::Relaxed).to_string(),
+                ),
+                (
+                    "total_commands_processed".into(),
+                    c.resp_commands.load(Ordering::Relaxed).to_string(),
+                ),
+                (
+                    "total_error_replies".into(),
+                    c.resp_errors.load(Ordering::Relaxed).to_string(),
+                ),
+                (
+                    "keyspace_hits".into(),
+                    (st.hits_ram + st.hits_disk).to_string(),
+                ),
+                ("keyspace_misses".into(), st.misses.to_string()),
+                ("evicted_keys".into(), st.ram_evictions.to_string()),
+                ("kvtier_hits_ram".into(), st.hits_ram.to_string()),
+                ("kvtier_hits_disk".into(), st.hits_disk.to_string()),
+            ],
+            _ => {
+                let keys = resp_keys(shared);
+                if keys == 0 {
+                    vec![]
+                } else {
+                    vec![("db0".into(), format!("keys={keys},expires=0,avg_ttl=0"))]
+                }
+            }
+        };
+        let title = match name {
+            "server" => "Server",
+            "clients" => "Clients",
+            "memory" => "Memory",
+            "stats" => "Stats",
+            _ => "Keyspace",
+        };
+        out.push_str("# ");
+        out.push_str(title);
+        out.push_str("\r\n");
+        for (k, v) in lines {
+            out.push_str(&k);
+            out.push(':');
+            out.push_str(&v);
+            out.push_str("\r\n");
+        }
+    }
+    out
+}
+
+fn info(shared: &Shared, args: &[Bytes], out: &mut Output) -> Res {
+    let text = info_text(shared, &args[1..]);
+    out.bulk(text.as_bytes());
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn b(v: &[&str]) -> Vec<Bytes> {
+        v.iter()
+            .map(|s| Bytes::copy_from_slice(s.as_bytes()))
+            .collect()
+    }
+
+    #[test]
+    fn unknown_command_text_matches_redis() {
+        assert_eq!(
+            String::from_utf8(unknown_command(&b(&["FOO", "a", "b"]))).unwrap(),
+            "unknown command 'FOO', with args beginning with: 'a' 'b' "
+        );
+        assert_eq!(
+            String::from_utf8(unknown_command(&b(&["foo"]))).unwrap(),
+            "unknown command 'foo', with args beginning with: "
+        );
+        let long = "x".repeat(200);
+        let m = String::from_utf8(unknown_command(&b(&["f", &long, "next"]))).unwrap();
+        assert_eq!(
+            m,
+            format!(
+                "unknown command 'f', with args beginning with: '{}' ",
+                "x".repeat(128)
+            )
+        );
+    }
+
+    #[test]
+    fn arity_rules() {
+        assert!(arity_ok(2, 2));
+        assert!(!arity_ok(2, 3));
+        assert!(arity_ok(-2, 5));
+        assert!(!arity_ok(-2, 1));
+    }
+}

@@ -1,0 +1,199 @@
+//! The tokio side of the RESP endpoint: accepts connections, reads requests
+//! into the sans-IO parser, executes them in order (pipelining) and writes
+//! the queued replies with vectored writes.
+
+use std::future::Future;
+use std::io;
+use std::io::IoSlice;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use bytes::BytesMut;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{Semaphore, watch};
+use tokio::task::JoinSet;
+
+use super::commands::{Session, Shared, execute};
+use super::parser::{MAX_ARGS, Parsed, RequestParser, UNAUTH_MAX_ARGS, UNAUTH_MAX_BULK};
+use super::reply::Output;
+use super::{RespError, RespOptions};
+use crate::NodeContext;
+use crate::context::NodeCounters;
+
+/// Read buffer size (and the minimum free space before a read).
+const READ_BUF: usize = 64 * 1024;
+/// Queued reply bytes above which replies are written before the next
+/// pipelined command runs (bounds memory per connection).
+const FLUSH_AT: usize = 8 << 20;
+/// Most segments handed to one vectored write.
+const MAX_IOV: usize = 64;
+/// Time allowed to tell a rejected client why.
+const REJECT_TIMEOUT: Duration = Duration::from_secs(1);
+
+pub(super) async fn run(
+    listener: TcpListener,
+    ctx: Arc<NodeContext>,
+    opts: RespOptions,
+    shutdown: impl Future<Output = ()> + Send,
+) -> Result<(), RespError> {
+    if opts.max_value == 0 || opts.max_connections == 0 {
+        return Err(RespError::Config(
+            "max-value and max-connections must be at least 1".into(),
+        ));
+    }
+    let port = listener
+        .local_addr()
+        .map_err(|source| RespError::Io {
+            op: "read the listen address",
+            source,
+        })?
+        .port();
+    let permits = Arc::new(Semaphore::new(opts.max_connections));
+    let shared = Arc::new(Shared::new(ctx, opts, port));
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let mut tasks = JoinSet::new();
+    tokio::pin!(shutdown);
+    loop {
+        tokio::select! {
+            () = &mut shutdown => break,
+            Some(_) = tasks.join_next(), if !tasks.is_empty() => {}
+            acc = listener.accept() => match acc {
+                Ok((sock, _peer)) => {
+                    NodeCounters::inc(&shared.ctx.counters.connections);
+                    let mut stop = stop_rx.clone();
+                    match Arc::clone(&permits).try_acquire_owned() {
+                        Ok(permit) => {
+                            let shared = Arc::clone(&shared);
+                            tasks.spawn(async move {
+                                tokio::select! {
+                                    r = connection(&shared, sock) => {
+                                        if let Err(e) = r {
+                                            tracing::debug!(error = %e, "RESP connection ended");
+                                        }
+                                    }
+                                    _ = stop.wait_for(|s| *s) => {}
+                                }
+                                drop(permit);
+                            });
+                        }
+                        Err(_) => {
+                            tasks.spawn(async move {
+                                let mut sock = sock;
+                                let _ = tokio::time::timeout(
+                                    REJECT_TIMEOUT,
+                                    sock.write_all(b"-ERR max number of clients reached\r\n"),
+                                )
+                                .await;
+                            });
+                        }
+                    }
+                }
+                Err(e) => {
+                    // EMFILE and the like: transient; back off instead of spinning.
+                    tracing::warn!(error = %e, "RESP accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            },
+        }
+    }
+    let _ = stop_tx.send(true);
+    while tasks.join_next().await.is_some() {}
+    Ok(())
+}
+
+struct ClientGuard<'a>(&'a Shared);
+
+impl Drop for ClientGuard<'_> {
+    fn drop(&mut self) {
+        self.0.clients.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+async fn flush(sock: &mut TcpStream, out: &mut Output) -> io::Result<()> {
+    while !out.is_empty() {
+        let n = {
+            let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(MAX_IOV);
+            out.io_slices(&mut slices, MAX_IOV);
+            sock.write_vectored(&slices).await?
+        };
+        if n == 0 {
+            return Err(io::ErrorKind::WriteZero.into());
+        }
+        out.advance(n);
+    }
+    Ok(())
+}
+
+async fn connection(shared: &Shared, mut sock: TcpStream) -> io::Result<()> {
+    shared.clients.fetch_add(1, Ordering::Relaxed);
+    let _guard = ClientGuard(shared);
+    sock.set_nodelay(true)?;
+    let max_value = shared.opts.max_value;
+    let mut session = Session::new(shared);
+    let mut parser = RequestParser::new(max_value);
+    if !session.authenticated {
+        parser.set_limits(UNAUTH_MAX_ARGS, UNAUTH_MAX_BULK.min(max_value));
+    }
+    let mut rbuf = BytesMut::with_capacity(READ_BUF);
+    let mut out = Output::default();
+    loop {
+        loop {
+            match parser.parse(&mut rbuf) {
+                Ok(Parsed::Command(args)) => {
+                    let was_authenticated = session.authenticated;
+                    execute(shared, &mut session, args, &mut out).await;
+                    if !was_authenticated && session.authenticated {
+                        parser.set_limits(MAX_ARGS, max_value);
+                    }
+                    if session.close {
+                        flush(&mut sock, &mut out).await?;
+                        return Ok(());
+                    }
+                    if out.pending() >= FLUSH_AT {
+                        flush(&mut sock, &mut out).await?;
+                    }
+                }
+                Ok(Parsed::Incomplete) => break,
+                Ok(Parsed::DirectBulk(len)) => {
+                    flush(&mut sock, &mut out).await?;
+                    // Read the payload straight into a buffer of its exact size.
+                    let total = len + 2;
+                    let mut data = BytesMut::with_capacity(total);
+                    let from_buf = rbuf.len().min(total);
+                    data.extend_from_slice(&rbuf.split_to(from_buf));
+                    while data.len() < total {
+                        if sock.read_buf(&mut data).await? == 0 {
+                            return Ok(());
+                        }
+                    }
+                    if let Err(e) = parser.finish_direct(data) {
+                        return protocol_error(shared, &mut sock, &mut out, &e).await;
+                    }
+                }
+                Err(e) => return protocol_error(shared, &mut sock, &mut out, &e).await,
+            }
+        }
+        flush(&mut sock, &mut out).await?;
+        if rbuf.capacity() - rbuf.len() < READ_BUF / 4 {
+            rbuf.reserve(READ_BUF);
+        }
+        if sock.read_buf(&mut rbuf).await? == 0 {
+            return Ok(());
+        }
+    }
+}
+
+async fn protocol_error(
+    shared: &Shared,
+    sock: &mut TcpStream,
+    out: &mut Output,
+    e: &super::parser::ProtocolError,
+) -> io::Result<()> {
+    NodeCounters::inc(&shared.ctx.counters.resp_errors);
+    out.error(format!("Protocol error: {e}"));
+    flush(sock, out).await?;
+    let _ = sock.shutdown().await;
+    Ok(())
+}

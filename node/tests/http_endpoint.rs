@@ -1,0 +1,148 @@
+//! The HTTP endpoint over real TCP on 127.0.0.1: /healthz, /metrics
+//! (Prometheus text reflecting real store activity), /status and the
+//! refusals (404, 405, 400, 431).
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use node::NodeContext;
+use tier::{ChunkId, ChunkKey, ChunkStore, NamespaceRecord, TierConfig};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+const T: Duration = Duration::from_secs(10);
+
+async fn request(addr: SocketAddr, raw: &[u8]) -> (u16, String) {
+    let mut c = TcpStream::connect(addr).await.expect("connect");
+    let _ = c.write_all(raw).await;
+    let mut out = Vec::new();
+    tokio::time::timeout(T, c.read_to_end(&mut out))
+        .await
+        .expect("response in time")
+        .expect("read");
+    let text = String::from_utf8(out).expect("utf8");
+    let status = text
+        .split(' ')
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("status line in {text:?}"));
+    let body = text
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_owned())
+        .unwrap_or_default();
+    (status, body)
+}
+
+async fn get(addr: SocketAddr, path: &str) -> (u16, String) {
+    request(
+        addr,
+        format!("GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").as_bytes(),
+    )
+    .await
+}
+
+fn metric(body: &str, name: &str) -> f64 {
+    body.lines()
+        .find_map(|l| l.strip_prefix(name).and_then(|rest| rest.strip_prefix(' ')))
+        .unwrap_or_else(|| panic!("{name} missing in\n{body}"))
+        .trim()
+        .parse()
+        .expect("number")
+}
+
+#[tokio::test]
+async fn metrics_status_and_health() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cfg = TierConfig {
+        data_dir: dir.path().to_path_buf(),
+        ram_budget: 64 << 20,
+        disk_budget: 0,
+        ..TierConfig::default()
+    };
+    let store = Arc::new(ChunkStore::open(cfg).expect("open"));
+    let ctx = Arc::new(NodeContext::new(Arc::clone(&store), "metrics-node".into()));
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(node::http::serve(listener, Arc::clone(&ctx), async {
+        let _ = rx.await;
+    }));
+
+    let (st, body) = get(addr, "/healthz").await;
+    assert_eq!((st, body.as_str()), (200, "ok\n"));
+
+    // Real activity: one put, two hits, one miss.
+    let rec = NamespaceRecord {
+        model: "m".into(),
+        engine: "test".into(),
+        ..Default::default()
+    };
+    let ns = ctx.register_namespace(&rec).expect("register");
+    let id = ChunkId::new(ns, ChunkKey::from_name(b"a"), 0);
+    store.put(id, Bytes::from(vec![7u8; 1000])).expect("put");
+    assert!(ctx.get(id, None).await.is_some());
+    assert!(ctx.get(id, None).await.is_some());
+    assert!(
+        ctx.get(ChunkId::new(ns, ChunkKey::from_name(b"b"), 0), None)
+            .await
+            .is_none()
+    );
+
+    let (st, body) = get(addr, "/metrics").await;
+    assert_eq!(st, 200);
+    assert_eq!(metric(&body, "kvtier_hits_total{tier=\"ram\"}"), 2.0);
+    assert_eq!(metric(&body, "kvtier_misses_total"), 1.0);
+    assert_eq!(metric(&body, "kvtier_puts_total"), 1.0);
+    assert_eq!(metric(&body, "kvtier_bytes_in_total"), 1000.0);
+    assert_eq!(metric(&body, "kvtier_bytes_out_total"), 2000.0);
+    assert_eq!(metric(&body, "kvtier_ram_bytes"), 1000.0);
+    for name in [
+        "kvtier_hits_total{tier=\"disk\"}",
+        "kvtier_evictions_total{kind=\"ram\"}",
+        "kvtier_evictions_total{kind=\"region\"}",
+        "kvtier_dirty_bytes",
+        "kvtier_writer_queue_depth",
+        "kvtier_dropped_unwritten_total",
+        "kvtier_verify_failures_total",
+        "kvtier_recovery_seconds",
+        "kvtier_uptime_seconds",
+        "kvtier_requests_total{interface=\"resp\"}",
+        "kvtier_request_errors_total{interface=\"native\"}",
+        "kvtier_connections_total",
+    ] {
+        metric(&body, name);
+    }
+    assert!(body.contains("# TYPE kvtier_hits counter"), "{body}");
+    assert!(body.ends_with("# EOF\n"), "{body}");
+
+    let (st, body) = get(addr, "/status").await;
+    assert_eq!(st, 200);
+    let v: serde_json::Value = serde_json::from_str(&body).expect("json");
+    assert_eq!(v["node"], "metrics-node");
+    assert_eq!(v["version"], env!("CARGO_PKG_VERSION"));
+    assert_eq!(v["store"]["hits_ram"], 2);
+    assert_eq!(v["namespaces"][0]["record"]["model"], "m");
+    assert_eq!(v["namespaces"][0]["chunks"], 1);
+
+    let (st, _) = get(addr, "/nope").await;
+    assert_eq!(st, 404);
+    let (st, _) = request(addr, b"POST /metrics HTTP/1.1\r\nContent-Length: 0\r\n\r\n").await;
+    assert_eq!(st, 405);
+    let (st, body) = request(addr, b"HEAD /healthz HTTP/1.1\r\n\r\n").await;
+    assert_eq!((st, body.as_str()), (200, ""));
+    let (st, _) = request(addr, b"\x16\x03\x01garbage\r\n\r\n").await;
+    assert_eq!(st, 400);
+    let mut huge = b"GET /metrics HTTP/1.1\r\nX: ".to_vec();
+    huge.extend(vec![b'a'; 10_000]);
+    let (st, _) = request(addr, &huge).await;
+    assert_eq!(st, 431);
+
+    let _ = tx.send(());
+    tokio::time::timeout(T, task)
+        .await
+        .expect("serve returns")
+        .expect("join")
+        .expect("serve ok");
+}

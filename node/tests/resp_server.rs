@@ -1,0 +1,638 @@
+//! The RESP endpoint over real TCP on 127.0.0.1, against a real chunk
+//! store: every reply is compared byte for byte with what Redis 7 sends.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use node::NodeContext;
+use node::resp::{self, RespOptions};
+use tier::{ChunkStore, TierConfig};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+
+const T: Duration = Duration::from_secs(10);
+
+struct Server {
+    addr: SocketAddr,
+    ctx: Arc<NodeContext>,
+    stop: Option<oneshot::Sender<()>>,
+    task: Option<JoinHandle<Result<(), resp::RespError>>>,
+    _dir: tempfile::TempDir,
+}
+
+impl Server {
+    async fn start(opts: RespOptions) -> Self {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let cfg = TierConfig {
+            data_dir: dir.path().to_path_buf(),
+            ram_budget: 256 << 20,
+            disk_budget: 0,
+            ..TierConfig::default()
+        };
+        let store = Arc::new(ChunkStore::open(cfg).expect("open store"));
+        let ctx = Arc::new(NodeContext::new(store, "test-node".into()));
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let (tx, rx) = oneshot::channel::<()>();
+        let task = tokio::spawn(resp::serve(listener, Arc::clone(&ctx), opts, async {
+            let _ = rx.await;
+        }));
+        Self {
+            addr,
+            ctx,
+            stop: Some(tx),
+            task: Some(task),
+            _dir: dir,
+        }
+    }
+
+    async fn connect(&self) -> TcpStream {
+        tokio::time::timeout(T, TcpStream::connect(self.addr))
+            .await
+            .expect("connect in time")
+            .expect("connect")
+    }
+
+    async fn stop(mut self) {
+        let _ = self.stop.take().expect("running").send(());
+        let task = self.task.take().expect("running");
+        tokio::time::timeout(T, task)
+            .await
+            .expect("serve returns after shutdown")
+            .expect("join")
+            .expect("serve ok");
+    }
+}
+
+/// Sends `req` and asserts the reply is exactly `want`.
+async fn rt(c: &mut TcpStream, req: &[u8], want: &[u8]) {
+    c.write_all(req).await.expect("write");
+    expect(c, want).await;
+}
+
+async fn expect(c: &mut TcpStream, want: &[u8]) {
+    let mut got = vec![0u8; want.len()];
+    tokio::time::timeout(T, c.read_exact(&mut got))
+        .await
+        .unwrap_or_else(|_| panic!("reply in time; wanted {:?}", String::from_utf8_lossy(want)))
+        .unwrap_or_else(|e| panic!("read: {e}; wanted {:?}", String::from_utf8_lossy(want)));
+    assert_eq!(
+        String::from_utf8_lossy(&got),
+        String::from_utf8_lossy(want),
+        "reply bytes differ"
+    );
+    assert_eq!(got, want);
+}
+
+async fn expect_eof(c: &mut TcpStream) {
+    let mut b = [0u8; 64];
+    let n = tokio::time::timeout(T, c.read(&mut b))
+        .await
+        .expect("EOF in time")
+        .unwrap_or(0);
+    assert_eq!(n, 0, "expected the server to close, got {:?}", &b[..n]);
+}
+
+fn cmd(args: &[&[u8]]) -> Vec<u8> {
+    let mut v = format!("*{}\r\n", args.len()).into_bytes();
+    for a in args {
+        v.extend_from_slice(format!("${}\r\n", a.len()).as_bytes());
+        v.extend_from_slice(a);
+        v.extend_from_slice(b"\r\n");
+    }
+    v
+}
+
+fn bulk(b: &[u8]) -> Vec<u8> {
+    let mut v = format!("${}\r\n", b.len()).into_bytes();
+    v.extend_from_slice(b);
+    v.extend_from_slice(b"\r\n");
+    v
+}
+
+#[tokio::test]
+async fn basic_commands_reply_like_redis() {
+    let s = Server::start(RespOptions::default()).await;
+    let mut c = s.connect().await;
+    rt(&mut c, b"PING\r\n", b"+PONG\r\n").await;
+    rt(&mut c, &cmd(&[b"ping", b"hello"]), b"$5\r\nhello\r\n").await;
+    rt(
+        &mut c,
+        b"PING a b\r\n",
+        b"-ERR wrong number of arguments for 'ping' command\r\n",
+    )
+    .await;
+    rt(
+        &mut c,
+        b"FOO a b\r\n",
+        b"-ERR unknown command 'FOO', with args beginning with: 'a' 'b' \r\n",
+    )
+    .await;
+    rt(
+        &mut c,
+        b"foo\r\n",
+        b"-ERR unknown command 'foo', with args beginning with: \r\n",
+    )
+    .await;
+    rt(
+        &mut c,
+        b"GET\r\n",
+        b"-ERR wrong number of arguments for 'get' command\r\n",
+    )
+    .await;
+    rt(
+        &mut c,
+        b"get a b\r\n",
+        b"-ERR wrong number of arguments for 'get' command\r\n",
+    )
+    .await;
+    rt(
+        &mut c,
+        b"EXISTS\r\n",
+        b"-ERR wrong number of arguments for 'exists' command\r\n",
+    )
+    .await;
+    rt(
+        &mut c,
+        b"DBSIZE x\r\n",
+        b"-ERR wrong number of arguments for 'dbsize' command\r\n",
+    )
+    .await;
+    rt(&mut c, b"DBSIZE\r\n", b":0\r\n").await;
+    rt(
+        &mut c,
+        b"SET k v\r\nGET k\r\nEXISTS k k nokey\r\nDBSIZE\r\nDEL k nokey\r\nGET k\r\nDBSIZE\r\n",
+        b"+OK\r\n$1\r\nv\r\n:2\r\n:1\r\n:1\r\n$-1\r\n:0\r\n",
+    )
+    .await;
+    rt(&mut c, b"SET k v BOGUS\r\n", b"-ERR syntax error\r\n").await;
+    rt(&mut c, b"SET k v NX XX\r\n", b"-ERR syntax error\r\n").await;
+    rt(
+        &mut c,
+        b"SET k v NX\r\nSET k v NX\r\nSET k w XX GET\r\nGET k\r\nDEL k\r\nSET k v XX\r\n",
+        b"+OK\r\n$-1\r\n$1\r\nv\r\n$1\r\nw\r\n:1\r\n$-1\r\n",
+    )
+    .await;
+    rt(
+        &mut c,
+        b"SET k v EX 10\r\n",
+        b"-ERR SET option 'EX' is not supported by kvtier: keys do not expire (the cache evicts by size)\r\n",
+    )
+    .await;
+    rt(
+        &mut c,
+        b"SELECT 0\r\nSELECT 1\r\nSELECT x\r\n",
+        b"+OK\r\n-ERR DB index is out of range\r\n-ERR value is not an integer or out of range\r\n",
+    )
+    .await;
+    rt(
+        &mut c,
+        b"HELLO 3\r\n",
+        b"-NOPROTO unsupported protocol version\r\n",
+    )
+    .await;
+    rt(
+        &mut c,
+        b"HELLO 4\r\n",
+        b"-NOPROTO unsupported protocol version\r\n",
+    )
+    .await;
+    rt(
+        &mut c,
+        b"HELLO x\r\n",
+        b"-ERR Protocol version is not an integer or out of range\r\n",
+    )
+    .await;
+    rt(
+        &mut c,
+        b"HELLO 2 BOGUS\r\n",
+        b"-ERR Syntax error in HELLO option 'BOGUS'\r\n",
+    )
+    .await;
+    rt(
+        &mut c,
+        b"HELLO 2 SETNAME n\r\n",
+        b"*14\r\n$6\r\nserver\r\n$5\r\nredis\r\n$7\r\nversion\r\n$5\r\n7.2.0\r\n$5\r\nproto\r\n:2\r\n$2\r\nid\r\n:1\r\n$4\r\nmode\r\n$10\r\nstandalone\r\n$4\r\nrole\r\n$6\r\nmaster\r\n$7\r\nmodules\r\n*0\r\n",
+    )
+    .await;
+    rt(
+        &mut c,
+        b"CLIENT GETNAME\r\nCLIENT SETNAME foo\r\nCLIENT GETNAME\r\nCLIENT SETINFO LIB-NAME x\r\nCLIENT ID\r\nCLIENT\r\nCLIENT SETNAME\r\n",
+        b"$1\r\nn\r\n+OK\r\n$3\r\nfoo\r\n+OK\r\n:1\r\n-ERR wrong number of arguments for 'client' command\r\n-ERR wrong number of arguments for 'client|setname' command\r\n",
+    )
+    .await;
+    rt(
+        &mut c,
+        b"AUTH pw\r\n",
+        b"-ERR AUTH <password> called without any password configured for the default user. Are you sure your configuration is correct?\r\n",
+    )
+    .await;
+    rt(&mut c, b"AUTH default pw\r\n", b"+OK\r\n").await;
+    rt(&mut c, b"AUTH a b c\r\n", b"-ERR syntax error\r\n").await;
+    rt(
+        &mut c,
+        b"AUTH bob pw\r\n",
+        b"-WRONGPASS invalid username-password pair or user is disabled.\r\n",
+    )
+    .await;
+    rt(&mut c, b"COMMAND COUNT\r\n", b":14\r\n").await;
+    rt(&mut c, b"COMMAND DOCS\r\n", b"*0\r\n").await;
+    rt(
+        &mut c,
+        b"COMMAND BOGUS\r\n",
+        b"-ERR unknown subcommand 'BOGUS'. Try COMMAND HELP.\r\n",
+    )
+    .await;
+    rt(
+        &mut c,
+        b"CONFIG GET save\r\n",
+        b"*2\r\n$4\r\nsave\r\n$0\r\n\r\n",
+    )
+    .await;
+    rt(
+        &mut c,
+        b"CONFIG GET appendonly\r\n",
+        b"*2\r\n$10\r\nappendonly\r\n$2\r\nno\r\n",
+    )
+    .await;
+    rt(&mut c, b"CONFIG GET nothing\r\n", b"*0\r\n").await;
+    rt(
+        &mut c,
+        b"CONFIG GET\r\n",
+        b"-ERR wrong number of arguments for 'config|get' command\r\n",
+    )
+    .await;
+    rt(&mut c, b"*0\r\n*-1\r\n\r\nPING\r\n", b"+PONG\r\n").await;
+    rt(&mut c, b"INFO bogus\r\n", b"$0\r\n\r\n").await;
+    rt(&mut c, b"INFO keyspace\r\n", b"$12\r\n# Keyspace\r\n\r\n").await;
+    rt(&mut c, b"SET a b\r\n", b"+OK\r\n").await;
+    rt(
+        &mut c,
+        b"INFO keyspace\r\n",
+        b"$44\r\n# Keyspace\r\ndb0:keys=1,expires=0,avg_ttl=0\r\n\r\n",
+    )
+    .await;
+    rt(&mut c, b"QUIT\r\nPING\r\n", b"+OK\r\n").await;
+    expect_eof(&mut c).await;
+    let errors = s
+        .ctx
+        .counters
+        .resp_errors
+        .load(std::sync::atomic::Ordering::Relaxed);
+    assert!(errors >= 20, "errors are counted: {errors}");
+    s.stop().await;
+}
+
+#[tokio::test]
+async fn info_has_redis_sections() {
+    let s = Server::start(RespOptions::default()).await;
+    let mut c = s.connect().await;
+    c.write_all(b"INFO\r\n").await.expect("write");
+    let mut head = Vec::new();
+    loop {
+        let b = c.read_u8().await.expect("read");
+        head.push(b);
+        if head.ends_with(b"\r\n") {
+            break;
+        }
+    }
+    let len: usize = std::str::from_utf8(&head[1..head.len() - 2])
+        .expect("utf8")
+        .parse()
+        .expect("bulk length");
+    let mut body = vec![0u8; len + 2];
+    c.read_exact(&mut body).await.expect("body");
+    let text = String::from_utf8(body).expect("utf8");
+    assert!(
+        text.starts_with("# Server\r\nredis_version:7.2.0\r\n"),
+        "{text}"
+    );
+    for needle in [
+        "\r\n\r\n# Clients\r\nconnected_clients:1\r\n",
+        "\r\n\r\n# Memory\r\nused_memory:0\r\n",
+        "\r\n\r\n# Stats\r\n",
+        &format!("tcp_port:{}\r\n", s.addr.port()),
+        "\r\n\r\n# Keyspace\r\n",
+    ] {
+        assert!(text.contains(needle), "{needle:?} missing in {text}");
+    }
+    assert!(text.ends_with("# Keyspace\r\n\r\n"), "{text}");
+    s.stop().await;
+}
+
+#[tokio::test]
+async fn binary_keys_values_and_large_values_round_trip() {
+    let s = Server::start(RespOptions::default()).await;
+    let mut c = s.connect().await;
+    let key: &[u8] = b"\xff\x00bin\r\nkey";
+    let val: Vec<u8> = (0..=255u8).cycle().take(1000).collect();
+    rt(&mut c, &cmd(&[b"SET", key, &val]), b"+OK\r\n").await;
+    rt(&mut c, &cmd(&[b"GET", key]), &bulk(&val)).await;
+    rt(
+        &mut c,
+        &cmd(&[b"EXISTS", key, b"\xff\x00bin\r\nkeY"]),
+        b":1\r\n",
+    )
+    .await;
+    // 5 MiB: read directly into its own buffer, written back with a vectored write.
+    let big: Vec<u8> = (0..5 * 1024 * 1024u32)
+        .map(|i| (i.wrapping_mul(2654435761) >> 24) as u8)
+        .collect();
+    rt(&mut c, &cmd(&[b"SET", b"big", &big]), b"+OK\r\n").await;
+    rt(&mut c, &cmd(&[b"GET", b"big"]), &bulk(&big)).await;
+    // The same value sent one small piece at a time.
+    let req = cmd(&[b"SET", b"big2", &big]);
+    for piece in req.chunks(300_007) {
+        c.write_all(piece).await.expect("write");
+        tokio::task::yield_now().await;
+    }
+    expect(&mut c, b"+OK\r\n").await;
+    rt(&mut c, &cmd(&[b"GET", b"big2"]), &bulk(&big)).await;
+    // Empty values are values.
+    rt(&mut c, &cmd(&[b"SET", b"empty", b""]), b"+OK\r\n").await;
+    rt(&mut c, &cmd(&[b"GET", b"empty"]), b"$0\r\n\r\n").await;
+    s.stop().await;
+}
+
+#[tokio::test]
+async fn pipelined_mix_of_inline_and_multibulk() {
+    let s = Server::start(RespOptions::default()).await;
+    let mut c = s.connect().await;
+    let mut req = Vec::new();
+    let mut want = Vec::new();
+    for i in 0..200u32 {
+        let k = format!("key{i}");
+        let v = vec![(i % 251) as u8; (i as usize * 997) % 100_000];
+        req.extend(cmd(&[b"SET", k.as_bytes(), &v]));
+        want.extend_from_slice(b"+OK\r\n");
+        req.extend(format!("EXISTS {k} missing{i}\r\n").as_bytes());
+        want.extend_from_slice(b":1\r\n");
+        req.extend(cmd(&[b"GET", k.as_bytes()]));
+        want.extend(bulk(&v));
+    }
+    req.extend_from_slice(b"DBSIZE\r\n");
+    want.extend_from_slice(b":200\r\n");
+    let (mut r, mut w) = c.split();
+    let writer = async {
+        w.write_all(&req).await.expect("write");
+    };
+    let reader = async {
+        let mut got = vec![0u8; want.len()];
+        tokio::time::timeout(T, r.read_exact(&mut got))
+            .await
+            .expect("in time")
+            .expect("read");
+        got
+    };
+    let ((), got) = tokio::join!(writer, reader);
+    assert!(got == want, "pipelined replies differ");
+    drop(c);
+    s.stop().await;
+}
+
+#[tokio::test]
+async fn protocol_errors_reply_and_close() {
+    let opts = RespOptions {
+        max_value: 1 << 20,
+        ..RespOptions::default()
+    };
+    let s = Server::start(opts).await;
+    for (req, want) in [
+        (&b"*1\r\n$x\r\n"[..], &b"-ERR Protocol error: invalid bulk length\r\n"[..]),
+        (b"*x\r\n", b"-ERR Protocol error: invalid multibulk length\r\n"),
+        (b"*1\r\n+a\r\n", b"-ERR Protocol error: expected '$', got '+'\r\n"),
+        (b"*1\r\n$-5\r\n", b"-ERR Protocol error: invalid bulk length\r\n"),
+        (b"set a \"b\r\n", b"-ERR Protocol error: unbalanced quotes in request\r\n"),
+        (b"*2\r\n$3\r\nGET\r\n$1\r\nkXY\r\n", b"-ERR Protocol error: bulk string not terminated by CRLF\r\n"),
+        // Announces 2 MiB and sends nothing more: refused before any allocation.
+        (
+            b"*3\r\n$3\r\nSET\r\n$1\r\nk\r\n$2097152\r\n",
+            b"-ERR Protocol error: invalid bulk length 2097152 (values are limited to 1048576 bytes)\r\n",
+        ),
+        (
+            b"*3\r\n$3\r\nSET\r\n$1\r\nk\r\n$99999999999999999999\r\n",
+            b"-ERR Protocol error: invalid bulk length\r\n",
+        ),
+    ] {
+        let mut c = s.connect().await;
+        rt(&mut c, b"PING\r\n", b"+PONG\r\n").await;
+        rt(&mut c, req, want).await;
+        expect_eof(&mut c).await;
+    }
+    // Garbage without any line end: the inline limit closes it.
+    let mut c = s.connect().await;
+    let junk = vec![b'x'; 70 * 1024];
+    let _ = c.write_all(&junk).await;
+    expect(&mut c, b"-ERR Protocol error: too big inline request\r\n").await;
+    expect_eof(&mut c).await;
+    // Other clients and stored data are unaffected.
+    let mut c = s.connect().await;
+    rt(&mut c, b"SET k v\r\nGET k\r\n", b"+OK\r\n$1\r\nv\r\n").await;
+    s.stop().await;
+}
+
+#[tokio::test]
+async fn auth_flows() {
+    let opts = RespOptions {
+        password: Some("s3cret".into()),
+        ..RespOptions::default()
+    };
+    let s = Server::start(opts).await;
+    let mut c = s.connect().await;
+    rt(&mut c, b"PING\r\n", b"-NOAUTH Authentication required.\r\n").await;
+    rt(
+        &mut c,
+        b"GET k\r\n",
+        b"-NOAUTH Authentication required.\r\n",
+    )
+    .await;
+    rt(
+        &mut c,
+        b"FOO\r\n",
+        b"-ERR unknown command 'FOO', with args beginning with: \r\n",
+    )
+    .await;
+    rt(
+        &mut c,
+        b"GET\r\n",
+        b"-ERR wrong number of arguments for 'get' command\r\n",
+    )
+    .await;
+    rt(
+        &mut c,
+        b"HELLO 2\r\n",
+        b"-NOAUTH HELLO must be called with the client already authenticated, otherwise the HELLO <proto> AUTH <user> <pass> option can be used to authenticate the client and select the RESP protocol version at the same time\r\n",
+    )
+    .await;
+    rt(
+        &mut c,
+        b"AUTH nope\r\n",
+        b"-WRONGPASS invalid username-password pair or user is disabled.\r\n",
+    )
+    .await;
+    rt(
+        &mut c,
+        b"AUTH default nope\r\n",
+        b"-WRONGPASS invalid username-password pair or user is disabled.\r\n",
+    )
+    .await;
+    rt(
+        &mut c,
+        b"AUTH bob s3cret\r\n",
+        b"-WRONGPASS invalid username-password pair or user is disabled.\r\n",
+    )
+    .await;
+    rt(&mut c, b"AUTH s3cret\r\n", b"+OK\r\n").await;
+    rt(&mut c, b"PING\r\n", b"+PONG\r\n").await;
+    // Once authenticated, large values are accepted.
+    let v = vec![1u8; 100_000];
+    rt(&mut c, &cmd(&[b"SET", b"k", &v]), b"+OK\r\n").await;
+
+    let mut c = s.connect().await;
+    rt(
+        &mut c,
+        b"AUTH default s3cret\r\nGET k\r\n",
+        &[&b"+OK\r\n"[..], &bulk(&v)].concat(),
+    )
+    .await;
+
+    let mut c = s.connect().await;
+    rt(&mut c, b"HELLO 2 AUTH default s3cret\r\n", b"*14\r\n").await;
+
+    // Before AUTH, requests are limited as Redis limits them.
+    let mut c = s.connect().await;
+    rt(
+        &mut c,
+        &cmd(&[b"SET", b"k", &v]),
+        b"-ERR Protocol error: invalid bulk length 100000 (values are limited to 16384 bytes)\r\n",
+    )
+    .await;
+    expect_eof(&mut c).await;
+    let mut c = s.connect().await;
+    rt(
+        &mut c,
+        b"*11\r\n",
+        b"-ERR Protocol error: invalid multibulk length\r\n",
+    )
+    .await;
+    expect_eof(&mut c).await;
+    s.stop().await;
+}
+
+#[tokio::test]
+async fn lmcache_keys_get_one_namespace_per_rank() {
+    let s = Server::start(RespOptions::default()).await;
+    let mut c = s.connect().await;
+    let v0 = vec![0xa0u8; 70_000];
+    let v1 = vec![0xa1u8; 70_000];
+    let k0: &[u8] = b"Qwen/Qwen3-8B@2@0@-448569d442b6a772@bfloat16";
+    let k1: &[u8] = b"Qwen/Qwen3-8B@2@1@-448569d442b6a772@bfloat16";
+    rt(&mut c, &cmd(&[b"EXISTS", k0]), b":0\r\n").await;
+    rt(&mut c, &cmd(&[b"SET", k0, &v0]), b"+OK\r\n").await;
+    rt(&mut c, &cmd(&[b"SET", k1, &v1]), b"+OK\r\n").await;
+    rt(&mut c, &cmd(&[b"EXISTS", k0, k1]), b":2\r\n").await;
+    rt(&mut c, &cmd(&[b"GET", k0]), &bulk(&v0)).await;
+    rt(&mut c, &cmd(&[b"GET", k1]), &bulk(&v1)).await;
+    rt(&mut c, &cmd(&[b"SET", b"plain", b"x"]), b"+OK\r\n").await;
+    let mut ns: Vec<(String, u32, u32, String, u64)> = s
+        .ctx
+        .store
+        .namespaces()
+        .into_iter()
+        .map(|n| {
+            (
+                n.record.engine,
+                n.record.tp_size,
+                n.record.rank,
+                n.record.model,
+                n.chunks,
+            )
+        })
+        .collect();
+    ns.sort();
+    assert_eq!(
+        ns,
+        vec![
+            ("lmcache-resp".into(), 2, 0, "Qwen/Qwen3-8B".into(), 1),
+            ("lmcache-resp".into(), 2, 1, "Qwen/Qwen3-8B".into(), 1),
+            ("resp".into(), 0, 0, String::new(), 1),
+        ]
+    );
+    s.stop().await;
+}
+
+#[tokio::test]
+async fn a_stored_name_is_compared_on_read() {
+    // Through the public tier API: the same chunk id read under another name misses.
+    let s = Server::start(RespOptions::default()).await;
+    let mut c = s.connect().await;
+    rt(&mut c, b"SET alpha one\r\n", b"+OK\r\n").await;
+    let mapper = resp::keys::KeyMapper::new();
+    let id = mapper.id(b"alpha");
+    assert!(s.ctx.store.get_named(&id, b"alpha").is_some());
+    assert!(s.ctx.store.get_named(&id, b"alphb").is_none());
+    assert!(
+        s.ctx
+            .get(id, Some(Bytes::from_static(b"beta")))
+            .await
+            .is_none()
+    );
+    s.stop().await;
+}
+
+#[tokio::test]
+async fn exists_pins_a_key_until_its_get() {
+    let s = Server::start(RespOptions::default()).await;
+    let mut c = s.connect().await;
+    rt(
+        &mut c,
+        b"SET p1 v1\r\nSET p2 v2\r\nEXISTS p1 p2\r\n",
+        b"+OK\r\n+OK\r\n:2\r\n",
+    )
+    .await;
+    // The store drops both (as an eviction would) behind the client's back.
+    let mapper = resp::keys::KeyMapper::new();
+    assert!(s.ctx.store.delete(&mapper.id(b"p1")));
+    assert!(s.ctx.store.delete(&mapper.id(b"p2")));
+    // p1: the pin serves the bytes checked by EXISTS, once.
+    rt(&mut c, b"GET p1\r\nGET p1\r\n", b"$2\r\nv1\r\n$-1\r\n").await;
+    // p2: a write through RESP since the EXISTS invalidates the pin.
+    rt(&mut c, b"DEL p2\r\nGET p2\r\n", b":0\r\n$-1\r\n").await;
+    // Another connection never sees this connection's pins.
+    let mut c2 = s.connect().await;
+    rt(&mut c2, b"SET p3 v3\r\n", b"+OK\r\n").await;
+    rt(&mut c, b"EXISTS p3\r\n", b":1\r\n").await;
+    assert!(s.ctx.store.delete(&mapper.id(b"p3")));
+    rt(&mut c2, b"GET p3\r\n", b"$-1\r\n").await;
+    s.stop().await;
+}
+
+#[tokio::test]
+async fn connection_limit_and_shutdown() {
+    let opts = RespOptions {
+        max_connections: 1,
+        ..RespOptions::default()
+    };
+    let s = Server::start(opts).await;
+    let mut c1 = s.connect().await;
+    rt(&mut c1, b"PING\r\n", b"+PONG\r\n").await;
+    let mut c2 = s.connect().await;
+    expect(&mut c2, b"-ERR max number of clients reached\r\n").await;
+    expect_eof(&mut c2).await;
+    // The open connection does not keep the server from stopping.
+    s.stop().await;
+    expect_eof(&mut c1).await;
+}
+
+#[tokio::test]
+async fn check_bind_refuses_public_addresses_without_password() {
+    let any: SocketAddr = "0.0.0.0:6380".parse().expect("addr");
+    let err = resp::check_bind(&any, None).expect_err("refused");
+    assert!(err.to_string().contains("without a password"), "{err}");
+    assert!(resp::check_bind(&any, Some("pw")).is_ok());
+    assert!(resp::check_bind(&"127.0.0.1:6380".parse().expect("addr"), None).is_ok());
+}
