@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# redis-cli and redis-benchmark (Debian redis-tools) against a real
+# `kvtier node start` daemon's RESP endpoint, plus curl on its HTTP endpoint.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+ROOT=$PWD
+
+need_apt() {
+  local missing=()
+  for pair in "$@"; do
+    command -v "${pair%%:*}" >/dev/null 2>&1 || missing+=("${pair#*:}")
+  done
+  [ ${#missing[@]} -eq 0 ] && return 0
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get install -y -qq "${missing[@]}" >/dev/null 2>&1 || {
+    apt-get update -qq >/dev/null
+    apt-get install -y -qq "${missing[@]}" >/dev/null
+  }
+}
+need_apt redis-cli:redis-tools redis-benchmark:redis-tools curl:curl
+
+KVTIER=${KVTIER_BIN:-$ROOT/target/debug/kvtier}
+[ -x "$KVTIER" ] || cargo build --locked -q -p kvtier-cli
+TMP=$(mktemp -d)
+PID=
+cleanup() {
+  if [ -n "$PID" ] && kill -0 "$PID" 2>/dev/null; then
+    kill -TERM "$PID" 2>/dev/null || true
+    for _ in $(seq 1 100); do kill -0 "$PID" 2>/dev/null || break; sleep 0.1; done
+    kill -KILL "$PID" 2>/dev/null || true
+  fi
+  rm -rf "$TMP"
+}
+trap cleanup EXIT
+fail() { echo "40-redis-cli: FAIL: $*" >&2; [ -f "$TMP/node.log" ] && tail -n 30 "$TMP/node.log" >&2; exit 1; }
+
+"$KVTIER" node start --data-dir "$TMP/data" --socket "$TMP/s.sock" --ram-budget 1GiB --disk-budget 0 \
+  --resp-listen 127.0.0.1:0 --http-listen 127.0.0.1:0 >"$TMP/node.log" 2>&1 &
+PID=$!
+PORT= ; HTTP=
+for _ in $(seq 1 300); do
+  PORT=$(sed -n 's/.*resp  *127\.0\.0\.1:\([0-9][0-9]*\).*/\1/p' "$TMP/node.log" | head -n1)
+  HTTP=$(sed -n 's#.*http://\(127\.0\.0\.1:[0-9][0-9]*\)/metrics.*#\1#p' "$TMP/node.log" | head -n1)
+  [ -n "$PORT" ] && [ -n "$HTTP" ] && break
+  kill -0 "$PID" 2>/dev/null || fail "daemon exited"
+  sleep 0.1
+done
+[ -n "$PORT" ] && [ -n "$HTTP" ] || fail "daemon did not report its addresses"
+CLI=(timeout 30 redis-cli -p "$PORT")
+
+eq() { [ "$1" = "$2" ] || fail "expected '$2', got '$1' ($3)"; }
+eq "$("${CLI[@]}" ping)" "PONG" ping
+eq "$("${CLI[@]}" set greeting hello)" "OK" set
+eq "$("${CLI[@]}" get greeting)" "hello" get
+eq "$("${CLI[@]}" exists greeting nothing)" "1" exists
+eq "$("${CLI[@]}" dbsize)" "1" dbsize
+"${CLI[@]}" info | grep -q '^redis_version:' || fail "info has no redis_version"
+"${CLI[@]}" info keyspace | grep -q '^db0:keys=1,' || fail "info keyspace"
+eq "$("${CLI[@]}" del greeting nothing)" "1" del
+eq "$("${CLI[@]}" --no-raw get greeting)" "(nil)" "get after del"
+eq "$("${CLI[@]}" --no-raw nosuchcommand x)" "(error) ERR unknown command 'nosuchcommand', with args beginning with: 'x' " unknown
+
+# A binary value with every byte value (NUL, CR, LF included) round-trips exactly.
+python3 -c 'import sys; sys.stdout.buffer.write(bytes(range(256)) * 4096 + b"\r\n\x00tail")' >"$TMP/value.bin"
+eq "$("${CLI[@]}" -x set "bin key" <"$TMP/value.bin")" "OK" "set -x"
+"${CLI[@]}" --raw get "bin key" | head -c -1 >"$TMP/value.out"
+cmp "$TMP/value.bin" "$TMP/value.out" || fail "binary value differs"
+"${CLI[@]}" --no-raw get "bin key" >"$TMP/value.txt"
+[ "$(head -c 9 "$TMP/value.txt")" = '"\x00\x01' ] || fail "--no-raw rendering: $(head -c 40 "$TMP/value.txt")"
+
+# redis-benchmark: 256 KiB values, no errors.
+BENCH=$(timeout 300 redis-benchmark -p "$PORT" -t set,get -n 2000 -d 262144 -c 4 -q 2>&1) || fail "redis-benchmark: $BENCH"
+echo "$BENCH" | tr '\r' '\n' | grep 'requests per second'
+echo "$BENCH" | grep -qi 'error' && fail "redis-benchmark reported errors: $BENCH"
+echo "$BENCH" | tr '\r' '\n' | grep -q '^SET: .* requests per second' || fail "no SET result: $BENCH"
+echo "$BENCH" | tr '\r' '\n' | grep -q '^GET: .* requests per second' || fail "no GET result: $BENCH"
+
+# HTTP endpoint.
+eq "$(curl -fsS "http://$HTTP/healthz")" "ok" healthz
+METRICS=$(curl -fsS "http://$HTTP/metrics")
+HITS=$(echo "$METRICS" | sed -n 's/^kvtier_hits_total{tier="ram"} //p')
+[ -n "$HITS" ] && [ "$HITS" -ge 2000 ] || fail "hits after the benchmark: '$HITS'"
+echo "$METRICS" | grep -q '^kvtier_requests_total{interface="resp"} ' || fail "resp requests metric"
+curl -fsS "http://$HTTP/status" | python3 -c 'import json,sys; d=json.load(sys.stdin); assert d["store"]["puts"] >= 2000, d' \
+  || fail "/status"
+[ "$(curl -s -o /dev/null -w '%{http_code}' "http://$HTTP/nope")" = 404 ] || fail "404"
+
+kill -TERM "$PID"
+for _ in $(seq 1 100); do kill -0 "$PID" 2>/dev/null || break; sleep 0.1; done
+kill -0 "$PID" 2>/dev/null && fail "daemon did not stop on SIGTERM"
+wait "$PID" || fail "daemon exit status $?"
+PID=
+echo "40-redis-cli: 1 passed, 0 failed"
