@@ -1,0 +1,488 @@
+//! `kvtier bench local`: PUT / GET / LOOKUP through the native socket and
+//! shared memory, against a daemon the bench starts (or `--socket`).
+//!
+//! Per chunk size and concurrency (each client thread has its own
+//! connection and memfd region): PUT throughput and latency, GET of
+//! RAM-resident chunks, and GET of disk-resident chunks (after a flush and
+//! a restart of the bench's own daemon, so the RAM tier is empty and every
+//! first read goes to the NVMe store). LOOKUP of 1,024 present keys and of
+//! 1,024 absent keys per request. Every throughput is also printed as a
+//! ratio to its limit measured in the same run: RAM figures against a cold
+//! memcpy of the same size, disk reads against O_DIRECT sequential reads of
+//! the same block size.
+
+use std::path::{Path, PathBuf};
+use std::sync::Barrier;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use clap::Args;
+use node::native::{Client, GetStatus, RegionEntry};
+use node::tier::{ChunkKey, Namespace, NamespaceRecord};
+use serde::Serialize;
+use serde_json::json;
+
+use super::limits::{self, LimitsArgs};
+use super::report::{Report, Table, f1, f2, print_header};
+use super::{
+    CommonArgs, Daemon, DaemonSpec, Lat, Scratch, bar, bench_key, bench_record, fill_payload, gbps,
+    new_hist, parse_size, record, size_name,
+};
+use crate::{EXIT_ERROR, EXIT_OK};
+
+/// `kvtier bench local`
+#[derive(Debug, Args)]
+pub struct LocalArgs {
+    /// A running daemon's socket (default: start one in the scratch dir).
+    /// Disk-hit figures need the bench's own daemon (it is restarted).
+    #[arg(long, value_name = "PATH")]
+    pub socket: Option<PathBuf>,
+    /// Chunk sizes.
+    #[arg(long, value_delimiter = ',', value_parser = parse_size, default_value = "256KiB,1MiB,2.5MiB,4MiB")]
+    pub sizes: Vec<u64>,
+    /// Client concurrencies (threads, one connection each).
+    #[arg(long, value_delimiter = ',', default_value = "1,4,16")]
+    pub concurrency: Vec<usize>,
+    /// Distinct chunks per size, as bytes (the working set; must fit the
+    /// RAM budget for RAM hits).
+    #[arg(long, default_value = "256MiB")]
+    pub set_bytes: node::ByteSize,
+    /// Bytes moved per (operation, size, concurrency) cell.
+    #[arg(long, default_value = "512MiB")]
+    pub cell_bytes: node::ByteSize,
+    /// LOOKUP requests (of 1,024 keys) per concurrency.
+    #[arg(long, default_value_t = 2000)]
+    pub lookups: usize,
+    /// Skip the disk-hit phase.
+    #[arg(long)]
+    pub no_disk: bool,
+    /// Memcpy pool for the limit measured in the same run.
+    #[arg(long, default_value = "1GiB")]
+    pub pool: node::ByteSize,
+    /// Common options.
+    #[command(flatten)]
+    pub common: CommonArgs,
+}
+
+/// One measured cell.
+#[derive(Clone, Debug, Serialize)]
+struct Cell {
+    op: &'static str,
+    size: u64,
+    concurrency: usize,
+    ops: u64,
+    bytes: u64,
+    gbps: f64,
+    ops_per_sec: f64,
+    latency: Lat,
+    /// Limit this cell is compared with, and the ratio.
+    limit_name: &'static str,
+    limit_gbps: f64,
+    ratio: f64,
+    /// GET outcomes (hits by tier, misses).
+    hits_ram: u64,
+    hits_disk: u64,
+    misses: u64,
+    errors: u64,
+}
+
+#[derive(Default)]
+struct Outcome {
+    hist: Option<hdrhistogram::Histogram<u64>>,
+    ram: u64,
+    disk: u64,
+    miss: u64,
+    errors: u64,
+}
+
+enum Op {
+    Put,
+    Get,
+    Lookup { present: bool },
+}
+
+/// Runs `ops` operations over `keys` with `threads` connections; returns
+/// the merged outcome and the wall time.
+fn run_cell(
+    socket: &Path,
+    rec: &NamespaceRecord,
+    op: &Op,
+    size: u64,
+    keys: &[ChunkKey],
+    threads: usize,
+    ops: usize,
+) -> Result<(Outcome, Duration)> {
+    let barrier = Barrier::new(threads + 1);
+    let results = std::thread::scope(|s| {
+        let mut handles = Vec::new();
+        for t in 0..threads {
+            let barrier = &barrier;
+            handles.push(s.spawn(move || -> Result<Outcome> {
+                let setup = (|| -> Result<(Client, Namespace)> {
+                    let mut c = Client::connect(socket).context("connect")?;
+                    let ns = c.hello(rec).context("HELLO")?;
+                    c.create_region(size.max(4096).next_multiple_of(4096))
+                        .context("create region")?;
+                    let region = c.region_mut().expect("created").as_mut_slice();
+                    fill_payload(&bench_key(99, t as u64), &mut region[..size as usize]);
+                    Ok((c, ns))
+                })();
+                barrier.wait();
+                let (mut c, ns) = setup?;
+                let mut out = Outcome {
+                    hist: Some(new_hist()),
+                    ..Default::default()
+                };
+                let hist = out.hist.as_mut().expect("set");
+                let mut i = t;
+                while i < ops {
+                    let t0 = Instant::now();
+                    match op {
+                        Op::Put => {
+                            let e = RegionEntry {
+                                key: keys[i % keys.len()],
+                                offset: 0,
+                                len: size,
+                            };
+                            let st = c.put(ns, 0, &[e], false)?;
+                            if st.first() != Some(&0) {
+                                out.errors += 1;
+                            }
+                        }
+                        Op::Get => {
+                            let e = RegionEntry {
+                                key: keys[i % keys.len()],
+                                offset: 0,
+                                len: size,
+                            };
+                            let r = c.get(ns, 0, &[e])?;
+                            match r.first().map(|r| r.status) {
+                                Some(GetStatus::HitRam) => out.ram += 1,
+                                Some(GetStatus::HitDisk) => out.disk += 1,
+                                Some(GetStatus::Miss) => out.miss += 1,
+                                _ => out.errors += 1,
+                            }
+                        }
+                        Op::Lookup { present } => {
+                            let r = c.lookup(ns, 0, keys)?;
+                            let want = if *present { keys.len() as u32 } else { 0 };
+                            if r.prefix != want {
+                                out.errors += 1;
+                            }
+                        }
+                    }
+                    record(hist, t0.elapsed());
+                    i += threads;
+                }
+                Ok(out)
+            }));
+        }
+        barrier.wait();
+        let t0 = Instant::now();
+        let outs: Vec<Result<Outcome>> = handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(anyhow::anyhow!("client thread panicked")))
+            })
+            .collect();
+        (outs, t0.elapsed())
+    });
+    let (outs, wall) = results;
+    let mut total = Outcome {
+        hist: Some(new_hist()),
+        ..Default::default()
+    };
+    for o in outs {
+        let o = o?;
+        total.ram += o.ram;
+        total.disk += o.disk;
+        total.miss += o.miss;
+        total.errors += o.errors;
+        if let (Some(h), Some(t)) = (o.hist.as_ref(), total.hist.as_mut()) {
+            t.add(h).expect("same bounds");
+        }
+    }
+    Ok((total, wall))
+}
+
+fn make_cell(
+    op: &'static str,
+    size: u64,
+    concurrency: usize,
+    ops: usize,
+    (o, wall): (Outcome, Duration),
+    limit_name: &'static str,
+    limit_gbps: f64,
+) -> Cell {
+    let bytes = if op.starts_with("LOOKUP") {
+        0
+    } else {
+        ops as u64 * size
+    };
+    let g = gbps(bytes, wall);
+    Cell {
+        op,
+        size,
+        concurrency,
+        ops: ops as u64,
+        bytes,
+        gbps: g,
+        ops_per_sec: ops as f64 / wall.as_secs_f64().max(1e-9),
+        latency: Lat::of(o.hist.as_ref().expect("set")),
+        limit_name,
+        limit_gbps,
+        ratio: if bytes > 0 { g / limit_gbps } else { f64::NAN },
+        hits_ram: o.ram,
+        hits_disk: o.disk,
+        misses: o.miss,
+        errors: o.errors,
+    }
+}
+
+/// Runs `kvtier bench local`.
+pub(crate) fn run(args: &LocalArgs) -> Result<u8> {
+    print_header("local");
+    let scratch = Scratch::new(args.common.dir.as_deref(), "local")?;
+    let set_total = args.set_bytes.0 * args.sizes.len() as u64;
+    let mut own = match &args.socket {
+        Some(_) => None,
+        None => {
+            let spec = DaemonSpec {
+                ram_budget: format!("{}MiB", (set_total >> 20) + 512),
+                disk_budget: format!("{}MiB", (set_total >> 20) * 2 + 512),
+                ..Default::default()
+            };
+            Some(Daemon::start(&scratch.path().join("node"), &spec)?)
+        }
+    };
+    let socket = match (&args.socket, &own) {
+        (Some(s), _) => s.clone(),
+        (None, Some(d)) => d.socket.clone(),
+        (None, None) => unreachable!("a daemon was started"),
+    };
+
+    let lim = limits::measure(
+        &LimitsArgs {
+            sizes: args.sizes.clone(),
+            pool: args.pool,
+            disk_bytes: node::ByteSize(args.set_bytes.0.min(512 << 20)),
+            ..LimitsArgs::default()
+        },
+        scratch.path(),
+        false,
+    )?;
+    limits::print_limits(&lim);
+
+    let rec = bench_record(1, 0, &format!("local-{}", std::process::id()));
+    let mut cells = Vec::new();
+    let keys_of = |size: u64| -> Vec<ChunkKey> {
+        let n = (args.set_bytes.0 / size).max(32);
+        (0..n).map(|i| bench_key(size, i)).collect()
+    };
+    let n_cells = args.sizes.len() * args.concurrency.len() * 2 + args.concurrency.len() * 2;
+    let pb = bar(n_cells as u64, "local");
+    for &size in &args.sizes {
+        let keys = keys_of(size);
+        let l = lim.at(size).expect("limits measured for every size");
+        let ops = ((args.cell_bytes.0 / size) as usize).max(keys.len());
+        for &c in &args.concurrency {
+            pb.set_message(format!("PUT {} x{c}", size_name(size)));
+            let r = run_cell(&socket, &rec, &Op::Put, size, &keys, c, ops)?;
+            cells.push(make_cell(
+                "PUT",
+                size,
+                c,
+                ops,
+                r,
+                "memcpy cold",
+                l.memcpy_cold_gbps,
+            ));
+            pb.inc(1);
+            pb.set_message(format!("GET RAM {} x{c}", size_name(size)));
+            let r = run_cell(&socket, &rec, &Op::Get, size, &keys, c, ops)?;
+            cells.push(make_cell(
+                "GET ram",
+                size,
+                c,
+                ops,
+                r,
+                "memcpy cold",
+                l.memcpy_cold_gbps,
+            ));
+            pb.inc(1);
+        }
+    }
+    let lookup_keys: Vec<ChunkKey> = keys_of(args.sizes[0]).into_iter().take(1024).collect();
+    let absent: Vec<ChunkKey> = (0..1024).map(|i| bench_key(0xABCD, i)).collect();
+    for &c in &args.concurrency {
+        pb.set_message(format!("LOOKUP x{c}"));
+        let r = run_cell(
+            &socket,
+            &rec,
+            &Op::Lookup { present: true },
+            0,
+            &lookup_keys,
+            c,
+            args.lookups,
+        )?;
+        cells.push(make_cell(
+            "LOOKUP 1024 present",
+            0,
+            c,
+            args.lookups,
+            r,
+            "-",
+            f64::NAN,
+        ));
+        pb.inc(1);
+        let r = run_cell(
+            &socket,
+            &rec,
+            &Op::Lookup { present: false },
+            0,
+            &absent,
+            c,
+            args.lookups,
+        )?;
+        cells.push(make_cell(
+            "LOOKUP 1024 absent",
+            0,
+            c,
+            args.lookups,
+            r,
+            "-",
+            f64::NAN,
+        ));
+        pb.inc(1);
+    }
+    pb.finish_and_clear();
+
+    let mut disk_note = None;
+    match own.as_mut() {
+        Some(d) if !args.no_disk => {
+            let n = args.concurrency.len() * args.sizes.len();
+            let pb = bar(n as u64, "local disk");
+            d.client()?.flush().context("FLUSH before the disk phase")?;
+            for &c in &args.concurrency {
+                // A restart empties RAM: every first GET reads the disk.
+                d.stop()?;
+                d.spawn()?;
+                for &size in &args.sizes {
+                    pb.set_message(format!("GET disk {} x{c}", size_name(size)));
+                    let keys = keys_of(size);
+                    let l = lim.at(size).expect("measured");
+                    let r = run_cell(&d.socket, &rec, &Op::Get, size, &keys, c, keys.len())?;
+                    cells.push(make_cell(
+                        "GET disk",
+                        size,
+                        c,
+                        keys.len(),
+                        r,
+                        if lim.direct_io {
+                            "O_DIRECT read"
+                        } else {
+                            "buffered read"
+                        },
+                        l.direct_read_gbps,
+                    ));
+                    pb.inc(1);
+                }
+            }
+            pb.finish_and_clear();
+        }
+        Some(_) => disk_note = Some("skipped (--no-disk)"),
+        None => disk_note = Some("skipped: disk hits need the bench's own daemon (no --socket)"),
+    }
+    if let Some(d) = own.as_mut() {
+        d.stop()?;
+    }
+
+    print_cells(&cells);
+    if let Some(n) = disk_note {
+        println!("GET disk: {n}");
+    }
+    let errors: u64 = cells.iter().map(|c| c.errors).sum();
+    let ram_misses: u64 = cells
+        .iter()
+        .filter(|c| c.op == "GET ram")
+        .map(|c| c.misses)
+        .sum();
+    let mut report = Report::new("local");
+    report.set("limits", serde_json::to_value(&lim)?);
+    report.set("cells", serde_json::to_value(&cells)?);
+    report.set("errors", json!(errors));
+    report.write(args.common.json.as_deref())?;
+    if errors > 0 || ram_misses > 0 {
+        eprintln!("kvtier bench local: {errors} failed operations, {ram_misses} RAM-phase misses");
+        Ok(EXIT_ERROR)
+    } else {
+        Ok(EXIT_OK)
+    }
+}
+
+fn print_cells(cells: &[Cell]) {
+    let mut t = Table::new(
+        "native socket + shared memory (GB/s, latency in µs; ratio = throughput / limit at the same size)",
+        &[
+            "op",
+            "size",
+            "conc",
+            "GB/s",
+            "ops/s",
+            "p50",
+            "p99",
+            "limit",
+            "ratio",
+            "hits ram/disk/miss",
+        ],
+    );
+    for c in cells {
+        t.row(vec![
+            c.op.into(),
+            if c.size > 0 {
+                size_name(c.size)
+            } else {
+                "-".into()
+            },
+            c.concurrency.to_string(),
+            if c.bytes > 0 { f2(c.gbps) } else { "-".into() },
+            format!("{:.0}", c.ops_per_sec),
+            f1(c.latency.p50_us),
+            f1(c.latency.p99_us),
+            if c.limit_gbps.is_finite() {
+                format!("{} {}", c.limit_name, f2(c.limit_gbps))
+            } else {
+                "-".into()
+            },
+            f2(c.ratio),
+            if c.op.starts_with("GET") {
+                format!("{}/{}/{}", c.hits_ram, c.hits_disk, c.misses)
+            } else {
+                "-".into()
+            },
+        ]);
+    }
+    t.print();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::{CHUNK_SIZES, Scenario};
+    use clap::Parser;
+
+    #[test]
+    fn defaults_are_the_issue_sizes_and_concurrencies() {
+        let cli = crate::Cli::try_parse_from(["kvtier", "bench", "local"]).unwrap();
+        let crate::args::Command::Bench(b) = cli.command else {
+            panic!("not bench")
+        };
+        let Scenario::Local(a) = b.scenario else {
+            panic!("not local")
+        };
+        assert_eq!(a.sizes, CHUNK_SIZES.to_vec());
+        assert_eq!(a.concurrency, vec![1, 4, 16]);
+        let e = crate::Cli::try_parse_from(["kvtier", "bench", "local", "--sizes", "1MiB,12XB"]);
+        assert!(e.is_err());
+    }
+}

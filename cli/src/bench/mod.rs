@@ -1,0 +1,512 @@
+//! `kvtier bench <scenario>`: end-to-end benchmarks against real daemons.
+//!
+//! Every scenario prints a table and, with `--json FILE`, writes the same
+//! figures as JSON. Speed figures are printed next to a baseline measured
+//! in the same run (the machine's limits, or another server), never against
+//! remembered numbers.
+//!
+//! Scenarios (see `docs/benchmarks.md`):
+//! - [`limits`]: cold memcpy, O_DIRECT sequential write/read, TCP and raw
+//!   QUIC loopback throughput;
+//! - [`local`]: PUT / GET / LOOKUP through the native socket and shared
+//!   memory, RAM hits and disk hits, as ratios to the limits;
+//! - [`vs`]: the same chunk workload over RESP against kvtier, a real
+//!   redis-server and LMCache's server;
+//! - [`crash`]: kill -9 torture of a writer that PUTs and FLUSHes;
+//! - [`churn`]: PUT p99 while the disk writer is saturated, bytes written
+//!   while idle;
+//! - [`restore`]: the seed scenario in miniature across two daemons with
+//!   peers, and `two-rank`, the cluster-demo driver.
+//!
+//! Daemons the bench starts are `kvtier node start` child processes of this
+//! binary with their own data dir and socket in a scratch directory; they
+//! are killed by pid when the bench ends, whatever happens.
+
+mod churn;
+mod crash;
+mod limits;
+mod local;
+mod report;
+mod restore;
+mod vs;
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use clap::{Args, Subcommand};
+use node::daemon::LockInfo;
+use node::native::Client;
+use node::tier::{ChunkKey, NamespaceRecord};
+
+/// How long a daemon started by the bench may take to start or stop.
+const DAEMON_DEADLINE: Duration = Duration::from_secs(60);
+
+/// `kvtier bench`
+#[derive(Debug, Args)]
+pub struct BenchArgs {
+    /// The scenario.
+    #[command(subcommand)]
+    pub scenario: Scenario,
+}
+
+/// The benchmark scenarios.
+#[derive(Debug, Subcommand)]
+pub enum Scenario {
+    /// The machine's limits: cold memcpy, O_DIRECT sequential write/read,
+    /// TCP and raw QUIC loopback.
+    Limits(limits::LimitsArgs),
+    /// PUT / GET / LOOKUP through the native socket + shared memory (RAM
+    /// and disk hits), as ratios to the limits measured in the same run.
+    Local(local::LocalArgs),
+    /// The same chunk workload over RESP: kvtier vs redis-server vs the
+    /// LMCache server, as ratios to kvtier.
+    Vs(vs::VsArgs),
+    /// kill -9 torture: wrong reads, phantom chunks, flushed survival.
+    Crash(crash::CrashArgs),
+    /// PUT p99 while the disk writer is saturated vs idle; bytes written
+    /// while idle.
+    Churn(churn::ChurnArgs),
+    /// The seed scenario in miniature: 2 ranks, 2 daemons with peers,
+    /// restart, cluster lookup and full restore from disk and from a peer.
+    Restore(restore::RestoreArgs),
+    /// Two-rank write and restore through running daemons (the driver of
+    /// `scripts/cluster-demo`).
+    TwoRank(restore::TwoRankArgs),
+}
+
+/// Options every scenario has.
+#[derive(Debug, Args, Clone, Default)]
+pub struct CommonArgs {
+    /// Also write the results as JSON to this file.
+    #[arg(long, value_name = "FILE")]
+    pub json: Option<PathBuf>,
+    /// Scratch directory for data dirs and sockets (on the filesystem to
+    /// measure). Default: a new directory under $TMPDIR, removed at the end.
+    #[arg(long, value_name = "DIR")]
+    pub dir: Option<PathBuf>,
+}
+
+/// Runs a `kvtier bench` scenario; returns the exit code (1 when a
+/// correctness check of the scenario failed).
+pub fn run(args: &BenchArgs) -> Result<u8> {
+    match &args.scenario {
+        Scenario::Limits(a) => limits::run(a),
+        Scenario::Local(a) => local::run(a),
+        Scenario::Vs(a) => vs::run(a),
+        Scenario::Crash(a) => crash::run(a),
+        Scenario::Churn(a) => churn::run(a),
+        Scenario::Restore(a) => restore::run(a),
+        Scenario::TwoRank(a) => restore::run_two_rank(a),
+    }
+}
+
+/// A scratch directory: the one given (kept), or a fresh temp dir
+/// (removed on drop).
+pub(crate) struct Scratch {
+    path: PathBuf,
+    remove: bool,
+}
+
+impl Scratch {
+    pub(crate) fn new(given: Option<&Path>, tag: &str) -> Result<Self> {
+        let (path, remove) = match given {
+            Some(p) => (
+                p.join(format!("kvtier-bench-{tag}-{}", std::process::id())),
+                true,
+            ),
+            None => (
+                std::env::temp_dir().join(format!("kvtier-bench-{tag}-{}", std::process::id())),
+                true,
+            ),
+        };
+        if path.exists() {
+            std::fs::remove_dir_all(&path)
+                .with_context(|| format!("remove stale scratch dir {}", path.display()))?;
+        }
+        std::fs::create_dir_all(&path)
+            .with_context(|| format!("create scratch dir {}", path.display()))?;
+        Ok(Self { path, remove })
+    }
+
+    pub(crate) fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        if self.remove {
+            let _ = std::fs::remove_dir_all(&self.path);
+        }
+    }
+}
+
+/// A `kvtier node start` child process started by the bench.
+pub(crate) struct Daemon {
+    child: Option<Child>,
+    args: Vec<String>,
+    /// The data dir.
+    pub data_dir: PathBuf,
+    /// The native socket.
+    pub socket: PathBuf,
+    /// Bound RESP address, if enabled.
+    pub resp: Option<SocketAddr>,
+    /// Bound HTTP address, if enabled.
+    pub http: Option<SocketAddr>,
+    log: PathBuf,
+}
+
+/// Settings of a daemon the bench starts.
+#[derive(Clone, Debug)]
+pub(crate) struct DaemonSpec {
+    pub ram_budget: String,
+    pub disk_budget: String,
+    pub resp: bool,
+    pub extra: Vec<String>,
+}
+
+impl Default for DaemonSpec {
+    fn default() -> Self {
+        Self {
+            ram_budget: "256MiB".into(),
+            disk_budget: "1GiB".into(),
+            resp: false,
+            extra: Vec::new(),
+        }
+    }
+}
+
+impl Daemon {
+    /// Starts a daemon in `dir` (data dir `dir/data`, socket `dir/s.sock`)
+    /// and waits until it serves.
+    pub(crate) fn start(dir: &Path, spec: &DaemonSpec) -> Result<Self> {
+        std::fs::create_dir_all(dir).with_context(|| format!("create {}", dir.display()))?;
+        let data_dir = dir.join("data");
+        let socket = dir.join("s.sock");
+        let s = |p: &Path| p.to_string_lossy().into_owned();
+        let mut args: Vec<String> = vec![
+            "node".into(),
+            "start".into(),
+            "--data-dir".into(),
+            s(&data_dir),
+            "--socket".into(),
+            s(&socket),
+            "--ram-budget".into(),
+            spec.ram_budget.clone(),
+            "--disk-budget".into(),
+            spec.disk_budget.clone(),
+            "--resp-listen".into(),
+            if spec.resp {
+                "127.0.0.1:0".into()
+            } else {
+                "off".into()
+            },
+            "--http-listen".into(),
+            "127.0.0.1:0".into(),
+            "--log-format".into(),
+            "json".into(),
+            "--log-level".into(),
+            "warn".into(),
+        ];
+        args.extend(spec.extra.iter().cloned());
+        let mut d = Daemon {
+            child: None,
+            args,
+            data_dir,
+            socket,
+            resp: None,
+            http: None,
+            log: dir.join("daemon.log"),
+        };
+        d.spawn()?;
+        Ok(d)
+    }
+
+    /// (Re)starts the process with the same arguments and waits until it
+    /// serves (its LOCK file says ready with its pid).
+    pub(crate) fn spawn(&mut self) -> Result<()> {
+        if self.child.is_some() {
+            bail!("daemon already running");
+        }
+        let exe = std::env::current_exe().context("find the kvtier binary")?;
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)
+            .with_context(|| format!("open {}", self.log.display()))?;
+        let mut cmd = Command::new(exe);
+        for (k, _) in std::env::vars_os() {
+            if k.to_string_lossy().starts_with("KVTIER_") {
+                cmd.env_remove(k);
+            }
+        }
+        cmd.args(&self.args)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().context("dup log file")?)
+            .stderr(log);
+        let child = cmd.spawn().context("spawn `kvtier node start`")?;
+        let pid = child.id();
+        self.child = Some(child);
+        let t0 = Instant::now();
+        loop {
+            if let Some(status) = self.child_mut().try_wait().context("wait for the daemon")? {
+                self.child = None;
+                bail!(
+                    "the daemon exited during start-up with {status}; log {}:\n{}",
+                    self.log.display(),
+                    self.log_tail()
+                );
+            }
+            if let Some(info) = read_lock(&self.data_dir)
+                && info.pid == pid
+                && info.ready
+            {
+                self.resp = info.resp;
+                self.http = info.http;
+                return Ok(());
+            }
+            if t0.elapsed() > DAEMON_DEADLINE {
+                self.kill9();
+                bail!("the daemon was not ready within {DAEMON_DEADLINE:?}");
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    fn child_mut(&mut self) -> &mut Child {
+        self.child.as_mut().expect("daemon is running")
+    }
+
+    /// The last lines of the daemon's log.
+    pub(crate) fn log_tail(&self) -> String {
+        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        lines[lines.len().saturating_sub(20)..].join("\n")
+    }
+
+    /// SIGKILL and reap (no-op when not running).
+    pub(crate) fn kill9(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// SIGTERM (a graceful, flushing shutdown) and wait, bounded.
+    pub(crate) fn stop(&mut self) -> Result<()> {
+        let Some(child) = self.child.as_mut() else {
+            return Ok(());
+        };
+        let pid = libc::pid_t::try_from(child.id()).context("pid fits pid_t")?;
+        // SAFETY: kill(2) has no memory-safety preconditions; `pid` is our
+        // unreaped child.
+        unsafe { libc::kill(pid, libc::SIGTERM) };
+        let t0 = Instant::now();
+        loop {
+            if let Some(status) = self.child_mut().try_wait().context("wait for the daemon")? {
+                self.child = None;
+                if !status.success() {
+                    bail!(
+                        "the daemon exited with {status} after SIGTERM:\n{}",
+                        self.log_tail()
+                    );
+                }
+                return Ok(());
+            }
+            if t0.elapsed() > DAEMON_DEADLINE {
+                self.kill9();
+                bail!("the daemon did not exit within {DAEMON_DEADLINE:?} of SIGTERM");
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    /// A native client connected to this daemon.
+    pub(crate) fn client(&self) -> Result<Client> {
+        Client::connect(&self.socket).context("connect to the bench daemon")
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        self.kill9();
+    }
+}
+
+fn read_lock(data_dir: &Path) -> Option<LockInfo> {
+    let text = std::fs::read_to_string(data_dir.join(node::daemon::LOCK_FILE)).ok()?;
+    serde_json::from_str(&text).ok()
+}
+
+/// The namespace record the benches write under.
+pub(crate) fn bench_record(tp_size: u32, rank: u32, salt: &str) -> NamespaceRecord {
+    NamespaceRecord {
+        model: "kvtier-bench/synthetic-70b".into(),
+        model_revision: "1".into(),
+        engine: "kvtier-bench".into(),
+        engine_version: env!("CARGO_PKG_VERSION").into(),
+        tp_size,
+        rank,
+        kv_dtype: "bfloat16".into(),
+        block_size: 16,
+        chunk_tokens: 16,
+        hash_algo: "splitmix64".into(),
+        layout: "synthetic".into(),
+        format_version: 1,
+        salt: salt.into(),
+        info: Default::default(),
+    }
+}
+
+fn splitmix(state: &mut u64) -> u64 {
+    *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    let mut z = *state;
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// A deterministic 32-byte key for (`tag`, `i`).
+pub(crate) fn bench_key(tag: u64, i: u64) -> ChunkKey {
+    let mut s = tag.wrapping_mul(0x1000_0000_01B3) ^ i.wrapping_mul(0x9E37_79B9);
+    let mut k = [0u8; 32];
+    for w in k.chunks_exact_mut(8) {
+        w.copy_from_slice(&splitmix(&mut s).to_le_bytes());
+    }
+    ChunkKey(k)
+}
+
+/// Fills `buf` with the deterministic payload of `key` (so any read can be
+/// checked byte for byte).
+pub(crate) fn fill_payload(key: &ChunkKey, buf: &mut [u8]) {
+    let mut s = u64::from_le_bytes(key.0[..8].try_into().expect("8 bytes"));
+    let mut words = buf.chunks_exact_mut(8);
+    for w in &mut words {
+        w.copy_from_slice(&splitmix(&mut s).to_le_bytes());
+    }
+    let rest = words.into_remainder();
+    let last = splitmix(&mut s).to_le_bytes();
+    let n = rest.len();
+    rest.copy_from_slice(&last[..n]);
+}
+
+/// The deterministic payload of `key`, `len` bytes.
+#[cfg(test)]
+pub(crate) fn payload(key: &ChunkKey, len: usize) -> Vec<u8> {
+    let mut v = vec![0u8; len];
+    fill_payload(key, &mut v);
+    v
+}
+
+/// Latency summary of an hdrhistogram in nanoseconds.
+#[derive(Clone, Copy, Debug, Default, serde::Serialize)]
+pub(crate) struct Lat {
+    pub count: u64,
+    pub p50_us: f64,
+    pub p99_us: f64,
+    pub max_us: f64,
+}
+
+pub(crate) fn new_hist() -> hdrhistogram::Histogram<u64> {
+    hdrhistogram::Histogram::new_with_bounds(1, 120_000_000_000, 3).expect("valid bounds")
+}
+
+pub(crate) fn record(h: &mut hdrhistogram::Histogram<u64>, d: Duration) {
+    let ns = u64::try_from(d.as_nanos())
+        .unwrap_or(u64::MAX)
+        .clamp(1, 120_000_000_000);
+    h.record(ns).expect("value within bounds");
+}
+
+impl Lat {
+    pub(crate) fn of(h: &hdrhistogram::Histogram<u64>) -> Self {
+        Self {
+            count: h.len(),
+            p50_us: h.value_at_quantile(0.5) as f64 / 1e3,
+            p99_us: h.value_at_quantile(0.99) as f64 / 1e3,
+            max_us: h.max() as f64 / 1e3,
+        }
+    }
+}
+
+/// GB/s (10^9 bytes per second).
+pub(crate) fn gbps(bytes: u64, d: Duration) -> f64 {
+    bytes as f64 / d.as_secs_f64().max(1e-9) / 1e9
+}
+
+/// A progress bar on stderr (hidden when stderr is not a terminal).
+pub(crate) fn bar(len: u64, msg: &str) -> indicatif::ProgressBar {
+    let pb = indicatif::ProgressBar::new(len);
+    pb.set_style(
+        indicatif::ProgressStyle::with_template("{msg:>28} [{bar:30}] {pos}/{len} {elapsed}")
+            .expect("valid template")
+            .progress_chars("=> "),
+    );
+    pb.set_message(msg.to_owned());
+    pb
+}
+
+/// Human size of a chunk: "256KiB", "2.5MiB".
+pub(crate) fn size_name(b: u64) -> String {
+    if b % (1 << 20) == 0 {
+        format!("{}MiB", b >> 20)
+    } else if b >= 1 << 20 {
+        format!("{:.1}MiB", b as f64 / (1 << 20) as f64)
+    } else {
+        format!("{}KiB", b >> 10)
+    }
+}
+
+/// The chunk sizes of the issue: 256 KiB, 1 MiB, 2.5 MiB (a 16-token block
+/// of a 70B-class model per rank), 4 MiB.
+pub(crate) const CHUNK_SIZES: [u64; 4] = [256 << 10, 1 << 20, 5 << 19, 4 << 20];
+
+/// Parses one size ("2.5MiB") into bytes.
+pub(crate) fn parse_size(s: &str) -> Result<u64, String> {
+    s.trim()
+        .parse::<node::ByteSize>()
+        .map(|b| b.0)
+        .map_err(|e| format!("{s:?}: {e}"))
+}
+
+/// Parses "256KiB,1MiB" into bytes.
+#[cfg(test)]
+pub(crate) fn parse_sizes(s: &str) -> Result<Vec<u64>, String> {
+    s.split(',')
+        .map(|p| {
+            p.trim()
+                .parse::<node::ByteSize>()
+                .map(|b| b.0)
+                .map_err(|e| format!("{p:?}: {e}"))
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn payloads_are_deterministic_and_key_specific() {
+        let (a, b) = (bench_key(1, 1), bench_key(1, 2));
+        assert_ne!(a, b);
+        assert_eq!(payload(&a, 1000), payload(&a, 1000));
+        assert_ne!(payload(&a, 1000), payload(&b, 1000));
+        assert_eq!(payload(&a, 13).len(), 13);
+    }
+
+    #[test]
+    fn sizes_parse_and_name() {
+        assert_eq!(
+            parse_sizes("256KiB, 2.5MiB").unwrap(),
+            vec![256 << 10, 5 << 19]
+        );
+        assert!(parse_sizes("12XB").is_err());
+        assert_eq!(size_name(5 << 19), "2.5MiB");
+        assert_eq!(size_name(256 << 10), "256KiB");
+        assert_eq!(size_name(4 << 20), "4MiB");
+    }
+}
