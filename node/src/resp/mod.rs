@@ -12,6 +12,7 @@
 //! has finished.
 
 pub mod commands;
+mod info;
 pub mod keys;
 pub mod parser;
 pub mod reply;
