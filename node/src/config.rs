@@ -1,0 +1,1237 @@
+//! [`NodeConfig`]: the daemon's one typed configuration, loaded with figment
+//! from, in increasing precedence: embedded defaults, a TOML file
+//! (`--config`), `KVTIER_*` environment variables, command-line flags.
+//!
+//! Every key is kebab-case and the same in all sources: `ram-budget` in
+//! TOML is `KVTIER_RAM_BUDGET` in the environment and `--ram-budget` on the
+//! command line. Unknown keys and invalid values are rejected with an error
+//! naming the key and the source it came from ([`load`]). Checks that need
+//! the machine (free disk space) run in [`NodeConfig::resolve`].
+
+use std::fmt;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+
+use figment::value::{Dict, Map, Value};
+use figment::{Figment, Metadata, Profile, Provider};
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+use tier::{TierConfig, WritePolicy};
+
+use crate::error::{NodeError, Result};
+use crate::logging::LogFormat;
+use crate::size::{ByteSize, HumanDuration};
+
+/// Prefix of the environment variables read as configuration.
+pub const ENV_PREFIX: &str = "KVTIER_";
+/// Environment variable naming the config file (like `--config`); it is not
+/// itself a configuration key.
+pub const ENV_CONFIG_FILE: &str = "KVTIER_CONFIG";
+
+/// Upper bound of the default RAM budget.
+pub const DEFAULT_RAM_BUDGET_CAP: ByteSize = ByteSize::gib(4);
+/// Upper bound of the automatic disk budget.
+pub const DEFAULT_DISK_BUDGET_CAP: ByteSize = ByteSize::gib(16);
+
+/// A TCP listen address, or `off`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Listen {
+    /// The listener is disabled.
+    Off,
+    /// Listen on this address (port 0 picks a free port).
+    Addr(SocketAddr),
+}
+
+impl Listen {
+    /// The address, unless disabled.
+    pub fn addr(self) -> Option<SocketAddr> {
+        match self {
+            Listen::Off => None,
+            Listen::Addr(a) => Some(a),
+        }
+    }
+}
+
+impl FromStr for Listen {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let s = s.trim();
+        if s.eq_ignore_ascii_case("off") {
+            return Ok(Listen::Off);
+        }
+        s.parse::<SocketAddr>().map(Listen::Addr).map_err(|_| {
+            format!("{s:?} is not a listen address: use IP:PORT (e.g. \"127.0.0.1:6380\", \"[::1]:0\") or \"off\"")
+        })
+    }
+}
+
+impl fmt::Display for Listen {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Listen::Off => f.write_str("off"),
+            Listen::Addr(a) => write!(f, "{a}"),
+        }
+    }
+}
+
+impl Serialize for Listen {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+impl<'de> Deserialize<'de> for Listen {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        s.parse().map_err(serde::de::Error::custom)
+    }
+}
+
+/// Unix permission bits of the native socket, written in octal ("0660").
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FileMode(pub u32);
+
+impl FromStr for FileMode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let t = s.trim().trim_start_matches("0o");
+        match u32::from_str_radix(t, 8) {
+            Ok(m) if m <= 0o777 && !t.is_empty() => Ok(FileMode(m)),
+            _ => Err(format!(
+                "{s:?} is not a file mode: use octal digits such as \"0660\""
+            )),
+        }
+    }
+}
+
+impl fmt::Display for FileMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:04o}", self.0)
+    }
+}
+
+impl Serialize for FileMode {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+impl<'de> Deserialize<'de> for FileMode {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        // Strings are read as octal; a TOML integer (e.g. `0o660`) as its value.
+        match StrOrNum::deserialize(d)? {
+            StrOrNum::Str(s) => s.parse().map_err(serde::de::Error::custom),
+            StrOrNum::Num(n) if n <= 0o777 => Ok(FileMode(n as u32)),
+            StrOrNum::Num(n) => Err(serde::de::Error::custom(format!(
+                "{n} is not a file mode: use a string of octal digits such as \"0660\""
+            ))),
+        }
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum StrOrNum {
+    Str(String),
+    Num(u64),
+}
+
+/// Reads a string; numbers and booleans (which the environment parser
+/// produces for values such as `1234`) are taken as their text.
+fn lenient_string<'de, D: Deserializer<'de>>(d: D) -> Result<String, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Any {
+        S(String),
+        U(u64),
+        I(i64),
+        F(f64),
+        B(bool),
+    }
+    Ok(match Any::deserialize(d)? {
+        Any::S(s) => s,
+        Any::U(n) => n.to_string(),
+        Any::I(n) => n.to_string(),
+        Any::F(n) => n.to_string(),
+        Any::B(b) => b.to_string(),
+    })
+}
+
+fn lenient_opt_string<'de, D: Deserializer<'de>>(d: D) -> Result<Option<String>, D::Error> {
+    lenient_string(d).map(Some)
+}
+
+/// The daemon's configuration. Keys are kebab-case; each field's doc ends
+/// with its default. See `deploy/config/single-node.toml` for a commented
+/// example of every key.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case", deny_unknown_fields)]
+pub struct NodeConfig {
+    /// Directory of the chunk store and its lock file. Default:
+    /// `$STATE_DIRECTORY` (systemd), `/var/lib/kvtier` as root,
+    /// `$XDG_DATA_HOME/kvtier`, else `~/.local/share/kvtier`.
+    pub data_dir: PathBuf,
+    /// Hard byte limit of the RAM tier. Default: 25 % of physical RAM, at
+    /// most 4 GiB. Minimum: 1 MiB.
+    pub ram_budget: ByteSize,
+    /// Hard byte limit of the disk tier (preallocated in the data dir);
+    /// 0 keeps chunks in RAM only. Must fit the free space of the data dir's
+    /// filesystem (minus a margin of 5 %, at most 1 GiB). Default: unset,
+    /// meaning 16 GiB or half of the available space if that is less.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disk_budget: Option<ByteSize>,
+    /// Size of one region of the disk store. Default: 64 MiB.
+    pub region_size: ByteSize,
+    /// Use O_DIRECT on the disk store when the filesystem supports it.
+    /// Default: true.
+    pub direct_io: bool,
+    /// Dirty chunks older than this are written to disk when the writer is
+    /// idle. Default: 30s.
+    pub idle_flush_after: HumanDuration,
+    /// What PUT does when the disk writer falls behind: `no-tax` never
+    /// blocks (an evicted dirty chunk that cannot be queued is dropped and
+    /// counted), `backpressure` waits. Default: `no-tax`.
+    pub write_policy: WritePolicy,
+    /// The inference engine's GPU KV pool size. When set, the daemon warns
+    /// at start if RAM + disk budget is not larger (such a tier never
+    /// serves). Default: unset.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu_kv_pool: Option<ByteSize>,
+    /// Path of the native protocol's Unix socket. Default:
+    /// `$RUNTIME_DIRECTORY/kvtier.sock` (systemd), `/run/kvtier/kvtier.sock`
+    /// as root, `$XDG_RUNTIME_DIR/kvtier/kvtier.sock`, else `kvtier.sock` in
+    /// the default data dir.
+    pub socket: PathBuf,
+    /// Permission bits of the socket. Default: `0660`.
+    pub socket_mode: FileMode,
+    /// RESP2 (Redis protocol) listen address, or `off`. A non-loopback
+    /// address requires `resp-password`. Default: `127.0.0.1:6380`.
+    pub resp_listen: Listen,
+    /// Password RESP clients must send with `AUTH`. Default: unset (no AUTH).
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "lenient_opt_string"
+    )]
+    pub resp_password: Option<String>,
+    /// Largest value a RESP `SET` may carry. Default: 512 MiB.
+    pub resp_max_value: ByteSize,
+    /// HTTP listen address for `/metrics`, `/status` and `/healthz`, or
+    /// `off`. Default: `127.0.0.1:7480`.
+    pub http_listen: Listen,
+    /// How long a graceful shutdown (SIGTERM, SIGINT) may spend flushing
+    /// dirty chunks to disk. Default: 30s.
+    pub shutdown_deadline: HumanDuration,
+    /// Log format on stderr: `human` or `json`. Default: `human`.
+    pub log_format: LogFormat,
+    /// Log filter: a level (`info`, `debug`) or tracing directives
+    /// (`info,node=debug`). Default: `info`.
+    #[serde(deserialize_with = "lenient_string")]
+    pub log_level: String,
+    /// This node's name in logs and status. Default: unset, meaning the
+    /// host name.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "lenient_opt_string"
+    )]
+    pub node_name: Option<String>,
+    // Peer options (`peer-listen`, `peers`, `tls-dir`, `insecure-dev`) are
+    // added with the peer crate.
+}
+
+/// Facts about the machine and the process environment that defaults
+/// depend on. [`Environment::detect`] reads them; tests build their own.
+#[derive(Clone, Debug, Default)]
+pub struct Environment {
+    /// Running as root (effective uid 0).
+    pub root: bool,
+    /// `$HOME`.
+    pub home: Option<PathBuf>,
+    /// `$XDG_DATA_HOME`.
+    pub xdg_data_home: Option<PathBuf>,
+    /// `$XDG_RUNTIME_DIR`.
+    pub xdg_runtime_dir: Option<PathBuf>,
+    /// `$STATE_DIRECTORY` (set by systemd's `StateDirectory=`).
+    pub state_directory: Option<PathBuf>,
+    /// `$RUNTIME_DIRECTORY` (set by systemd's `RuntimeDirectory=`).
+    pub runtime_directory: Option<PathBuf>,
+    /// Physical RAM in bytes, if known.
+    pub mem_total: Option<u64>,
+}
+
+fn env_path(name: &str) -> Option<PathBuf> {
+    std::env::var_os(name)
+        .filter(|v| !v.is_empty())
+        .map(PathBuf::from)
+        .filter(|p| p.is_absolute())
+}
+
+/// Physical RAM from `/proc/meminfo`, if readable.
+fn mem_total() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
+}
+
+impl Environment {
+    /// Reads the current process's environment and machine.
+    pub fn detect() -> Self {
+        Self {
+            root: rustix::process::geteuid().is_root(),
+            home: env_path("HOME"),
+            xdg_data_home: env_path("XDG_DATA_HOME"),
+            xdg_runtime_dir: env_path("XDG_RUNTIME_DIR"),
+            // systemd may list several directories separated by ':'.
+            state_directory: env_path("STATE_DIRECTORY").and_then(|p| {
+                p.to_str()
+                    .map(|s| PathBuf::from(s.split(':').next().unwrap_or(s)))
+            }),
+            runtime_directory: env_path("RUNTIME_DIRECTORY").and_then(|p| {
+                p.to_str()
+                    .map(|s| PathBuf::from(s.split(':').next().unwrap_or(s)))
+            }),
+            mem_total: mem_total(),
+        }
+    }
+
+    /// The default data directory.
+    pub fn default_data_dir(&self) -> PathBuf {
+        if let Some(d) = &self.state_directory {
+            return d.clone();
+        }
+        if self.root {
+            return PathBuf::from("/var/lib/kvtier");
+        }
+        if let Some(d) = &self.xdg_data_home {
+            return d.join("kvtier");
+        }
+        if let Some(h) = &self.home {
+            return h.join(".local/share/kvtier");
+        }
+        PathBuf::from("kvtier-data")
+    }
+
+    /// The default socket path.
+    pub fn default_socket(&self) -> PathBuf {
+        if let Some(d) = &self.runtime_directory {
+            return d.join("kvtier.sock");
+        }
+        if self.root {
+            return PathBuf::from("/run/kvtier/kvtier.sock");
+        }
+        if let Some(d) = &self.xdg_runtime_dir {
+            return d.join("kvtier/kvtier.sock");
+        }
+        self.default_data_dir().join("kvtier.sock")
+    }
+
+    /// The default RAM budget: 25 % of physical RAM, at most 4 GiB (1 GiB
+    /// when the RAM size is unknown).
+    pub fn default_ram_budget(&self) -> ByteSize {
+        match self.mem_total {
+            Some(total) => ByteSize((total / 4).clamp(1 << 20, DEFAULT_RAM_BUDGET_CAP.0)),
+            None => ByteSize::gib(1),
+        }
+    }
+}
+
+impl NodeConfig {
+    /// The embedded defaults for a given environment.
+    pub fn defaults_for(env: &Environment) -> Self {
+        Self {
+            data_dir: env.default_data_dir(),
+            ram_budget: env.default_ram_budget(),
+            disk_budget: None,
+            region_size: ByteSize::mib(64),
+            direct_io: true,
+            idle_flush_after: HumanDuration::secs(30),
+            write_policy: WritePolicy::NoTax,
+            gpu_kv_pool: None,
+            socket: env.default_socket(),
+            socket_mode: FileMode(0o660),
+            resp_listen: Listen::Addr(SocketAddr::from(([127, 0, 0, 1], 6380))),
+            resp_password: None,
+            resp_max_value: ByteSize::mib(512),
+            http_listen: Listen::Addr(SocketAddr::from(([127, 0, 0, 1], 7480))),
+            shutdown_deadline: HumanDuration::secs(30),
+            log_format: LogFormat::Human,
+            log_level: "info".into(),
+            node_name: None,
+        }
+    }
+
+    /// The chunk store's configuration. Call after [`NodeConfig::resolve`]
+    /// (an unresolved automatic disk budget is taken as 0 here).
+    pub fn tier_config(&self) -> TierConfig {
+        TierConfig {
+            data_dir: self.data_dir.clone(),
+            ram_budget: self.ram_budget.0,
+            disk_budget: self.disk_budget.map_or(0, |b| b.0),
+            region_size: self.region_size.0,
+            idle_flush_after: self.idle_flush_after.0,
+            write_policy: self.write_policy,
+            direct_io: self.direct_io,
+            ..TierConfig::default()
+        }
+    }
+
+    /// The node name: `node-name`, else the host name.
+    pub fn node_name(&self) -> String {
+        if let Some(n) = &self.node_name {
+            return n.clone();
+        }
+        std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .ok()
+            .map(|h| h.trim().to_owned())
+            .filter(|h| !h.is_empty())
+            .unwrap_or_else(|| "kvtier".into())
+    }
+
+    /// Checks that do not need the machine: contradictions between keys.
+    /// Returns warnings that do not prevent a start.
+    fn check_static(&self, src: &Sources) -> Result<Vec<String>> {
+        let bad = |key: &str, msg: String| {
+            NodeError::Config(format!("invalid `{key}` ({}): {msg}", src.of(key)))
+        };
+        if self.ram_budget.0 < (1 << 20) {
+            return Err(bad(
+                "ram-budget",
+                format!("{} is below the minimum of 1MiB", self.ram_budget),
+            ));
+        }
+        if self.region_size.0 < (1 << 20) || self.region_size.0 % 4096 != 0 {
+            return Err(bad(
+                "region-size",
+                format!(
+                    "{} must be at least 1MiB and a multiple of 4KiB",
+                    self.region_size
+                ),
+            ));
+        }
+        if let Some(d) = self.disk_budget
+            && d.0 != 0
+            && d.0 < 2 * self.region_size.0
+        {
+            return Err(bad(
+                "disk-budget",
+                format!(
+                    "{d} must hold at least two regions of region-size ({}), or be 0 for RAM only",
+                    self.region_size
+                ),
+            ));
+        }
+        if self.data_dir.as_os_str().is_empty() {
+            return Err(bad("data-dir", "must not be empty".into()));
+        }
+        if self.socket.as_os_str().is_empty() {
+            return Err(bad("socket", "must not be empty".into()));
+        }
+        // sun_path holds 108 bytes including the terminating NUL.
+        if self.socket.as_os_str().len() > 107 {
+            return Err(bad(
+                "socket",
+                format!(
+                    "{} is {} bytes long; Unix socket paths are limited to 107 bytes",
+                    self.socket.display(),
+                    self.socket.as_os_str().len()
+                ),
+            ));
+        }
+        if self.socket_mode.0 & 0o600 != 0o600 {
+            return Err(bad(
+                "socket-mode",
+                format!(
+                    "{} must give the owner read and write (0600 at least)",
+                    self.socket_mode
+                ),
+            ));
+        }
+        if let Some(p) = &self.resp_password
+            && p.is_empty()
+        {
+            return Err(bad(
+                "resp-password",
+                "must not be empty (leave it unset for no AUTH)".into(),
+            ));
+        }
+        if let Listen::Addr(a) = self.resp_listen
+            && !a.ip().is_loopback()
+            && self.resp_password.is_none()
+        {
+            return Err(bad(
+                "resp-listen",
+                format!(
+                    "{a} is not a loopback address; set `resp-password` to expose RESP beyond this host"
+                ),
+            ));
+        }
+        if self.resp_max_value.0 == 0 {
+            return Err(bad("resp-max-value", "must be larger than 0".into()));
+        }
+        if let (Listen::Addr(r), Listen::Addr(h)) = (self.resp_listen, self.http_listen)
+            && r == h
+            && r.port() != 0
+        {
+            return Err(bad("http-listen", format!("{h} is also `resp-listen`")));
+        }
+        crate::logging::parse_filter(&self.log_level).map_err(|e| bad("log-level", e))?;
+        if let Some(n) = &self.node_name
+            && (n.is_empty() || n.len() > 253)
+        {
+            return Err(bad("node-name", "must be 1 to 253 characters".into()));
+        }
+        let mut warnings = Vec::new();
+        if self.shutdown_deadline.0.is_zero() {
+            warnings.push(
+                "shutdown-deadline is 0s: a graceful shutdown will not flush RAM-only chunks"
+                    .into(),
+            );
+        }
+        Ok(warnings)
+    }
+
+    /// Checks against the machine and fills automatic values: the disk
+    /// budget must fit the data dir's filesystem. Returns warnings (such as
+    /// a tier not larger than the GPU KV pool) that do not prevent a start.
+    pub fn resolve(&mut self, loaded: &Loaded) -> Result<Vec<String>> {
+        let mut warnings = Vec::new();
+        let space = disk_space(&self.data_dir)?;
+        let margin = (space.total / 20).min(1 << 30);
+        let usable = space.available_to_store.saturating_sub(margin);
+        match self.disk_budget {
+            None => {
+                let auto = DEFAULT_DISK_BUDGET_CAP.0.min(usable / 2);
+                // Whole regions only.
+                let auto = auto - auto % self.region_size.0;
+                if auto < 2 * self.region_size.0 {
+                    return Err(NodeError::Config(format!(
+                        "`disk-budget` is unset and the filesystem of data dir {} has only {} \
+                         available; set `disk-budget` explicitly (0 keeps chunks in RAM only) \
+                         or choose another `data-dir`",
+                        self.data_dir.display(),
+                        ByteSize(space.available_to_store).approx()
+                    )));
+                }
+                self.disk_budget = Some(ByteSize(auto));
+            }
+            Some(b) if b.0 > usable => {
+                return Err(NodeError::Config(format!(
+                    "invalid `disk-budget` ({}): {} does not fit the filesystem of data dir {}: \
+                     {} available (free space plus the store's existing files) minus a margin of {}",
+                    loaded.sources.of("disk-budget"),
+                    b.approx(),
+                    self.data_dir.display(),
+                    ByteSize(space.available_to_store).approx(),
+                    ByteSize(margin).approx(),
+                )));
+            }
+            Some(_) => {}
+        }
+        if let Some(pool) = self.gpu_kv_pool {
+            let tier = self.ram_budget.0 + self.disk_budget.map_or(0, |b| b.0);
+            if tier <= pool.0 {
+                warnings.push(format!(
+                    "the tier (ram-budget {} + disk-budget {} = {}) is NOT larger than the GPU KV \
+                     pool (gpu-kv-pool {}): both are LRU over the same blocks, so this tier holds a \
+                     subset of what the GPU already has and will almost never serve a hit. \
+                     Raise disk-budget above {}.",
+                    self.ram_budget.approx(),
+                    self.disk_budget.map_or(ByteSize(0), |b| b).approx(),
+                    ByteSize(tier).approx(),
+                    pool.approx(),
+                    pool.approx(),
+                ));
+            }
+        }
+        Ok(warnings)
+    }
+
+    /// The configuration as TOML (unset optional keys are omitted).
+    pub fn to_toml(&self) -> String {
+        toml::to_string(self).expect("NodeConfig serializes to TOML")
+    }
+}
+
+struct DiskSpace {
+    total: u64,
+    /// Free space plus what the store's files already occupy.
+    available_to_store: u64,
+}
+
+/// Space of the filesystem holding `dir` (or its nearest existing ancestor).
+fn disk_space(dir: &Path) -> Result<DiskSpace> {
+    let mut probe = dir.to_path_buf();
+    while !probe.exists() {
+        if !probe.pop() || probe.as_os_str().is_empty() {
+            probe = PathBuf::from(".");
+            break;
+        }
+    }
+    let st = rustix::fs::statvfs(&probe).map_err(|e| NodeError::Io {
+        op: "read the filesystem size of",
+        path: probe.clone(),
+        source: e.into(),
+    })?;
+    let frsize = st.f_frsize.max(1);
+    let total = st.f_blocks.saturating_mul(frsize);
+    let free = st.f_bavail.saturating_mul(frsize);
+    Ok(DiskSpace {
+        total,
+        available_to_store: free.saturating_add(allocated_bytes(dir)),
+    })
+}
+
+/// Bytes allocated by the regular files directly in `dir` and one level
+/// below (the store's files); 0 when it does not exist.
+fn allocated_bytes(dir: &Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    let mut sum = 0u64;
+    let Ok(rd) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    for entry in rd.flatten().take(100_000) {
+        let Ok(md) = entry.metadata() else { continue };
+        if md.is_file() {
+            sum = sum.saturating_add(md.blocks().saturating_mul(512));
+        } else if md.is_dir()
+            && let Ok(sub) = std::fs::read_dir(entry.path())
+        {
+            for e in sub.flatten().take(100_000) {
+                if let Ok(m) = e.metadata()
+                    && m.is_file()
+                {
+                    sum = sum.saturating_add(m.blocks().saturating_mul(512));
+                }
+            }
+        }
+    }
+    sum
+}
+
+/// Values given on the command line; each `Some` overrides every other
+/// source. The CLI fills this from its flags.
+#[derive(Clone, Debug, Default, Serialize)]
+#[serde(rename_all = "kebab-case")]
+#[expect(
+    missing_docs,
+    reason = "each field is the flag of the NodeConfig key of the same name"
+)]
+pub struct Overrides {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub data_dir: Option<PathBuf>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ram_budget: Option<ByteSize>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub disk_budget: Option<ByteSize>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub socket: Option<PathBuf>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub resp_listen: Option<Listen>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub resp_password: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub http_listen: Option<Listen>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gpu_kv_pool: Option<ByteSize>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub idle_flush_after: Option<HumanDuration>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub write_policy: Option<WritePolicy>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub shutdown_deadline: Option<HumanDuration>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub log_format: Option<LogFormat>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub log_level: Option<String>,
+}
+
+/// Where the configuration comes from.
+#[derive(Clone, Debug, Default)]
+pub struct ConfigSources {
+    /// The TOML file (`--config`); when `None`, `KVTIER_CONFIG` from `env`
+    /// names it, and without that no file is read.
+    pub file: Option<PathBuf>,
+    /// The environment variables to consider (only `KVTIER_*` are read).
+    pub env: Vec<(String, String)>,
+    /// Command-line values.
+    pub flags: Overrides,
+}
+
+impl ConfigSources {
+    /// Sources with the current process's environment.
+    pub fn from_process(file: Option<PathBuf>, flags: Overrides) -> Self {
+        Self {
+            file,
+            env: std::env::vars_os()
+                .filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?)))
+                .filter(|(k, _)| k.starts_with(ENV_PREFIX))
+                .collect(),
+            flags,
+        }
+    }
+}
+
+/// Which source a layer is; names keys for error messages.
+#[derive(Clone, Debug)]
+enum SourceKind {
+    Defaults,
+    File(PathBuf),
+    Env,
+    Flags,
+}
+
+impl SourceKind {
+    fn describe(&self, key: &str) -> String {
+        match self {
+            SourceKind::Defaults => "built-in default".into(),
+            SourceKind::File(p) => format!("from config file {}", p.display()),
+            SourceKind::Env => format!(
+                "from environment variable {ENV_PREFIX}{}",
+                key.to_ascii_uppercase().replace('-', "_")
+            ),
+            SourceKind::Flags => format!("from command-line flag --{key}"),
+        }
+    }
+    fn name(&self) -> &'static str {
+        match self {
+            SourceKind::Defaults => "defaults",
+            SourceKind::File(_) => "file",
+            SourceKind::Env => "env",
+            SourceKind::Flags => "flags",
+        }
+    }
+}
+
+/// One configuration source as a figment provider.
+struct Layer {
+    kind: SourceKind,
+    dict: Dict,
+}
+
+impl Provider for Layer {
+    fn metadata(&self) -> Metadata {
+        let kind = self.kind.clone();
+        Metadata::named(kind.name())
+            .interpolater(move |_: &Profile, k: &[&str]| kind.describe(&k.join(".")))
+    }
+    fn data(&self) -> std::result::Result<Map<Profile, Dict>, figment::Error> {
+        Ok(Profile::Default.collect(self.dict.clone()))
+    }
+}
+
+/// Which source set each key of a loaded configuration.
+#[derive(Debug)]
+pub struct Sources {
+    figment: Figment,
+}
+
+impl Sources {
+    /// "from config file /etc/kvtier.toml", "from environment variable
+    /// KVTIER_RAM_BUDGET", "from command-line flag --ram-budget" or
+    /// "built-in default".
+    pub fn of(&self, key: &str) -> String {
+        self.figment
+            .find_metadata(key)
+            .map(|m| m.interpolate(&Profile::Default, &[key]))
+            .unwrap_or_else(|| "built-in default".into())
+    }
+}
+
+/// A loaded configuration and where each value came from.
+#[derive(Debug)]
+pub struct Loaded {
+    /// The configuration.
+    pub config: NodeConfig,
+    /// The file read, if any.
+    pub file: Option<PathBuf>,
+    /// Where each key came from.
+    pub sources: Sources,
+    /// Warnings found so far (see also [`NodeConfig::resolve`]).
+    pub warnings: Vec<String>,
+}
+
+fn dict_of<T: Serialize>(value: &T) -> Result<Dict> {
+    let map = figment::providers::Serialized::defaults(value)
+        .data()
+        .map_err(|e| NodeError::Config(format!("internal: cannot serialize configuration: {e}")))?;
+    Ok(map.into_iter().next().map(|(_, d)| d).unwrap_or_default())
+}
+
+/// Turns a figment error from one layer into a message naming key and source.
+fn describe_error(err: figment::Error, kind: &SourceKind) -> NodeError {
+    let msgs: Vec<String> = err
+        .into_iter()
+        .map(|e| {
+            let key = e.path.join(".");
+            match &e.kind {
+                figment::error::Kind::UnknownField(field, expected) => {
+                    let full =
+                        if key.is_empty() || key == *field || key.ends_with(&format!(".{field}")) {
+                            if key.is_empty() {
+                                field.clone()
+                            } else {
+                                key.clone()
+                            }
+                        } else {
+                            format!("{key}.{field}")
+                        };
+                    format!(
+                        "unknown key `{full}` ({}); known keys: {}",
+                        kind.describe(&full),
+                        expected.join(", ")
+                    )
+                }
+                other if key.is_empty() => {
+                    format!("invalid configuration ({}): {other}", kind.describe(""))
+                }
+                other => format!("invalid `{key}` ({}): {other}", kind.describe(&key)),
+            }
+        })
+        .collect();
+    NodeError::Config(msgs.join("\n"))
+}
+
+/// Loads and checks the configuration from its sources, with the defaults
+/// of `env`. Errors name the key and the source that set it.
+pub fn load(sources: &ConfigSources, env: &Environment) -> Result<Loaded> {
+    let defaults = NodeConfig::defaults_for(env);
+    let mut layers = vec![Layer {
+        kind: SourceKind::Defaults,
+        dict: dict_of(&defaults)?,
+    }];
+
+    let file = sources.file.clone().or_else(|| {
+        sources
+            .env
+            .iter()
+            .find(|(k, _)| k == ENV_CONFIG_FILE)
+            .map(|(_, v)| PathBuf::from(v))
+            .filter(|p| !p.as_os_str().is_empty())
+    });
+    if let Some(path) = &file {
+        let text = std::fs::read_to_string(path).map_err(|e| NodeError::Io {
+            op: "read config file",
+            path: path.clone(),
+            source: e,
+        })?;
+        let dict: Dict = toml::from_str(&text).map_err(|e| {
+            NodeError::Config(format!(
+                "config file {} is not valid TOML: {e}",
+                path.display()
+            ))
+        })?;
+        layers.push(Layer {
+            kind: SourceKind::File(path.clone()),
+            dict,
+        });
+    }
+
+    let mut env_dict = Dict::new();
+    for (k, v) in &sources.env {
+        let Some(name) = k.strip_prefix(ENV_PREFIX) else {
+            continue;
+        };
+        if k == ENV_CONFIG_FILE || name.is_empty() {
+            continue;
+        }
+        let key = name.to_ascii_lowercase().replace('_', "-");
+        // Text with a leading zero ("0660", "007") stays text: it is a mode
+        // or an identifier, not a decimal number.
+        let value: Value =
+            if v.len() > 1 && v.starts_with('0') && v.bytes().all(|b| b.is_ascii_digit()) {
+                Value::from(v.clone())
+            } else {
+                v.parse().expect("figment's value parser is infallible")
+            };
+        env_dict.insert(key, value);
+    }
+    layers.push(Layer {
+        kind: SourceKind::Env,
+        dict: env_dict,
+    });
+    layers.push(Layer {
+        kind: SourceKind::Flags,
+        dict: dict_of(&sources.flags)?,
+    });
+
+    // Each layer over the defaults alone first, so that an error is blamed
+    // on the source that caused it.
+    let base = Figment::from(&layers[0]);
+    for layer in &layers[1..] {
+        if let Err(e) = base.clone().merge(layer).extract::<NodeConfig>() {
+            return Err(describe_error(e, &layer.kind));
+        }
+    }
+    let mut figment = Figment::new();
+    for layer in &layers {
+        figment = figment.merge(layer);
+    }
+    let config: NodeConfig = figment
+        .extract()
+        .map_err(|e| describe_error(e, &SourceKind::Defaults))?;
+    let sources = Sources { figment };
+    let warnings = config.check_static(&sources)?;
+    Ok(Loaded {
+        config,
+        file,
+        sources,
+        warnings,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env() -> Environment {
+        Environment {
+            home: Some("/home/u".into()),
+            mem_total: Some(64 << 30),
+            ..Default::default()
+        }
+    }
+
+    fn load_with(file: Option<&str>, vars: &[(&str, &str)], flags: Overrides) -> Result<Loaded> {
+        let dir = tempfile::tempdir().unwrap();
+        let path = file.map(|text| {
+            let p = dir.path().join("node.toml");
+            std::fs::write(&p, text).unwrap();
+            p
+        });
+        let sources = ConfigSources {
+            file: path,
+            env: vars
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+            flags,
+        };
+        load(&sources, &env())
+    }
+
+    fn err_of(r: Result<Loaded>) -> String {
+        match r {
+            Ok(l) => panic!("expected an error, got {:?}", l.config),
+            Err(e) => e.to_string(),
+        }
+    }
+
+    #[test]
+    fn defaults_depend_on_the_environment() {
+        let c = NodeConfig::defaults_for(&env());
+        assert_eq!(c.data_dir, PathBuf::from("/home/u/.local/share/kvtier"));
+        assert_eq!(
+            c.socket,
+            PathBuf::from("/home/u/.local/share/kvtier/kvtier.sock")
+        );
+        assert_eq!(c.ram_budget, ByteSize::gib(4));
+        let small = Environment {
+            mem_total: Some(8 << 30),
+            xdg_runtime_dir: Some("/run/user/7".into()),
+            xdg_data_home: Some("/d".into()),
+            ..env()
+        };
+        let c = NodeConfig::defaults_for(&small);
+        assert_eq!(c.ram_budget, ByteSize::gib(2));
+        assert_eq!(c.socket, PathBuf::from("/run/user/7/kvtier/kvtier.sock"));
+        assert_eq!(c.data_dir, PathBuf::from("/d/kvtier"));
+        let root = Environment {
+            root: true,
+            ..small
+        };
+        let c = NodeConfig::defaults_for(&root);
+        assert_eq!(c.data_dir, PathBuf::from("/var/lib/kvtier"));
+        assert_eq!(c.socket, PathBuf::from("/run/kvtier/kvtier.sock"));
+        let systemd = Environment {
+            state_directory: Some("/var/lib/kvtier".into()),
+            runtime_directory: Some("/run/kvtier".into()),
+            ..env()
+        };
+        let c = NodeConfig::defaults_for(&systemd);
+        assert_eq!(c.socket, PathBuf::from("/run/kvtier/kvtier.sock"));
+    }
+
+    #[test]
+    fn no_sources_gives_the_defaults() {
+        let l = load_with(None, &[], Overrides::default()).unwrap();
+        assert_eq!(l.config, NodeConfig::defaults_for(&env()));
+        assert!(l.file.is_none());
+        assert_eq!(l.sources.of("ram-budget"), "built-in default");
+    }
+
+    #[test]
+    fn precedence_is_defaults_file_env_flags() {
+        let file = "ram-budget = \"1GiB\"\nresp-listen = \"127.0.0.1:1111\"\nhttp-listen = \"off\"\nlog-level = \"debug\"\n";
+        let vars = [
+            ("KVTIER_RESP_LISTEN", "127.0.0.1:2222"),
+            ("KVTIER_LOG_LEVEL", "warn"),
+            ("OTHER", "x"),
+        ];
+        let flags = Overrides {
+            log_level: Some("error".into()),
+            ..Default::default()
+        };
+        let l = load_with(Some(file), &vars, flags).unwrap();
+        assert_eq!(l.config.ram_budget, ByteSize::gib(1));
+        assert_eq!(l.config.http_listen, Listen::Off);
+        assert_eq!(l.config.resp_listen, "127.0.0.1:2222".parse().unwrap());
+        assert_eq!(l.config.log_level, "error");
+        assert!(
+            l.sources.of("ram-budget").contains("node.toml"),
+            "{}",
+            l.sources.of("ram-budget")
+        );
+        assert_eq!(
+            l.sources.of("resp-listen"),
+            "from environment variable KVTIER_RESP_LISTEN"
+        );
+        assert_eq!(
+            l.sources.of("log-level"),
+            "from command-line flag --log-level"
+        );
+        assert_eq!(l.sources.of("socket"), "built-in default");
+    }
+
+    #[test]
+    fn every_key_is_settable_from_the_environment() {
+        let vars = [
+            ("KVTIER_DATA_DIR", "/tmp/x"),
+            ("KVTIER_RAM_BUDGET", "512MiB"),
+            ("KVTIER_DISK_BUDGET", "1073741824"),
+            ("KVTIER_REGION_SIZE", "8MiB"),
+            ("KVTIER_DIRECT_IO", "false"),
+            ("KVTIER_IDLE_FLUSH_AFTER", "1h"),
+            ("KVTIER_WRITE_POLICY", "backpressure"),
+            ("KVTIER_GPU_KV_POOL", "80GB"),
+            ("KVTIER_SOCKET", "/tmp/x/s.sock"),
+            ("KVTIER_SOCKET_MODE", "0600"),
+            ("KVTIER_RESP_LISTEN", "[::1]:0"),
+            ("KVTIER_RESP_PASSWORD", "1234"),
+            ("KVTIER_RESP_MAX_VALUE", "1MiB"),
+            ("KVTIER_HTTP_LISTEN", "off"),
+            ("KVTIER_SHUTDOWN_DEADLINE", "5s"),
+            ("KVTIER_LOG_FORMAT", "json"),
+            ("KVTIER_LOG_LEVEL", "debug"),
+            ("KVTIER_NODE_NAME", "spark1"),
+        ];
+        let c = load_with(None, &vars, Overrides::default()).unwrap().config;
+        assert_eq!(c.data_dir, PathBuf::from("/tmp/x"));
+        assert_eq!(c.ram_budget, ByteSize::mib(512));
+        assert_eq!(c.disk_budget, Some(ByteSize::gib(1)));
+        assert_eq!(c.region_size, ByteSize::mib(8));
+        assert!(!c.direct_io);
+        assert_eq!(c.idle_flush_after, HumanDuration::secs(3600));
+        assert_eq!(c.write_policy, WritePolicy::Backpressure);
+        assert_eq!(c.gpu_kv_pool, Some(ByteSize(80_000_000_000)));
+        assert_eq!(c.socket_mode, FileMode(0o600));
+        assert_eq!(c.resp_listen, "[::1]:0".parse().unwrap());
+        assert_eq!(c.resp_password.as_deref(), Some("1234"));
+        assert_eq!(c.http_listen, Listen::Off);
+        assert_eq!(c.shutdown_deadline, HumanDuration::secs(5));
+        assert_eq!(c.log_format, LogFormat::Json);
+        assert_eq!(c.node_name.as_deref(), Some("spark1"));
+        // The TOML rendering parses back to the same configuration.
+        let back = load_with(Some(&c.to_toml()), &[], Overrides::default())
+            .unwrap()
+            .config;
+        assert_eq!(back, c);
+    }
+
+    #[test]
+    fn unknown_keys_name_the_key_and_the_source() {
+        let e = err_of(load_with(
+            Some("ram-budjet = \"1GiB\"\n"),
+            &[],
+            Overrides::default(),
+        ));
+        assert!(
+            e.contains("unknown key `ram-budjet`") && e.contains("node.toml"),
+            "{e}"
+        );
+        assert!(e.contains("ram-budget"), "lists the known keys: {e}");
+        let e = err_of(load_with(
+            None,
+            &[("KVTIER_RAM_BUDJET", "1GiB")],
+            Overrides::default(),
+        ));
+        assert!(
+            e.contains("`ram-budjet`") && e.contains("KVTIER_RAM_BUDJET"),
+            "{e}"
+        );
+        let e = err_of(load_with(
+            Some("[tier]\nram = 1\n"),
+            &[],
+            Overrides::default(),
+        ));
+        assert!(e.contains("unknown key `tier`"), "{e}");
+    }
+
+    #[test]
+    fn invalid_values_name_the_key_and_the_source() {
+        let e = err_of(load_with(
+            Some("ram-budget = \"12XB\"\n"),
+            &[],
+            Overrides::default(),
+        ));
+        assert!(
+            e.contains("`ram-budget`") && e.contains("node.toml") && e.contains("12XB"),
+            "{e}"
+        );
+        let e = err_of(load_with(
+            None,
+            &[("KVTIER_IDLE_FLUSH_AFTER", "30")],
+            Overrides::default(),
+        ));
+        assert!(
+            e.contains("`idle-flush-after`") && e.contains("KVTIER_IDLE_FLUSH_AFTER"),
+            "{e}"
+        );
+        let e = err_of(load_with(
+            None,
+            &[("KVTIER_WRITE_POLICY", "fast")],
+            Overrides::default(),
+        ));
+        assert!(e.contains("`write-policy`") && e.contains("no-tax"), "{e}");
+        let e = err_of(load_with(
+            None,
+            &[("KVTIER_RESP_LISTEN", "localhost")],
+            Overrides::default(),
+        ));
+        assert!(e.contains("`resp-listen`") && e.contains("\"off\""), "{e}");
+        let e = err_of(load_with(
+            Some("direct-io = \"yes\"\n"),
+            &[],
+            Overrides::default(),
+        ));
+        assert!(e.contains("`direct-io`"), "{e}");
+        let e = err_of(load_with(
+            Some("ram-budget = \n"),
+            &[],
+            Overrides::default(),
+        ));
+        assert!(
+            e.contains("not valid TOML") && e.contains("node.toml"),
+            "{e}"
+        );
+        let e = err_of(load_with(
+            None,
+            &[("KVTIER_LOG_LEVEL", "loud=!!")],
+            Overrides::default(),
+        ));
+        assert!(
+            e.contains("`log-level`") && e.contains("KVTIER_LOG_LEVEL"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn contradictions_name_the_key_and_the_source() {
+        let flags = Overrides {
+            ram_budget: Some(ByteSize::kib(4)),
+            ..Default::default()
+        };
+        let e = err_of(load_with(None, &[], flags));
+        assert!(
+            e.contains("`ram-budget`") && e.contains("--ram-budget"),
+            "{e}"
+        );
+        let e = err_of(load_with(
+            Some("resp-listen = \"0.0.0.0:6380\"\n"),
+            &[],
+            Overrides::default(),
+        ));
+        assert!(
+            e.contains("`resp-listen`") && e.contains("resp-password") && e.contains("node.toml"),
+            "{e}"
+        );
+        let ok = load_with(
+            Some("resp-listen = \"0.0.0.0:6380\"\n"),
+            &[("KVTIER_RESP_PASSWORD", "s3cret")],
+            Overrides::default(),
+        );
+        assert!(ok.is_ok());
+        let e = err_of(load_with(
+            Some("disk-budget = \"64MiB\"\n"),
+            &[],
+            Overrides::default(),
+        ));
+        assert!(
+            e.contains("`disk-budget`") && e.contains("two regions"),
+            "{e}"
+        );
+        let e = err_of(load_with(
+            Some("socket-mode = \"0066\"\n"),
+            &[],
+            Overrides::default(),
+        ));
+        assert!(e.contains("`socket-mode`"), "{e}");
+        let long = format!("socket = \"/tmp/{}\"\n", "s".repeat(120));
+        let e = err_of(load_with(Some(&long), &[], Overrides::default()));
+        assert!(e.contains("`socket`") && e.contains("107"), "{e}");
+    }
+
+    #[test]
+    fn missing_config_file_is_an_error() {
+        let sources = ConfigSources {
+            file: Some("/nonexistent/kvtier.toml".into()),
+            ..Default::default()
+        };
+        let e = load(&sources, &env()).unwrap_err().to_string();
+        assert!(e.contains("/nonexistent/kvtier.toml"), "{e}");
+        let sources = ConfigSources {
+            env: vec![("KVTIER_CONFIG".into(), "/nonexistent/b.toml".into())],
+            ..Default::default()
+        };
+        let e = load(&sources, &env()).unwrap_err().to_string();
+        assert!(e.contains("/nonexistent/b.toml"), "{e}");
+    }
+
+    #[test]
+    fn resolve_fills_the_disk_budget_and_rejects_what_does_not_fit() {
+        let dir = tempfile::tempdir().unwrap();
+        let flags = Overrides {
+            data_dir: Some(dir.path().join("data")),
+            ..Default::default()
+        };
+        let mut l = load_with(None, &[], flags.clone()).unwrap();
+        let mut c = l.config.clone();
+        let w = c.resolve(&l).unwrap();
+        let auto = c.disk_budget.unwrap();
+        assert!(auto.0 > 0 && auto <= DEFAULT_DISK_BUDGET_CAP && auto.0 % c.region_size.0 == 0);
+        assert!(w.is_empty(), "{w:?}");
+
+        let huge = Overrides {
+            disk_budget: Some(ByteSize(1 << 60)),
+            ..flags.clone()
+        };
+        l = load_with(None, &[], huge).unwrap();
+        let e = l.config.clone().resolve(&l).unwrap_err().to_string();
+        assert!(
+            e.contains("`disk-budget`") && e.contains("--disk-budget") && e.contains("available"),
+            "{e}"
+        );
+
+        let ram_only = Overrides {
+            disk_budget: Some(ByteSize(0)),
+            gpu_kv_pool: Some(ByteSize::gib(80)),
+            ..flags
+        };
+        l = load_with(None, &[], ram_only).unwrap();
+        let w = l.config.clone().resolve(&l).unwrap();
+        assert_eq!(w.len(), 1, "{w:?}");
+        assert!(w[0].contains("NOT larger than the GPU KV pool"), "{}", w[0]);
+    }
+
+    #[test]
+    fn tier_config_carries_the_values() {
+        let mut c = NodeConfig::defaults_for(&env());
+        c.disk_budget = Some(ByteSize::gib(2));
+        let t = c.tier_config();
+        assert_eq!(t.ram_budget, 4 << 30);
+        assert_eq!(t.disk_budget, 2 << 30);
+        assert_eq!(t.data_dir, c.data_dir);
+        t.validate().unwrap();
+    }
+}
