@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 use bytes::Bytes;
-use crossbeam_channel::{Receiver, Sender};
+use crossbeam_channel::{Receiver, Sender, bounded};
 
 use crate::device::{AlignedBuf, BLOCK, block_up};
 use crate::format::ChunkHeader;
@@ -94,8 +94,31 @@ pub(crate) struct Writer {
     open: Option<OpenRegion>,
     next_generation: u64,
     batch_bytes: usize,
-    buf: AlignedBuf,
+    /// Spare batch buffers (two: one being filled while one is written).
+    spare: Vec<AlignedBuf>,
     recovered: Vec<(u32, u64, Vec<Entry>, u64)>,
+    /// The batch the I/O thread is writing, if any.
+    inflight: Option<InFlight>,
+    io: Option<IoLink>,
+}
+
+/// Channels to the I/O thread (`kvtier-io`): it writes one batch at a time
+/// while the writer packs the next, so copying and CRCs overlap the I/O.
+struct IoLink {
+    req: Sender<(AlignedBuf, u64)>,
+    done: Receiver<(AlignedBuf, std::io::Result<()>)>,
+}
+
+/// A packed batch submitted to the I/O thread, applied when it completes.
+struct InFlight {
+    r: u32,
+    /// Data end of the region before this batch (rolled back on failure).
+    start: u64,
+    /// Length of the open region's entry list before this batch.
+    entries_before: usize,
+    total: u64,
+    items: Vec<Item>,
+    entries: Vec<Entry>,
 }
 
 enum Item {
@@ -125,13 +148,43 @@ impl Writer {
             open: None,
             next_generation: rec.max_generation + 1,
             batch_bytes,
-            buf: AlignedBuf::zeroed(batch_bytes),
+            spare: Vec::new(),
             recovered: rec.unsealed,
+            inflight: None,
+            io: None,
         }
     }
 
-    /// The thread body.
+    /// The thread body: starts the I/O thread, then serves messages.
     pub fn run(mut self, rx: Receiver<Msg>) {
+        let dev = self.disk.dev.clone();
+        let (req_tx, req_rx) = bounded::<(AlignedBuf, u64)>(1);
+        let (done_tx, done_rx) = bounded(1);
+        let io = std::thread::Builder::new()
+            .name("kvtier-io".into())
+            .spawn(move || {
+                for (buf, off) in req_rx {
+                    let res = dev.write_at(&buf, off);
+                    if done_tx.send((buf, res)).is_err() {
+                        return;
+                    }
+                }
+            });
+        match io {
+            Ok(_) => {
+                self.io = Some(IoLink {
+                    req: req_tx,
+                    done: done_rx,
+                })
+            }
+            Err(e) => tracing::warn!(error = %e, "no kvtier-io thread; writing inline"),
+        }
+        self.serve(&rx);
+        // Dropping the link ends the I/O thread.
+        self.io = None;
+    }
+
+    fn serve(&mut self, rx: &Receiver<Msg>) {
         let mut items: Vec<Item> = Vec::new();
         while let Ok(msg) = rx.recv() {
             let mut control = None;
@@ -158,6 +211,11 @@ impl Writer {
             if !items.is_empty() {
                 self.write_items(std::mem::take(&mut items));
             }
+            if control.is_some() || rx.is_empty() {
+                // Nothing to overlap with: finish the batch in flight, so
+                // its chunks become readable from disk now.
+                self.drain();
+            }
             match control {
                 None => {}
                 Some(Msg::Flush(ack)) => {
@@ -173,6 +231,7 @@ impl Writer {
                 Some(Msg::Write(_) | Msg::Tombstone(..)) => unreachable!("handled by push"),
             }
         }
+        self.drain();
     }
 
     fn poison(&self, what: String) {
@@ -230,7 +289,7 @@ impl Writer {
     }
 
     fn write_items(&mut self, items: Vec<Item>) {
-        let mut items: Vec<Item> = items
+        let mut items: std::collections::VecDeque<Item> = items
             .into_iter()
             .filter(|it| match it {
                 Item::Job(j) => self.hooks.wanted(j),
@@ -238,24 +297,25 @@ impl Writer {
             })
             .collect();
         let rs = self.disk.region_size;
-        let mut start = 0;
-        while start < items.len() {
+        while !items.is_empty() {
             if self.check_poison().is_err() {
-                self.fail_all(&items[start..]);
+                self.drain();
+                self.fail_all(items.make_contiguous());
                 return;
             }
             if self.open.is_none() {
+                self.drain();
                 if let Err(e) = self.open_next_region() {
                     self.poison(format!("opening a region failed: {e}"));
-                    self.fail_all(&items[start..]);
+                    self.fail_all(items.make_contiguous());
                     return;
                 }
             }
             let o = self.open.as_ref().expect("a region is open");
             let mut k = 0;
             let mut data = 0u64;
-            while start + k < items.len() {
-                let rec = items[start + k].record_len();
+            while k < items.len() {
+                let rec = items[k].record_len();
                 let head = block_up(BATCH_FIXED as u64 + entries_len_bound(k + 1));
                 let summary = block_up(entries_len_bound(o.entries.len() + k + 1));
                 if o.data_end + block_up(head + data + rec) + summary > rs {
@@ -267,49 +327,49 @@ impl Writer {
             if k == 0 {
                 if o.data_end == DATA_START {
                     // Does not fit even in an empty region.
+                    let it = items.pop_front().expect("not empty");
                     tracing::warn!(
-                        len = items[start].record_len(),
+                        len = it.record_len(),
                         region_size = rs,
                         "chunk larger than a region; not written"
                     );
-                    self.fail_all(&items[start..start + 1]);
-                    start += 1;
-                } else if let Err(e) = self.seal_open() {
-                    tracing::error!(error = %e, "sealing a region failed");
+                    self.fail_all(&[it]);
+                } else {
+                    self.drain();
+                    if self.open.is_some() {
+                        if let Err(e) = self.seal_open() {
+                            tracing::error!(error = %e, "sealing a region failed");
+                        }
+                    }
                 }
                 continue;
             }
-            let end = start + k;
-            if let Err(e) = self.write_batch(&mut items[start..end]) {
-                let nospace = matches!(&e, Error::NoSpace { .. });
-                if !nospace {
-                    self.poison(format!("batch write failed: {e}"));
-                }
-                self.fail_all(&items[start..end]);
-            }
-            start = end;
+            let batch: Vec<Item> = items.drain(..k).collect();
+            self.submit(batch);
         }
     }
 
-    fn write_batch(&mut self, items: &mut [Item]) -> Result<()> {
+    /// Packs `items` into a batch, waits for the batch in flight, then hands
+    /// this one to the I/O thread.
+    fn submit(&mut self, items: Vec<Item>) {
+        let mut buf = self
+            .spare
+            .pop()
+            .unwrap_or_else(|| AlignedBuf::zeroed(self.batch_bytes));
         let o = self.open.as_mut().expect("a region is open");
         let r = o.r;
-        let base = self.disk.region_base(r);
         let head_len = block_up(BATCH_FIXED as u64 + entries_len_bound(items.len()));
         let total: u64 = block_up(head_len + items.iter().map(Item::record_len).sum::<u64>());
-        if self.buf.capacity() < total as usize {
-            self.buf = AlignedBuf::zeroed(total as usize);
+        if buf.capacity() < total as usize {
+            buf = AlignedBuf::zeroed(total as usize);
         }
-        self.buf.set_len(total as usize);
-        let buf = &mut self.buf[..];
+        buf.set_len(total as usize);
         let mut entries = Vec::with_capacity(items.len());
         let mut at = head_len as usize;
         for it in items.iter() {
             match it {
                 Item::Job(j) => {
-                    let mut h =
-                        ChunkHeader::for_payload(j.id, j.name.clone(), &j.data, j.created_ms);
-                    h.flags = 0;
+                    let h = ChunkHeader::for_payload(j.id, j.name.clone(), &j.data, j.created_ms);
                     let hl = h.encoded_len();
                     h.encode_into(&mut buf[at..at + hl]);
                     let pl = j.data.len();
@@ -357,25 +417,92 @@ impl Writer {
         bh.encode_into(&mut buf[..BATCH_FIXED]);
         buf[BATCH_FIXED..BATCH_FIXED + ents.len()].copy_from_slice(&ents);
         buf[BATCH_FIXED + ents.len()..head_len as usize].fill(0);
-        if let Err(e) = self.disk.dev.write_at(buf, base + o.data_end) {
+        let off = self.disk.region_base(r) + o.data_end;
+        let f = InFlight {
+            r,
+            start: o.data_end,
+            entries_before: o.entries.len(),
+            total,
+            items,
+            entries,
+        };
+        // The previous batch must have landed before this one counts.
+        if let Some(prev) = self.inflight.take() {
+            if !self.complete(prev) {
+                self.fail_all(&f.items);
+                self.spare.push(buf);
+                return;
+            }
+        }
+        let o = self.open.as_mut().expect("a region is open");
+        o.data_end += total;
+        o.entries.extend_from_slice(&f.entries);
+        match &self.io {
+            Some(io) => {
+                if io.req.send((buf, off)).is_err() {
+                    self.poison("the kvtier-io thread is gone".into());
+                }
+                self.inflight = Some(f);
+            }
+            None => {
+                let res = self.disk.dev.write_at(&buf, off);
+                self.spare.push(buf);
+                self.finish(f, res);
+            }
+        }
+    }
+
+    /// Waits for the batch in flight (if any) and applies it.
+    fn drain(&mut self) {
+        if let Some(f) = self.inflight.take() {
+            self.complete(f);
+        }
+    }
+
+    /// Waits for `f`'s write; returns whether it succeeded.
+    fn complete(&mut self, f: InFlight) -> bool {
+        let res = match self.io.as_ref().map(|io| io.done.recv()) {
+            Some(Ok((buf, res))) => {
+                if self.spare.len() < 2 {
+                    self.spare.push(buf);
+                }
+                res
+            }
+            _ => Err(std::io::Error::other("the kvtier-io thread is gone")),
+        };
+        self.finish(f, res)
+    }
+
+    /// Applies a written batch (index, hooks) or rolls back a failed one.
+    fn finish(&mut self, f: InFlight, res: std::io::Result<()>) -> bool {
+        let InFlight {
+            r,
+            start,
+            entries_before,
+            total,
+            items,
+            entries,
+        } = f;
+        if let Err(e) = res {
+            if let Some(o) = self.open.as_mut().filter(|o| o.r == r) {
+                o.data_end = start;
+                o.entries.truncate(entries_before);
+            }
             if e.raw_os_error() == Some(libc::ENOSPC) {
                 if !self.disk.paused_nospace.swap(true, Ordering::Relaxed) {
                     tracing::warn!(
                         "device full (ENOSPC): the disk writer pauses; reads keep working"
                     );
                 }
-                return Err(Error::NoSpace {
-                    detail: format!("writing {total} bytes to region {r}: {e}"),
-                });
+            } else {
+                self.poison(format!(
+                    "writing a batch of {total} bytes to region {r} failed: {e}"
+                ));
             }
-            return Err(Error::Io {
-                op: "write a batch to",
-                path: self.disk.dev.path().to_path_buf(),
-                source: e,
-            });
+            self.fail_all(&items);
+            return false;
         }
         self.disk.paused_nospace.store(false, Ordering::Relaxed);
-        o.data_end += total;
         let c = &self.disk.counters;
         c.disk_write_bytes.fetch_add(total, Ordering::Relaxed);
         {
@@ -428,7 +555,6 @@ impl Writer {
                 }
             }
         }
-        o.entries.extend_from_slice(&entries);
         for it in items.iter() {
             match it {
                 Item::Job(j) => {
@@ -438,7 +564,7 @@ impl Writer {
                 Item::Tomb(id, seq) => self.hooks.tombstone_done(id, *seq),
             }
         }
-        Ok(())
+        true
     }
 
     fn seal_open(&mut self) -> Result<()> {

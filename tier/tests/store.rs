@@ -739,3 +739,22 @@ fn buffered_fallback_when_o_direct_is_refused() {
     let s = ChunkStore::open_with_device(config(dir.path()), dev).unwrap();
     assert_eq!(s.get(&id(ns, 1)).unwrap().data, payload(1, 70_000));
 }
+
+#[test]
+fn a_chunk_larger_than_a_region_stays_in_ram_and_is_counted() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = config(dir.path());
+    cfg.region_size = 64 << 10;
+    let s = ChunkStore::open(cfg).unwrap();
+    let ns = s.register_namespace(&record(0)).unwrap();
+    s.put(id(ns, 1), payload(1, 100_000)).unwrap();
+    s.put(id(ns, 2), payload(2, 1000)).unwrap();
+    let r = s.flush().unwrap();
+    assert_eq!((r.chunks, r.failed), (1, 1));
+    let st = s.stats();
+    assert_eq!(st.disk_write_failures, 1);
+    assert!(!st.disk_poisoned);
+    assert_eq!(s.get(&id(ns, 1)).unwrap().tier, Tier::Ram);
+    assert_eq!(s.locate(&id(ns, 2)), Some(Tier::Ram));
+    assert_eq!(st.disk_chunks, 1);
+}
