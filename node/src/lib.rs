@@ -16,6 +16,7 @@ pub mod context;
 pub mod error;
 pub mod http;
 pub mod logging;
+pub mod native;
 pub mod resp;
 pub mod size;
 

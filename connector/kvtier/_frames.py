@@ -1,0 +1,322 @@
+"""Frame codec of the kvtier native protocol (version 1), pure Python.
+
+Mirrors ``node/src/native/codec.rs``; the layout is specified in
+``node/PROTOCOL.md``. Golden fixtures under ``node/tests/fixtures/frames/``
+are checked by both implementations.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+MAGIC = b"KVTN"
+VERSION = 1
+HEADER_LEN = 32
+REPLY_BIT = 0x8000
+FLAG_ATOMIC = 0x0001
+
+OP_PING = 1
+OP_HELLO = 2
+OP_REGISTER_REGION = 3
+OP_LOOKUP = 4
+OP_CLUSTER_LOOKUP = 5
+OP_PUT = 6
+OP_GET = 7
+OP_DELETE = 8
+OP_FLUSH = 9
+OP_STATS = 10
+
+#: Error codes (header status field) and their stable names.
+ERROR_NAMES: dict[int, str] = {
+    1: "malformed",
+    2: "unsupported-version",
+    3: "unknown-op",
+    4: "bad-request",
+    5: "too-large",
+    6: "out-of-range",
+    7: "no-region",
+    8: "unknown-namespace",
+    9: "store",
+    10: "no-space",
+    11: "unimplemented",
+    12: "shutting-down",
+    13: "busy",
+    14: "internal",
+}
+
+#: LOOKUP location codes.
+LOCATIONS = ("miss", "ram", "disk", "peer")
+#: GET status codes.
+GET_STATUSES = ("miss", "hit-ram", "hit-disk", "hit-peer", "too-small")
+
+_HEADER = struct.Struct("<4sHHHHIQII")
+_HEADER_NO_CRC = struct.Struct("<4sHHHHIQI")
+_NSG = struct.Struct("<16sHHI")
+_ENTRY = struct.Struct("<32sQQ")
+_GET_RESULT = struct.Struct("<B7xQ")
+_HELLO_REPLY = struct.Struct("<16sHHIII Q".replace(" ", ""))
+_RANK = struct.Struct("<III")
+
+
+# --- CRC32C (Castagnoli) -------------------------------------------------
+
+
+def _make_table() -> list[int]:
+    table = []
+    for n in range(256):
+        c = n
+        for _ in range(8):
+            c = (c >> 1) ^ 0x82F63B78 if c & 1 else c >> 1
+        table.append(c)
+    return table
+
+
+_TABLE = _make_table()
+
+
+def _crc32c_py(data: bytes | bytearray | memoryview, crc: int = 0) -> int:
+    table = _TABLE
+    crc ^= 0xFFFFFFFF
+    for b in bytes(data):
+        crc = table[(crc ^ b) & 0xFF] ^ (crc >> 8)
+    return crc ^ 0xFFFFFFFF
+
+
+def _fast_crc32c() -> Callable[[bytes], int] | None:
+    # Optional accelerators: the stdlib has no CRC32C. Both packages compute
+    # the same standard CRC32C; the pure-Python fallback is always correct.
+    try:
+        import google_crc32c  # type: ignore[import-not-found]
+
+        return lambda b: int(google_crc32c.value(bytes(b)))
+    except ImportError:
+        pass
+    try:
+        import crc32c as _c  # type: ignore[import-not-found]
+
+        return lambda b: int(_c.crc32c(bytes(b)))
+    except ImportError:
+        return None
+
+
+crc32c: Callable[[bytes], int] = _fast_crc32c() or _crc32c_py
+
+
+# --- errors ---------------------------------------------------------------
+
+
+class FrameError(Exception):
+    """A frame or body that does not decode (protocol violation)."""
+
+
+# --- frames ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Header:
+    """A parsed, CRC-checked frame header."""
+
+    op: int
+    flags: int
+    status: int
+    body_len: int
+    req_id: int
+    body_crc: int
+
+
+def encode_frame(op: int, flags: int, status: int, req_id: int, body: bytes) -> bytes:
+    """One frame: header + body."""
+    head = _HEADER_NO_CRC.pack(MAGIC, VERSION, op, flags, status, len(body), req_id, crc32c(body))
+    return head + struct.pack("<I", crc32c(head)) + body
+
+
+def decode_header(buf: bytes | bytearray | memoryview, max_body: int = 1 << 30) -> Header:
+    """Checks magic, version, header CRC and the body limit of a 32-byte header."""
+    buf = bytes(buf[:HEADER_LEN])
+    if buf[:4] != MAGIC[: len(buf[:4])]:
+        raise FrameError(f"bad frame magic {buf[:4]!r} (expected b'KVTN')")
+    if len(buf) < HEADER_LEN:
+        raise FrameError(f"short header: {len(buf)} bytes")
+    magic, version, op, flags, status, body_len, req_id, body_crc, header_crc = _HEADER.unpack(buf)
+    if version != VERSION:
+        raise FrameError(
+            f"protocol version mismatch: the daemon speaks version {version}, "
+            f"this client speaks version {VERSION}"
+        )
+    computed = crc32c(buf[:28])
+    if computed != header_crc:
+        raise FrameError(f"frame header CRC32C mismatch: stored {header_crc:#010x}, computed {computed:#010x}")
+    if body_len > max_body:
+        raise FrameError(f"frame body of {body_len} bytes exceeds the limit of {max_body}")
+    return Header(op, flags, status, body_len, req_id, body_crc)
+
+
+def check_body(h: Header, body: bytes) -> None:
+    """Checks the body CRC."""
+    computed = crc32c(body)
+    if computed != h.body_crc:
+        raise FrameError(f"frame body CRC32C mismatch: stored {h.body_crc:#010x}, computed {computed:#010x}")
+
+
+# --- requests -------------------------------------------------------------
+
+
+def record_json(record: dict[str, Any]) -> bytes:
+    """The namespace record as sent in HELLO / CLUSTER_LOOKUP (compact JSON, keys as given)."""
+    return json.dumps(record, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def _keys(keys: Sequence[bytes]) -> bytes:
+    for k in keys:
+        if len(k) != 32:
+            raise ValueError(f"keys are 32 bytes, got {len(k)}")
+    return b"".join(bytes(k) for k in keys)
+
+
+def _ns(ns: bytes) -> bytes:
+    if len(ns) != 16:
+        raise ValueError(f"namespace ids are 16 bytes, got {len(ns)}")
+    return bytes(ns)
+
+
+def ping(req_id: int) -> bytes:
+    return encode_frame(OP_PING, 0, 0, req_id, b"")
+
+
+def flush(req_id: int) -> bytes:
+    return encode_frame(OP_FLUSH, 0, 0, req_id, b"")
+
+
+def stats(req_id: int) -> bytes:
+    return encode_frame(OP_STATS, 0, 0, req_id, b"")
+
+
+def hello(req_id: int, record: dict[str, Any]) -> bytes:
+    return encode_frame(OP_HELLO, 0, 0, req_id, record_json(record))
+
+
+def register_region(req_id: int, length: int) -> bytes:
+    return encode_frame(OP_REGISTER_REGION, 0, 0, req_id, struct.pack("<Q", length))
+
+
+def lookup(req_id: int, ns: bytes, group: int, keys: Sequence[bytes]) -> bytes:
+    return encode_frame(OP_LOOKUP, 0, 0, req_id, _NSG.pack(_ns(ns), group, 0, len(keys)) + _keys(keys))
+
+
+def delete(req_id: int, ns: bytes, group: int, keys: Sequence[bytes]) -> bytes:
+    return encode_frame(OP_DELETE, 0, 0, req_id, _NSG.pack(_ns(ns), group, 0, len(keys)) + _keys(keys))
+
+
+def cluster_lookup(
+    req_id: int, record: dict[str, Any], ranks: Sequence[int], group: int, keys: Sequence[bytes]
+) -> bytes:
+    rec = record_json(record)
+    body = (
+        struct.pack("<HHIII", group, 0, len(ranks), len(keys), len(rec))
+        + struct.pack(f"<{len(ranks)}I", *ranks)
+        + _keys(keys)
+        + rec
+    )
+    return encode_frame(OP_CLUSTER_LOOKUP, 0, 0, req_id, body)
+
+
+def _entries(ns: bytes, group: int, entries: Sequence[tuple[bytes, int, int]]) -> bytes:
+    parts = [_NSG.pack(_ns(ns), group, 0, len(entries))]
+    pack = _ENTRY.pack
+    for key, offset, length in entries:
+        if len(key) != 32:
+            raise ValueError(f"keys are 32 bytes, got {len(key)}")
+        parts.append(pack(bytes(key), offset, length))
+    return b"".join(parts)
+
+
+def put(req_id: int, ns: bytes, group: int, entries: Sequence[tuple[bytes, int, int]], atomic: bool = False) -> bytes:
+    return encode_frame(OP_PUT, FLAG_ATOMIC if atomic else 0, 0, req_id, _entries(ns, group, entries))
+
+
+def get(req_id: int, ns: bytes, group: int, entries: Sequence[tuple[bytes, int, int]]) -> bytes:
+    return encode_frame(OP_GET, 0, 0, req_id, _entries(ns, group, entries))
+
+
+# --- replies --------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ErrorReply:
+    """The daemon refused or failed a request."""
+
+    code: int
+    name: str
+    message: str
+
+
+def _count(body: bytes, off: int, n: int, size: int, what: str) -> None:
+    if off + n * size != len(body):
+        raise FrameError(f"{what}: {n} entries of {size} bytes do not match a body of {len(body)} bytes")
+
+
+def decode_reply(h: Header, body: bytes) -> Any:
+    """Decodes a reply body by its op. Returns ErrorReply for error replies,
+    else a value per op (see the client)."""
+    if not h.op & REPLY_BIT:
+        raise FrameError(f"op {h.op:#06x} lacks the reply bit")
+    if h.status != 0:
+        return ErrorReply(h.status, ERROR_NAMES.get(h.status, "internal"), body.decode("utf-8", "replace"))
+    op = h.op & ~REPLY_BIT
+    try:
+        if op in (OP_PING,):
+            if body:
+                raise FrameError("PING reply has a body")
+            return None
+        if op == OP_HELLO:
+            if len(body) != _HELLO_REPLY.size:
+                raise FrameError(f"HELLO reply of {len(body)} bytes")
+            ns, version, _r1, max_batch, max_frame, _r2, max_region = _HELLO_REPLY.unpack(body)
+            return {
+                "ns": ns,
+                "version": version,
+                "max_batch": max_batch,
+                "max_frame": max_frame,
+                "max_region": max_region,
+            }
+        if op == OP_REGISTER_REGION:
+            if len(body) != 8:
+                raise FrameError(f"REGISTER_REGION reply of {len(body)} bytes")
+            return struct.unpack("<Q", body)[0]
+        if op == OP_LOOKUP:
+            prefix, n = struct.unpack_from("<II", body)
+            _count(body, 8, n, 1, "LOOKUP")
+            return prefix, [LOCATIONS[b] for b in body[8:]]
+        if op == OP_CLUSTER_LOOKUP:
+            min_prefix, n = struct.unpack_from("<II", body)
+            _count(body, 8, n, 12, "CLUSTER_LOOKUP")
+            return min_prefix, [_RANK.unpack_from(body, 8 + 12 * i) for i in range(n)]
+        if op == OP_PUT:
+            (n,) = struct.unpack_from("<I", body)
+            _count(body, 4, n, 2, "PUT")
+            return list(struct.unpack_from(f"<{n}H", body, 4))
+        if op == OP_GET:
+            n, reserved = struct.unpack_from("<II", body)
+            _count(body, 8, n, 16, "GET")
+            out = []
+            for i in range(n):
+                status, length = _GET_RESULT.unpack_from(body, 8 + 16 * i)
+                out.append((GET_STATUSES[status], length))
+            return out
+        if op == OP_DELETE:
+            (n,) = struct.unpack_from("<I", body)
+            _count(body, 4, n, 1, "DELETE")
+            return [b != 0 for b in body[4:]]
+        if op == OP_FLUSH:
+            if len(body) != 24:
+                raise FrameError(f"FLUSH reply of {len(body)} bytes")
+            chunks, nbytes, failed = struct.unpack("<QQQ", body)
+            return {"chunks": chunks, "bytes": nbytes, "failed": failed}
+        if op == OP_STATS:
+            return json.loads(body)
+    except (struct.error, IndexError, ValueError) as e:
+        raise FrameError(f"malformed reply body for op {op}: {e}") from e
+    raise FrameError(f"unknown reply op {op}")

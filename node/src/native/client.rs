@@ -1,0 +1,416 @@
+//! A blocking native-protocol client (std `UnixStream`), used by the CLI,
+//! the tests and the benches.
+//!
+//! Call order: [`Client::connect`], [`Client::hello`] for each namespace,
+//! [`Client::create_region`] (or [`Client::register_region`]) before PUT /
+//! GET, then any mix of requests. Requests can be pipelined with
+//! [`Client::send`] / [`Client::recv`]; replies arrive in request order.
+
+use std::io::{Read, Write};
+use std::os::fd::{AsFd, BorrowedFd};
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::time::Duration;
+
+use tier::{ChunkKey, GroupId, Namespace, NamespaceRecord};
+
+use super::NativeError;
+use super::codec::{
+    self, Decoded, FlushReply, GetResult, HEADER_LEN, HelloReply, LookupLocation, RankPrefixReply,
+    RegionEntry, Reply, Request, Response,
+};
+use super::region::{OwnedRegion, send_with_fd};
+
+/// Largest reply body a client accepts.
+const MAX_REPLY: u32 = 1 << 30;
+/// Default size of a region created on demand by the convenience methods.
+const DEFAULT_REGION: u64 = 64 << 20;
+
+/// Result of [`Client::lookup`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LookupResult {
+    /// Length of the longest present prefix.
+    pub prefix: u32,
+    /// Per key.
+    pub locations: Vec<LookupLocation>,
+}
+
+/// Result of [`Client::cluster_lookup`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ClusterLookupResult {
+    /// Minimum prefix over the ranks.
+    pub min_prefix: u32,
+    /// Per rank.
+    pub ranks: Vec<RankPrefixReply>,
+}
+
+/// A blocking connection to the daemon's native socket.
+pub struct Client {
+    stream: UnixStream,
+    next_id: u64,
+    region: Option<OwnedRegion>,
+    wbuf: Vec<u8>,
+    rbuf: Vec<u8>,
+    hello: Option<HelloReply>,
+}
+
+impl std::fmt::Debug for Client {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Client")
+            .field("next_id", &self.next_id)
+            .field("region", &self.region)
+            .finish()
+    }
+}
+
+fn unexpected(want: &str, got: &Response) -> NativeError {
+    NativeError::Protocol(format!("expected a {want} reply, got {:?}", got.op()))
+}
+
+impl Client {
+    /// Connects to the daemon at `path`. Default timeout: 60 s per reply.
+    pub fn connect(path: impl AsRef<Path>) -> Result<Self, NativeError> {
+        let path = path.as_ref();
+        let stream = UnixStream::connect(path).map_err(|source| NativeError::Unavailable {
+            path: path.to_owned(),
+            source,
+        })?;
+        let c = Self {
+            stream,
+            next_id: 1,
+            region: None,
+            wbuf: Vec::with_capacity(4096),
+            rbuf: Vec::with_capacity(4096),
+            hello: None,
+        };
+        c.set_timeout(Some(Duration::from_secs(60)))?;
+        Ok(c)
+    }
+
+    /// Sets the read and write timeout (`None`: wait forever).
+    pub fn set_timeout(&self, timeout: Option<Duration>) -> Result<(), NativeError> {
+        self.stream
+            .set_read_timeout(timeout)
+            .and_then(|()| self.stream.set_write_timeout(timeout))
+            .map_err(|e| NativeError::io("set socket timeouts", e))
+    }
+
+    /// The underlying socket (tests use it to send raw bytes).
+    pub fn stream(&mut self) -> &mut UnixStream {
+        &mut self.stream
+    }
+
+    /// Limits announced by the daemon in the last HELLO.
+    pub fn server_limits(&self) -> Option<&HelloReply> {
+        self.hello.as_ref()
+    }
+
+    /// Sends a request without waiting for its reply; returns its id.
+    pub fn send(&mut self, req: &Request) -> Result<u64, NativeError> {
+        self.send_with_fd(req, None)
+    }
+
+    fn send_with_fd(
+        &mut self,
+        req: &Request,
+        fd: Option<BorrowedFd<'_>>,
+    ) -> Result<u64, NativeError> {
+        let id = self.next_id;
+        self.next_id += 1;
+        self.wbuf.clear();
+        codec::encode_request(&mut self.wbuf, id, req);
+        let r = match fd {
+            Some(fd) => send_with_fd(self.stream.as_fd(), &self.wbuf, Some(fd)),
+            None => self.stream.write_all(&self.wbuf),
+        };
+        r.map_err(|e| map_io("send request", e))?;
+        Ok(id)
+    }
+
+    /// Receives the next reply: its request id and contents.
+    pub fn recv(&mut self) -> Result<(u64, Reply), NativeError> {
+        self.rbuf.resize(HEADER_LEN, 0);
+        self.stream
+            .read_exact(&mut self.rbuf[..HEADER_LEN])
+            .map_err(|e| map_io("read reply header", e))?;
+        let header =
+            codec::decode_header(&self.rbuf, MAX_REPLY)?.expect("a full header is present");
+        let total = HEADER_LEN + header.body_len as usize;
+        self.rbuf.resize(total, 0);
+        self.stream
+            .read_exact(&mut self.rbuf[HEADER_LEN..])
+            .map_err(|e| map_io("read reply body", e))?;
+        match codec::decode_frame(&self.rbuf, MAX_REPLY)? {
+            Decoded::Frame { header, body, .. } => {
+                Ok((header.id, codec::decode_reply(&header, body)?))
+            }
+            Decoded::Incomplete { .. } => Err(NativeError::Protocol("incomplete reply".into())),
+        }
+    }
+
+    /// Sends a request and waits for its reply; a daemon error becomes
+    /// [`NativeError::Remote`].
+    pub fn call(&mut self, req: &Request) -> Result<Response, NativeError> {
+        let id = self.send(req)?;
+        self.wait(id)
+    }
+
+    fn wait(&mut self, id: u64) -> Result<Response, NativeError> {
+        let (got, reply) = self.recv()?;
+        match reply {
+            // Error replies to unparseable frames carry id 0.
+            Reply::Error { code, message } if got == id || got == 0 => {
+                Err(NativeError::Remote { code, message })
+            }
+            Reply::Ok(resp) if got == id => Ok(resp),
+            _ => Err(NativeError::Protocol(format!(
+                "reply id {got} does not match request id {id}"
+            ))),
+        }
+    }
+
+    /// PING.
+    pub fn ping(&mut self) -> Result<(), NativeError> {
+        match self.call(&Request::Ping)? {
+            Response::Pong => Ok(()),
+            other => Err(unexpected("PING", &other)),
+        }
+    }
+
+    /// HELLO: registers the namespace record; returns its id.
+    pub fn hello(&mut self, record: &NamespaceRecord) -> Result<Namespace, NativeError> {
+        match self.call(&Request::Hello {
+            record: record.clone(),
+        })? {
+            Response::Hello(h) => {
+                self.hello = Some(h);
+                Ok(h.ns)
+            }
+            other => Err(unexpected("HELLO", &other)),
+        }
+    }
+
+    /// Registers `len` bytes of a caller-owned sealed memfd as this
+    /// connection's region (replacing any previous one).
+    pub fn register_region(&mut self, fd: BorrowedFd<'_>, len: u64) -> Result<u64, NativeError> {
+        let id = self.send_with_fd(&Request::RegisterRegion { len }, Some(fd))?;
+        match self.wait(id)? {
+            Response::RegionRegistered { len } => Ok(len),
+            other => Err(unexpected("REGISTER_REGION", &other)),
+        }
+    }
+
+    /// Creates a sealed memfd of `len` bytes, maps it here and registers it
+    /// with the daemon as this connection's region.
+    pub fn create_region(&mut self, len: u64) -> Result<(), NativeError> {
+        let region = OwnedRegion::create("kvtier-client", len)?;
+        let fd = region
+            .fd()
+            .try_clone_to_owned()
+            .map_err(|e| NativeError::io("dup memfd", e))?;
+        self.register_region(fd.as_fd(), len)?;
+        self.region = Some(region);
+        Ok(())
+    }
+
+    /// The region created by [`Client::create_region`].
+    pub fn region(&self) -> Option<&OwnedRegion> {
+        self.region.as_ref()
+    }
+
+    /// The region, writable (fill PUT ranges here).
+    pub fn region_mut(&mut self) -> Option<&mut OwnedRegion> {
+        self.region.as_mut()
+    }
+
+    fn ensure_region(&mut self, len: u64) -> Result<(), NativeError> {
+        if self.region.as_ref().is_none_or(|r| r.len() < len) {
+            self.create_region(len.max(DEFAULT_REGION))?;
+        }
+        Ok(())
+    }
+
+    /// LOOKUP: longest present prefix of `keys` and where each key lives.
+    pub fn lookup(
+        &mut self,
+        ns: Namespace,
+        group: GroupId,
+        keys: &[ChunkKey],
+    ) -> Result<LookupResult, NativeError> {
+        match self.call(&Request::Lookup {
+            ns,
+            group,
+            keys: keys.to_vec(),
+        })? {
+            Response::Lookup { prefix, locations } => Ok(LookupResult { prefix, locations }),
+            other => Err(unexpected("LOOKUP", &other)),
+        }
+    }
+
+    /// CLUSTER_LOOKUP for the family of `record` over `ranks`.
+    pub fn cluster_lookup(
+        &mut self,
+        record: &NamespaceRecord,
+        ranks: &[u32],
+        group: GroupId,
+        keys: &[ChunkKey],
+    ) -> Result<ClusterLookupResult, NativeError> {
+        match self.call(&Request::ClusterLookup {
+            record: record.clone(),
+            ranks: ranks.to_vec(),
+            group,
+            keys: keys.to_vec(),
+        })? {
+            Response::ClusterLookup { min_prefix, ranks } => {
+                Ok(ClusterLookupResult { min_prefix, ranks })
+            }
+            other => Err(unexpected("CLUSTER_LOOKUP", &other)),
+        }
+    }
+
+    /// PUT of ranges already written into the region. Returns per entry 0
+    /// (stored) or an [`super::ErrorCode`] value.
+    pub fn put(
+        &mut self,
+        ns: Namespace,
+        group: GroupId,
+        entries: &[RegionEntry],
+        atomic: bool,
+    ) -> Result<Vec<u16>, NativeError> {
+        match self.call(&Request::Put {
+            ns,
+            group,
+            atomic,
+            entries: entries.to_vec(),
+        })? {
+            Response::Put { statuses } => Ok(statuses),
+            other => Err(unexpected("PUT", &other)),
+        }
+    }
+
+    /// Copies each item into the region (creating or growing it as needed)
+    /// and PUTs them. Returns per item 0 or an error code.
+    pub fn put_bytes(
+        &mut self,
+        ns: Namespace,
+        group: GroupId,
+        items: &[(ChunkKey, &[u8])],
+    ) -> Result<Vec<u16>, NativeError> {
+        let total: u64 = items.iter().map(|(_, b)| b.len() as u64).sum();
+        self.ensure_region(total.max(1))?;
+        let region = self.region.as_mut().expect("ensured above").as_mut_slice();
+        let mut entries = Vec::with_capacity(items.len());
+        let mut off = 0usize;
+        for (key, data) in items {
+            region[off..off + data.len()].copy_from_slice(data);
+            entries.push(RegionEntry {
+                key: *key,
+                offset: off as u64,
+                len: data.len() as u64,
+            });
+            off += data.len();
+        }
+        self.put(ns, group, &entries, false)
+    }
+
+    /// GET into ranges of the region.
+    pub fn get(
+        &mut self,
+        ns: Namespace,
+        group: GroupId,
+        entries: &[RegionEntry],
+    ) -> Result<Vec<GetResult>, NativeError> {
+        match self.call(&Request::Get {
+            ns,
+            group,
+            entries: entries.to_vec(),
+        })? {
+            Response::Get { results } => Ok(results),
+            other => Err(unexpected("GET", &other)),
+        }
+    }
+
+    /// Reads one chunk into a new `Vec` (through the region, grown when the
+    /// chunk does not fit). `None` on a miss.
+    pub fn get_bytes(
+        &mut self,
+        ns: Namespace,
+        group: GroupId,
+        key: ChunkKey,
+    ) -> Result<Option<Vec<u8>>, NativeError> {
+        self.ensure_region(DEFAULT_REGION)?;
+        for _ in 0..2 {
+            let cap = self.region.as_ref().expect("ensured above").len();
+            let r = self.get(
+                ns,
+                group,
+                &[RegionEntry {
+                    key,
+                    offset: 0,
+                    len: cap,
+                }],
+            )?;
+            let r = r
+                .first()
+                .copied()
+                .ok_or_else(|| NativeError::Protocol("empty GET reply".into()))?;
+            if r.status.is_hit() {
+                let region = self.region.as_ref().expect("ensured above").as_slice();
+                return Ok(Some(region[..r.len as usize].to_vec()));
+            }
+            if r.status != codec::GetStatus::TooSmall {
+                return Ok(None);
+            }
+            self.ensure_region(r.len)?;
+        }
+        Err(NativeError::Protocol(
+            "chunk kept growing between GETs".into(),
+        ))
+    }
+
+    /// DELETE: per key whether it existed.
+    pub fn delete(
+        &mut self,
+        ns: Namespace,
+        group: GroupId,
+        keys: &[ChunkKey],
+    ) -> Result<Vec<bool>, NativeError> {
+        match self.call(&Request::Delete {
+            ns,
+            group,
+            keys: keys.to_vec(),
+        })? {
+            Response::Delete { existed } => Ok(existed),
+            other => Err(unexpected("DELETE", &other)),
+        }
+    }
+
+    /// FLUSH: returns once every chunk dirty at the call is durable.
+    pub fn flush(&mut self) -> Result<FlushReply, NativeError> {
+        match self.call(&Request::Flush)? {
+            Response::Flush(f) => Ok(f),
+            other => Err(unexpected("FLUSH", &other)),
+        }
+    }
+
+    /// STATS as JSON (`node`, `uptime-secs`, `store`, `counters`).
+    pub fn stats(&mut self) -> Result<serde_json::Value, NativeError> {
+        match self.call(&Request::Stats)? {
+            Response::Stats { json } => serde_json::from_slice(&json)
+                .map_err(|e| NativeError::Protocol(format!("STATS reply is not JSON: {e}"))),
+            other => Err(unexpected("STATS", &other)),
+        }
+    }
+}
+
+fn map_io(op: &'static str, e: std::io::Error) -> NativeError {
+    match e.kind() {
+        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {
+            NativeError::Timeout { op }
+        }
+        std::io::ErrorKind::UnexpectedEof
+        | std::io::ErrorKind::BrokenPipe
+        | std::io::ErrorKind::ConnectionReset => NativeError::Closed,
+        _ => NativeError::io(op, e),
+    }
+}

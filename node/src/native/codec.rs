@@ -1,0 +1,1536 @@
+//! Sans-IO codec of the native protocol: frame header, requests, replies.
+//!
+//! Nothing here touches a socket or a clock: [`decode_frame`] looks at a byte
+//! slice and says "need more", "here is a frame" or "this is not a frame";
+//! [`encode_request`] / [`encode_response`] append to a `Vec`. The layout is
+//! specified byte by byte in `node/PROTOCOL.md`; the tables below mirror it.
+//!
+//! Frame header (32 bytes, little-endian):
+//!
+//! | offset | size | field                                                 |
+//! |-------:|-----:|-------------------------------------------------------|
+//! |      0 |    4 | magic `KVTN`                                          |
+//! |      4 |    2 | protocol version (1)                                  |
+//! |      6 |    2 | op; replies set bit 15 ([`REPLY_BIT`])                |
+//! |      8 |    2 | flags ([`FLAG_ATOMIC`] on PUT; otherwise 0)            |
+//! |     10 |    2 | status: 0 in requests; 0 or an [`ErrorCode`] in replies |
+//! |     12 |    4 | body length                                           |
+//! |     16 |    8 | request id (echoed by the reply)                      |
+//! |     24 |    4 | CRC32C of the body                                    |
+//! |     28 |    4 | CRC32C of bytes 0..28                                 |
+//!
+//! Decoding checks, in order: magic, version (both at fixed offsets in every
+//! version), header CRC, body length against the caller's limit, that the
+//! whole frame is present, body CRC. Nothing is allocated before all of them
+//! pass; body decoders check every count against the body length first.
+
+use tier::{ChunkKey, GroupId, Namespace, NamespaceRecord};
+
+/// Frame magic.
+pub const MAGIC: [u8; 4] = *b"KVTN";
+/// The protocol version this build speaks.
+pub const VERSION: u16 = 1;
+/// Size of the frame header.
+pub const HEADER_LEN: usize = 32;
+/// Bit set in the op of every reply.
+pub const REPLY_BIT: u16 = 0x8000;
+/// PUT flag: store all chunks of the request atomically (all or none).
+pub const FLAG_ATOMIC: u16 = 0x0001;
+
+const OFF_VERSION: usize = 4;
+const OFF_OP: usize = 6;
+const OFF_FLAGS: usize = 8;
+const OFF_STATUS: usize = 10;
+const OFF_BODY_LEN: usize = 12;
+const OFF_ID: usize = 16;
+const OFF_BODY_CRC: usize = 24;
+const OFF_HEADER_CRC: usize = 28;
+
+/// Size of a PUT / GET entry: key (32), offset (8), length (8).
+pub const REGION_ENTRY_LEN: usize = 48;
+/// Size of a GET reply entry: status (1), padding (7), length (8).
+pub const GET_RESULT_LEN: usize = 16;
+/// Size of the HELLO reply body.
+pub const HELLO_REPLY_LEN: usize = 40;
+
+/// Operation codes (header offset 6).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[repr(u16)]
+pub enum Op {
+    /// Liveness check; empty body both ways.
+    Ping = 1,
+    /// Protocol version check and namespace registration.
+    Hello = 2,
+    /// Hands a shared-memory region (memfd, SCM_RIGHTS) to the daemon.
+    RegisterRegion = 3,
+    /// Longest present prefix of an ordered key list, with locations.
+    Lookup = 4,
+    /// Per-rank prefixes for a namespace family.
+    ClusterLookup = 5,
+    /// Stores chunks copied from the region.
+    Put = 6,
+    /// Reads chunks into the region.
+    Get = 7,
+    /// Removes chunks.
+    Delete = 8,
+    /// Makes every dirty chunk durable.
+    Flush = 9,
+    /// Store and node counters as JSON.
+    Stats = 10,
+}
+
+impl Op {
+    /// The op for a wire code (without the reply bit).
+    pub fn from_code(code: u16) -> Option<Op> {
+        Some(match code {
+            1 => Op::Ping,
+            2 => Op::Hello,
+            3 => Op::RegisterRegion,
+            4 => Op::Lookup,
+            5 => Op::ClusterLookup,
+            6 => Op::Put,
+            7 => Op::Get,
+            8 => Op::Delete,
+            9 => Op::Flush,
+            10 => Op::Stats,
+            _ => return None,
+        })
+    }
+
+    /// Name used in errors and docs.
+    pub fn name(self) -> &'static str {
+        match self {
+            Op::Ping => "PING",
+            Op::Hello => "HELLO",
+            Op::RegisterRegion => "REGISTER_REGION",
+            Op::Lookup => "LOOKUP",
+            Op::ClusterLookup => "CLUSTER_LOOKUP",
+            Op::Put => "PUT",
+            Op::Get => "GET",
+            Op::Delete => "DELETE",
+            Op::Flush => "FLUSH",
+            Op::Stats => "STATS",
+        }
+    }
+}
+
+/// Error codes carried in the status field of a reply (0 means success).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[repr(u16)]
+#[non_exhaustive]
+pub enum ErrorCode {
+    /// Not a frame (bad magic, CRC, length); the daemon closes the connection.
+    Malformed = 1,
+    /// The peer speaks another protocol version; the daemon closes.
+    UnsupportedVersion = 2,
+    /// Unknown op code.
+    UnknownOp = 3,
+    /// A well-framed request whose body is invalid.
+    BadRequest = 4,
+    /// A frame, batch or chunk over a configured limit.
+    TooLarge = 5,
+    /// An (offset, length) outside the registered region.
+    OutOfRange = 6,
+    /// PUT / GET before REGISTER_REGION, or a region that cannot be used.
+    NoRegion = 7,
+    /// The namespace was never registered (send HELLO first).
+    UnknownNamespace = 8,
+    /// The store failed (I/O, corruption, poisoned).
+    Store = 9,
+    /// The store is out of space.
+    NoSpace = 10,
+    /// The daemon does not implement this yet.
+    Unimplemented = 11,
+    /// The daemon is shutting down.
+    ShuttingDown = 12,
+    /// The daemon has too many connections.
+    Busy = 13,
+    /// Anything else.
+    Internal = 14,
+}
+
+impl ErrorCode {
+    /// The code for a wire value; unknown values map to [`ErrorCode::Internal`].
+    pub fn from_code(code: u16) -> ErrorCode {
+        match code {
+            1 => ErrorCode::Malformed,
+            2 => ErrorCode::UnsupportedVersion,
+            3 => ErrorCode::UnknownOp,
+            4 => ErrorCode::BadRequest,
+            5 => ErrorCode::TooLarge,
+            6 => ErrorCode::OutOfRange,
+            7 => ErrorCode::NoRegion,
+            8 => ErrorCode::UnknownNamespace,
+            9 => ErrorCode::Store,
+            10 => ErrorCode::NoSpace,
+            11 => ErrorCode::Unimplemented,
+            12 => ErrorCode::ShuttingDown,
+            13 => ErrorCode::Busy,
+            _ => ErrorCode::Internal,
+        }
+    }
+
+    /// Stable name (also used by the Python client).
+    pub fn name(self) -> &'static str {
+        match self {
+            ErrorCode::Malformed => "malformed",
+            ErrorCode::UnsupportedVersion => "unsupported-version",
+            ErrorCode::UnknownOp => "unknown-op",
+            ErrorCode::BadRequest => "bad-request",
+            ErrorCode::TooLarge => "too-large",
+            ErrorCode::OutOfRange => "out-of-range",
+            ErrorCode::NoRegion => "no-region",
+            ErrorCode::UnknownNamespace => "unknown-namespace",
+            ErrorCode::Store => "store",
+            ErrorCode::NoSpace => "no-space",
+            ErrorCode::Unimplemented => "unimplemented",
+            ErrorCode::ShuttingDown => "shutting-down",
+            ErrorCode::Busy => "busy",
+            ErrorCode::Internal => "internal",
+        }
+    }
+}
+
+/// Errors of the codec. [`CodecError::is_fatal`] tells whether the byte
+/// stream can still be trusted (a fatal error closes the connection).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum CodecError {
+    /// The first bytes are not `KVTN`.
+    #[error("bad frame magic {found:02x?} (expected \"KVTN\"): not a kvtier native client")]
+    BadMagic {
+        /// The bytes found.
+        found: [u8; 4],
+    },
+    /// Another protocol version.
+    #[error(
+        "protocol version mismatch: the frame speaks version {found}, this side speaks version {supported}"
+    )]
+    UnsupportedVersion {
+        /// Version in the frame.
+        found: u16,
+        /// Version of this build.
+        supported: u16,
+    },
+    /// Header CRC mismatch.
+    #[error("frame header CRC32C mismatch: stored {stored:#010x}, computed {computed:#010x}")]
+    HeaderCrc {
+        /// Stored CRC.
+        stored: u32,
+        /// Computed CRC.
+        computed: u32,
+    },
+    /// Body CRC mismatch.
+    #[error("frame body CRC32C mismatch: stored {stored:#010x}, computed {computed:#010x}")]
+    BodyCrc {
+        /// Stored CRC.
+        stored: u32,
+        /// Computed CRC.
+        computed: u32,
+    },
+    /// Body longer than the receiver accepts.
+    #[error("frame body of {len} bytes exceeds the limit of {max} bytes (max-frame)")]
+    FrameTooLarge {
+        /// Announced body length.
+        len: u32,
+        /// The limit.
+        max: u32,
+    },
+    /// An op code this side does not know.
+    #[error("unknown op code {0}")]
+    UnknownOp(u16),
+    /// Flag bits not defined for this op.
+    #[error("{op}: unknown flag bits {flags:#06x}")]
+    UnknownFlags {
+        /// The op.
+        op: &'static str,
+        /// The flags.
+        flags: u16,
+    },
+    /// More entries than the receiver accepts in one request.
+    #[error("{op}: batch of {count} entries exceeds the limit of {max} (max-batch)")]
+    BatchTooLarge {
+        /// The op.
+        op: &'static str,
+        /// Entries in the request.
+        count: u64,
+        /// The limit.
+        max: u32,
+    },
+    /// A body that does not match its op's layout.
+    #[error("{op}: malformed body: {detail}")]
+    BadBody {
+        /// The op.
+        op: &'static str,
+        /// What is wrong, with the numbers.
+        detail: String,
+    },
+}
+
+impl CodecError {
+    /// Whether the stream is desynchronised or untrustworthy (close it).
+    pub fn is_fatal(&self) -> bool {
+        matches!(
+            self,
+            CodecError::BadMagic { .. }
+                | CodecError::UnsupportedVersion { .. }
+                | CodecError::HeaderCrc { .. }
+                | CodecError::BodyCrc { .. }
+                | CodecError::FrameTooLarge { .. }
+        )
+    }
+
+    /// The status code a reply to this error carries.
+    pub fn code(&self) -> ErrorCode {
+        match self {
+            CodecError::BadMagic { .. }
+            | CodecError::HeaderCrc { .. }
+            | CodecError::BodyCrc { .. } => ErrorCode::Malformed,
+            CodecError::UnsupportedVersion { .. } => ErrorCode::UnsupportedVersion,
+            CodecError::FrameTooLarge { .. } | CodecError::BatchTooLarge { .. } => {
+                ErrorCode::TooLarge
+            }
+            CodecError::UnknownOp(_) => ErrorCode::UnknownOp,
+            CodecError::UnknownFlags { .. } | CodecError::BadBody { .. } => ErrorCode::BadRequest,
+        }
+    }
+}
+
+/// A parsed, CRC-checked frame header.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Header {
+    /// Op code, reply bit included.
+    pub op: u16,
+    /// Flags.
+    pub flags: u16,
+    /// Status (replies).
+    pub status: u16,
+    /// Body length.
+    pub body_len: u32,
+    /// Request id.
+    pub id: u64,
+}
+
+/// Outcome of [`decode_frame`].
+#[derive(Debug, PartialEq, Eq)]
+pub enum Decoded<'a> {
+    /// The buffer holds a prefix of a valid frame; `need` is the total frame
+    /// length when known (header parsed), else [`HEADER_LEN`].
+    Incomplete {
+        /// Bytes the whole frame (or at least the header) needs.
+        need: usize,
+    },
+    /// A complete frame.
+    Frame {
+        /// Its header.
+        header: Header,
+        /// Its body.
+        body: &'a [u8],
+        /// Bytes consumed from the buffer (header + body).
+        len: usize,
+    },
+}
+
+fn u16_at(b: &[u8], off: usize) -> u16 {
+    u16::from_le_bytes([b[off], b[off + 1]])
+}
+
+fn u32_at(b: &[u8], off: usize) -> u32 {
+    u32::from_le_bytes([b[off], b[off + 1], b[off + 2], b[off + 3]])
+}
+
+fn u64_at(b: &[u8], off: usize) -> u64 {
+    let mut a = [0u8; 8];
+    a.copy_from_slice(&b[off..off + 8]);
+    u64::from_le_bytes(a)
+}
+
+/// Parses the header at the start of `buf` (which may also hold a partial
+/// frame). Checks magic and version as soon as their bytes are present.
+///
+/// Returns `Ok(None)` while fewer than [`HEADER_LEN`] bytes are present.
+pub fn decode_header(buf: &[u8], max_body: u32) -> Result<Option<Header>, CodecError> {
+    let have = buf.len().min(4);
+    if buf[..have] != MAGIC[..have] {
+        let mut found = [0u8; 4];
+        found[..have].copy_from_slice(&buf[..have]);
+        return Err(CodecError::BadMagic { found });
+    }
+    if buf.len() >= OFF_VERSION + 2 {
+        let found = u16_at(buf, OFF_VERSION);
+        if found != VERSION {
+            return Err(CodecError::UnsupportedVersion {
+                found,
+                supported: VERSION,
+            });
+        }
+    }
+    if buf.len() < HEADER_LEN {
+        return Ok(None);
+    }
+    let stored = u32_at(buf, OFF_HEADER_CRC);
+    let computed = crc32c::crc32c(&buf[..OFF_HEADER_CRC]);
+    if stored != computed {
+        return Err(CodecError::HeaderCrc { stored, computed });
+    }
+    let body_len = u32_at(buf, OFF_BODY_LEN);
+    if body_len > max_body {
+        return Err(CodecError::FrameTooLarge {
+            len: body_len,
+            max: max_body,
+        });
+    }
+    Ok(Some(Header {
+        op: u16_at(buf, OFF_OP),
+        flags: u16_at(buf, OFF_FLAGS),
+        status: u16_at(buf, OFF_STATUS),
+        body_len,
+        id: u64_at(buf, OFF_ID),
+    }))
+}
+
+/// Decodes one frame from the start of `buf`, accepting bodies of at most
+/// `max_body` bytes. Never allocates.
+pub fn decode_frame(buf: &[u8], max_body: u32) -> Result<Decoded<'_>, CodecError> {
+    let Some(header) = decode_header(buf, max_body)? else {
+        return Ok(Decoded::Incomplete { need: HEADER_LEN });
+    };
+    let total = HEADER_LEN + header.body_len as usize;
+    if buf.len() < total {
+        return Ok(Decoded::Incomplete { need: total });
+    }
+    let body = &buf[HEADER_LEN..total];
+    let stored = u32_at(buf, OFF_BODY_CRC);
+    let computed = crc32c::crc32c(body);
+    if stored != computed {
+        return Err(CodecError::BodyCrc { stored, computed });
+    }
+    Ok(Decoded::Frame {
+        header,
+        body,
+        len: total,
+    })
+}
+
+/// Appends a frame (header + body written by `body`) to `out`.
+pub fn encode_frame(
+    out: &mut Vec<u8>,
+    op: u16,
+    flags: u16,
+    status: u16,
+    id: u64,
+    body: impl FnOnce(&mut Vec<u8>),
+) {
+    let start = out.len();
+    out.extend_from_slice(&[0u8; HEADER_LEN]);
+    body(out);
+    let body_len = u32::try_from(out.len() - start - HEADER_LEN)
+        .expect("frame bodies are bounded by batch limits far below 4 GiB");
+    let body_crc = crc32c::crc32c(&out[start + HEADER_LEN..]);
+    let h = &mut out[start..start + HEADER_LEN];
+    h[0..4].copy_from_slice(&MAGIC);
+    h[OFF_VERSION..OFF_VERSION + 2].copy_from_slice(&VERSION.to_le_bytes());
+    h[OFF_OP..OFF_OP + 2].copy_from_slice(&op.to_le_bytes());
+    h[OFF_FLAGS..OFF_FLAGS + 2].copy_from_slice(&flags.to_le_bytes());
+    h[OFF_STATUS..OFF_STATUS + 2].copy_from_slice(&status.to_le_bytes());
+    h[OFF_BODY_LEN..OFF_BODY_LEN + 4].copy_from_slice(&body_len.to_le_bytes());
+    h[OFF_ID..OFF_ID + 8].copy_from_slice(&id.to_le_bytes());
+    h[OFF_BODY_CRC..OFF_BODY_CRC + 4].copy_from_slice(&body_crc.to_le_bytes());
+    let header_crc = crc32c::crc32c(&h[..OFF_HEADER_CRC]);
+    h[OFF_HEADER_CRC..HEADER_LEN].copy_from_slice(&header_crc.to_le_bytes());
+}
+
+/// One PUT or GET entry: a chunk key and a range of the shared region
+/// (for GET, `len` is the capacity of the destination).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RegionEntry {
+    /// The chunk key.
+    pub key: ChunkKey,
+    /// Offset in the region.
+    pub offset: u64,
+    /// Length (PUT) or capacity (GET).
+    pub len: u64,
+}
+
+/// Where a looked-up key lives (LOOKUP reply, one byte per key).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum LookupLocation {
+    /// Not present.
+    Miss = 0,
+    /// In this node's RAM.
+    Ram = 1,
+    /// On this node's disk.
+    Disk = 2,
+    /// On a peer.
+    Peer = 3,
+}
+
+/// Per-key outcome of a GET (reply entry byte 0).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum GetStatus {
+    /// Not present (or failed verification): recompute.
+    Miss = 0,
+    /// Served from RAM; `len` bytes were written at the entry's offset.
+    HitRam = 1,
+    /// Served from the local disk.
+    HitDisk = 2,
+    /// Served from a peer.
+    HitPeer = 3,
+    /// Present but larger than the capacity; `len` is the size needed and
+    /// nothing was written.
+    TooSmall = 4,
+}
+
+impl GetStatus {
+    /// Whether bytes were written into the region.
+    pub fn is_hit(self) -> bool {
+        matches!(
+            self,
+            GetStatus::HitRam | GetStatus::HitDisk | GetStatus::HitPeer
+        )
+    }
+}
+
+/// Per-key GET result.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GetResult {
+    /// Outcome.
+    pub status: GetStatus,
+    /// Bytes written (hits) or needed (too small); 0 for a miss.
+    pub len: u64,
+}
+
+/// HELLO reply.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HelloReply {
+    /// The namespace id of the record.
+    pub ns: Namespace,
+    /// The daemon's protocol version.
+    pub version: u16,
+    /// Most entries the daemon accepts in one request.
+    pub max_batch: u32,
+    /// Largest frame body the daemon accepts.
+    pub max_frame: u32,
+    /// Largest region the daemon maps.
+    pub max_region: u64,
+}
+
+/// Per-rank part of a CLUSTER_LOOKUP reply.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RankPrefixReply {
+    /// The rank.
+    pub rank: u32,
+    /// Longest prefix present anywhere in the cluster.
+    pub prefix: u32,
+    /// Longest prefix in RAM on the rank's node.
+    pub ram_prefix: u32,
+}
+
+/// FLUSH reply.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, serde::Serialize)]
+pub struct FlushReply {
+    /// Chunks written.
+    pub chunks: u64,
+    /// Payload bytes written.
+    pub bytes: u64,
+    /// Dirty chunks that could not be written.
+    pub failed: u64,
+}
+
+/// A decoded request.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Request {
+    /// PING.
+    Ping,
+    /// HELLO with the namespace record (JSON on the wire).
+    Hello {
+        /// The record.
+        record: NamespaceRecord,
+    },
+    /// REGISTER_REGION: map `len` bytes of the descriptor sent with the frame.
+    RegisterRegion {
+        /// Bytes to map from offset 0.
+        len: u64,
+    },
+    /// LOOKUP.
+    Lookup {
+        /// Namespace.
+        ns: Namespace,
+        /// Group.
+        group: GroupId,
+        /// Ordered keys.
+        keys: Vec<ChunkKey>,
+    },
+    /// CLUSTER_LOOKUP.
+    ClusterLookup {
+        /// Record of the family (its rank is ignored).
+        record: NamespaceRecord,
+        /// Ranks to answer for.
+        ranks: Vec<u32>,
+        /// Group.
+        group: GroupId,
+        /// Ordered keys.
+        keys: Vec<ChunkKey>,
+    },
+    /// PUT.
+    Put {
+        /// Namespace.
+        ns: Namespace,
+        /// Group.
+        group: GroupId,
+        /// All or nothing.
+        atomic: bool,
+        /// Chunks to store.
+        entries: Vec<RegionEntry>,
+    },
+    /// GET.
+    Get {
+        /// Namespace.
+        ns: Namespace,
+        /// Group.
+        group: GroupId,
+        /// Chunks to read and where to write them.
+        entries: Vec<RegionEntry>,
+    },
+    /// DELETE.
+    Delete {
+        /// Namespace.
+        ns: Namespace,
+        /// Group.
+        group: GroupId,
+        /// Keys to remove.
+        keys: Vec<ChunkKey>,
+    },
+    /// FLUSH.
+    Flush,
+    /// STATS.
+    Stats,
+}
+
+impl Request {
+    /// The op of this request.
+    pub fn op(&self) -> Op {
+        match self {
+            Request::Ping => Op::Ping,
+            Request::Hello { .. } => Op::Hello,
+            Request::RegisterRegion { .. } => Op::RegisterRegion,
+            Request::Lookup { .. } => Op::Lookup,
+            Request::ClusterLookup { .. } => Op::ClusterLookup,
+            Request::Put { .. } => Op::Put,
+            Request::Get { .. } => Op::Get,
+            Request::Delete { .. } => Op::Delete,
+            Request::Flush => Op::Flush,
+            Request::Stats => Op::Stats,
+        }
+    }
+}
+
+/// A decoded successful reply (errors are [`Reply::Error`]).
+#[derive(Clone, Debug, PartialEq)]
+pub enum Response {
+    /// PING reply.
+    Pong,
+    /// HELLO reply.
+    Hello(HelloReply),
+    /// REGISTER_REGION reply: bytes mapped.
+    RegionRegistered {
+        /// Length of the mapping.
+        len: u64,
+    },
+    /// LOOKUP reply.
+    Lookup {
+        /// Longest present prefix.
+        prefix: u32,
+        /// Per key.
+        locations: Vec<LookupLocation>,
+    },
+    /// CLUSTER_LOOKUP reply.
+    ClusterLookup {
+        /// Minimum prefix over the ranks.
+        min_prefix: u32,
+        /// Per rank.
+        ranks: Vec<RankPrefixReply>,
+    },
+    /// PUT reply: per entry 0 (stored) or an [`ErrorCode`].
+    Put {
+        /// Per-entry status codes.
+        statuses: Vec<u16>,
+    },
+    /// GET reply.
+    Get {
+        /// Per entry.
+        results: Vec<GetResult>,
+    },
+    /// DELETE reply: per key whether it existed.
+    Delete {
+        /// Per key.
+        existed: Vec<bool>,
+    },
+    /// FLUSH reply.
+    Flush(FlushReply),
+    /// STATS reply: a JSON document.
+    Stats {
+        /// UTF-8 JSON.
+        json: Vec<u8>,
+    },
+}
+
+impl Response {
+    /// The op this response answers.
+    pub fn op(&self) -> Op {
+        match self {
+            Response::Pong => Op::Ping,
+            Response::Hello(_) => Op::Hello,
+            Response::RegionRegistered { .. } => Op::RegisterRegion,
+            Response::Lookup { .. } => Op::Lookup,
+            Response::ClusterLookup { .. } => Op::ClusterLookup,
+            Response::Put { .. } => Op::Put,
+            Response::Get { .. } => Op::Get,
+            Response::Delete { .. } => Op::Delete,
+            Response::Flush(_) => Op::Flush,
+            Response::Stats { .. } => Op::Stats,
+        }
+    }
+}
+
+/// A decoded reply frame: a response or an error.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Reply {
+    /// Success.
+    Ok(Response),
+    /// The daemon refused or failed the request.
+    Error {
+        /// The code.
+        code: ErrorCode,
+        /// Human-readable message.
+        message: String,
+    },
+}
+
+/// Limits a decoder enforces on bodies.
+#[derive(Clone, Copy, Debug)]
+pub struct Limits {
+    /// Most entries (keys, ranks) in one request.
+    pub max_batch: u32,
+}
+
+/// A bounds-checked reader over a body.
+struct Cursor<'a> {
+    buf: &'a [u8],
+    pos: usize,
+    op: &'static str,
+}
+
+impl<'a> Cursor<'a> {
+    fn new(buf: &'a [u8], op: &'static str) -> Self {
+        Self { buf, pos: 0, op }
+    }
+
+    fn bad(&self, detail: String) -> CodecError {
+        CodecError::BadBody {
+            op: self.op,
+            detail,
+        }
+    }
+
+    fn take(&mut self, n: usize, what: &str) -> Result<&'a [u8], CodecError> {
+        let end = self.pos.checked_add(n).filter(|e| *e <= self.buf.len());
+        match end {
+            Some(end) => {
+                let s = &self.buf[self.pos..end];
+                self.pos = end;
+                Ok(s)
+            }
+            None => Err(self.bad(format!(
+                "{what} needs {n} bytes at offset {} but the body has {}",
+                self.pos,
+                self.buf.len()
+            ))),
+        }
+    }
+
+    fn u8(&mut self, what: &str) -> Result<u8, CodecError> {
+        Ok(self.take(1, what)?[0])
+    }
+    fn u16(&mut self, what: &str) -> Result<u16, CodecError> {
+        Ok(u16_at(self.take(2, what)?, 0))
+    }
+    fn u32(&mut self, what: &str) -> Result<u32, CodecError> {
+        Ok(u32_at(self.take(4, what)?, 0))
+    }
+    fn u64(&mut self, what: &str) -> Result<u64, CodecError> {
+        Ok(u64_at(self.take(8, what)?, 0))
+    }
+    fn reserved16(&mut self) -> Result<(), CodecError> {
+        let v = self.u16("reserved")?;
+        if v != 0 {
+            return Err(self.bad(format!(
+                "reserved field at offset {} is {v}, must be 0",
+                self.pos - 2
+            )));
+        }
+        Ok(())
+    }
+    fn reserved32(&mut self) -> Result<(), CodecError> {
+        let v = self.u32("reserved")?;
+        if v != 0 {
+            return Err(self.bad(format!(
+                "reserved field at offset {} is {v}, must be 0",
+                self.pos - 4
+            )));
+        }
+        Ok(())
+    }
+    fn ns(&mut self) -> Result<Namespace, CodecError> {
+        let mut a = [0u8; 16];
+        a.copy_from_slice(self.take(16, "namespace")?);
+        Ok(Namespace(a))
+    }
+    fn key(&mut self) -> Result<ChunkKey, CodecError> {
+        let mut a = [0u8; 32];
+        a.copy_from_slice(self.take(32, "key")?);
+        Ok(ChunkKey(a))
+    }
+    /// Checks that `count` items of `size` bytes fit in what is left, and the
+    /// batch limit, before anything is allocated for them.
+    fn count(
+        &self,
+        count: u32,
+        size: usize,
+        limits: Option<&Limits>,
+        what: &str,
+    ) -> Result<usize, CodecError> {
+        if let Some(l) = limits {
+            if count > l.max_batch {
+                return Err(CodecError::BatchTooLarge {
+                    op: self.op,
+                    count: u64::from(count),
+                    max: l.max_batch,
+                });
+            }
+        }
+        let need = u64::from(count) * size as u64;
+        let left = (self.buf.len() - self.pos) as u64;
+        if need > left {
+            return Err(self.bad(format!(
+                "{count} {what} need {need} bytes but only {left} remain"
+            )));
+        }
+        Ok(count as usize)
+    }
+    fn finish(&self) -> Result<(), CodecError> {
+        if self.pos != self.buf.len() {
+            return Err(self.bad(format!(
+                "{} trailing bytes after the last field",
+                self.buf.len() - self.pos
+            )));
+        }
+        Ok(())
+    }
+}
+
+fn decode_record(json: &[u8], op: &'static str) -> Result<NamespaceRecord, CodecError> {
+    let bad = |detail: String| CodecError::BadBody { op, detail };
+    let value: serde_json::Value = serde_json::from_slice(json)
+        .map_err(|e| bad(format!("namespace record is not JSON: {e}")))?;
+    let obj = value
+        .as_object()
+        .ok_or_else(|| bad("namespace record must be a JSON object".into()))?;
+    // The record type fills missing fields with defaults and would ignore
+    // unknown ones: a misspelt fence field would silently become its default.
+    // Reject unknown keys instead.
+    let known = serde_json::to_value(NamespaceRecord::default()).expect("record serialises");
+    let known = known.as_object().expect("record is an object");
+    if let Some(k) = obj.keys().find(|k| !known.contains_key(*k)) {
+        let mut names: Vec<&str> = known.keys().map(String::as_str).collect();
+        names.sort_unstable();
+        return Err(bad(format!(
+            "unknown namespace record field {k:?} (known: {})",
+            names.join(", ")
+        )));
+    }
+    serde_json::from_value(value).map_err(|e| bad(format!("invalid namespace record: {e}")))
+}
+
+fn check_flags(op: Op, flags: u16, allowed: u16) -> Result<(), CodecError> {
+    if flags & !allowed != 0 {
+        return Err(CodecError::UnknownFlags {
+            op: op.name(),
+            flags,
+        });
+    }
+    Ok(())
+}
+
+/// Decodes a request body. `header` must come from [`decode_frame`].
+pub fn decode_request(
+    header: &Header,
+    body: &[u8],
+    limits: &Limits,
+) -> Result<Request, CodecError> {
+    if header.op & REPLY_BIT != 0 {
+        return Err(CodecError::BadBody {
+            op: "request",
+            detail: format!("op {:#06x} has the reply bit set", header.op),
+        });
+    }
+    let op = Op::from_code(header.op).ok_or(CodecError::UnknownOp(header.op))?;
+    check_flags(
+        op,
+        header.flags,
+        if op == Op::Put { FLAG_ATOMIC } else { 0 },
+    )?;
+    if header.status != 0 {
+        return Err(CodecError::BadBody {
+            op: op.name(),
+            detail: format!("status field is {} in a request, must be 0", header.status),
+        });
+    }
+    let mut c = Cursor::new(body, op.name());
+    let req = match op {
+        Op::Ping => Request::Ping,
+        Op::Flush => Request::Flush,
+        Op::Stats => Request::Stats,
+        Op::Hello => {
+            c.pos = body.len();
+            Request::Hello {
+                record: decode_record(body, op.name())?,
+            }
+        }
+        Op::RegisterRegion => Request::RegisterRegion {
+            len: c.u64("region length")?,
+        },
+        Op::Lookup | Op::Delete => {
+            let ns = c.ns()?;
+            let group = c.u16("group")?;
+            c.reserved16()?;
+            let n = c.u32("count")?;
+            let n = c.count(n, 32, Some(limits), "keys")?;
+            let keys = (0..n).map(|_| c.key()).collect::<Result<Vec<_>, _>>()?;
+            if op == Op::Lookup {
+                Request::Lookup { ns, group, keys }
+            } else {
+                Request::Delete { ns, group, keys }
+            }
+        }
+        Op::ClusterLookup => {
+            let group = c.u16("group")?;
+            c.reserved16()?;
+            let nranks = c.u32("rank count")?;
+            let nkeys = c.u32("key count")?;
+            let rec_len = c.u32("record length")?;
+            let nranks = c.count(nranks, 4, Some(limits), "ranks")?;
+            let ranks = (0..nranks)
+                .map(|_| c.u32("rank"))
+                .collect::<Result<Vec<_>, _>>()?;
+            let nkeys = c.count(nkeys, 32, Some(limits), "keys")?;
+            let keys = (0..nkeys).map(|_| c.key()).collect::<Result<Vec<_>, _>>()?;
+            let record = decode_record(c.take(rec_len as usize, "record")?, op.name())?;
+            Request::ClusterLookup {
+                record,
+                ranks,
+                group,
+                keys,
+            }
+        }
+        Op::Put | Op::Get => {
+            let ns = c.ns()?;
+            let group = c.u16("group")?;
+            c.reserved16()?;
+            let n = c.u32("count")?;
+            let n = c.count(n, REGION_ENTRY_LEN, Some(limits), "entries")?;
+            let entries = (0..n)
+                .map(|_| {
+                    Ok(RegionEntry {
+                        key: c.key()?,
+                        offset: c.u64("offset")?,
+                        len: c.u64("length")?,
+                    })
+                })
+                .collect::<Result<Vec<_>, CodecError>>()?;
+            if op == Op::Put {
+                Request::Put {
+                    ns,
+                    group,
+                    atomic: header.flags & FLAG_ATOMIC != 0,
+                    entries,
+                }
+            } else {
+                Request::Get { ns, group, entries }
+            }
+        }
+    };
+    c.finish()?;
+    Ok(req)
+}
+
+fn put_ns_group_count(out: &mut Vec<u8>, ns: &Namespace, group: GroupId, count: usize) {
+    out.extend_from_slice(&ns.0);
+    out.extend_from_slice(&group.to_le_bytes());
+    out.extend_from_slice(&0u16.to_le_bytes());
+    out.extend_from_slice(&wire_u32(count).to_le_bytes());
+}
+
+fn wire_u32(n: usize) -> u32 {
+    u32::try_from(n).expect("batch sizes are bounded far below 2^32")
+}
+
+/// Appends a request frame to `out`.
+pub fn encode_request(out: &mut Vec<u8>, id: u64, req: &Request) {
+    let flags = match req {
+        Request::Put { atomic: true, .. } => FLAG_ATOMIC,
+        _ => 0,
+    };
+    encode_frame(out, req.op() as u16, flags, 0, id, |out| match req {
+        Request::Ping | Request::Flush | Request::Stats => {}
+        Request::Hello { record } => {
+            serde_json::to_writer(out, record).expect("a record serialises");
+        }
+        Request::RegisterRegion { len } => out.extend_from_slice(&len.to_le_bytes()),
+        Request::Lookup { ns, group, keys } | Request::Delete { ns, group, keys } => {
+            put_ns_group_count(out, ns, *group, keys.len());
+            for k in keys {
+                out.extend_from_slice(&k.0);
+            }
+        }
+        Request::ClusterLookup {
+            record,
+            ranks,
+            group,
+            keys,
+        } => {
+            let json = serde_json::to_vec(record).expect("a record serialises");
+            out.extend_from_slice(&group.to_le_bytes());
+            out.extend_from_slice(&0u16.to_le_bytes());
+            out.extend_from_slice(&wire_u32(ranks.len()).to_le_bytes());
+            out.extend_from_slice(&wire_u32(keys.len()).to_le_bytes());
+            out.extend_from_slice(&wire_u32(json.len()).to_le_bytes());
+            for r in ranks {
+                out.extend_from_slice(&r.to_le_bytes());
+            }
+            for k in keys {
+                out.extend_from_slice(&k.0);
+            }
+            out.extend_from_slice(&json);
+        }
+        Request::Put {
+            ns, group, entries, ..
+        }
+        | Request::Get { ns, group, entries } => {
+            put_ns_group_count(out, ns, *group, entries.len());
+            out.reserve(entries.len() * REGION_ENTRY_LEN);
+            for e in entries {
+                out.extend_from_slice(&e.key.0);
+                out.extend_from_slice(&e.offset.to_le_bytes());
+                out.extend_from_slice(&e.len.to_le_bytes());
+            }
+        }
+    });
+}
+
+/// Appends a success reply frame to `out`.
+pub fn encode_response(out: &mut Vec<u8>, id: u64, resp: &Response) {
+    encode_frame(
+        out,
+        resp.op() as u16 | REPLY_BIT,
+        0,
+        0,
+        id,
+        |out| match resp {
+            Response::Pong => {}
+            Response::Hello(h) => {
+                out.extend_from_slice(&h.ns.0);
+                out.extend_from_slice(&h.version.to_le_bytes());
+                out.extend_from_slice(&0u16.to_le_bytes());
+                out.extend_from_slice(&h.max_batch.to_le_bytes());
+                out.extend_from_slice(&h.max_frame.to_le_bytes());
+                out.extend_from_slice(&0u32.to_le_bytes());
+                out.extend_from_slice(&h.max_region.to_le_bytes());
+            }
+            Response::RegionRegistered { len } => out.extend_from_slice(&len.to_le_bytes()),
+            Response::Lookup { prefix, locations } => {
+                out.extend_from_slice(&prefix.to_le_bytes());
+                out.extend_from_slice(&wire_u32(locations.len()).to_le_bytes());
+                out.extend(locations.iter().map(|l| *l as u8));
+            }
+            Response::ClusterLookup { min_prefix, ranks } => {
+                out.extend_from_slice(&min_prefix.to_le_bytes());
+                out.extend_from_slice(&wire_u32(ranks.len()).to_le_bytes());
+                for r in ranks {
+                    out.extend_from_slice(&r.rank.to_le_bytes());
+                    out.extend_from_slice(&r.prefix.to_le_bytes());
+                    out.extend_from_slice(&r.ram_prefix.to_le_bytes());
+                }
+            }
+            Response::Put { statuses } => {
+                out.extend_from_slice(&wire_u32(statuses.len()).to_le_bytes());
+                for s in statuses {
+                    out.extend_from_slice(&s.to_le_bytes());
+                }
+            }
+            Response::Get { results } => {
+                out.extend_from_slice(&wire_u32(results.len()).to_le_bytes());
+                out.extend_from_slice(&0u32.to_le_bytes());
+                for r in results {
+                    out.push(r.status as u8);
+                    out.extend_from_slice(&[0u8; 7]);
+                    out.extend_from_slice(&r.len.to_le_bytes());
+                }
+            }
+            Response::Delete { existed } => {
+                out.extend_from_slice(&wire_u32(existed.len()).to_le_bytes());
+                out.extend(existed.iter().map(|e| u8::from(*e)));
+            }
+            Response::Flush(f) => {
+                out.extend_from_slice(&f.chunks.to_le_bytes());
+                out.extend_from_slice(&f.bytes.to_le_bytes());
+                out.extend_from_slice(&f.failed.to_le_bytes());
+            }
+            Response::Stats { json } => out.extend_from_slice(json),
+        },
+    );
+}
+
+/// Appends an error reply frame to `out`. `op` is the request's op code
+/// (0 when the request could not be parsed); the message is truncated to
+/// 4 KiB on a character boundary.
+pub fn encode_error(out: &mut Vec<u8>, id: u64, op: u16, code: ErrorCode, message: &str) {
+    let mut end = message.len().min(4096);
+    while !message.is_char_boundary(end) {
+        end -= 1;
+    }
+    encode_frame(
+        out,
+        (op & !REPLY_BIT) | REPLY_BIT,
+        0,
+        code as u16,
+        id,
+        |out| {
+            out.extend_from_slice(&message.as_bytes()[..end]);
+        },
+    );
+}
+
+fn location(b: u8, c: &Cursor<'_>) -> Result<LookupLocation, CodecError> {
+    Ok(match b {
+        0 => LookupLocation::Miss,
+        1 => LookupLocation::Ram,
+        2 => LookupLocation::Disk,
+        3 => LookupLocation::Peer,
+        _ => return Err(c.bad(format!("unknown location code {b}"))),
+    })
+}
+
+fn get_status(b: u8, c: &Cursor<'_>) -> Result<GetStatus, CodecError> {
+    Ok(match b {
+        0 => GetStatus::Miss,
+        1 => GetStatus::HitRam,
+        2 => GetStatus::HitDisk,
+        3 => GetStatus::HitPeer,
+        4 => GetStatus::TooSmall,
+        _ => return Err(c.bad(format!("unknown GET status {b}"))),
+    })
+}
+
+/// Decodes a reply frame (client side). The body is checked as strictly as
+/// requests are; counts are bounded by the body length.
+pub fn decode_reply(header: &Header, body: &[u8]) -> Result<Reply, CodecError> {
+    if header.op & REPLY_BIT == 0 {
+        return Err(CodecError::BadBody {
+            op: "reply",
+            detail: format!("op {:#06x} lacks the reply bit", header.op),
+        });
+    }
+    if header.status != 0 {
+        return Ok(Reply::Error {
+            code: ErrorCode::from_code(header.status),
+            message: String::from_utf8_lossy(body).into_owned(),
+        });
+    }
+    let code = header.op & !REPLY_BIT;
+    let op = Op::from_code(code).ok_or(CodecError::UnknownOp(code))?;
+    let mut c = Cursor::new(body, op.name());
+    let resp = match op {
+        Op::Ping => Response::Pong,
+        Op::Hello => {
+            let ns = c.ns()?;
+            let version = c.u16("version")?;
+            c.reserved16()?;
+            let max_batch = c.u32("max batch")?;
+            let max_frame = c.u32("max frame")?;
+            c.reserved32()?;
+            let max_region = c.u64("max region")?;
+            Response::Hello(HelloReply {
+                ns,
+                version,
+                max_batch,
+                max_frame,
+                max_region,
+            })
+        }
+        Op::RegisterRegion => Response::RegionRegistered {
+            len: c.u64("length")?,
+        },
+        Op::Lookup => {
+            let prefix = c.u32("prefix")?;
+            let n = c.u32("count")?;
+            let n = c.count(n, 1, None, "locations")?;
+            let locations = c
+                .take(n, "locations")?
+                .iter()
+                .map(|b| location(*b, &c))
+                .collect::<Result<Vec<_>, _>>()?;
+            Response::Lookup { prefix, locations }
+        }
+        Op::ClusterLookup => {
+            let min_prefix = c.u32("min prefix")?;
+            let n = c.u32("count")?;
+            let n = c.count(n, 12, None, "ranks")?;
+            let ranks = (0..n)
+                .map(|_| {
+                    Ok(RankPrefixReply {
+                        rank: c.u32("rank")?,
+                        prefix: c.u32("prefix")?,
+                        ram_prefix: c.u32("ram prefix")?,
+                    })
+                })
+                .collect::<Result<Vec<_>, CodecError>>()?;
+            Response::ClusterLookup { min_prefix, ranks }
+        }
+        Op::Put => {
+            let n = c.u32("count")?;
+            let n = c.count(n, 2, None, "statuses")?;
+            let statuses = (0..n)
+                .map(|_| c.u16("status"))
+                .collect::<Result<Vec<_>, _>>()?;
+            Response::Put { statuses }
+        }
+        Op::Get => {
+            let n = c.u32("count")?;
+            c.reserved32()?;
+            let n = c.count(n, GET_RESULT_LEN, None, "results")?;
+            let results = (0..n)
+                .map(|_| {
+                    let status = get_status(c.u8("status")?, &c)?;
+                    c.take(7, "padding")?;
+                    Ok(GetResult {
+                        status,
+                        len: c.u64("length")?,
+                    })
+                })
+                .collect::<Result<Vec<_>, CodecError>>()?;
+            Response::Get { results }
+        }
+        Op::Delete => {
+            let n = c.u32("count")?;
+            let n = c.count(n, 1, None, "flags")?;
+            let existed = c.take(n, "flags")?.iter().map(|b| *b != 0).collect();
+            Response::Delete { existed }
+        }
+        Op::Flush => Response::Flush(FlushReply {
+            chunks: c.u64("chunks")?,
+            bytes: c.u64("bytes")?,
+            failed: c.u64("failed")?,
+        }),
+        Op::Stats => {
+            c.pos = body.len();
+            Response::Stats {
+                json: body.to_vec(),
+            }
+        }
+    };
+    c.finish()?;
+    Ok(Reply::Ok(resp))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const LIMITS: Limits = Limits { max_batch: 1024 };
+
+    fn frame(req: &Request) -> Vec<u8> {
+        let mut out = Vec::new();
+        encode_request(&mut out, 7, req);
+        out
+    }
+
+    fn key(i: u8) -> ChunkKey {
+        ChunkKey([i; 32])
+    }
+
+    fn requests() -> Vec<Request> {
+        let record = NamespaceRecord {
+            model: "m".into(),
+            tp_size: 2,
+            ..Default::default()
+        };
+        vec![
+            Request::Ping,
+            Request::Hello {
+                record: record.clone(),
+            },
+            Request::RegisterRegion { len: 1 << 20 },
+            Request::Lookup {
+                ns: Namespace([3; 16]),
+                group: 2,
+                keys: vec![key(1), key(2)],
+            },
+            Request::ClusterLookup {
+                record,
+                ranks: vec![0, 1],
+                group: 0,
+                keys: vec![key(9)],
+            },
+            Request::Put {
+                ns: Namespace([1; 16]),
+                group: 0,
+                atomic: true,
+                entries: vec![RegionEntry {
+                    key: key(5),
+                    offset: 4096,
+                    len: 100,
+                }],
+            },
+            Request::Get {
+                ns: Namespace([1; 16]),
+                group: 1,
+                entries: vec![RegionEntry {
+                    key: key(5),
+                    offset: 0,
+                    len: 1 << 22,
+                }],
+            },
+            Request::Delete {
+                ns: Namespace([1; 16]),
+                group: 0,
+                keys: vec![key(4)],
+            },
+            Request::Flush,
+            Request::Stats,
+        ]
+    }
+
+    fn decode_req(buf: &[u8]) -> Result<Request, CodecError> {
+        match decode_frame(buf, 1 << 20)? {
+            Decoded::Frame { header, body, len } => {
+                assert_eq!(len, buf.len());
+                decode_request(&header, body, &LIMITS)
+            }
+            Decoded::Incomplete { need } => panic!("incomplete, need {need}"),
+        }
+    }
+
+    #[test]
+    fn every_request_round_trips() {
+        for req in requests() {
+            assert_eq!(decode_req(&frame(&req)).unwrap(), req);
+        }
+    }
+
+    #[test]
+    fn every_response_round_trips() {
+        let responses = vec![
+            Response::Pong,
+            Response::Hello(HelloReply {
+                ns: Namespace([4; 16]),
+                version: 1,
+                max_batch: 3,
+                max_frame: 5,
+                max_region: 1 << 40,
+            }),
+            Response::RegionRegistered { len: 42 },
+            Response::Lookup {
+                prefix: 1,
+                locations: vec![
+                    LookupLocation::Ram,
+                    LookupLocation::Miss,
+                    LookupLocation::Peer,
+                ],
+            },
+            Response::ClusterLookup {
+                min_prefix: 1,
+                ranks: vec![RankPrefixReply {
+                    rank: 1,
+                    prefix: 2,
+                    ram_prefix: 1,
+                }],
+            },
+            Response::Put {
+                statuses: vec![0, ErrorCode::NoSpace as u16],
+            },
+            Response::Get {
+                results: vec![
+                    GetResult {
+                        status: GetStatus::HitDisk,
+                        len: 77,
+                    },
+                    GetResult {
+                        status: GetStatus::TooSmall,
+                        len: 1 << 33,
+                    },
+                ],
+            },
+            Response::Delete {
+                existed: vec![true, false],
+            },
+            Response::Flush(FlushReply {
+                chunks: 1,
+                bytes: 2,
+                failed: 3,
+            }),
+            Response::Stats {
+                json: b"{\"a\":1}".to_vec(),
+            },
+        ];
+        for resp in responses {
+            let mut out = Vec::new();
+            encode_response(&mut out, 99, &resp);
+            let Decoded::Frame { header, body, .. } = decode_frame(&out, 1 << 20).unwrap() else {
+                panic!("incomplete")
+            };
+            assert_eq!(header.id, 99);
+            assert_eq!(decode_reply(&header, body).unwrap(), Reply::Ok(resp));
+        }
+        let mut out = Vec::new();
+        encode_error(&mut out, 5, Op::Get as u16, ErrorCode::OutOfRange, "nope");
+        let Decoded::Frame { header, body, .. } = decode_frame(&out, 1 << 20).unwrap() else {
+            panic!("incomplete")
+        };
+        assert_eq!(
+            decode_reply(&header, body).unwrap(),
+            Reply::Error {
+                code: ErrorCode::OutOfRange,
+                message: "nope".into()
+            }
+        );
+    }
+
+    #[test]
+    fn every_prefix_is_incomplete_and_never_an_error() {
+        for req in requests() {
+            let buf = frame(&req);
+            for cut in 0..buf.len() {
+                match decode_frame(&buf[..cut], 1 << 20) {
+                    Ok(Decoded::Incomplete { need }) => assert!(need > cut),
+                    other => panic!("{req:?} cut at {cut}: {other:?}"),
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn every_flipped_byte_is_rejected() {
+        for req in requests() {
+            let buf = frame(&req);
+            for i in 0..buf.len() {
+                for bit in [0x01u8, 0x80] {
+                    let mut b = buf.clone();
+                    b[i] ^= bit;
+                    match decode_frame(&b, 1 << 20) {
+                        Err(_) | Ok(Decoded::Incomplete { .. }) => {}
+                        Ok(Decoded::Frame { .. }) => panic!("{req:?}: flip at {i} accepted"),
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn header_errors_are_specific() {
+        let buf = frame(&Request::Ping);
+        assert!(matches!(
+            decode_frame(b"GET / HTTP/1.1\r\n", 1024),
+            Err(CodecError::BadMagic { .. })
+        ));
+        // Garbage is caught from its first byte, before a header is complete.
+        assert!(matches!(
+            decode_frame(b"X", 1024),
+            Err(CodecError::BadMagic { .. })
+        ));
+        let mut v2 = buf.clone();
+        v2[4] = 2;
+        let e = decode_frame(&v2, 1024).unwrap_err();
+        assert_eq!(
+            e,
+            CodecError::UnsupportedVersion {
+                found: 2,
+                supported: 1
+            }
+        );
+        assert!(e.to_string().contains("version 2") && e.to_string().contains("version 1"));
+        let big = frame(&Request::RegisterRegion { len: 1 });
+        assert!(matches!(
+            decode_frame(&big, 4),
+            Err(CodecError::FrameTooLarge { len: 8, max: 4 })
+        ));
+    }
+
+    #[test]
+    fn body_errors_are_not_fatal_and_checked_before_allocating() {
+        // Unknown op.
+        let mut out = Vec::new();
+        encode_frame(&mut out, 77, 0, 0, 1, |_| {});
+        let Decoded::Frame { header, body, .. } = decode_frame(&out, 1024).unwrap() else {
+            panic!()
+        };
+        let e = decode_request(&header, body, &LIMITS).unwrap_err();
+        assert_eq!(e, CodecError::UnknownOp(77));
+        assert!(!e.is_fatal());
+        // A count that claims more keys than the body holds.
+        let mut out = Vec::new();
+        encode_frame(&mut out, Op::Lookup as u16, 0, 0, 1, |b| {
+            b.extend_from_slice(&[0u8; 16]);
+            b.extend_from_slice(&0u32.to_le_bytes());
+            b.extend_from_slice(&u32::MAX.to_le_bytes());
+        });
+        let Decoded::Frame { header, body, .. } = decode_frame(&out, 1024).unwrap() else {
+            panic!()
+        };
+        let e = decode_request(&header, body, &LIMITS).unwrap_err();
+        assert!(matches!(e, CodecError::BatchTooLarge { .. }), "{e}");
+        let e = decode_request(
+            &header,
+            body,
+            &Limits {
+                max_batch: u32::MAX,
+            },
+        )
+        .unwrap_err();
+        assert!(matches!(e, CodecError::BadBody { .. }), "{e}");
+        // Unknown flags, trailing bytes, reserved fields.
+        let mut out = Vec::new();
+        encode_frame(&mut out, Op::Ping as u16, 4, 0, 1, |_| {});
+        let Decoded::Frame { header, body, .. } = decode_frame(&out, 1024).unwrap() else {
+            panic!()
+        };
+        assert!(matches!(
+            decode_request(&header, body, &LIMITS),
+            Err(CodecError::UnknownFlags { .. })
+        ));
+        let mut out = Vec::new();
+        encode_frame(&mut out, Op::Ping as u16, 0, 0, 1, |b| b.push(1));
+        let Decoded::Frame { header, body, .. } = decode_frame(&out, 1024).unwrap() else {
+            panic!()
+        };
+        assert!(matches!(
+            decode_request(&header, body, &LIMITS),
+            Err(CodecError::BadBody { .. })
+        ));
+    }
+
+    #[test]
+    fn hello_rejects_unknown_record_fields() {
+        let mut out = Vec::new();
+        encode_frame(&mut out, Op::Hello as u16, 0, 0, 1, |b| {
+            b.extend_from_slice(br#"{"model":"m","tp-sise":2}"#)
+        });
+        let Decoded::Frame { header, body, .. } = decode_frame(&out, 1024).unwrap() else {
+            panic!()
+        };
+        let e = decode_request(&header, body, &LIMITS).unwrap_err();
+        assert!(e.to_string().contains("tp-sise"), "{e}");
+    }
+}

@@ -1,0 +1,179 @@
+//! The native protocol: length-prefixed, CRC-checked binary frames on a Unix
+//! stream socket, with a shared-memory data plane (the client hands the
+//! daemon a sealed memfd and names (offset, length) ranges in it).
+//!
+//! The wire format is specified in `node/PROTOCOL.md`. Parts:
+//! - [`codec`]: sans-IO frame and body encoding/decoding (fuzzed, golden-tested);
+//! - [`region`]: memfd mapping and descriptor passing;
+//! - [`server`]: [`serve`] drives connections over a [`tokio::net::UnixListener`];
+//! - [`client`]: a blocking [`Client`] for the CLI, tests and benches.
+//!
+//! Call order for the daemon: [`bind`] (inside a tokio runtime), then
+//! [`serve`] with the shared [`crate::NodeContext`] and a shutdown future;
+//! `serve` returns once every connection task has finished.
+
+pub mod client;
+pub mod codec;
+pub mod region;
+pub mod server;
+
+use std::io;
+use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use tokio::net::UnixListener;
+
+pub use client::{Client, ClusterLookupResult, LookupResult};
+pub use codec::{
+    CodecError, ErrorCode, FlushReply, GetResult, GetStatus, LookupLocation, RegionEntry,
+};
+pub use region::{OwnedRegion, RegionError};
+pub use server::serve;
+
+/// Default socket permissions: owner and group may connect.
+pub const DEFAULT_SOCKET_MODE: u32 = 0o660;
+
+/// Limits and timeouts of the native server.
+#[derive(Clone, Debug)]
+pub struct NativeOptions {
+    /// Largest request body accepted, in bytes. Default: 16 MiB (a LOOKUP of
+    /// 65,536 keys is 2 MiB).
+    pub max_frame: u32,
+    /// Largest shared-memory region a client may register. Default: 64 GiB
+    /// (address space only; the client owns the memory).
+    pub max_region: u64,
+    /// Most keys / entries / ranks in one request. Default: 65,536.
+    pub max_batch: u32,
+    /// Most concurrent connections; more get a `busy` error and are closed.
+    /// Default: 1,024.
+    pub max_connections: u32,
+    /// Time allowed to receive the rest of a frame once its first byte has
+    /// arrived; a slower client is dropped. Default: 30 s.
+    pub frame_timeout: Duration,
+}
+
+impl Default for NativeOptions {
+    fn default() -> Self {
+        Self {
+            max_frame: 16 << 20,
+            max_region: 64 << 30,
+            max_batch: 65_536,
+            max_connections: 1_024,
+            frame_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+/// Errors of the native server and client.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum NativeError {
+    /// An operating-system I/O error.
+    #[error("native socket: cannot {op}: {source}")]
+    Io {
+        /// What failed ("bind /run/kvtier/kvtier.sock", "read reply").
+        op: String,
+        /// The OS error.
+        #[source]
+        source: io::Error,
+    },
+    /// Another process is listening on the socket path.
+    #[error("another process is already listening on {0}")]
+    AddrInUse(PathBuf),
+    /// The socket path exists and is not a socket.
+    #[error("{0} exists and is not a Unix socket; refusing to remove it")]
+    NotASocket(PathBuf),
+    /// The daemon is not reachable.
+    #[error(
+        "cannot connect to the kvtier daemon at {path}: {source} (is `kvtier node start` running?)"
+    )]
+    Unavailable {
+        /// Socket path.
+        path: PathBuf,
+        /// The OS error.
+        #[source]
+        source: io::Error,
+    },
+    /// A frame could not be decoded.
+    #[error(transparent)]
+    Codec(#[from] CodecError),
+    /// A region could not be created or used.
+    #[error(transparent)]
+    Region(#[from] RegionError),
+    /// The daemon answered with an error.
+    #[error("daemon error ({}): {message}", code.name())]
+    Remote {
+        /// The code.
+        code: ErrorCode,
+        /// The daemon's message.
+        message: String,
+    },
+    /// The reply does not answer the request.
+    #[error("protocol violation: {0}")]
+    Protocol(String),
+    /// The daemon closed the connection.
+    #[error("the daemon closed the connection")]
+    Closed,
+    /// The operation timed out.
+    #[error("timed out waiting for the daemon ({op})")]
+    Timeout {
+        /// What was being done.
+        op: &'static str,
+    },
+    /// A local request that cannot be sent (no region, too big for it).
+    #[error("invalid request: {0}")]
+    Invalid(String),
+}
+
+impl NativeError {
+    fn io(op: impl Into<String>, source: io::Error) -> Self {
+        NativeError::Io {
+            op: op.into(),
+            source,
+        }
+    }
+}
+
+/// Binds the native socket at `path` with permissions `mode` (e.g.
+/// [`DEFAULT_SOCKET_MODE`]). Creates the parent directory if missing. A
+/// stale socket file is removed only if nothing listens on it; a live one
+/// or a non-socket file is an error. Must be called inside a tokio runtime.
+pub fn bind(path: &Path, mode: u32) -> Result<UnixListener, NativeError> {
+    match std::fs::symlink_metadata(path) {
+        Ok(md) => {
+            if !md.file_type().is_socket() {
+                return Err(NativeError::NotASocket(path.to_owned()));
+            }
+            match std::os::unix::net::UnixStream::connect(path) {
+                Ok(_) => return Err(NativeError::AddrInUse(path.to_owned())),
+                Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => {
+                    std::fs::remove_file(path).map_err(|e| {
+                        NativeError::io(format!("remove stale socket {}", path.display()), e)
+                    })?;
+                }
+                Err(e) => {
+                    return Err(NativeError::io(
+                        format!("probe existing socket {}", path.display()),
+                        e,
+                    ));
+                }
+            }
+        }
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        Err(e) => return Err(NativeError::io(format!("stat {}", path.display()), e)),
+    }
+    if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+        std::fs::create_dir_all(parent)
+            .map_err(|e| NativeError::io(format!("create directory {}", parent.display()), e))?;
+    }
+    let listener = std::os::unix::net::UnixListener::bind(path)
+        .map_err(|e| NativeError::io(format!("bind {}", path.display()), e))?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
+        .map_err(|e| NativeError::io(format!("set permissions on {}", path.display()), e))?;
+    listener
+        .set_nonblocking(true)
+        .map_err(|e| NativeError::io("set the listener non-blocking", e))?;
+    UnixListener::from_std(listener)
+        .map_err(|e| NativeError::io("register the listener with tokio", e))
+}

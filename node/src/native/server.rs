@@ -1,0 +1,563 @@
+//! The native server: one task per connection, requests handled in order
+//! (pipelining is allowed: replies come back in request order).
+//!
+//! Reads go through [`NodeContext`] (so the peer cascade serves this socket
+//! too); writes go to the store. Chunk bytes are copied between the client's
+//! region and the store exactly once, inline on the connection task: the
+//! region is shared memory (a memfd, never backed by a disk), so touching it
+//! does not block on I/O, and handing each copy to the blocking pool would
+//! cost more than the copy itself for the chunk sizes involved.
+
+use std::collections::VecDeque;
+use std::future::Future;
+use std::io;
+use std::os::fd::{AsFd, OwnedFd};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use tokio::io::{AsyncWriteExt, Interest};
+use tokio::net::{UnixListener, UnixStream};
+use tokio::sync::{Semaphore, watch};
+use tokio::task::JoinSet;
+use tracing::{debug, warn};
+
+use super::codec::{
+    self, CodecError, Decoded, ErrorCode, FlushReply, GetResult, GetStatus, HelloReply, Limits,
+    LookupLocation, RankPrefixReply, RegionEntry, Request, Response,
+};
+use super::region::{self, MappedRegion, RegionError};
+use super::{NativeError, NativeOptions};
+use crate::context::{Location, NodeContext, NodeCounters};
+use tier::{ChunkId, Tier};
+
+/// Initial (and idle) size of a connection's read buffer.
+const READ_BUF: usize = 64 << 10;
+/// Replies are written once this many bytes are pending, even mid-batch.
+const WRITE_FLUSH: usize = 1 << 20;
+/// Most received descriptors waiting for their REGISTER_REGION frame.
+const MAX_PENDING_FDS: usize = 4;
+
+/// Serves native-protocol connections on `listener` until `shutdown`
+/// completes, then stops accepting, lets every connection finish the request
+/// it is handling, and returns once all connection tasks have ended.
+pub async fn serve(
+    listener: UnixListener,
+    ctx: Arc<NodeContext>,
+    opts: NativeOptions,
+    shutdown: impl Future<Output = ()> + Send,
+) -> Result<(), NativeError> {
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let permits = Arc::new(Semaphore::new(opts.max_connections as usize));
+    let opts = Arc::new(opts);
+    let mut tasks = JoinSet::new();
+    tokio::pin!(shutdown);
+    loop {
+        tokio::select! {
+            () = &mut shutdown => break,
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => {
+                    NodeCounters::inc(&ctx.counters.connections);
+                    match Arc::clone(&permits).try_acquire_owned() {
+                        Ok(permit) => {
+                            let conn = Connection::new(stream, Arc::clone(&ctx), Arc::clone(&opts));
+                            let stop = stop_rx.clone();
+                            tasks.spawn(async move {
+                                conn.run(stop).await;
+                                drop(permit);
+                            });
+                        }
+                        Err(_) => {
+                            let max = opts.max_connections;
+                            tasks.spawn(refuse_busy(stream, max));
+                        }
+                    }
+                }
+                Err(e) => {
+                    // EMFILE / ENFILE and friends: back off instead of spinning.
+                    warn!(error = %e, "native socket: accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            },
+            Some(_) = tasks.join_next(), if !tasks.is_empty() => {}
+        }
+    }
+    drop(listener);
+    // Receivers may all be gone already; that is fine.
+    let _ = stop_tx.send(true);
+    while tasks.join_next().await.is_some() {}
+    Ok(())
+}
+
+async fn refuse_busy(mut stream: UnixStream, max: u32) {
+    let mut out = Vec::new();
+    codec::encode_error(
+        &mut out,
+        0,
+        0,
+        ErrorCode::Busy,
+        &format!("the daemon already serves {max} connections (max-connections)"),
+    );
+    let _ = tokio::time::timeout(Duration::from_secs(1), stream.write_all(&out)).await;
+}
+
+type HandlerResult = Result<Response, (ErrorCode, String)>;
+
+fn store_error(e: &tier::Error) -> (ErrorCode, String) {
+    let code = match e {
+        tier::Error::UnknownNamespace(_) => ErrorCode::UnknownNamespace,
+        tier::Error::TooLarge { .. } => ErrorCode::TooLarge,
+        tier::Error::NoSpace { .. } => ErrorCode::NoSpace,
+        tier::Error::Unimplemented(_) => ErrorCode::Unimplemented,
+        tier::Error::Closed => ErrorCode::ShuttingDown,
+        tier::Error::InvalidArgument { .. } => ErrorCode::BadRequest,
+        _ => ErrorCode::Store,
+    };
+    (code, e.to_string())
+}
+
+fn joined<T>(r: Result<T, tokio::task::JoinError>) -> Result<T, (ErrorCode, String)> {
+    r.map_err(|e| (ErrorCode::Internal, format!("blocking task failed: {e}")))
+}
+
+struct Connection {
+    stream: UnixStream,
+    ctx: Arc<NodeContext>,
+    opts: Arc<NativeOptions>,
+    region: Option<MappedRegion>,
+    /// Descriptors received and not yet claimed by a REGISTER_REGION, oldest first.
+    fds: VecDeque<OwnedFd>,
+    /// `rbuf[start..end]` holds received, unprocessed bytes.
+    rbuf: Vec<u8>,
+    start: usize,
+    end: usize,
+    wbuf: Vec<u8>,
+}
+
+enum Step {
+    // Boxed: a request (with a namespace record) is much larger than the other variants.
+    Frame(codec::Header, Box<Result<Request, CodecError>>, usize),
+    Need(usize),
+    Fatal(CodecError, u64, u16),
+}
+
+impl Connection {
+    fn new(stream: UnixStream, ctx: Arc<NodeContext>, opts: Arc<NativeOptions>) -> Self {
+        Self {
+            stream,
+            ctx,
+            opts,
+            region: None,
+            fds: VecDeque::new(),
+            rbuf: vec![0; READ_BUF],
+            start: 0,
+            end: 0,
+            wbuf: Vec::with_capacity(4096),
+        }
+    }
+
+    fn limits(&self) -> Limits {
+        Limits {
+            max_batch: self.opts.max_batch,
+        }
+    }
+
+    fn next_step(&self) -> Step {
+        let buf = &self.rbuf[self.start..self.end];
+        match codec::decode_frame(buf, self.opts.max_frame) {
+            Ok(Decoded::Frame { header, body, len }) => Step::Frame(
+                header,
+                Box::new(codec::decode_request(&header, body, &self.limits())),
+                len,
+            ),
+            Ok(Decoded::Incomplete { need }) => Step::Need(need),
+            Err(e) => {
+                let (id, op) = match codec::decode_header(buf, u32::MAX) {
+                    Ok(Some(h)) => (h.id, h.op),
+                    _ => (0, 0),
+                };
+                Step::Fatal(e, id, op)
+            }
+        }
+    }
+
+    async fn run(mut self, mut stop: watch::Receiver<bool>) {
+        if let Err(e) = self.serve(&mut stop).await {
+            debug!(error = %e, "native connection ended");
+        }
+    }
+
+    async fn serve(&mut self, stop: &mut watch::Receiver<bool>) -> io::Result<()> {
+        loop {
+            // Handle every complete frame already buffered.
+            let need = loop {
+                match self.next_step() {
+                    Step::Frame(header, req, len) => {
+                        self.start += len;
+                        NodeCounters::inc(&self.ctx.counters.native_requests);
+                        match *req {
+                            Ok(req) => self.handle(header.id, req).await,
+                            Err(e) => self.error(header.id, header.op, e.code(), &e.to_string()),
+                        }
+                        if self.wbuf.len() >= WRITE_FLUSH {
+                            self.flush_writes().await?;
+                        }
+                    }
+                    Step::Need(need) => break need,
+                    Step::Fatal(e, id, op) => {
+                        debug!(error = %e, "native client sent a malformed frame; closing");
+                        self.error(id, op, e.code(), &format!("{e}; closing the connection"));
+                        self.flush_writes().await?;
+                        return Ok(());
+                    }
+                }
+            };
+            self.flush_writes().await?;
+            self.make_room(need);
+            let partial = self.end > self.start;
+            let received = if partial {
+                match tokio::time::timeout(self.opts.frame_timeout, self.read_some()).await {
+                    Ok(r) => r?,
+                    Err(_) => {
+                        debug!("native client stalled mid-frame; dropping it");
+                        return Ok(());
+                    }
+                }
+            } else {
+                if *stop.borrow() {
+                    return Ok(());
+                }
+                tokio::select! {
+                    r = self.read_some() => r?,
+                    _ = stop.changed() => return Ok(()),
+                }
+            };
+            if received.truncated || self.fds.len() > MAX_PENDING_FDS {
+                self.error(
+                    0,
+                    0,
+                    ErrorCode::Malformed,
+                    &format!(
+                        "too many file descriptors (at most one per REGISTER_REGION, {MAX_PENDING_FDS} pending); closing the connection"
+                    ),
+                );
+                self.flush_writes().await?;
+                return Ok(());
+            }
+            if received.bytes == 0 {
+                if partial {
+                    debug!("native client disconnected mid-frame");
+                }
+                return Ok(());
+            }
+            self.end += received.bytes;
+        }
+    }
+
+    /// Compacts the read buffer and grows it so that a frame of `need` bytes fits.
+    fn make_room(&mut self, need: usize) {
+        if self.start == self.end {
+            self.start = 0;
+            self.end = 0;
+            if self.rbuf.len() > 4 * READ_BUF && need <= READ_BUF {
+                self.rbuf = vec![0; READ_BUF];
+            }
+        } else if self.start > 0 {
+            self.rbuf.copy_within(self.start..self.end, 0);
+            self.end -= self.start;
+            self.start = 0;
+        }
+        if self.rbuf.len() < need {
+            // `need` is bounded by max-frame + header: checked by the decoder.
+            self.rbuf.resize(need, 0);
+        }
+    }
+
+    async fn read_some(&mut self) -> io::Result<region::Received> {
+        let mut fds = Vec::new();
+        let r = loop {
+            self.stream.readable().await?;
+            let sock = self.stream.as_fd();
+            let buf = &mut self.rbuf[self.end..];
+            match self.stream.try_io(Interest::READABLE, || {
+                region::recv_with_fds(sock, buf, &mut fds)
+            }) {
+                Ok(r) => break r,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+                Err(e) => return Err(e),
+            }
+        };
+        self.fds.extend(fds);
+        Ok(r)
+    }
+
+    async fn flush_writes(&mut self) -> io::Result<()> {
+        if !self.wbuf.is_empty() {
+            self.stream.write_all(&self.wbuf).await?;
+            self.wbuf.clear();
+        }
+        Ok(())
+    }
+
+    fn error(&mut self, id: u64, op: u16, code: ErrorCode, message: &str) {
+        NodeCounters::inc(&self.ctx.counters.native_errors);
+        codec::encode_error(&mut self.wbuf, id, op, code, message);
+    }
+
+    async fn handle(&mut self, id: u64, req: Request) {
+        let op = req.op();
+        match self.dispatch(req).await {
+            Ok(resp) => codec::encode_response(&mut self.wbuf, id, &resp),
+            Err((code, message)) => self.error(id, op as u16, code, &message),
+        }
+    }
+
+    async fn dispatch(&mut self, req: Request) -> HandlerResult {
+        match req {
+            Request::Ping => Ok(Response::Pong),
+            Request::Hello { record } => {
+                let ctx = Arc::clone(&self.ctx);
+                let ns = joined(
+                    tokio::task::spawn_blocking(move || ctx.register_namespace(&record)).await,
+                )?
+                .map_err(|e| store_error(&e))?;
+                Ok(Response::Hello(HelloReply {
+                    ns,
+                    version: codec::VERSION,
+                    max_batch: self.opts.max_batch,
+                    max_frame: self.opts.max_frame,
+                    max_region: self.opts.max_region,
+                }))
+            }
+            Request::RegisterRegion { len } => {
+                let fd = self.fds.pop_front().ok_or((
+                    ErrorCode::NoRegion,
+                    "REGISTER_REGION carried no file descriptor (send the memfd with SCM_RIGHTS on the frame's first byte)".to_string(),
+                ))?;
+                let region = MappedRegion::map(&fd, len, self.opts.max_region).map_err(|e| {
+                    let code = match e {
+                        RegionError::BadLength { .. } => ErrorCode::TooLarge,
+                        _ => ErrorCode::NoRegion,
+                    };
+                    (code, e.to_string())
+                })?;
+                self.region = Some(region);
+                Ok(Response::RegionRegistered { len })
+            }
+            Request::Lookup { ns, group, keys } => {
+                let (prefix, locs) = self.ctx.lookup(ns, group, &keys);
+                Ok(Response::Lookup {
+                    prefix: prefix as u32,
+                    locations: locs.into_iter().map(wire_location).collect(),
+                })
+            }
+            Request::ClusterLookup {
+                record,
+                ranks,
+                group,
+                keys,
+            } => {
+                let (min, per_rank) = self.ctx.cluster_lookup(&record, &ranks, group, &keys);
+                Ok(Response::ClusterLookup {
+                    min_prefix: min as u32,
+                    ranks: per_rank
+                        .into_iter()
+                        .map(|r| RankPrefixReply {
+                            rank: r.rank,
+                            prefix: r.prefix as u32,
+                            ram_prefix: r.ram_prefix as u32,
+                        })
+                        .collect(),
+                })
+            }
+            Request::Put {
+                ns,
+                group,
+                atomic,
+                entries,
+            } => self.put(ns, group, atomic, &entries).await,
+            Request::Get { ns, group, entries } => self.get(ns, group, &entries).await,
+            Request::Delete { ns, group, keys } => {
+                let store = Arc::clone(&self.ctx.store);
+                let existed = joined(
+                    tokio::task::spawn_blocking(move || {
+                        keys.iter()
+                            .map(|k| store.delete(&ChunkId::new(ns, *k, group)))
+                            .collect::<Vec<bool>>()
+                    })
+                    .await,
+                )?;
+                Ok(Response::Delete { existed })
+            }
+            Request::Flush => {
+                let store = Arc::clone(&self.ctx.store);
+                let report = joined(tokio::task::spawn_blocking(move || store.flush()).await)?
+                    .map_err(|e| store_error(&e))?;
+                Ok(Response::Flush(FlushReply {
+                    chunks: report.chunks,
+                    bytes: report.bytes,
+                    failed: report.failed,
+                }))
+            }
+            Request::Stats => {
+                let json = stats_json(&self.ctx);
+                Ok(Response::Stats {
+                    json: serde_json::to_vec(&json).expect("stats serialise"),
+                })
+            }
+        }
+    }
+
+    /// The registered region, after checking every entry's range against it.
+    fn checked_region(
+        &self,
+        op: &str,
+        entries: &[RegionEntry],
+    ) -> Result<&MappedRegion, (ErrorCode, String)> {
+        let region = self.region.as_ref().ok_or((
+            ErrorCode::NoRegion,
+            format!("{op} before REGISTER_REGION: register a shared-memory region first"),
+        ))?;
+        for (i, e) in entries.iter().enumerate() {
+            if !region.check(e.offset, e.len) {
+                return Err((
+                    ErrorCode::OutOfRange,
+                    format!(
+                        "{op} entry {i}: range offset {} length {} is outside the region of {} bytes",
+                        e.offset,
+                        e.len,
+                        region.len()
+                    ),
+                ));
+            }
+        }
+        Ok(region)
+    }
+
+    async fn put(
+        &self,
+        ns: tier::Namespace,
+        group: tier::GroupId,
+        atomic: bool,
+        entries: &[RegionEntry],
+    ) -> HandlerResult {
+        if entries.is_empty() {
+            return Ok(Response::Put { statuses: vec![] });
+        }
+        let region = self.checked_region("PUT", entries)?;
+        if self.ctx.store.namespace_record(&ns).is_none() {
+            return Err((
+                ErrorCode::UnknownNamespace,
+                format!("namespace {ns} is not registered: send HELLO with its record first"),
+            ));
+        }
+        let copy = |e: &RegionEntry| {
+            Bytes::from(
+                region
+                    .copy_out(e.offset, e.len)
+                    .expect("range checked above"),
+            )
+        };
+        if atomic {
+            let total: u64 = entries.iter().map(|e| e.len).sum();
+            let budget = self.ctx.store.config().ram_budget;
+            if total > budget {
+                return Err((
+                    ErrorCode::TooLarge,
+                    format!("atomic PUT of {total} bytes exceeds ram-budget ({budget} bytes)"),
+                ));
+            }
+            let chunks: Vec<(ChunkId, Bytes)> = entries
+                .iter()
+                .map(|e| (ChunkId::new(ns, e.key, group), copy(e)))
+                .collect();
+            let store = Arc::clone(&self.ctx.store);
+            joined(tokio::task::spawn_blocking(move || store.put_atomic(chunks)).await)?
+                .map_err(|e| store_error(&e))?;
+            return Ok(Response::Put {
+                statuses: vec![0; entries.len()],
+            });
+        }
+        // One chunk copied at a time: memory held is bounded by one chunk
+        // even when a batch names the same large range many times.
+        let statuses = entries
+            .iter()
+            .map(
+                |e| match self.ctx.store.put(ChunkId::new(ns, e.key, group), copy(e)) {
+                    Ok(()) => 0,
+                    Err(err) => store_error(&err).0 as u16,
+                },
+            )
+            .collect();
+        Ok(Response::Put { statuses })
+    }
+
+    async fn get(
+        &self,
+        ns: tier::Namespace,
+        group: tier::GroupId,
+        entries: &[RegionEntry],
+    ) -> HandlerResult {
+        if entries.is_empty() {
+            return Ok(Response::Get { results: vec![] });
+        }
+        let region = self.checked_region("GET", entries)?;
+        let mut results = Vec::with_capacity(entries.len());
+        for e in entries {
+            let result = match self.ctx.get(ChunkId::new(ns, e.key, group), None).await {
+                None => GetResult {
+                    status: GetStatus::Miss,
+                    len: 0,
+                },
+                Some(hit) => {
+                    let len = hit.data.len() as u64;
+                    if len > e.len {
+                        GetResult {
+                            status: GetStatus::TooSmall,
+                            len,
+                        }
+                    } else {
+                        let written = region.copy_in(e.offset, &hit.data);
+                        debug_assert!(written, "range checked above");
+                        GetResult {
+                            status: match hit.tier {
+                                Tier::Ram => GetStatus::HitRam,
+                                Tier::Disk => GetStatus::HitDisk,
+                            },
+                            len,
+                        }
+                    }
+                }
+            };
+            results.push(result);
+        }
+        Ok(Response::Get { results })
+    }
+}
+
+fn wire_location(l: Option<Location>) -> LookupLocation {
+    match l {
+        None => LookupLocation::Miss,
+        Some(Location::Ram) => LookupLocation::Ram,
+        Some(Location::Disk) => LookupLocation::Disk,
+        Some(Location::Peer) => LookupLocation::Peer,
+    }
+}
+
+/// The STATS document: store stats, node counters and uptime.
+pub fn stats_json(ctx: &NodeContext) -> serde_json::Value {
+    use std::sync::atomic::Ordering::Relaxed;
+    let c = &ctx.counters;
+    serde_json::json!({
+        "node": ctx.node_name,
+        "uptime-secs": ctx.started.elapsed().as_secs(),
+        "store": ctx.store.stats(),
+        "counters": {
+            "native-requests": c.native_requests.load(Relaxed),
+            "native-errors": c.native_errors.load(Relaxed),
+            "resp-commands": c.resp_commands.load(Relaxed),
+            "resp-errors": c.resp_errors.load(Relaxed),
+            "connections": c.connections.load(Relaxed),
+        },
+    })
+}

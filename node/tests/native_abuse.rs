@@ -1,0 +1,453 @@
+//! Misbehaving clients against a real server: each gets an error reply or is
+//! dropped, and neither other clients nor stored data are affected.
+
+mod native_support;
+
+use std::io::{Read, Write};
+use std::os::fd::AsFd;
+use std::os::unix::net::UnixStream;
+use std::time::{Duration, Instant};
+
+use native_support::{TestServer, key, payload, record, wait_until};
+use node::native::codec::{self, Decoded, ErrorCode, Op, Reply};
+use node::native::region::send_with_fd;
+use node::native::{Client, NativeError, NativeOptions, OwnedRegion, RegionEntry};
+use node::tier::Namespace;
+
+/// A well-behaved client that stores a reference chunk and checks it later.
+struct Witness {
+    client: Client,
+    ns: Namespace,
+    data: Vec<u8>,
+}
+
+impl Witness {
+    fn new(server: &TestServer) -> Self {
+        let mut client = server.client();
+        let ns = client.hello(&record(0)).unwrap();
+        let data = payload(77, 300_000);
+        assert_eq!(
+            client.put_bytes(ns, 0, &[(key(77), &data)]).unwrap(),
+            vec![0]
+        );
+        Self { client, ns, data }
+    }
+
+    fn check(&mut self) {
+        self.client.ping().unwrap();
+        assert_eq!(
+            self.client.get_bytes(self.ns, 0, key(77)).unwrap().unwrap(),
+            self.data
+        );
+        assert_eq!(
+            self.client.lookup(self.ns, 0, &[key(77)]).unwrap().prefix,
+            1
+        );
+    }
+}
+
+fn raw(server: &TestServer) -> UnixStream {
+    let s = UnixStream::connect(&server.path).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    s
+}
+
+/// Reads one reply frame from a raw stream.
+fn read_reply(s: &mut UnixStream) -> (codec::Header, Reply) {
+    let mut buf = vec![0u8; codec::HEADER_LEN];
+    s.read_exact(&mut buf).unwrap();
+    let h = codec::decode_header(&buf, u32::MAX).unwrap().unwrap();
+    buf.resize(codec::HEADER_LEN + h.body_len as usize, 0);
+    s.read_exact(&mut buf[codec::HEADER_LEN..]).unwrap();
+    let Decoded::Frame { header, body, .. } = codec::decode_frame(&buf, u32::MAX).unwrap() else {
+        panic!("incomplete")
+    };
+    (header, codec::decode_reply(&header, body).unwrap())
+}
+
+fn expect_error(s: &mut UnixStream, want: ErrorCode) -> String {
+    match read_reply(s).1 {
+        Reply::Error { code, message } => {
+            assert_eq!(code, want, "{message}");
+            message
+        }
+        other => panic!("expected {want:?}, got {other:?}"),
+    }
+}
+
+/// The server closed the stream (EOF or reset), within the read timeout.
+fn expect_closed(s: &mut UnixStream) {
+    let mut b = [0u8; 64];
+    match s.read(&mut b) {
+        Ok(0) => {}
+        Ok(n) => panic!("expected EOF, got {n} more bytes"),
+        Err(e) => assert_eq!(e.kind(), std::io::ErrorKind::ConnectionReset, "{e}"),
+    }
+}
+
+fn frame(op: u16, flags: u16, id: u64, body: &[u8]) -> Vec<u8> {
+    let mut out = Vec::new();
+    codec::encode_frame(&mut out, op, flags, 0, id, |b| b.extend_from_slice(body));
+    out
+}
+
+#[test]
+fn garbage_gets_an_error_then_the_connection_is_closed() {
+    let server = TestServer::start();
+    let mut w = Witness::new(&server);
+    let mut s = raw(&server);
+    s.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+    let msg = expect_error(&mut s, ErrorCode::Malformed);
+    assert!(msg.contains("magic"), "{msg}");
+    expect_closed(&mut s);
+    w.check();
+}
+
+#[test]
+fn another_protocol_version_is_refused_naming_both() {
+    let server = TestServer::start();
+    let mut s = raw(&server);
+    let mut f = frame(Op::Hello as u16, 0, 5, b"{}");
+    f[4] = 9;
+    s.write_all(&f).unwrap();
+    let msg = expect_error(&mut s, ErrorCode::UnsupportedVersion);
+    assert!(
+        msg.contains("version 9") && msg.contains("version 1"),
+        "{msg}"
+    );
+    expect_closed(&mut s);
+}
+
+#[test]
+fn corrupt_header_or_body_crc_is_refused() {
+    let server = TestServer::start();
+    let mut w = Witness::new(&server);
+    for flip in [29usize, codec::HEADER_LEN + 3] {
+        let mut s = raw(&server);
+        let mut f = frame(Op::Lookup as u16, 0, 3, &[0u8; 24]);
+        f[flip] ^= 0x10;
+        s.write_all(&f).unwrap();
+        let msg = expect_error(&mut s, ErrorCode::Malformed);
+        assert!(msg.contains("CRC32C"), "{msg}");
+        expect_closed(&mut s);
+    }
+    w.check();
+}
+
+#[test]
+fn oversize_frame_is_refused_before_allocating() {
+    let server = TestServer::start_with(NativeOptions {
+        max_frame: 1 << 20,
+        ..Default::default()
+    });
+    let mut w = Witness::new(&server);
+    let mut s = raw(&server);
+    // Claims a 4 GiB - 1 body; only the header is sent.
+    let mut f = frame(Op::Put as u16, 0, 1, &[]);
+    f[12..16].copy_from_slice(&u32::MAX.to_le_bytes());
+    let crc = crc32c::crc32c(&f[..28]);
+    f[28..32].copy_from_slice(&crc.to_le_bytes());
+    s.write_all(&f).unwrap();
+    let msg = expect_error(&mut s, ErrorCode::TooLarge);
+    assert!(msg.contains("max-frame"), "{msg}");
+    expect_closed(&mut s);
+    w.check();
+}
+
+#[test]
+fn unknown_ops_flags_and_bad_bodies_get_errors_and_the_connection_lives_on() {
+    let server = TestServer::start_with(NativeOptions {
+        max_batch: 8,
+        ..Default::default()
+    });
+    let mut s = raw(&server);
+    s.write_all(&frame(200, 0, 1, b"")).unwrap();
+    let (h, _) = read_reply(&mut s);
+    assert_eq!((h.id, h.status), (1, ErrorCode::UnknownOp as u16));
+    s.write_all(&frame(Op::Ping as u16, 0x40, 2, b"")).unwrap();
+    expect_error(&mut s, ErrorCode::BadRequest);
+    // A LOOKUP whose count disagrees with its body.
+    let mut body = vec![0u8; 24];
+    body[20..24].copy_from_slice(&3u32.to_le_bytes());
+    body.extend_from_slice(&[1u8; 64]);
+    s.write_all(&frame(Op::Lookup as u16, 0, 3, &body)).unwrap();
+    expect_error(&mut s, ErrorCode::BadRequest);
+    // Over max-batch.
+    let mut body = vec![0u8; 24];
+    body[20..24].copy_from_slice(&9u32.to_le_bytes());
+    body.extend_from_slice(&[1u8; 9 * 32]);
+    s.write_all(&frame(Op::Lookup as u16, 0, 4, &body)).unwrap();
+    let msg = expect_error(&mut s, ErrorCode::TooLarge);
+    assert!(msg.contains("max-batch"), "{msg}");
+    // A HELLO with a misspelt fence field.
+    s.write_all(&frame(Op::Hello as u16, 0, 5, br#"{"model":"m","rnak":1}"#))
+        .unwrap();
+    let msg = expect_error(&mut s, ErrorCode::BadRequest);
+    assert!(msg.contains("rnak"), "{msg}");
+    // Still usable.
+    s.write_all(&frame(Op::Ping as u16, 0, 6, b"")).unwrap();
+    let (h, r) = read_reply(&mut s);
+    assert_eq!(h.id, 6);
+    assert!(matches!(r, Reply::Ok(codec::Response::Pong)));
+}
+
+#[test]
+fn out_of_range_and_regionless_requests_are_refused_and_store_nothing() {
+    let server = TestServer::start();
+    let mut w = Witness::new(&server);
+    let mut c = server.client();
+    let ns = c.hello(&record(0)).unwrap();
+    let e = |off, len| RegionEntry {
+        key: key(5),
+        offset: off,
+        len,
+    };
+    let err = c.put(ns, 0, &[e(0, 10)], false).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            NativeError::Remote {
+                code: ErrorCode::NoRegion,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    let err = c.get(ns, 0, &[e(0, 10)]).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            NativeError::Remote {
+                code: ErrorCode::NoRegion,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    c.create_region(4096).unwrap();
+    for (off, len) in [
+        (4000, 97),
+        (4097, 0),
+        (u64::MAX, 2),
+        (0, u64::MAX),
+        (1, 4096),
+    ] {
+        // One good entry first: the whole request is refused, nothing stored.
+        let entries = [
+            RegionEntry {
+                key: key(6),
+                offset: 0,
+                len: 8,
+            },
+            e(off, len),
+        ];
+        let err = c.put(ns, 0, &entries, false).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                NativeError::Remote {
+                    code: ErrorCode::OutOfRange,
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        let err = c.get(ns, 0, &entries).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                NativeError::Remote {
+                    code: ErrorCode::OutOfRange,
+                    ..
+                }
+            ),
+            "{err}"
+        );
+    }
+    assert_eq!(c.lookup(ns, 0, &[key(6)]).unwrap().prefix, 0);
+    // The witness's chunk does not fit this client's 4 KiB region: too small, not written.
+    let r = c
+        .get(
+            ns,
+            0,
+            &[RegionEntry {
+                key: key(77),
+                offset: 0,
+                len: 4096,
+            }],
+        )
+        .unwrap();
+    assert_eq!(r[0].status, node::native::GetStatus::TooSmall);
+    assert!(c.region().unwrap().as_slice().iter().all(|b| *b == 0));
+    c.ping().unwrap();
+    w.check();
+}
+
+#[test]
+fn bad_regions_are_refused() {
+    let server = TestServer::start_with(NativeOptions {
+        max_region: 64 << 20,
+        ..Default::default()
+    });
+    let mut w = Witness::new(&server);
+    let mut c = server.client();
+    // No descriptor.
+    let err = c
+        .call(&codec::Request::RegisterRegion { len: 4096 })
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            NativeError::Remote {
+                code: ErrorCode::NoRegion,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    // An unsealed memfd (could be truncated under the daemon's mapping).
+    let fd = rustix::fs::memfd_create("x", rustix::fs::MemfdFlags::ALLOW_SEALING).unwrap();
+    rustix::fs::ftruncate(&fd, 8192).unwrap();
+    let err = c.register_region(fd.as_fd(), 8192).unwrap_err();
+    assert!(err.to_string().contains("F_SEAL_SHRINK"), "{err}");
+    // Longer than the file, and over max-region.
+    let region = OwnedRegion::create("y", 8192).unwrap();
+    let err = c.register_region(region.fd(), 8193).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            NativeError::Remote {
+                code: ErrorCode::NoRegion,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    let big = OwnedRegion::create("z", (64 << 20) + 4096).unwrap();
+    let err = c.register_region(big.fd(), (64 << 20) + 4096).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            NativeError::Remote {
+                code: ErrorCode::TooLarge,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    // A good one still works on the same connection.
+    assert_eq!(c.register_region(region.fd(), 8192).unwrap(), 8192);
+    w.check();
+}
+
+#[test]
+fn too_many_descriptors_close_the_connection() {
+    let server = TestServer::start();
+    let mut w = Witness::new(&server);
+    let mut s = raw(&server);
+    let region = OwnedRegion::create("f", 4096).unwrap();
+    // Descriptors attached to PINGs are never claimed; the fifth pending one
+    // is a protocol violation.
+    for id in 0..6 {
+        let f = frame(Op::Ping as u16, 0, id, b"");
+        if send_with_fd(s.as_fd(), &f, Some(region.fd())).is_err() {
+            break;
+        }
+    }
+    let mut got_error = false;
+    loop {
+        let mut hdr = [0u8; codec::HEADER_LEN];
+        match s.read_exact(&mut hdr) {
+            Ok(()) => {
+                let h = codec::decode_header(&hdr, u32::MAX).unwrap().unwrap();
+                let mut body = vec![0u8; h.body_len as usize];
+                s.read_exact(&mut body).unwrap();
+                if h.status == ErrorCode::Malformed as u16 {
+                    got_error = true;
+                }
+            }
+            Err(_) => break,
+        }
+    }
+    assert!(got_error, "no error before the close");
+    w.check();
+}
+
+#[test]
+fn truncated_frames_and_mid_request_disconnects_do_not_disturb_others() {
+    let server = TestServer::start();
+    let mut w = Witness::new(&server);
+    for cut in [1usize, 5, 20, 31, 32, 40, 100] {
+        let mut s = raw(&server);
+        let ns = record(0).id();
+        let mut f = Vec::new();
+        let entries = (0..4)
+            .map(|i| RegionEntry {
+                key: key(500 + i),
+                offset: 0,
+                len: 8,
+            })
+            .collect();
+        codec::encode_request(
+            &mut f,
+            1,
+            &codec::Request::Put {
+                ns,
+                group: 0,
+                atomic: false,
+                entries,
+            },
+        );
+        s.write_all(&f[..cut.min(f.len() - 1)]).unwrap();
+        drop(s);
+    }
+    w.check();
+    let keys: Vec<_> = (500..504).map(key).collect();
+    assert_eq!(w.client.lookup(w.ns, 0, &keys).unwrap().prefix, 0);
+    // A client that dies with replies pending.
+    let mut c = server.client();
+    for _ in 0..50 {
+        c.send(&codec::Request::Stats).unwrap();
+    }
+    drop(c);
+    w.check();
+}
+
+#[test]
+fn a_client_stalled_mid_frame_is_dropped() {
+    let server = TestServer::start_with(NativeOptions {
+        frame_timeout: Duration::from_millis(300),
+        ..Default::default()
+    });
+    let mut w = Witness::new(&server);
+    let mut s = raw(&server);
+    let f = frame(Op::Ping as u16, 0, 1, b"");
+    s.write_all(&f[..10]).unwrap();
+    let start = Instant::now();
+    expect_closed(&mut s);
+    assert!(start.elapsed() < Duration::from_secs(5));
+    w.check();
+}
+
+#[test]
+fn connections_over_the_limit_get_busy() {
+    let server = TestServer::start_with(NativeOptions {
+        max_connections: 2,
+        ..Default::default()
+    });
+    let mut a = server.client();
+    a.ping().unwrap();
+    let mut b = server.client();
+    b.ping().unwrap();
+    let mut s = raw(&server);
+    let msg = expect_error(&mut s, ErrorCode::Busy);
+    assert!(msg.contains("max-connections"), "{msg}");
+    expect_closed(&mut s);
+    drop(a);
+    // The freed slot is usable again (the server notices the close asynchronously).
+    assert!(wait_until(10, || {
+        let mut c = server.client();
+        c.ping().is_ok()
+    }));
+    b.ping().unwrap();
+}

@@ -1,0 +1,329 @@
+//! The native protocol against a real server: every op, pipelining,
+//! concurrent clients, socket binding and shutdown.
+
+mod native_support;
+
+use std::os::unix::fs::PermissionsExt;
+use std::time::Duration;
+
+use native_support::{TestServer, key, payload, record};
+use node::native::codec::{ErrorCode, Reply, Request, Response};
+use node::native::{self, GetStatus, LookupLocation, NativeError, RegionEntry};
+use node::tier::ChunkKey;
+
+#[test]
+fn put_lookup_get_delete_round_trip_through_shared_memory() {
+    let server = TestServer::start();
+    let mut c = server.client();
+    c.ping().unwrap();
+    let ns = c.hello(&record(0)).unwrap();
+    assert_eq!(ns, record(0).id());
+    let sizes = [1usize, 4096, 256 << 10, (1 << 20) + 7];
+    let data: Vec<Vec<u8>> = sizes
+        .iter()
+        .enumerate()
+        .map(|(i, n)| payload(i as u32, *n))
+        .collect();
+    let items: Vec<(ChunkKey, &[u8])> = data
+        .iter()
+        .enumerate()
+        .map(|(i, d)| (key(i as u32), d.as_slice()))
+        .collect();
+    assert_eq!(c.put_bytes(ns, 0, &items).unwrap(), vec![0; sizes.len()]);
+
+    // Lookup: the stored prefix, then a gap, then a stored key after the gap.
+    let mut keys: Vec<ChunkKey> = (0..sizes.len() as u32).map(key).collect();
+    keys.push(key(999));
+    keys.push(key(0));
+    let l = c.lookup(ns, 0, &keys).unwrap();
+    assert_eq!(l.prefix, sizes.len() as u32);
+    assert_eq!(
+        l.locations[..sizes.len()],
+        vec![LookupLocation::Ram; sizes.len()][..]
+    );
+    assert_eq!(l.locations[sizes.len()], LookupLocation::Miss);
+    assert_eq!(l.locations[sizes.len() + 1], LookupLocation::Ram);
+    // Another group is another identity.
+    assert_eq!(c.lookup(ns, 1, &keys).unwrap().prefix, 0);
+
+    // GET scatters into the region at the requested offsets.
+    let region_len = c.region().unwrap().len();
+    let mut entries = Vec::new();
+    let mut off = region_len / 2;
+    for i in 0..sizes.len() as u32 {
+        entries.push(RegionEntry {
+            key: key(i),
+            offset: off,
+            len: sizes[i as usize] as u64,
+        });
+        off += sizes[i as usize] as u64 + 13;
+    }
+    entries.push(RegionEntry {
+        key: key(999),
+        offset: 0,
+        len: 10,
+    });
+    entries.push(RegionEntry {
+        key: key(2),
+        offset: 0,
+        len: 100,
+    });
+    let results = c.get(ns, 0, &entries).unwrap();
+    for (i, (e, r)) in entries.iter().zip(&results).take(sizes.len()).enumerate() {
+        assert_eq!(r.status, GetStatus::HitRam);
+        assert_eq!(r.len, sizes[i] as u64);
+        let region = c.region().unwrap().as_slice();
+        assert!(
+            region[e.offset as usize..(e.offset + r.len) as usize] == data[i][..],
+            "chunk {i} differs"
+        );
+    }
+    assert_eq!(results[sizes.len()].status, GetStatus::Miss);
+    assert_eq!(results[sizes.len() + 1].status, GetStatus::TooSmall);
+    assert_eq!(results[sizes.len() + 1].len, sizes[2] as u64);
+    assert_eq!(c.get_bytes(ns, 0, key(3)).unwrap().unwrap(), data[3]);
+
+    // Overwrite, then delete.
+    assert_eq!(
+        c.put_bytes(ns, 0, &[(key(1), b"new bytes")]).unwrap(),
+        vec![0]
+    );
+    assert_eq!(c.get_bytes(ns, 0, key(1)).unwrap().unwrap(), b"new bytes");
+    assert_eq!(
+        c.delete(ns, 0, &[key(1), key(999)]).unwrap(),
+        vec![true, false]
+    );
+    assert_eq!(c.get_bytes(ns, 0, key(1)).unwrap(), None);
+    assert_eq!(c.lookup(ns, 0, &keys).unwrap().prefix, 1);
+}
+
+#[test]
+fn atomic_put_and_namespaces_are_separate() {
+    let server = TestServer::start();
+    let mut c = server.client();
+    let ns0 = c.hello(&record(0)).unwrap();
+    let ns1 = c.hello(&record(1)).unwrap();
+    assert_ne!(ns0, ns1);
+    c.create_region(1 << 20).unwrap();
+    let region = c.region_mut().unwrap().as_mut_slice();
+    region[..3].copy_from_slice(b"abc");
+    region[100..103].copy_from_slice(b"xyz");
+    let entries = [
+        RegionEntry {
+            key: key(1),
+            offset: 0,
+            len: 3,
+        },
+        RegionEntry {
+            key: key(2),
+            offset: 100,
+            len: 3,
+        },
+    ];
+    assert_eq!(c.put(ns0, 0, &entries, true).unwrap(), vec![0, 0]);
+    assert_eq!(c.get_bytes(ns0, 0, key(2)).unwrap().unwrap(), b"xyz");
+    // The same key in another rank's namespace is a miss.
+    assert_eq!(c.get_bytes(ns1, 0, key(2)).unwrap(), None);
+    // PUT into a namespace nobody registered is refused as a whole.
+    let mut other = record(0);
+    other.salt = "never-registered".into();
+    let err = c.put(other.id(), 0, &entries, false).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            NativeError::Remote {
+                code: ErrorCode::UnknownNamespace,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert_eq!(c.lookup(other.id(), 0, &[key(1)]).unwrap().prefix, 0);
+}
+
+#[test]
+fn cluster_lookup_answers_per_rank_and_the_minimum() {
+    let server = TestServer::start();
+    let mut c = server.client();
+    let ns0 = c.hello(&record(0)).unwrap();
+    let ns1 = c.hello(&record(1)).unwrap();
+    for i in 0..6 {
+        c.put_bytes(ns0, 0, &[(key(i), &payload(i, 100))]).unwrap();
+    }
+    for i in 0..3 {
+        c.put_bytes(ns1, 0, &[(key(i), &payload(i, 100))]).unwrap();
+    }
+    let keys: Vec<ChunkKey> = (0..8).map(key).collect();
+    // The record's own rank is ignored: the family is what matters.
+    let r = c.cluster_lookup(&record(1), &[0, 1], 0, &keys).unwrap();
+    assert_eq!(r.min_prefix, 3);
+    assert_eq!(r.ranks.len(), 2);
+    assert_eq!(
+        (r.ranks[0].rank, r.ranks[0].prefix, r.ranks[0].ram_prefix),
+        (0, 6, 6)
+    );
+    assert_eq!(
+        (r.ranks[1].rank, r.ranks[1].prefix, r.ranks[1].ram_prefix),
+        (1, 3, 3)
+    );
+    let r = c.cluster_lookup(&record(0), &[0, 1, 2], 0, &keys).unwrap();
+    assert_eq!(r.min_prefix, 0, "rank 2 holds nothing");
+}
+
+#[test]
+fn pipelined_requests_are_answered_in_order() {
+    let server = TestServer::start();
+    let mut c = server.client();
+    let ns = c.hello(&record(0)).unwrap();
+    c.put_bytes(ns, 0, &[(key(0), b"x")]).unwrap();
+    let mut ids = Vec::new();
+    for i in 0..200u32 {
+        let req = if i % 2 == 0 {
+            Request::Ping
+        } else {
+            Request::Lookup {
+                ns,
+                group: 0,
+                keys: vec![key(0), key(i)],
+            }
+        };
+        ids.push((i, c.send(&req).unwrap()));
+    }
+    for (i, id) in ids {
+        let (got, reply) = c.recv().unwrap();
+        assert_eq!(got, id);
+        match reply {
+            Reply::Ok(Response::Pong) => assert_eq!(i % 2, 0),
+            Reply::Ok(Response::Lookup { prefix, .. }) => {
+                assert_eq!(i % 2, 1);
+                assert_eq!(prefix, 1 + u32::from(i == 0));
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+}
+
+#[test]
+fn concurrent_clients_each_get_their_own_bytes() {
+    let server = TestServer::start();
+    std::thread::scope(|s| {
+        for t in 0..6u32 {
+            let server = &server;
+            s.spawn(move || {
+                let mut c = server.client();
+                let ns = c.hello(&record(t)).unwrap();
+                for round in 0..20u32 {
+                    let k = key(round);
+                    let data = payload(t * 1000 + round, 1000 + (round as usize * 997) % 70_000);
+                    assert_eq!(c.put_bytes(ns, 0, &[(k, &data)]).unwrap(), vec![0]);
+                    assert_eq!(
+                        c.get_bytes(ns, 0, k).unwrap().unwrap(),
+                        data,
+                        "client {t} round {round}"
+                    );
+                }
+            });
+        }
+    });
+    let mut c = server.client();
+    let stats = c.stats().unwrap();
+    assert_eq!(stats["store"]["puts"], 120);
+    assert!(stats["counters"]["connections"].as_u64().unwrap() >= 7);
+    assert!(stats["counters"]["native-requests"].as_u64().unwrap() >= 6 * 41);
+    assert_eq!(stats["node"], "test-node");
+}
+
+#[test]
+fn flush_reports_what_the_store_made_durable() {
+    let server = TestServer::start();
+    let mut c = server.client();
+    let ns = c.hello(&record(0)).unwrap();
+    for i in 0..4 {
+        c.put_bytes(ns, 0, &[(key(i), &payload(i, 8192))]).unwrap();
+    }
+    match c.flush() {
+        Ok(report) => {
+            assert_eq!(report.chunks, 4);
+            assert_eq!(report.bytes, 4 * 8192);
+            assert_eq!(report.failed, 0);
+            // Nothing left dirty: a second flush writes nothing.
+            assert_eq!(c.flush().unwrap().chunks, 0);
+        }
+        Err(NativeError::Remote {
+            code: ErrorCode::Unimplemented,
+            message,
+        }) => {
+            // Only while the store itself cannot flush yet.
+            let direct = server.ctx.store.flush();
+            assert!(
+                matches!(direct, Err(node::tier::Error::Unimplemented(_))),
+                "{direct:?} vs {message}"
+            );
+        }
+        Err(e) => panic!("flush failed: {e}"),
+    }
+    // Data is still served after a flush.
+    assert_eq!(
+        c.get_bytes(ns, 0, key(2)).unwrap().unwrap(),
+        payload(2, 8192)
+    );
+}
+
+#[test]
+fn bind_replaces_only_stale_sockets_and_sets_permissions() {
+    let dir = tempfile::tempdir().unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let path = dir.path().join("sub/k.sock");
+        let l = native::bind(&path, 0o660).unwrap();
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o660);
+        // Live: refused.
+        assert!(matches!(
+            native::bind(&path, 0o660),
+            Err(NativeError::AddrInUse(_))
+        ));
+        drop(l);
+        // Stale (nobody listens): replaced.
+        let _l = native::bind(&path, 0o600).unwrap();
+        assert_eq!(
+            std::fs::metadata(&path).unwrap().permissions().mode() & 0o777,
+            0o600
+        );
+        // A regular file is never removed.
+        let file = dir.path().join("file");
+        std::fs::write(&file, b"keep").unwrap();
+        assert!(matches!(
+            native::bind(&file, 0o660),
+            Err(NativeError::NotASocket(_))
+        ));
+        assert_eq!(std::fs::read(&file).unwrap(), b"keep");
+    });
+}
+
+#[test]
+fn shutdown_returns_with_idle_clients_connected() {
+    let server = TestServer::start();
+    let mut idle = server.client();
+    idle.ping().unwrap();
+    let mut other = server.client();
+    other.ping().unwrap();
+    server.stop().unwrap();
+    // The idle connection was closed by the server.
+    idle.set_timeout(Some(Duration::from_secs(5))).unwrap();
+    assert!(matches!(
+        idle.ping(),
+        Err(NativeError::Closed | NativeError::Io { .. })
+    ));
+}
+
+#[test]
+fn connect_to_a_missing_socket_is_unavailable() {
+    let dir = tempfile::tempdir().unwrap();
+    let err = node::native::Client::connect(dir.path().join("none.sock")).unwrap_err();
+    assert!(matches!(err, NativeError::Unavailable { .. }));
+    assert!(err.to_string().contains("kvtier node start"), "{err}");
+}

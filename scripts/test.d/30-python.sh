@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Python client tests (connector/): golden frames shared with the Rust codec,
+# and round trips against a real daemon (target/debug/kvtier, built by
+# scripts/test before this hook runs).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+ROOT=$PWD
+VENV="$ROOT/.cache/venv-py"
+
+if [ ! -x "$VENV/bin/python" ]; then
+  python3 -m venv "$VENV"
+fi
+# Idempotent: pip skips what is installed; the stamp avoids even that.
+STAMP="$VENV/.kvtier-deps-$(sha256sum connector/pyproject.toml | cut -c1-16)"
+if [ ! -e "$STAMP" ]; then
+  "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check pytest numpy
+  "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -e connector
+  touch "$STAMP"
+fi
+
+if [ ! -x "$ROOT/target/debug/kvtier" ]; then
+  cargo build --locked -p kvtier-cli
+fi
+
+# The daemon is required here: a missing or failing binary fails the run.
+export KVTIER_REQUIRE_DAEMON=1
+set +e
+(cd connector && "$VENV/bin/python" -m pytest -q tests/test_client.py)
+rc=$?
+set -e
+if [ "$rc" -eq 5 ]; then
+  echo "pytest collected no tests" >&2
+  exit 1
+fi
+exit "$rc"
