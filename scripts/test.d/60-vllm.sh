@@ -37,10 +37,16 @@ STAMP="v1 $PKGS_TORCH $PKGS_VLLM ${PKGS_DEPS[*]}"
 if [ ! -x "$VENV/bin/python" ] || [ "$(cat "$VENV/.kvtier-vllm-stamp" 2>/dev/null)" != "$STAMP" ]; then
   echo "setting up $VENV (torch, vllm --no-deps, import deps)"
   [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
-  "$VENV/bin/pip" install -q --upgrade pip
-  "$VENV/bin/pip" install -q "$PKGS_TORCH"
-  "$VENV/bin/pip" install -q --no-deps "$PKGS_VLLM"
-  "$VENV/bin/pip" install -q "${PKGS_DEPS[@]}" "$PKGS_TORCH"
+  log=$(mktemp)
+  # vllm is installed without its (CUDA) dependencies, so pip's resolver
+  # complains about them: keep its output unless a step fails.
+  if ! { "$VENV/bin/pip" install -q "$PKGS_TORCH" &&
+         "$VENV/bin/pip" install -q --no-deps "$PKGS_VLLM" &&
+         "$VENV/bin/pip" install -q "${PKGS_DEPS[@]}" "$PKGS_TORCH"; } >"$log" 2>&1; then
+    cat "$log"
+    exit 1
+  fi
+  rm -f "$log"
   echo "$STAMP" > "$VENV/.kvtier-vllm-stamp"
 fi
 

@@ -16,7 +16,7 @@ class UnsupportedVllm(ImportError):
 def check_vllm() -> str:
     """Returns vLLM's version, or raises UnsupportedVllm naming the supported versions.
 
-    `KVTIER_VLLM_SKIP_VERSION_CHECK=1` skips the version-number check (not the
+    `VLLM_KVTIER_SKIP_VERSION_CHECK=1` skips the version-number check (not the
     interface check), e.g. for a 0.33 development build with another number.
     """
     supported = ", ".join(f"{v}.x" for v in SUPPORTED_VLLM)
@@ -27,10 +27,10 @@ def check_vllm() -> str:
         raise UnsupportedVllm(f"kvtier.vllm needs vLLM {supported}; importing vLLM failed: {e}") from e
     version = str(getattr(vllm, "__version__", "unknown"))
     ok = any(version == v or version.startswith(v + ".") for v in SUPPORTED_VLLM)
-    if not ok and os.environ.get("KVTIER_VLLM_SKIP_VERSION_CHECK") != "1":
+    if not ok and os.environ.get("VLLM_KVTIER_SKIP_VERSION_CHECK") != "1":
         raise UnsupportedVllm(
             f"kvtier.vllm supports vLLM {supported}; this is vLLM {version}. The KV connector "
-            "interface changes between releases (set KVTIER_VLLM_SKIP_VERSION_CHECK=1 to try anyway)"
+            "interface changes between releases (set VLLM_KVTIER_SKIP_VERSION_CHECK=1 to try anyway)"
         )
     missing = [
         name
@@ -50,3 +50,13 @@ def check_vllm() -> str:
             f"kvtier.vllm supports vLLM {supported}; vLLM {version} lacks {', '.join(missing)}"
         )
     return version
+
+
+def vllm_installed() -> bool:
+    """Whether a `vllm` package is importable at all."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("vllm") is not None
+    except (ImportError, ValueError):
+        return False

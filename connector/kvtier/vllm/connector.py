@@ -166,6 +166,11 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         assert self.scheduler is not None
         return self.scheduler.build_connector_meta(scheduler_output)
 
+    def update_connector_output(self, connector_output: Any) -> None:
+        """Learns which restores failed (aggregated over every worker)."""
+        assert self.scheduler is not None
+        self.scheduler.update_connector_output(connector_output)
+
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Single-group variant of `request_finished_all_groups`."""
         assert self.scheduler is not None

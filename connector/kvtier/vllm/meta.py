@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+except ImportError:  # the worker I/O path runs without vLLM (scripts/gpu-e2e.py)
+
+    class KVConnectorMetadata:  # type: ignore[no-redef]
+        """Stand-in base when vLLM is not installed."""
 
 
 @dataclass

@@ -10,7 +10,16 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+except ImportError:  # the worker I/O path runs without vLLM (scripts/gpu-e2e.py)
+    from dataclasses import dataclass, field
+
+    @dataclass
+    class KVConnectorStats:  # type: ignore[no-redef]
+        """Stand-in base when vLLM is not installed."""
+
+        data: dict[str, Any] = field(default_factory=dict)
 
 #: Counters, all summed across workers and intervals.
 COUNTERS = (

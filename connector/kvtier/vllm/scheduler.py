@@ -36,6 +36,10 @@ class _Req:
     prefill_open: bool = True
     #: The request's block ids per group, as the scheduler hands them out.
     block_ids: list[list[int]] = field(default_factory=list)
+    #: Blocks of the restore in flight (to spot its failure in the workers' output).
+    loading_blocks: set[int] = field(default_factory=set)
+    #: A restore failed: never offer one again for this request (vLLM recomputes).
+    load_failed: bool = False
 
 
 class KvtierScheduler:
@@ -112,6 +116,8 @@ class KvtierScheduler:
         layout = self.layout
         assert layout is not None
         st = self._state(request)
+        if st.load_failed:
+            return 0, False
         st.local_tokens = num_computed_tokens
         # vLLM must compute at least the last token itself.
         keys = layout.chunk_keys(request.block_hashes, request.num_tokens - 1)
@@ -154,10 +160,25 @@ class KvtierScheduler:
                     loads.append(ChunkLoad(key=keys[c], group=g.group_id, chunk=c, dst=dst))
         if loads:
             self._pending_loads.setdefault(request.request_id, []).extend(loads)
+            st.loading_blocks = {bid for ld in loads for _, bid in ld.dst}
             self.stats.add(hit_tokens=num_external_tokens)
             if request.num_prompt_tokens < self.cfg.min_tokens_for_disk:
                 self.stats.add(hit_tokens_ram=num_external_tokens)
         st.stored_chunks = max(st.stored_chunks, end // ct)
+
+    def update_connector_output(self, output: Any) -> None:
+        """Notes failed restores, so that a request is never offered the same failing load twice."""
+        if not self.enabled:
+            return
+        failed = set(output.failed_recving or ())
+        invalid = set(output.invalid_block_ids or ())
+        for req_id in output.finished_recving or ():
+            st = self._reqs.get(req_id)
+            if st is None:
+                continue
+            if req_id in failed or (st.loading_blocks & invalid):
+                st.load_failed = True
+            st.loading_blocks = set()
 
     # ---- saves -------------------------------------------------------------
 

@@ -66,10 +66,20 @@ class Staging:
         return self.tensor[: n * layers * blocks * page].view(n, layers, blocks, page)
 
 
+# On CPU the copies run through numpy: torch's OpenMP-parallel CPU kernels,
+# called from the connector's I/O threads while the engine's thread runs its
+# own, deadlock (seen with PyPI torch 2.15); numpy copies use no thread pool.
+
+
 def gather(layers: list[torch.Tensor], block_ids: list[int], n: int, cb: int, staging: Staging) -> None:
     """Copies `n` chunks of `cb` blocks (block_ids, chunk-major) of every layer into staging."""
     dev = staging.device
     page = layers[0][0].numel()
+    if dev.type == "cpu":
+        out = staging.rows(n, len(layers), cb, page).numpy()
+        for li, t in enumerate(layers):
+            out[:, li] = t.numpy()[block_ids].reshape(n, cb, page)
+        return
     ids = torch.tensor(block_ids, dtype=torch.long, device=dev)
     dst = staging.rows(n, len(layers), cb, page)
     buf = dst if dev.type == "cpu" else torch.empty(dst.shape, dtype=torch.uint8, device=dev)
@@ -87,6 +97,12 @@ def scatter(
     dev = staging.device
     page = layers[0][0].numel()
     src = staging.rows(n, len(layers), cb, page)
+    if dev.type == "cpu":
+        s = src.numpy()
+        for li, t in enumerate(layers):
+            a = t.numpy()
+            a[block_ids] = s[:, li].reshape(n * cb, page)[rows].reshape(len(rows), *a.shape[1:])
+        return
     if dev.type != "cpu":
         src = src.to(dev, non_blocking=True)
     ridx = torch.tensor(rows, dtype=torch.long, device=dev)

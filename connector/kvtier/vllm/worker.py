@@ -59,8 +59,10 @@ def detect_rank(vllm_config: Any, tp_size: int) -> tuple[int | None, str]:
     cfg_rank = int(getattr(vllm_config.parallel_config, "rank", 0))
     try:
         from vllm.distributed import parallel_state as ps
-
-        if ps.model_parallel_is_initialized():
+    except ImportError:
+        ps = None  # no vLLM (scripts/gpu-e2e.py): the config's rank is all there is
+    try:
+        if ps is not None and ps.model_parallel_is_initialized():
             g_rank = int(ps.get_tensor_model_parallel_rank())
             g_size = int(ps.get_tensor_model_parallel_world_size())
             if g_size != tp_size:

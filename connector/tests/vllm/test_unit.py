@@ -44,7 +44,7 @@ def test_version_check_names_supported_versions(monkeypatch):
 
     assert check_vllm() == vllm.__version__
     monkeypatch.setattr(vllm, "__version__", "0.32.1")
-    monkeypatch.delenv("KVTIER_VLLM_SKIP_VERSION_CHECK", raising=False)
+    monkeypatch.delenv("VLLM_KVTIER_SKIP_VERSION_CHECK", raising=False)
     with pytest.raises(UnsupportedVllm, match=r"supports vLLM 0\.33\.x; this is vLLM 0\.32\.1"):
         check_vllm()
 
