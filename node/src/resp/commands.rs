@@ -43,7 +43,7 @@ pub struct Shared {
     /// Listener options.
     pub opts: RespOptions,
     /// Key → chunk id mapping.
-    pub keys: KeyMapper,
+    pub keys: Arc<KeyMapper>,
     /// Connections open now.
     pub clients: AtomicU64,
     /// The listening port (for INFO).
@@ -69,7 +69,7 @@ impl Shared {
         Self {
             ctx,
             opts,
-            keys: KeyMapper::new(),
+            keys: Arc::new(KeyMapper::new()),
             clients: AtomicU64::new(0),
             port,
             next_client_id: AtomicU64::new(1),
@@ -651,10 +651,17 @@ async fn set(shared: &Shared, args: &[Bytes], out: &mut Output) -> Res {
         ));
     }
     let ctx = &shared.ctx;
-    let id = shared
-        .keys
-        .id_for_write(ctx, key)
-        .map_err(|e| format!("kvtier could not store the value: {e}").into_bytes())?;
+    let id = match shared.keys.registered_id(key) {
+        Some(id) => id,
+        None => {
+            // The first write to a namespace may write the store's manifest.
+            let (c, k, keys) = (Arc::clone(ctx), key.clone(), Arc::clone(&shared.keys));
+            tokio::task::spawn_blocking(move || keys.register(&c, &k))
+                .await
+                .map_err(|e| format!("kvtier could not store the value: {e}").into_bytes())?
+                .map_err(|e| format!("kvtier could not store the value: {e}").into_bytes())?
+        }
+    };
     let old = if get_old || nx || xx {
         if get_old {
             ctx.get(id, Some(key.clone())).await.map(|h| h.data)

@@ -23,8 +23,10 @@ pub const LMCACHE_ENGINE: &str = "lmcache-resp";
 pub const RESP_ENGINE: &str = "resp";
 /// Longest key accepted (the full key is kept in the chunk header).
 pub const MAX_KEY_LEN: usize = 4096;
-/// Cached namespace ids at most; past that the cache starts over.
-const CACHE_MAX: usize = 4096;
+/// Namespace ids cached at most (registered ones always stay).
+const CACHE_MAX: usize = 8192;
+/// Namespaces created through RESP at most.
+pub const MAX_NAMESPACES: usize = 4096;
 
 /// The fields of an LMCache key that select its namespace.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -101,7 +103,7 @@ fn cache_key(key: &[u8]) -> Vec<u8> {
     }
 }
 
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, Debug)]
 struct Cached {
     ns: Namespace,
     registered: bool,
@@ -128,44 +130,77 @@ impl KeyMapper {
         Self::default()
     }
 
-    fn namespace(&self, ctx: Option<&NodeContext>, key: &[u8]) -> tier::Result<Namespace> {
-        let ck = cache_key(key);
-        if let Some(c) = self.cache.lock().get(&ck) {
-            if c.registered || ctx.is_none() {
-                return Ok(c.ns);
-            }
-        }
-        let record = namespace_record(key);
-        let ns = match ctx {
-            Some(ctx) => ctx.register_namespace(&record)?,
-            None => record.id(),
-        };
-        let mut cache = self.cache.lock();
-        if cache.len() >= CACHE_MAX {
-            cache.clear();
-        }
-        let e = cache.entry(ck).or_insert(Cached {
-            ns,
-            registered: false,
-        });
-        e.registered |= ctx.is_some();
-        Ok(ns)
-    }
-
     /// The chunk id of `key` for reads (registers nothing).
     pub fn id(&self, key: &[u8]) -> ChunkId {
-        let ns = self
-            .namespace(None, key)
-            .expect("computing a namespace id without registering cannot fail");
+        let ck = cache_key(key);
+        let cached = self.cache.lock().get(&ck).map(|c| c.ns);
+        let ns = cached.unwrap_or_else(|| {
+            let ns = namespace_record(key).id();
+            let mut cache = self.cache.lock();
+            if cache.len() < CACHE_MAX {
+                cache.entry(ck).or_insert(Cached {
+                    ns,
+                    registered: false,
+                });
+            }
+            ns
+        });
         ChunkId::new(ns, ChunkKey::from_name(key), 0)
     }
 
-    /// The chunk id of `key` for writes: registers its namespace with the
-    /// store first (once per namespace).
-    pub fn id_for_write(&self, ctx: &NodeContext, key: &[u8]) -> tier::Result<ChunkId> {
-        let ns = self.namespace(Some(ctx), key)?;
+    /// The chunk id of `key` if its namespace is known to be registered
+    /// with the store (no I/O).
+    pub fn registered_id(&self, key: &[u8]) -> Option<ChunkId> {
+        let ck = cache_key(key);
+        let c = *self.cache.lock().get(&ck)?;
+        c.registered
+            .then(|| ChunkId::new(c.ns, ChunkKey::from_name(key), 0))
+    }
+
+    /// Registers `key`'s namespace with the store (may write the store's
+    /// namespace manifest: call it off the async workers) and returns the
+    /// key's chunk id. At most [`MAX_NAMESPACES`] namespaces are created
+    /// through RESP, so a client cannot grow the manifest without bound.
+    pub fn register(&self, ctx: &NodeContext, key: &[u8]) -> Result<ChunkId, RegisterError> {
+        let ck = cache_key(key);
+        {
+            let cache = self.cache.lock();
+            let registered = cache.values().filter(|c| c.registered).count();
+            if !cache.get(&ck).is_some_and(|c| c.registered) && registered >= MAX_NAMESPACES {
+                return Err(RegisterError::TooManyNamespaces);
+            }
+        }
+        let ns = ctx
+            .register_namespace(&namespace_record(key))
+            .map_err(RegisterError::Store)?;
+        let mut cache = self.cache.lock();
+        if cache.len() >= CACHE_MAX && !cache.contains_key(&ck) {
+            // Keep registered entries; drop read-only ones to make room.
+            cache.retain(|_, c| c.registered);
+        }
+        cache.insert(
+            ck,
+            Cached {
+                ns,
+                registered: true,
+            },
+        );
         Ok(ChunkId::new(ns, ChunkKey::from_name(key), 0))
     }
+}
+
+/// Why a key's namespace could not be registered.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum RegisterError {
+    /// The RESP namespace limit is reached.
+    #[error(
+        "too many RESP namespaces (at most {MAX_NAMESPACES} distinct model/world-size/rank/dtype combinations)"
+    )]
+    TooManyNamespaces,
+    /// The store refused the namespace.
+    #[error(transparent)]
+    Store(tier::Error),
 }
 
 #[cfg(test)]
@@ -212,5 +247,31 @@ mod tests {
         assert_eq!((rec.tp_size, rec.rank), (2, 1));
         assert_eq!(rec.kv_dtype, "bfloat16");
         assert_eq!(rec.id(), r1.ns);
+    }
+
+    #[test]
+    fn register_records_the_namespace_with_the_store() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = tier::ChunkStore::open(tier::TierConfig {
+            data_dir: dir.path().to_path_buf(),
+            disk_budget: 0,
+            ..tier::TierConfig::default()
+        })
+        .expect("open");
+        let ctx = NodeContext::new(std::sync::Arc::new(store), "t".into());
+        let m = KeyMapper::new();
+        let key = b"m@4@3@abc@half";
+        assert_eq!(m.registered_id(key), None);
+        let id = m.register(&ctx, key).expect("register");
+        assert_eq!(id, m.id(key));
+        assert_eq!(m.registered_id(key), Some(id));
+        let rec = ctx
+            .store
+            .namespace_record(&id.ns)
+            .expect("registered in the store");
+        assert_eq!(
+            (rec.tp_size, rec.rank, rec.kv_dtype.as_str()),
+            (4, 3, "half")
+        );
     }
 }
