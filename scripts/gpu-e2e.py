@@ -186,8 +186,8 @@ def main() -> int:
         "load_vs_pinned_h2d": round(gbps["load"] / gbps["pinned_h2d"], 3),
     }
     print(f"{'path':<34}{'GB/s':>10}")
-    print(f"{'save  GPU->staging->daemon (PUT)':<34}{out['save_GBps']:>10.2f}")
-    print(f"{'load  daemon->staging->GPU (GET)':<34}{out['load_GBps']:>10.2f}")
+    print(f"{'save  device->staging->daemon (PUT)':<34}{out['save_GBps']:>10.2f}")
+    print(f"{'load  daemon->staging->device (GET)':<34}{out['load_GBps']:>10.2f}")
     print(f"{'baseline pinned D2H':<34}{out['pinned_d2h_GBps']:>10.2f}")
     print(f"{'baseline pinned H2D':<34}{out['pinned_h2d_GBps']:>10.2f}")
     print(f"byte-exact restore: {exact}; {total / 2**20:.0f} MiB per iteration, median of {args.iters}")
