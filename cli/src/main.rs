@@ -1,6 +1,5 @@
-//! The `kvtier` command.
+//! The `kvtier` command: see `kvtier --help` and `docs/cli.md`.
 
-fn main() {
-    eprintln!("kvtier: not built yet; see docs/STATUS.md");
-    std::process::exit(1);
+fn main() -> std::process::ExitCode {
+    kvtier_cli::main_with("kvtier")
 }

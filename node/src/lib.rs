@@ -2,7 +2,7 @@
 //!
 //! Owns: configuration ([`config`], figment: defaults < TOML file <
 //! `KVTIER_*` environment < flags), the daemon's wiring and lifecycle
-//! (`daemon`: data-dir lock, store open and recovery, listeners, graceful
+//! ([`daemon`]: data-dir lock, store open and recovery, listeners, graceful
 //! shutdown), wiring of the tier store and the peer protocol, the native
 //! Unix-socket protocol, the RESP2 endpoint and HTTP metrics. Every
 //! interface reads through [`context::NodeContext`], so the peer cascade
@@ -13,6 +13,7 @@
 
 pub mod config;
 pub mod context;
+pub mod daemon;
 pub mod error;
 pub mod http;
 pub mod logging;
@@ -22,6 +23,7 @@ pub mod size;
 
 pub use config::{Listen, NodeConfig};
 pub use context::{Location, NodeContext, RankPrefix};
+pub use daemon::{NodeHandle, RunSummary, run, start};
 pub use error::NodeError;
 pub use peer;
 pub use size::{ByteSize, HumanDuration};

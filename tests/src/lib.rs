@@ -1,1 +1,305 @@
 //! Helpers for multi-process tests that start real `kvtier` daemons.
+//!
+//! [`Daemon::start`] runs the `kvtier` binary (built by `scripts/test`
+//! before the tests, or named by `KVTIER_BIN`) with its own data dir and
+//! socket in a temp dir, RESP and HTTP on `127.0.0.1:0`, and waits until the
+//! daemon has recorded itself as ready in `data_dir/LOCK` (its pid, socket
+//! and bound ports). Every wait is bounded; a daemon still running when its
+//! [`Daemon`] is dropped is killed by pid.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use node::daemon::LockInfo;
+use node::native::Client;
+
+/// How long a daemon may take to start or stop in tests.
+pub const DEADLINE: Duration = Duration::from_secs(60);
+
+/// The `kvtier` binary: `$KVTIER_BIN`, else `kvtier` next to the test
+/// binary's `deps/` directory (`target/<profile>/kvtier`).
+pub fn kvtier_bin() -> PathBuf {
+    if let Some(p) = std::env::var_os("KVTIER_BIN") {
+        return PathBuf::from(p);
+    }
+    let exe = std::env::current_exe().expect("path of the test binary");
+    let profile_dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("test binary lives in target/<profile>/deps");
+    let bin = profile_dir.join("kvtier");
+    assert!(
+        bin.exists(),
+        "{} does not exist: build it first (`cargo build --bin kvtier`, done by scripts/test) \
+         or set KVTIER_BIN",
+        bin.display()
+    );
+    bin
+}
+
+/// A `kvtier` command with every `KVTIER_*` variable of the test
+/// environment removed (so that only what the test sets applies).
+pub fn kvtier_command() -> Command {
+    let mut cmd = Command::new(kvtier_bin());
+    for (k, _) in std::env::vars_os() {
+        if k.to_string_lossy().starts_with("KVTIER_") {
+            cmd.env_remove(k);
+        }
+    }
+    cmd.env("RUST_BACKTRACE", "0");
+    cmd
+}
+
+/// Runs `kvtier ARGS...` to completion (bounded by [`DEADLINE`]).
+pub fn run_kvtier(args: &[&str], env: &[(&str, &str)]) -> Output {
+    let mut cmd = kvtier_command();
+    cmd.args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let child = cmd.spawn().expect("spawn kvtier");
+    let pid = child.id();
+    // Output is collected on a thread so that the wait can be bounded.
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(child.wait_with_output());
+    });
+    match rx.recv_timeout(DEADLINE) {
+        Ok(out) => out.expect("wait for kvtier"),
+        Err(_) => {
+            signal(pid, libc::SIGKILL);
+            panic!(
+                "`kvtier {}` did not finish within {DEADLINE:?}",
+                args.join(" ")
+            );
+        }
+    }
+}
+
+/// Sends `sig` to `pid` (a process this test started).
+pub fn signal(pid: u32, sig: libc::c_int) {
+    let pid = libc::pid_t::try_from(pid).expect("pid fits pid_t");
+    // SAFETY: kill(2) has no memory-safety preconditions; `pid` is a child
+    // this test spawned and has not reaped yet.
+    let rc = unsafe { libc::kill(pid, sig) };
+    assert_eq!(
+        rc,
+        0,
+        "kill({pid}, {sig}): {}",
+        std::io::Error::last_os_error()
+    );
+}
+
+/// A running `kvtier node start` process.
+pub struct Daemon {
+    child: Option<Child>,
+    /// The data dir.
+    pub data_dir: PathBuf,
+    /// The native socket.
+    pub socket: PathBuf,
+    /// The bound RESP address, if enabled.
+    pub resp: Option<std::net::SocketAddr>,
+    /// The bound HTTP address, if enabled.
+    pub http: Option<std::net::SocketAddr>,
+    log: PathBuf,
+}
+
+/// Arguments for a small test daemon: its data dir and socket under `dir`,
+/// 64 MiB RAM, 256 MiB disk in 8 MiB regions, ephemeral ports, JSON logs.
+pub fn test_args(dir: &Path) -> Vec<String> {
+    let s = |p: PathBuf| p.to_string_lossy().into_owned();
+    vec![
+        "node".into(),
+        "start".into(),
+        "--data-dir".into(),
+        s(dir.join("data")),
+        "--socket".into(),
+        s(dir.join("kvtier.sock")),
+        "--ram-budget".into(),
+        "64MiB".into(),
+        "--disk-budget".into(),
+        "256MiB".into(),
+        "--resp-listen".into(),
+        "127.0.0.1:0".into(),
+        "--http-listen".into(),
+        "127.0.0.1:0".into(),
+        "--log-format".into(),
+        "json".into(),
+        "--shutdown-deadline".into(),
+        "30s".into(),
+    ]
+}
+
+impl Daemon {
+    /// Starts a daemon with [`test_args`] in `dir` plus `extra` arguments
+    /// and `env`, and waits until it serves. On failure, returns the
+    /// daemon's exit status and log.
+    pub fn start(dir: &Path, extra: &[&str], env: &[(&str, &str)]) -> Result<Daemon, String> {
+        let mut args = test_args(dir);
+        args.extend(extra.iter().map(|s| s.to_string()));
+        Self::start_args(dir, &args, env)
+    }
+
+    /// Starts `kvtier ARGS` (which must include `--data-dir DIR/data` and
+    /// `--socket`) and waits until it serves.
+    pub fn start_args(dir: &Path, args: &[String], env: &[(&str, &str)]) -> Result<Daemon, String> {
+        let data_dir = PathBuf::from(flag_value(args, "--data-dir").expect("--data-dir"));
+        let socket = PathBuf::from(flag_value(args, "--socket").expect("--socket"));
+        let log = dir.join(format!("daemon-{}.log", unique()));
+        let log_file = std::fs::File::create(&log).map_err(|e| e.to_string())?;
+        let mut cmd = kvtier_command();
+        cmd.args(args)
+            .stdin(Stdio::null())
+            .stdout(log_file.try_clone().map_err(|e| e.to_string())?)
+            .stderr(log_file);
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let child = cmd.spawn().map_err(|e| format!("spawn kvtier: {e}"))?;
+        let pid = child.id();
+        let mut d = Daemon {
+            child: Some(child),
+            data_dir,
+            socket,
+            resp: None,
+            http: None,
+            log,
+        };
+        let t0 = Instant::now();
+        loop {
+            if let Some(status) = d.child_mut().try_wait().map_err(|e| e.to_string())? {
+                d.child = None;
+                return Err(format!(
+                    "kvtier exited during start-up with {status}; log:\n{}",
+                    d.log()
+                ));
+            }
+            if let Some(info) = read_lock(&d.data_dir)
+                && info.pid == pid
+                && info.ready
+            {
+                d.resp = info.resp;
+                d.http = info.http;
+                return Ok(d);
+            }
+            if t0.elapsed() > DEADLINE {
+                return Err(format!(
+                    "kvtier not ready within {DEADLINE:?}; log:\n{}",
+                    d.log()
+                ));
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    fn child_mut(&mut self) -> &mut Child {
+        self.child.as_mut().expect("daemon is running")
+    }
+
+    /// The daemon's pid.
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().expect("daemon is running").id()
+    }
+
+    /// Everything the daemon has written to stdout and stderr so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// A native-protocol client connected to this daemon.
+    pub fn client(&self) -> Client {
+        Client::connect(&self.socket).expect("connect to the daemon's socket")
+    }
+
+    /// SIGKILL, then reap.
+    pub fn kill9(&mut self) {
+        let mut child = self.child.take().expect("daemon is running");
+        child.kill().expect("SIGKILL the daemon");
+        child.wait().expect("reap the daemon");
+    }
+
+    /// Sends `sig` and waits (bounded) for the exit status.
+    pub fn stop_with(&mut self, sig: libc::c_int) -> ExitStatus {
+        signal(self.pid(), sig);
+        self.wait_exit()
+    }
+
+    /// Waits (bounded by [`DEADLINE`]) for the daemon to exit.
+    pub fn wait_exit(&mut self) -> ExitStatus {
+        let t0 = Instant::now();
+        loop {
+            if let Some(status) = self.child_mut().try_wait().expect("wait for the daemon") {
+                self.child = None;
+                return status;
+            }
+            if t0.elapsed() > DEADLINE {
+                let log = self.log();
+                self.kill9();
+                panic!("daemon did not exit within {DEADLINE:?}; log:\n{log}");
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+fn flag_value<'a>(args: &'a [String], flag: &str) -> Option<&'a str> {
+    args.iter()
+        .position(|a| a == flag)
+        .and_then(|i| args.get(i + 1))
+        .map(String::as_str)
+}
+
+fn unique() -> u64 {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static N: AtomicU64 = AtomicU64::new(0);
+    N.fetch_add(1, Ordering::Relaxed)
+}
+
+/// The holder recorded in `data_dir/LOCK`, if readable.
+pub fn read_lock(data_dir: &Path) -> Option<LockInfo> {
+    let text = std::fs::read_to_string(data_dir.join(node::daemon::LOCK_FILE)).ok()?;
+    serde_json::from_str(&text).ok()
+}
+
+/// A namespace record for tests (rank `rank` of a made-up model).
+pub fn test_record(rank: u32) -> node::tier::NamespaceRecord {
+    node::tier::NamespaceRecord {
+        model: "kvtier-test/model".into(),
+        engine: "kvtier-tests".into(),
+        engine_version: "1".into(),
+        tp_size: 2,
+        rank,
+        kv_dtype: "bfloat16".into(),
+        block_size: 16,
+        chunk_tokens: 256,
+        hash_algo: "sha256".into(),
+        ..Default::default()
+    }
+}
+
+/// Deterministic chunk bytes for key index `i` in round `round`: a length
+/// between 1 KiB and 300 KiB and content that differs per (round, i).
+pub fn chunk_bytes(round: u32, i: u32) -> (node::tier::ChunkKey, Vec<u8>) {
+    use rand::{Rng, SeedableRng};
+    let seed = (u64::from(round) << 32) | u64::from(i);
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let mut key = [0u8; 32];
+    rng.fill(&mut key[..]);
+    let len = rng.gen_range(1024..300 * 1024);
+    let mut data = vec![0u8; len];
+    rng.fill(&mut data[..]);
+    (node::tier::ChunkKey(key), data)
+}

@@ -1,6 +1,5 @@
-//! `tier`: an alias of `kvtier`.
+//! `tier`: an alias of `kvtier` (same commands, same exit codes).
 
-fn main() {
-    eprintln!("tier: not built yet; see docs/STATUS.md");
-    std::process::exit(1);
+fn main() -> std::process::ExitCode {
+    kvtier_cli::main_with("tier")
 }

@@ -1,0 +1,461 @@
+//! Command-line arguments (clap derive).
+
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use node::config::{Listen, Overrides};
+use node::logging::LogFormat;
+use node::tier::WritePolicy;
+use node::{ByteSize, HumanDuration};
+
+const AFTER_HELP: &str = "\
+Configuration: every daemon option is a TOML key in --config FILE, an environment variable \
+KVTIER_<KEY> (e.g. KVTIER_RAM_BUDGET=8GiB) and a flag (--ram-budget 8GiB); flags win over the \
+environment, which wins over the file, which wins over the built-in defaults. \
+`kvtier config check` prints the effective configuration.
+
+Exit codes: 0 ok, 1 error, 2 usage, 3 daemon unreachable, 4 not found / miss, \
+5 verification failures found. See docs/cli.md.";
+
+/// kvtier: a per-node KV-cache tier (RAM over NVMe) for LLM inference engines.
+#[derive(Debug, Parser)]
+#[command(name = "kvtier", version, after_help = AFTER_HELP)]
+pub struct Cli {
+    /// The command.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// The commands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run the node daemon (`kvtier node start`).
+    #[command(subcommand)]
+    Node(NodeCommand),
+    /// Show the daemon's counters and gauges as a table (or JSON).
+    Stats(StatsArgs),
+    /// Show where keys live (RAM, disk, peer, or missing) and the longest
+    /// present prefix. Exits 4 if any key is missing.
+    Lookup(LookupArgs),
+    /// Store a file's bytes as one chunk.
+    Put(PutArgs),
+    /// Fetch one chunk into a file (or stdout with `-o -`). Exits 4 on a miss.
+    Get(GetArgs),
+    /// Delete chunks. Exits 4 if any key did not exist.
+    Delete(DeleteArgs),
+    /// Write every dirty chunk to disk; returns once they are durable.
+    Flush(FlushArgs),
+    /// List the namespaces the store knows, with their ids and usage.
+    Namespaces(NamespacesArgs),
+    /// Re-read and check every chunk on disk (offline: the daemon must be
+    /// stopped). Exits 5 if bad chunks are found.
+    Verify(VerifyArgs),
+    /// Drop namespaces by id or age (offline; dry run unless --apply).
+    Gc(GcArgs),
+    /// Configuration tools.
+    #[command(subcommand)]
+    Config(ConfigCommand),
+    /// Print a shell completion script (bash, zsh, fish, elvish, powershell).
+    Completions(CompletionsArgs),
+    /// End-to-end benchmarks against real daemons (limits, local, vs, crash,
+    /// churn, restore); see docs/benchmarks.md.
+    Bench(crate::bench::BenchArgs),
+}
+
+/// `kvtier node ...`
+#[derive(Debug, Subcommand)]
+pub enum NodeCommand {
+    /// Start the daemon in the foreground. Works with no configuration at
+    /// all; prints a start-up summary. SIGTERM / SIGINT flush dirty chunks
+    /// within --shutdown-deadline and exit 0; a second signal exits at once
+    /// (130).
+    Start(ConfigArgs),
+}
+
+/// `kvtier config ...`
+#[derive(Debug, Subcommand)]
+pub enum ConfigCommand {
+    /// Validate the configuration (file, environment, flags) and print the
+    /// effective result as TOML (or JSON). Exits 1 naming the bad key and
+    /// its source.
+    Check(ConfigCheckArgs),
+}
+
+/// Every daemon option as a flag (each also a TOML key and `KVTIER_<KEY>`).
+#[derive(Debug, Args, Clone, Default)]
+pub struct ConfigArgs {
+    /// TOML configuration file (also `KVTIER_CONFIG`). Default: none, the
+    /// built-in defaults.
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+    /// Directory of the chunk store. Default: /var/lib/kvtier as root, else
+    /// $XDG_DATA_HOME/kvtier or ~/.local/share/kvtier.
+    #[arg(long, value_name = "DIR")]
+    pub data_dir: Option<PathBuf>,
+    /// RAM tier budget, e.g. 8GiB. Default: 25% of physical RAM, at most 4GiB.
+    #[arg(long, value_name = "SIZE")]
+    pub ram_budget: Option<ByteSize>,
+    /// Disk tier budget (preallocated in the data dir), e.g. 500GiB; 0 keeps
+    /// chunks in RAM only. Default: 16GiB, or half the available space of the
+    /// data dir's filesystem if less. Must fit the free space.
+    #[arg(long, value_name = "SIZE")]
+    pub disk_budget: Option<ByteSize>,
+    /// Native protocol Unix socket. Default: /run/kvtier/kvtier.sock as root,
+    /// else $XDG_RUNTIME_DIR/kvtier/kvtier.sock, else kvtier.sock in the
+    /// default data dir.
+    #[arg(long, value_name = "PATH")]
+    pub socket: Option<PathBuf>,
+    /// RESP2 (Redis protocol) listen address, or `off`. Default: 127.0.0.1:6380.
+    #[arg(long, value_name = "ADDR|off")]
+    pub resp_listen: Option<Listen>,
+    /// Password for RESP AUTH (required for a non-loopback --resp-listen).
+    /// Prefer KVTIER_RESP_PASSWORD or the file: flags are visible in `ps`.
+    #[arg(long, value_name = "PASSWORD")]
+    pub resp_password: Option<String>,
+    /// HTTP listen address for /metrics, /status, /healthz, or `off`.
+    /// Default: 127.0.0.1:7480.
+    #[arg(long, value_name = "ADDR|off")]
+    pub http_listen: Option<Listen>,
+    /// The engine's GPU KV pool size; the daemon warns when RAM + disk
+    /// budget is not larger (such a tier never serves). Default: unset.
+    #[arg(long, value_name = "SIZE")]
+    pub gpu_kv_pool: Option<ByteSize>,
+    /// Write dirty chunks older than this when the disk is idle, e.g. 30s.
+    /// Default: 30s.
+    #[arg(long, value_name = "DURATION")]
+    pub idle_flush_after: Option<HumanDuration>,
+    /// When the disk writer falls behind: never slow PUT (`no-tax`) or wait
+    /// (`backpressure`). Default: no-tax.
+    #[arg(long, value_name = "POLICY", value_parser = parse_write_policy)]
+    pub write_policy: Option<WritePolicy>,
+    /// Time a graceful shutdown may spend flushing. Default: 30s.
+    #[arg(long, value_name = "DURATION")]
+    pub shutdown_deadline: Option<HumanDuration>,
+    /// Log format: human or json. Default: human.
+    #[arg(long, value_name = "FORMAT")]
+    pub log_format: Option<LogFormat>,
+    /// Log level or filter, e.g. info, debug, info,node=debug. Default: info.
+    #[arg(long, value_name = "LEVEL")]
+    pub log_level: Option<String>,
+}
+
+fn parse_write_policy(s: &str) -> Result<WritePolicy, String> {
+    match s {
+        "no-tax" => Ok(WritePolicy::NoTax),
+        "backpressure" => Ok(WritePolicy::Backpressure),
+        _ => Err(format!(
+            "{s:?} is not a write policy: use \"no-tax\" or \"backpressure\""
+        )),
+    }
+}
+
+impl ConfigArgs {
+    /// The flags as configuration overrides.
+    pub fn overrides(&self) -> Overrides {
+        Overrides {
+            data_dir: self.data_dir.clone(),
+            ram_budget: self.ram_budget,
+            disk_budget: self.disk_budget,
+            socket: self.socket.clone(),
+            resp_listen: self.resp_listen,
+            resp_password: self.resp_password.clone(),
+            http_listen: self.http_listen,
+            gpu_kv_pool: self.gpu_kv_pool,
+            idle_flush_after: self.idle_flush_after,
+            write_policy: self.write_policy,
+            shutdown_deadline: self.shutdown_deadline,
+            log_format: self.log_format,
+            log_level: self.log_level.clone(),
+        }
+    }
+}
+
+/// `kvtier config check`
+#[derive(Debug, Args)]
+pub struct ConfigCheckArgs {
+    /// Print JSON instead of TOML.
+    #[arg(long)]
+    pub json: bool,
+    /// The configuration to check.
+    #[command(flatten)]
+    pub config: ConfigArgs,
+}
+
+/// How a client command finds the daemon.
+#[derive(Debug, Args, Clone)]
+pub struct ClientArgs {
+    /// The daemon's socket. Default: `socket` from --config /
+    /// KVTIER_SOCKET / the built-in default.
+    #[arg(long, value_name = "PATH")]
+    pub socket: Option<PathBuf>,
+    /// TOML configuration file to read `socket` from (also `KVTIER_CONFIG`).
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+}
+
+/// A namespace given by id.
+#[derive(Debug, Args, Clone)]
+pub struct NamespaceArg {
+    /// Namespace id: 32 hex digits, as listed by `kvtier namespaces`.
+    #[arg(long, value_name = "ID")]
+    pub namespace: node::tier::Namespace,
+    /// KV-cache group within the namespace.
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    pub group: u16,
+}
+
+/// `kvtier stats`
+#[derive(Debug, Args)]
+pub struct StatsArgs {
+    /// Print the daemon's STATS document as JSON.
+    #[arg(long)]
+    pub json: bool,
+    /// The daemon.
+    #[command(flatten)]
+    pub client: ClientArgs,
+}
+
+/// `kvtier lookup`
+#[derive(Debug, Args)]
+pub struct LookupArgs {
+    /// The namespace.
+    #[command(flatten)]
+    pub ns: NamespaceArg,
+    /// Keys in order (64 hex digits each).
+    #[arg(required = true, value_name = "KEY")]
+    pub keys: Vec<node::tier::ChunkKey>,
+    /// Print JSON.
+    #[arg(long)]
+    pub json: bool,
+    /// The daemon.
+    #[command(flatten)]
+    pub client: ClientArgs,
+}
+
+/// A chunk key: hex, or a string hashed to a key.
+#[derive(Debug, Args, Clone)]
+#[group(required = true, multiple = false)]
+pub struct KeyArg {
+    /// The chunk key: 64 hex digits.
+    #[arg(long, value_name = "HEX")]
+    pub key: Option<node::tier::ChunkKey>,
+    /// A string key, hashed to a chunk key (as RESP keys are).
+    #[arg(long, value_name = "STRING")]
+    pub name: Option<String>,
+}
+
+impl KeyArg {
+    /// The chunk key.
+    pub fn key(&self) -> node::tier::ChunkKey {
+        match (&self.key, &self.name) {
+            (Some(k), _) => *k,
+            (None, Some(n)) => node::tier::ChunkKey::from_name(n.as_bytes()),
+            (None, None) => unreachable!("clap requires --key or --name"),
+        }
+    }
+}
+
+/// `kvtier put`
+#[derive(Debug, Args)]
+pub struct PutArgs {
+    /// File whose bytes become the chunk (`-` for stdin).
+    #[arg(value_name = "FILE")]
+    pub file: PathBuf,
+    /// Namespace id (32 hex digits, see `kvtier namespaces`). The namespace
+    /// must already be registered; use --namespace-record for a new one.
+    #[arg(
+        long,
+        value_name = "ID",
+        required_unless_present = "namespace_record",
+        conflicts_with = "namespace_record"
+    )]
+    pub namespace: Option<node::tier::Namespace>,
+    /// A namespace record (TOML or JSON file with model, engine, tp-size,
+    /// rank, kv-dtype, ...) to register with the daemon; its id is printed.
+    #[arg(long, value_name = "FILE")]
+    pub namespace_record: Option<PathBuf>,
+    /// KV-cache group within the namespace.
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    pub group: u16,
+    /// The key.
+    #[command(flatten)]
+    pub key: KeyArg,
+    /// The daemon.
+    #[command(flatten)]
+    pub client: ClientArgs,
+}
+
+/// `kvtier get`
+#[derive(Debug, Args)]
+pub struct GetArgs {
+    /// The namespace.
+    #[command(flatten)]
+    pub ns: NamespaceArg,
+    /// The key (64 hex digits); or use --name.
+    #[arg(
+        value_name = "KEY",
+        required_unless_present = "name",
+        conflicts_with = "name"
+    )]
+    pub key: Option<node::tier::ChunkKey>,
+    /// A string key, hashed to a chunk key (as RESP keys are).
+    #[arg(long, value_name = "STRING")]
+    pub name: Option<String>,
+    /// Output file (`-` for stdout).
+    #[arg(short, long, value_name = "FILE")]
+    pub output: PathBuf,
+    /// The daemon.
+    #[command(flatten)]
+    pub client: ClientArgs,
+}
+
+/// `kvtier delete`
+#[derive(Debug, Args)]
+pub struct DeleteArgs {
+    /// The namespace.
+    #[command(flatten)]
+    pub ns: NamespaceArg,
+    /// Keys to delete (64 hex digits each).
+    #[arg(required = true, value_name = "KEY")]
+    pub keys: Vec<node::tier::ChunkKey>,
+    /// Print JSON.
+    #[arg(long)]
+    pub json: bool,
+    /// The daemon.
+    #[command(flatten)]
+    pub client: ClientArgs,
+}
+
+/// `kvtier flush`
+#[derive(Debug, Args)]
+pub struct FlushArgs {
+    /// Print JSON.
+    #[arg(long)]
+    pub json: bool,
+    /// The daemon.
+    #[command(flatten)]
+    pub client: ClientArgs,
+}
+
+/// `kvtier namespaces`
+#[derive(Debug, Args)]
+pub struct NamespacesArgs {
+    /// Print JSON (full records).
+    #[arg(long)]
+    pub json: bool,
+    /// Data dir and socket (the store is read offline when no daemon runs).
+    #[command(flatten)]
+    pub config: ConfigArgs,
+}
+
+/// `kvtier verify`
+#[derive(Debug, Args)]
+pub struct VerifyArgs {
+    /// Drop the chunks that fail verification (default: report only).
+    #[arg(long)]
+    pub repair: bool,
+    /// Print JSON.
+    #[arg(long)]
+    pub json: bool,
+    /// Which store (data dir, budgets).
+    #[command(flatten)]
+    pub config: ConfigArgs,
+}
+
+/// `kvtier gc`
+#[derive(Debug, Args)]
+pub struct GcArgs {
+    /// Drop every chunk of this namespace (repeatable; 32 hex digits).
+    #[arg(long = "namespace", value_name = "ID")]
+    pub namespaces: Vec<node::tier::Namespace>,
+    /// Drop namespaces not written or read for at least this long, e.g. 7days.
+    #[arg(long, value_name = "DURATION")]
+    pub older_than: Option<HumanDuration>,
+    /// Really drop them (default: dry run, report only).
+    #[arg(long)]
+    pub apply: bool,
+    /// Print JSON.
+    #[arg(long)]
+    pub json: bool,
+    /// Which store (data dir, budgets).
+    #[command(flatten)]
+    pub config: ConfigArgs,
+}
+
+/// Shells for `kvtier completions`.
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub enum Shell {
+    /// Bash.
+    Bash,
+    /// Zsh.
+    Zsh,
+    /// Fish.
+    Fish,
+    /// Elvish.
+    Elvish,
+    /// PowerShell.
+    Powershell,
+}
+
+/// `kvtier completions`
+#[derive(Debug, Args)]
+pub struct CompletionsArgs {
+    /// The shell.
+    #[arg(value_enum)]
+    pub shell: Shell,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn the_command_line_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn flags_map_to_overrides() {
+        let cli = Cli::try_parse_from([
+            "kvtier",
+            "node",
+            "start",
+            "--ram-budget",
+            "1GiB",
+            "--resp-listen",
+            "off",
+            "--write-policy",
+            "backpressure",
+            "--shutdown-deadline",
+            "5s",
+            "--log-format",
+            "json",
+        ])
+        .unwrap();
+        let Command::Node(NodeCommand::Start(a)) = cli.command else {
+            panic!()
+        };
+        let o = a.overrides();
+        assert_eq!(o.ram_budget, Some(ByteSize::gib(1)));
+        assert_eq!(o.resp_listen, Some(Listen::Off));
+        assert_eq!(o.write_policy, Some(WritePolicy::Backpressure));
+        assert_eq!(o.shutdown_deadline, Some(HumanDuration::secs(5)));
+        assert_eq!(o.log_format, Some(LogFormat::Json));
+        assert!(o.data_dir.is_none());
+    }
+
+    #[test]
+    fn bad_values_are_usage_errors_naming_the_flag() {
+        let e =
+            Cli::try_parse_from(["kvtier", "node", "start", "--ram-budget", "12XB"]).unwrap_err();
+        assert!(e.use_stderr());
+        let msg = e.to_string();
+        assert!(
+            msg.contains("--ram-budget") && msg.contains("12XB"),
+            "{msg}"
+        );
+        let e = Cli::try_parse_from(["kvtier", "lookup", "--namespace", "xyz", "00"]).unwrap_err();
+        assert!(e.to_string().contains("--namespace"), "{e}");
+    }
+}

@@ -1,0 +1,609 @@
+//! Command implementations. Each returns the process exit code on success
+//! (0, or 4 / 5 for "data" outcomes: miss, verification failures).
+
+use std::io::{IsTerminal, Read, Write};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{Context, Result, anyhow, bail};
+use node::config::{self, ConfigSources, Environment, Loaded, NodeConfig};
+use node::daemon::DataDirLock;
+use node::native::{Client, ErrorCode, LookupLocation};
+use node::tier::{ChunkStore, GcOptions, Namespace, NamespaceRecord, VerifyOptions};
+use node::{ByteSize, HumanDuration};
+
+use crate::args::*;
+use crate::{EXIT_MISS, EXIT_OK, EXIT_VERIFY_FAILED};
+
+/// Runs one parsed command.
+pub fn run(cli: Cli) -> Result<u8> {
+    match cli.command {
+        Command::Node(NodeCommand::Start(a)) => node_start(&a),
+        Command::Config(ConfigCommand::Check(a)) => config_check(&a),
+        Command::Stats(a) => stats(&a),
+        Command::Lookup(a) => lookup(&a),
+        Command::Put(a) => put(&a),
+        Command::Get(a) => get(&a),
+        Command::Delete(a) => delete(&a),
+        Command::Flush(a) => flush(&a),
+        Command::Namespaces(a) => namespaces(&a),
+        Command::Verify(a) => verify(&a),
+        Command::Gc(a) => gc(&a),
+        Command::Completions(a) => completions(&a),
+        Command::Bench(a) => crate::bench::run(&a),
+    }
+}
+
+fn load(args: &ConfigArgs) -> Result<Loaded> {
+    let sources = ConfigSources::from_process(args.config.clone(), args.overrides());
+    Ok(config::load(&sources, &Environment::detect())?)
+}
+
+/// Loads and resolves (disk space, automatic budget) the configuration;
+/// returns it with every warning.
+fn load_resolved(args: &ConfigArgs) -> Result<(NodeConfig, Vec<String>)> {
+    let loaded = load(args)?;
+    let mut cfg = loaded.config.clone();
+    let mut warnings = loaded.warnings.clone();
+    warnings.extend(cfg.resolve(&loaded)?);
+    Ok((cfg, warnings))
+}
+
+// ---------------------------------------------------------------- node start
+
+fn node_start(args: &ConfigArgs) -> Result<u8> {
+    let (cfg, warnings) = load_resolved(args)?;
+    node::logging::init(cfg.log_format, &cfg.log_level)?;
+    let human = cfg.log_format == node::logging::LogFormat::Human;
+    for w in &warnings {
+        tracing::warn!("{w}");
+        if human && w.contains("GPU KV pool") {
+            eprintln!(
+                "\n{}\n!! WARNING: {w}\n{}\n",
+                "!".repeat(78),
+                "!".repeat(78)
+            );
+        }
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_name("kvtier-worker")
+        .build()
+        .context("start the async runtime")?;
+    let summary = rt.block_on(async {
+        // Handlers are installed before the node starts, so a SIGTERM during
+        // start-up is a graceful shutdown too.
+        let signals = Signals::install().context("install signal handlers")?;
+        node::run(cfg, signals.first())
+            .await
+            .map_err(anyhow::Error::from)
+    })?;
+    tracing::info!(
+        uptime = %HumanDuration(Duration::from_secs(summary.uptime.as_secs())),
+        flushed_chunks = summary.flush.as_ref().map_or(0, |f| f.chunks),
+        flush_failed = summary.flush.as_ref().map_or(0, |f| f.failed),
+        "kvtier stopped"
+    );
+    Ok(EXIT_OK)
+}
+
+struct Signals {
+    term: tokio::signal::unix::Signal,
+    int: tokio::signal::unix::Signal,
+}
+
+impl Signals {
+    fn install() -> std::io::Result<Self> {
+        use tokio::signal::unix::{SignalKind, signal};
+        Ok(Self {
+            term: signal(SignalKind::terminate())?,
+            int: signal(SignalKind::interrupt())?,
+        })
+    }
+
+    /// Completes on the first SIGTERM or SIGINT; a second one exits the
+    /// process at once with code 130, without flushing.
+    async fn first(mut self) {
+        let name = tokio::select! {
+            _ = self.term.recv() => "SIGTERM",
+            _ = self.int.recv() => "SIGINT",
+        };
+        tracing::info!(
+            "received {name}: shutting down gracefully (send another signal to exit at once)"
+        );
+        tokio::spawn(async move {
+            let name = tokio::select! {
+                _ = self.term.recv() => "SIGTERM",
+                _ = self.int.recv() => "SIGINT",
+            };
+            eprintln!("kvtier: second signal ({name}): exiting now without finishing the flush");
+            std::process::exit(130);
+        });
+    }
+}
+
+// -------------------------------------------------------------- config check
+
+fn config_check(args: &ConfigCheckArgs) -> Result<u8> {
+    let loaded = load(&args.config)?;
+    let mut cfg = loaded.config.clone();
+    let mut warnings = loaded.warnings.clone();
+    warnings.extend(cfg.resolve(&loaded)?);
+    if args.json {
+        let doc = serde_json::json!({
+            "file": loaded.file,
+            "config": cfg,
+            "warnings": warnings,
+        });
+        println!("{}", serde_json::to_string_pretty(&doc)?);
+    } else {
+        match &loaded.file {
+            Some(f) => println!("# configuration OK: {} + environment + flags", f.display()),
+            None => {
+                println!("# configuration OK: built-in defaults + environment + flags (no file)")
+            }
+        }
+        for w in &warnings {
+            println!("# WARNING: {w}");
+        }
+        if cfg.gpu_kv_pool.is_none() {
+            println!("# gpu-kv-pool is unset: set it to get a warning when the tier is too small");
+        }
+        print!("{}", cfg.to_toml());
+    }
+    Ok(EXIT_OK)
+}
+
+// ---------------------------------------------------------- client commands
+
+fn socket_of(args: &ClientArgs) -> Result<PathBuf> {
+    if let Some(s) = &args.socket {
+        return Ok(s.clone());
+    }
+    let loaded = load(&ConfigArgs {
+        config: args.config.clone(),
+        ..Default::default()
+    })?;
+    Ok(loaded.config.socket)
+}
+
+fn connect(args: &ClientArgs) -> Result<Client> {
+    let socket = socket_of(args)?;
+    Ok(Client::connect(&socket)?)
+}
+
+fn stats(args: &StatsArgs) -> Result<u8> {
+    let mut client = connect(&args.client)?;
+    let doc = client.stats().context("read the daemon's stats")?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&doc)?);
+    } else {
+        print!("{}", render_table(&doc));
+    }
+    Ok(EXIT_OK)
+}
+
+/// A two-column table of a JSON document; nested objects become sections.
+fn render_table(doc: &serde_json::Value) -> String {
+    fn walk(out: &mut Vec<(String, String)>, prefix: &str, v: &serde_json::Value) {
+        match v {
+            serde_json::Value::Object(map) => {
+                for (k, v) in map {
+                    let key = if prefix.is_empty() {
+                        k.clone()
+                    } else {
+                        format!("{prefix}.{k}")
+                    };
+                    walk(out, &key, v);
+                }
+            }
+            serde_json::Value::String(s) => out.push((prefix.into(), s.clone())),
+            other => {
+                let mut text = other.to_string();
+                // Byte counts are easier to read with a unit.
+                if (prefix.ends_with("bytes") || prefix.ends_with("budget"))
+                    && let Some(n) = other.as_u64()
+                {
+                    text = format!("{n} ({})", ByteSize(n).approx());
+                }
+                out.push((prefix.into(), text));
+            }
+        }
+    }
+    let mut rows = Vec::new();
+    walk(&mut rows, "", doc);
+    let width = rows.iter().map(|(k, _)| k.len()).max().unwrap_or(0);
+    let mut s = String::new();
+    for (k, v) in rows {
+        s.push_str(&format!("{k:<width$}  {v}\n"));
+    }
+    s
+}
+
+fn location_name(l: LookupLocation) -> &'static str {
+    match l {
+        LookupLocation::Miss => "miss",
+        LookupLocation::Ram => "ram",
+        LookupLocation::Disk => "disk",
+        LookupLocation::Peer => "peer",
+    }
+}
+
+fn lookup(args: &LookupArgs) -> Result<u8> {
+    let mut client = connect(&args.client)?;
+    let r = client
+        .lookup(args.ns.namespace, args.ns.group, &args.keys)
+        .context("look up keys")?;
+    if args.json {
+        let keys: Vec<_> = args
+            .keys
+            .iter()
+            .zip(&r.locations)
+            .map(|(k, l)| serde_json::json!({"key": k.to_string(), "location": location_name(*l)}))
+            .collect();
+        println!("{}", serde_json::json!({"prefix": r.prefix, "keys": keys}));
+    } else {
+        for (k, l) in args.keys.iter().zip(&r.locations) {
+            println!("{k}  {}", location_name(*l));
+        }
+        println!("prefix {} of {}", r.prefix, args.keys.len());
+    }
+    let all = r.locations.iter().all(|l| *l != LookupLocation::Miss);
+    Ok(if all { EXIT_OK } else { EXIT_MISS })
+}
+
+fn read_record(path: &Path) -> Result<NamespaceRecord> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("read namespace record {}", path.display()))?;
+    let record = if text.trim_start().starts_with('{') {
+        serde_json::from_str(&text).map_err(anyhow::Error::from)
+    } else {
+        toml::from_str(&text).map_err(anyhow::Error::from)
+    };
+    record.with_context(|| format!("parse namespace record {}", path.display()))
+}
+
+fn status_error(code: u16) -> anyhow::Error {
+    anyhow!(
+        "the daemon refused the chunk: {}",
+        ErrorCode::from_code(code).name()
+    )
+}
+
+fn put(args: &PutArgs) -> Result<u8> {
+    let data = if args.file.as_os_str() == "-" {
+        let mut v = Vec::new();
+        std::io::stdin().read_to_end(&mut v).context("read stdin")?;
+        v
+    } else {
+        std::fs::read(&args.file).with_context(|| format!("read {}", args.file.display()))?
+    };
+    let mut client = connect(&args.client)?;
+    let ns = match (&args.namespace, &args.namespace_record) {
+        (Some(ns), _) => *ns,
+        (None, Some(path)) => {
+            let ns = client
+                .hello(&read_record(path)?)
+                .context("register the namespace")?;
+            eprintln!("namespace {ns}");
+            ns
+        }
+        (None, None) => bail!("give --namespace ID or --namespace-record FILE"),
+    };
+    let key = args.key.key();
+    let statuses = client
+        .put_bytes(ns, args.group, &[(key, &data)])
+        .context("put the chunk")?;
+    match statuses.first() {
+        Some(0) => {
+            println!("stored {key} ({} bytes) in namespace {ns}", data.len());
+            Ok(EXIT_OK)
+        }
+        Some(code) => Err(status_error(*code)),
+        None => bail!("the daemon sent an empty PUT reply"),
+    }
+}
+
+fn get(args: &GetArgs) -> Result<u8> {
+    let key = match (&args.key, &args.name) {
+        (Some(k), _) => *k,
+        (None, Some(n)) => node::tier::ChunkKey::from_name(n.as_bytes()),
+        (None, None) => bail!("give a KEY or --name"),
+    };
+    let mut client = connect(&args.client)?;
+    match client
+        .get_bytes(args.ns.namespace, args.ns.group, key)
+        .context("get the chunk")?
+    {
+        None => {
+            eprintln!("miss: {key} is not in namespace {}", args.ns.namespace);
+            Ok(EXIT_MISS)
+        }
+        Some(bytes) => {
+            if args.output.as_os_str() == "-" {
+                let mut out = std::io::stdout().lock();
+                out.write_all(&bytes).context("write stdout")?;
+                out.flush().context("write stdout")?;
+            } else {
+                std::fs::write(&args.output, &bytes)
+                    .with_context(|| format!("write {}", args.output.display()))?;
+                eprintln!("wrote {} bytes to {}", bytes.len(), args.output.display());
+            }
+            Ok(EXIT_OK)
+        }
+    }
+}
+
+fn delete(args: &DeleteArgs) -> Result<u8> {
+    let mut client = connect(&args.client)?;
+    let existed = client
+        .delete(args.ns.namespace, args.ns.group, &args.keys)
+        .context("delete keys")?;
+    if args.json {
+        let keys: Vec<_> = args
+            .keys
+            .iter()
+            .zip(&existed)
+            .map(|(k, e)| serde_json::json!({"key": k.to_string(), "existed": e}))
+            .collect();
+        println!("{}", serde_json::json!({ "keys": keys }));
+    } else {
+        for (k, e) in args.keys.iter().zip(&existed) {
+            println!("{k}  {}", if *e { "deleted" } else { "not found" });
+        }
+    }
+    Ok(if existed.iter().all(|e| *e) {
+        EXIT_OK
+    } else {
+        EXIT_MISS
+    })
+}
+
+fn flush(args: &FlushArgs) -> Result<u8> {
+    let mut client = connect(&args.client)?;
+    // A flush of a large dirty RAM tier takes as long as the disk needs.
+    client.set_timeout(None)?;
+    let r = client.flush().context("flush")?;
+    if args.json {
+        println!("{}", serde_json::to_string(&r)?);
+    } else {
+        println!(
+            "flushed {} chunk(s), {}; {} failed",
+            r.chunks,
+            ByteSize(r.bytes).approx(),
+            r.failed
+        );
+    }
+    if r.failed > 0 {
+        bail!(
+            "{} dirty chunk(s) could not be written (see the daemon's log)",
+            r.failed
+        );
+    }
+    Ok(EXIT_OK)
+}
+
+// ------------------------------------------------------- store maintenance
+
+/// The namespaces of a running daemon, from its HTTP `/status` (the native
+/// STATS document does not list them).
+fn namespaces_from_daemon(info: &node::daemon::LockInfo) -> Result<serde_json::Value> {
+    let addr = info.http.ok_or_else(|| {
+        anyhow!(
+            "a kvtier daemon (pid {}) holds the data dir and its HTTP endpoint is off; \
+             listing namespaces needs its /status (enable --http-listen) or a stopped daemon",
+            info.pid
+        )
+    })?;
+    let body = http_get(addr, "/status").with_context(|| format!("read http://{addr}/status"))?;
+    let doc: serde_json::Value = serde_json::from_slice(&body).context("parse /status")?;
+    doc.get("namespaces")
+        .cloned()
+        .ok_or_else(|| anyhow!("the daemon's /status has no namespaces"))
+}
+
+/// A minimal HTTP/1.0 GET on loopback (bounded time and size).
+fn http_get(addr: std::net::SocketAddr, path: &str) -> Result<Vec<u8>> {
+    let mut s = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(5))?;
+    s.set_read_timeout(Some(Duration::from_secs(10)))?;
+    s.set_write_timeout(Some(Duration::from_secs(10)))?;
+    write!(s, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n")?;
+    let mut buf = Vec::new();
+    s.take(64 << 20).read_to_end(&mut buf)?;
+    let split = buf
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .ok_or_else(|| anyhow!("malformed HTTP response"))?;
+    let head = String::from_utf8_lossy(&buf[..split]);
+    if !head.starts_with("HTTP/1.1 200") && !head.starts_with("HTTP/1.0 200") {
+        bail!("HTTP error: {}", head.lines().next().unwrap_or(""));
+    }
+    Ok(buf[split + 4..].to_vec())
+}
+
+/// Opens the store offline (no daemon) under the data dir lock.
+fn open_offline(cfg: &NodeConfig, role: &str) -> Result<(ChunkStore, DataDirLock)> {
+    let lock = DataDirLock::acquire(&cfg.data_dir, role).map_err(|e| match e {
+        node::NodeError::Locked { data_dir, holder } => anyhow!(
+            "data dir {} is in use by {holder}; `kvtier {role}` needs exclusive access to the \
+             store: stop the daemon first (systemctl stop kvtier, or SIGTERM)",
+            data_dir.display()
+        ),
+        other => other.into(),
+    })?;
+    let store = ChunkStore::open(cfg.tier_config())
+        .with_context(|| format!("open the chunk store in {}", cfg.data_dir.display()))?;
+    Ok((store, lock))
+}
+
+fn close_offline(store: ChunkStore, lock: DataDirLock) -> Result<()> {
+    store
+        .close(Duration::from_secs(60))
+        .context("close the chunk store")?;
+    drop(lock);
+    Ok(())
+}
+
+fn namespaces(args: &NamespacesArgs) -> Result<u8> {
+    let (cfg, _) = load_resolved(&args.config)?;
+    let list: serde_json::Value = match DataDirLock::holder(&cfg.data_dir) {
+        Some(info) if info.role == "daemon" => namespaces_from_daemon(&info)?,
+        Some(info) => bail!(
+            "data dir {} is in use by `kvtier {}` (pid {}); try again when it is done",
+            cfg.data_dir.display(),
+            info.role,
+            info.pid
+        ),
+        None => {
+            let (store, lock) = open_offline(&cfg, "namespaces")?;
+            let list = serde_json::to_value(store.namespaces())?;
+            close_offline(store, lock)?;
+            list
+        }
+    };
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&list)?);
+        return Ok(EXIT_OK);
+    }
+    let items = list.as_array().cloned().unwrap_or_default();
+    if items.is_empty() {
+        println!("no namespaces (a client registers one with HELLO, e.g. the vLLM connector)");
+        return Ok(EXIT_OK);
+    }
+    println!(
+        "{:<32}  {:>10}  {:>10}  MODEL / ENGINE / TP / RANK / DTYPE",
+        "ID", "CHUNKS", "BYTES"
+    );
+    for ns in items {
+        let r = &ns["record"];
+        let s = |k: &str| r[k].as_str().unwrap_or("").to_string();
+        println!(
+            "{:<32}  {:>10}  {:>10}  {} / {} {} / tp{} / rank {} / {}",
+            ns["id"].as_str().unwrap_or("?"),
+            ns["chunks"].as_u64().unwrap_or(0),
+            ByteSize(ns["bytes"].as_u64().unwrap_or(0)).approx(),
+            s("model"),
+            s("engine"),
+            s("engine-version"),
+            r["tp-size"].as_u64().unwrap_or(0),
+            r["rank"].as_u64().unwrap_or(0),
+            s("kv-dtype"),
+        );
+    }
+    Ok(EXIT_OK)
+}
+
+/// A progress bar on a terminal, nothing otherwise.
+fn progress(what: &str) -> Option<indicatif::ProgressBar> {
+    if !std::io::stderr().is_terminal() {
+        return None;
+    }
+    let pb = indicatif::ProgressBar::new(0);
+    if let Ok(style) =
+        indicatif::ProgressStyle::with_template("{msg} [{bar:40}] {pos}/{len} chunks ({eta} left)")
+    {
+        pb.set_style(style.progress_chars("=> "));
+    }
+    pb.set_message(what.to_string());
+    Some(pb)
+}
+
+fn verify(args: &VerifyArgs) -> Result<u8> {
+    let (cfg, _) = load_resolved(&args.config)?;
+    let (store, lock) = open_offline(&cfg, "verify")?;
+    let pb = progress("verifying");
+    let mut cb = |done: u64, total: u64| {
+        if let Some(pb) = &pb {
+            pb.set_length(total);
+            pb.set_position(done);
+        }
+    };
+    let report = store.verify(
+        &VerifyOptions {
+            repair: args.repair,
+        },
+        &mut cb,
+    );
+    if let Some(pb) = &pb {
+        pb.finish_and_clear();
+    }
+    let report = report.context("verify the store")?;
+    close_offline(store, lock)?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        for p in &report.problems {
+            println!("bad: {p}");
+        }
+        println!(
+            "checked {} chunk(s): {} bad, {} dropped{}",
+            report.checked,
+            report.bad,
+            report.dropped,
+            if report.bad > 0 && !args.repair {
+                " (run with --repair to drop them)"
+            } else {
+                ""
+            }
+        );
+    }
+    Ok(if report.bad > 0 {
+        EXIT_VERIFY_FAILED
+    } else {
+        EXIT_OK
+    })
+}
+
+fn gc(args: &GcArgs) -> Result<u8> {
+    if args.namespaces.is_empty() && args.older_than.is_none() {
+        bail!(
+            "give --namespace ID (repeatable) and/or --older-than DURATION to select what to drop"
+        );
+    }
+    let (cfg, _) = load_resolved(&args.config)?;
+    let (store, lock) = open_offline(&cfg, "gc")?;
+    let opts = GcOptions {
+        namespaces: args.namespaces.clone(),
+        older_than: args.older_than.map(|d| d.0),
+        dry_run: !args.apply,
+    };
+    let report = store.gc(&opts).context("gc the store");
+    close_offline(store, lock)?;
+    let report = report?;
+    if args.json {
+        let doc = serde_json::json!({ "dry-run": !args.apply, "report": report });
+        println!("{}", serde_json::to_string_pretty(&doc)?);
+    } else {
+        let verb = if args.apply {
+            "dropped"
+        } else {
+            "would drop (dry run; add --apply)"
+        };
+        let ids: Vec<String> = report.namespaces.iter().map(Namespace::to_string).collect();
+        println!(
+            "{verb}: {} namespace(s), {} chunk(s), {}",
+            ids.len(),
+            report.chunks,
+            ByteSize(report.bytes).approx()
+        );
+        for id in ids {
+            println!("  {id}");
+        }
+    }
+    Ok(EXIT_OK)
+}
+
+fn completions(args: &CompletionsArgs) -> Result<u8> {
+    use clap::CommandFactory;
+    use clap_complete::Shell as S;
+    let shell = match args.shell {
+        Shell::Bash => S::Bash,
+        Shell::Zsh => S::Zsh,
+        Shell::Fish => S::Fish,
+        Shell::Elvish => S::Elvish,
+        Shell::Powershell => S::PowerShell,
+    };
+    let mut cmd = Cli::command();
+    clap_complete::generate(shell, &mut cmd, "kvtier", &mut std::io::stdout());
+    Ok(EXIT_OK)
+}

@@ -1,0 +1,591 @@
+//! The daemon's lifecycle: [`run`] (and [`start`] + [`NodeHandle`]) take a
+//! [`NodeConfig`], lock the data directory, open the chunk store (rebuilding
+//! its index), bind the native socket, the RESP and HTTP listeners, serve
+//! until shutdown, then stop the servers, flush dirty chunks within the
+//! shutdown deadline and close the store. `run` returns only after every
+//! task it started has finished (mini-redis style).
+//!
+//! Signals are not handled here: the caller passes a shutdown future (the
+//! `kvtier` binary maps SIGTERM/SIGINT to it).
+
+use std::fs::File;
+use std::future::Future;
+use std::io::{Read, Seek, Write};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+use tier::{ChunkStore, FlushReport};
+use tokio::sync::watch;
+use tokio::task::JoinSet;
+
+use crate::config::NodeConfig;
+use crate::context::NodeContext;
+use crate::error::{NodeError, Result};
+use crate::logging::LogFormat;
+use crate::size::ByteSize;
+
+/// Name of the lock file in the data directory.
+pub const LOCK_FILE: &str = "LOCK";
+
+/// An exclusive `flock` on `data_dir/LOCK`, held by a daemon or by an
+/// offline maintenance command (`kvtier verify` / `gc`). The file's content
+/// says who holds it (JSON: pid, role, addresses); the lock itself is
+/// released by the kernel when the process dies, so a stale file never
+/// blocks a restart.
+#[derive(Debug)]
+pub struct DataDirLock {
+    file: File,
+    path: PathBuf,
+}
+
+/// What the lock file records about its holder.
+#[derive(Clone, Debug, Default, Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub struct LockInfo {
+    /// Process id of the holder.
+    pub pid: u32,
+    /// "daemon" or the maintenance command.
+    pub role: String,
+    /// The native socket (daemons only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub socket: Option<PathBuf>,
+    /// The bound RESP address (daemons only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resp: Option<SocketAddr>,
+    /// The bound HTTP address (daemons only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub http: Option<SocketAddr>,
+    /// Whether the holder is serving (false while still starting).
+    #[serde(default)]
+    pub ready: bool,
+}
+
+impl DataDirLock {
+    /// Creates `data_dir` if needed and takes its lock without waiting.
+    /// Fails with [`NodeError::Locked`] naming the holder when another
+    /// process has it.
+    pub fn acquire(data_dir: &Path, role: &str) -> Result<Self> {
+        std::fs::create_dir_all(data_dir).map_err(|e| NodeError::Io {
+            op: "create data dir",
+            path: data_dir.to_owned(),
+            source: e,
+        })?;
+        let path = data_dir.join(LOCK_FILE);
+        let mut file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&path)
+            .map_err(|e| NodeError::Io {
+                op: "open lock file",
+                path: path.clone(),
+                source: e,
+            })?;
+        match rustix::fs::flock(&file, rustix::fs::FlockOperation::NonBlockingLockExclusive) {
+            Ok(()) => {}
+            Err(e) if e == rustix::io::Errno::WOULDBLOCK => {
+                let mut text = String::new();
+                let _ = file.read_to_string(&mut text);
+                let holder = match serde_json::from_str::<LockInfo>(&text) {
+                    Ok(info) if info.role == "daemon" => format!(
+                        "a running kvtier daemon (pid {}{})",
+                        info.pid,
+                        info.socket
+                            .map(|s| format!(", socket {}", s.display()))
+                            .unwrap_or_default()
+                    ),
+                    Ok(info) => format!("`kvtier {}` (pid {})", info.role, info.pid),
+                    Err(_) => "another process".into(),
+                };
+                return Err(NodeError::Locked {
+                    data_dir: data_dir.to_owned(),
+                    holder,
+                });
+            }
+            Err(e) => {
+                return Err(NodeError::Io {
+                    op: "lock",
+                    path,
+                    source: e.into(),
+                });
+            }
+        }
+        let mut lock = Self { file, path };
+        lock.write(&LockInfo {
+            pid: std::process::id(),
+            role: role.into(),
+            ..Default::default()
+        })?;
+        Ok(lock)
+    }
+
+    /// Replaces the recorded holder information.
+    pub fn write(&mut self, info: &LockInfo) -> Result<()> {
+        let text = serde_json::to_string(info).expect("LockInfo serializes");
+        let io = |e| NodeError::Io {
+            op: "write lock file",
+            path: self.path.clone(),
+            source: e,
+        };
+        self.file.set_len(0).map_err(io)?;
+        self.file.rewind().map_err(io)?;
+        self.file.write_all(text.as_bytes()).map_err(io)?;
+        self.file.write_all(b"\n").map_err(io)
+    }
+
+    /// Reads who holds the lock of `data_dir` without taking it: `None` when
+    /// nobody does (or the directory has no lock file).
+    pub fn holder(data_dir: &Path) -> Option<LockInfo> {
+        let path = data_dir.join(LOCK_FILE);
+        let mut file = File::open(&path).ok()?;
+        match rustix::fs::flock(&file, rustix::fs::FlockOperation::NonBlockingLockShared) {
+            // Nobody holds it exclusively; our shared lock ends with `file`.
+            Ok(()) => None,
+            Err(_) => {
+                let mut text = String::new();
+                file.read_to_string(&mut text).ok()?;
+                serde_json::from_str(&text)
+                    .ok()
+                    .or(Some(LockInfo::default()))
+            }
+        }
+    }
+}
+
+/// The addresses a running node listens on (port 0 resolved).
+#[derive(Clone, Debug, Serialize)]
+pub struct BoundAddrs {
+    /// The native protocol's Unix socket.
+    pub socket: PathBuf,
+    /// The RESP listener, if enabled.
+    pub resp: Option<SocketAddr>,
+    /// The HTTP listener, if enabled.
+    pub http: Option<SocketAddr>,
+}
+
+/// What the node found when it started.
+#[derive(Clone, Debug, Serialize)]
+pub struct StartupInfo {
+    /// Crate version.
+    pub version: &'static str,
+    /// The data directory.
+    pub data_dir: PathBuf,
+    /// Namespaces known to the store.
+    pub namespaces: usize,
+    /// Chunks recovered from disk (plus any already in RAM).
+    pub chunks: u64,
+    /// Payload bytes recovered.
+    pub bytes: u64,
+    /// Time spent opening the store and rebuilding its index.
+    pub recovery: Duration,
+    /// Whether the disk store uses O_DIRECT.
+    pub direct_io: bool,
+    /// RAM budget.
+    pub ram_budget: ByteSize,
+    /// Disk budget.
+    pub disk_budget: ByteSize,
+    /// Where it listens.
+    pub addrs: BoundAddrs,
+}
+
+impl StartupInfo {
+    /// The human start-up summary block.
+    pub fn render(&self) -> String {
+        let ms = self.recovery.as_secs_f64() * 1e3;
+        let mut s = format!(
+            "kvtier {} ready\n  data dir   {}\n  store      {} namespace(s), {} chunk(s) ({}) recovered in {ms:.1} ms; \
+             RAM budget {}, disk budget {}, direct I/O {}\n  native     {}\n",
+            self.version,
+            self.data_dir.display(),
+            self.namespaces,
+            self.chunks,
+            ByteSize(self.bytes).approx(),
+            self.ram_budget.approx(),
+            self.disk_budget.approx(),
+            if self.direct_io { "on" } else { "off" },
+            self.addrs.socket.display(),
+        );
+        match self.addrs.resp {
+            Some(a) => s.push_str(&format!("  resp       {a} (redis-cli -p {})\n", a.port())),
+            None => s.push_str("  resp       off\n"),
+        }
+        match self.addrs.http {
+            Some(a) => s.push_str(&format!(
+                "  http       http://{a}/metrics  /status  /healthz\n"
+            )),
+            None => s.push_str("  http       off\n"),
+        }
+        s
+    }
+}
+
+/// How a run ended.
+#[derive(Clone, Debug, Serialize)]
+pub struct RunSummary {
+    /// How long the node served.
+    pub uptime: Duration,
+    /// What the final flush wrote (`None` when closing the store failed).
+    pub flush: Option<FlushReport>,
+    /// Servers that had to be aborted because they did not stop in time.
+    pub aborted: Vec<&'static str>,
+}
+
+type TaskResult = (&'static str, Result<()>);
+
+/// A started node. Drive it with [`NodeHandle::failed`] (resolves if a
+/// server dies) and end it with [`NodeHandle::shutdown`]; dropping it
+/// without shutdown aborts the servers and skips the final flush.
+pub struct NodeHandle {
+    config: NodeConfig,
+    ctx: Arc<NodeContext>,
+    startup: StartupInfo,
+    stop: watch::Sender<bool>,
+    tasks: JoinSet<TaskResult>,
+    lock: DataDirLock,
+    started: Instant,
+}
+
+/// A future that completes when `stop` turns true (or its sender is gone).
+async fn stopped(mut rx: watch::Receiver<bool>) {
+    let _ = rx.wait_for(|v| *v).await;
+}
+
+/// Starts a node: locks the data dir, opens the store, binds every enabled
+/// listener and spawns the servers. Returns once it serves. Must run inside
+/// a multi-threaded tokio runtime. `config` must be resolved
+/// ([`NodeConfig::resolve`]).
+pub async fn start(config: NodeConfig) -> Result<NodeHandle> {
+    let started = Instant::now();
+    let data_dir = config.data_dir.clone();
+    let lock = {
+        let data_dir = data_dir.clone();
+        tokio::task::spawn_blocking(move || DataDirLock::acquire(&data_dir, "daemon"))
+            .await
+            .map_err(|e| NodeError::Serve {
+                what: "start-up",
+                detail: e.to_string(),
+            })??
+    };
+
+    // Opening rebuilds the index from disk: blocking, off the runtime workers.
+    let tier_config = config.tier_config();
+    let t0 = Instant::now();
+    let store = tokio::task::spawn_blocking(move || ChunkStore::open(tier_config))
+        .await
+        .map_err(|e| NodeError::Serve {
+            what: "store open",
+            detail: e.to_string(),
+        })??;
+    let recovery = t0.elapsed();
+    let store = Arc::new(store);
+    let stats = store.stats();
+    let namespaces = store.namespaces();
+    let ctx = Arc::new(NodeContext::new(Arc::clone(&store), config.node_name()));
+
+    let (stop, stop_rx) = watch::channel(false);
+    let mut tasks: JoinSet<TaskResult> = JoinSet::new();
+    let fail = |e: NodeError| {
+        // Close the store before returning: nothing was served yet, but the
+        // store may own threads and files.
+        let _ = store.close(Duration::ZERO);
+        e
+    };
+
+    // Native socket.
+    let listener = crate::native::bind(&config.socket, config.socket_mode.0).map_err(|e| {
+        fail(NodeError::Serve {
+            what: "native socket",
+            detail: e.to_string(),
+        })
+    })?;
+    // From here on a failed start must drop the stop sender and the tasks
+    // (JoinSet aborts them on drop) before the store closes.
+    {
+        let ctx = Arc::clone(&ctx);
+        let shutdown = stopped(stop_rx.clone());
+        tasks.spawn(async move {
+            let r = crate::native::serve(
+                listener,
+                ctx,
+                crate::native::NativeOptions::default(),
+                shutdown,
+            )
+            .await
+            .map_err(|e| NodeError::Serve {
+                what: "native",
+                detail: e.to_string(),
+            });
+            ("native", r)
+        });
+    }
+
+    // RESP.
+    let mut resp_addr = None;
+    if let Some(addr) = config.resp_listen.addr() {
+        crate::resp::check_bind(&addr, config.resp_password.as_deref())
+            .map_err(|e| fail(NodeError::Config(format!("invalid `resp-listen`: {e}"))))?;
+        let listener = tokio::net::TcpListener::bind(addr).await.map_err(|e| {
+            fail(NodeError::Bind {
+                what: "RESP",
+                addr: addr.to_string(),
+                source: e,
+            })
+        })?;
+        resp_addr = Some(listener.local_addr().map_err(|e| {
+            fail(NodeError::Bind {
+                what: "RESP",
+                addr: addr.to_string(),
+                source: e,
+            })
+        })?);
+        let opts = crate::resp::RespOptions {
+            password: config.resp_password.clone(),
+            max_value: config.resp_max_value.0,
+            ..Default::default()
+        };
+        let ctx = Arc::clone(&ctx);
+        let shutdown = stopped(stop_rx.clone());
+        tasks.spawn(async move {
+            let r = crate::resp::serve(listener, ctx, opts, shutdown)
+                .await
+                .map_err(|e| NodeError::Serve {
+                    what: "RESP",
+                    detail: e.to_string(),
+                });
+            ("resp", r)
+        });
+    }
+
+    // HTTP metrics / status.
+    let mut http_addr = None;
+    if let Some(addr) = config.http_listen.addr() {
+        let bind_err = |e| {
+            fail(NodeError::Bind {
+                what: "HTTP",
+                addr: addr.to_string(),
+                source: e,
+            })
+        };
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .map_err(bind_err)?;
+        http_addr = Some(listener.local_addr().map_err(bind_err)?);
+        let ctx = Arc::clone(&ctx);
+        let shutdown = stopped(stop_rx.clone());
+        tasks.spawn(async move {
+            let r = crate::http::serve(listener, ctx, shutdown)
+                .await
+                .map_err(|e| NodeError::Serve {
+                    what: "HTTP",
+                    detail: e.to_string(),
+                });
+            ("http", r)
+        });
+    }
+    drop(stop_rx);
+
+    let addrs = BoundAddrs {
+        socket: config.socket.clone(),
+        resp: resp_addr,
+        http: http_addr,
+    };
+    let mut lock = lock;
+    lock.write(&LockInfo {
+        pid: std::process::id(),
+        role: "daemon".into(),
+        socket: Some(addrs.socket.clone()),
+        resp: addrs.resp,
+        http: addrs.http,
+        ready: true,
+    })?;
+    let startup = StartupInfo {
+        version: env!("CARGO_PKG_VERSION"),
+        data_dir,
+        namespaces: namespaces.len(),
+        chunks: stats.ram_chunks + stats.disk_chunks,
+        bytes: stats.ram_bytes + stats.disk_bytes,
+        recovery,
+        direct_io: stats.direct_io,
+        ram_budget: config.ram_budget,
+        disk_budget: ByteSize(stats.disk_budget),
+        addrs,
+    };
+    Ok(NodeHandle {
+        config,
+        ctx,
+        startup,
+        stop,
+        tasks,
+        lock,
+        started,
+    })
+}
+
+impl NodeHandle {
+    /// Where the node listens.
+    pub fn addrs(&self) -> &BoundAddrs {
+        &self.startup.addrs
+    }
+
+    /// What the node found at start.
+    pub fn startup(&self) -> &StartupInfo {
+        &self.startup
+    }
+
+    /// The shared context (store, counters).
+    pub fn context(&self) -> &Arc<NodeContext> {
+        &self.ctx
+    }
+
+    /// Resolves when a server task ends on its own (an error: servers only
+    /// end at shutdown), with what it returned. Never resolves while all
+    /// servers run.
+    pub async fn failed(&mut self) -> NodeError {
+        match self.tasks.join_next().await {
+            Some(Ok((what, Err(e)))) => {
+                tracing::error!(server = what, error = %e, "server failed");
+                e
+            }
+            Some(Ok((what, Ok(())))) => NodeError::Serve {
+                what,
+                detail: "stopped unexpectedly".into(),
+            },
+            Some(Err(e)) => NodeError::Serve {
+                what: "server task",
+                detail: e.to_string(),
+            },
+            None => std::future::pending().await,
+        }
+    }
+
+    /// Graceful shutdown: stops accepting, lets connections finish their
+    /// current request, then flushes dirty chunks within the configured
+    /// shutdown deadline and closes the store. Returns after every task has
+    /// finished.
+    pub async fn shutdown(mut self) -> Result<RunSummary> {
+        let deadline = Instant::now() + self.config.shutdown_deadline.0;
+        tracing::info!(
+            deadline = %self.config.shutdown_deadline,
+            "shutting down: stopping servers, then flushing dirty chunks"
+        );
+        self.stop.send_replace(true);
+        // Servers stop within moments; give them at most half the deadline
+        // (and at least a second) so that the flush keeps its share.
+        let server_budget = (self.config.shutdown_deadline.0 / 2).max(Duration::from_secs(1));
+        let mut aborted = Vec::new();
+        let mut first_error = None;
+        let wait = async {
+            while let Some(res) = self.tasks.join_next().await {
+                match res {
+                    Ok((_, Ok(()))) => {}
+                    Ok((what, Err(e))) => {
+                        tracing::error!(server = what, error = %e, "server failed");
+                        first_error.get_or_insert(e);
+                    }
+                    Err(e) if e.is_cancelled() => {}
+                    Err(e) => {
+                        first_error.get_or_insert(NodeError::Serve {
+                            what: "server task",
+                            detail: e.to_string(),
+                        });
+                    }
+                }
+            }
+        };
+        if tokio::time::timeout(server_budget, wait).await.is_err() {
+            tracing::warn!("servers did not stop in {server_budget:?}; aborting their connections");
+            aborted.push("servers");
+            self.tasks.abort_all();
+            while self.tasks.join_next().await.is_some() {}
+        }
+
+        let remaining = deadline.saturating_duration_since(Instant::now());
+        let store = Arc::clone(&self.ctx.store);
+        let t0 = Instant::now();
+        let closed = tokio::task::spawn_blocking(move || store.close(remaining))
+            .await
+            .map_err(|e| NodeError::Serve {
+                what: "store close",
+                detail: e.to_string(),
+            })?;
+        let flush = match closed {
+            Ok(report) => {
+                tracing::info!(
+                    chunks = report.chunks,
+                    bytes = report.bytes,
+                    failed = report.failed,
+                    ms = t0.elapsed().as_secs_f64() * 1e3,
+                    "store closed"
+                );
+                Some(report)
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "closing the store failed");
+                first_error.get_or_insert(NodeError::Store(e));
+                None
+            }
+        };
+        // The socket file is ours (bound at start); remove it so clients see
+        // "not running" rather than "connection refused" on a stale file.
+        if let Err(e) = std::fs::remove_file(&self.startup.addrs.socket)
+            && e.kind() != std::io::ErrorKind::NotFound
+        {
+            tracing::warn!(socket = %self.startup.addrs.socket.display(), error = %e, "could not remove the socket file");
+        }
+        let _ = self.lock.write(&LockInfo {
+            pid: std::process::id(),
+            role: "daemon".into(),
+            ready: false,
+            ..Default::default()
+        });
+        drop(self.lock);
+        match first_error {
+            Some(e) => Err(e),
+            None => Ok(RunSummary {
+                uptime: self.started.elapsed(),
+                flush,
+                aborted,
+            }),
+        }
+    }
+}
+
+/// Runs a node until `shutdown` completes (or a server fails), then shuts
+/// it down gracefully. Prints the start-up summary (a block on stderr for
+/// human logs, one `kvtier ready` event for JSON logs). Returns after every
+/// task has finished.
+pub async fn run(config: NodeConfig, shutdown: impl Future<Output = ()>) -> Result<RunSummary> {
+    let human = config.log_format == LogFormat::Human;
+    let mut node = start(config).await?;
+    let st = node.startup();
+    if human {
+        eprint!("{}", st.render());
+    } else {
+        tracing::info!(
+            version = st.version,
+            data_dir = %st.data_dir.display(),
+            namespaces = st.namespaces,
+            chunks = st.chunks,
+            recovery_ms = st.recovery.as_secs_f64() * 1e3,
+            direct_io = st.direct_io,
+            socket = %st.addrs.socket.display(),
+            resp = ?st.addrs.resp,
+            http = ?st.addrs.http,
+                    "kvtier ready"
+        );
+    }
+    tokio::pin!(shutdown);
+    let failure = tokio::select! {
+        () = &mut shutdown => None,
+        e = node.failed() => Some(e),
+    };
+    let summary = node.shutdown().await;
+    match failure {
+        Some(e) => Err(e),
+        None => summary,
+    }
+}

@@ -1,0 +1,206 @@
+//! The `kvtier` client commands against a real daemon: put / get / lookup /
+//! delete / flush / stats / namespaces, their exit codes, and `config check`.
+
+use kvtier_tests::{Daemon, run_kvtier};
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+#[test]
+fn client_commands_round_trip_and_use_documented_exit_codes() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let d = Daemon::start(dir.path(), &[], &[]).unwrap_or_else(|e| panic!("{e}"));
+    let sock = d.socket.to_string_lossy().into_owned();
+    let s = ["--socket", sock.as_str()];
+
+    let record = dir.path().join("ns.toml");
+    std::fs::write(
+        &record,
+        "model = \"m\"\nengine = \"vllm\"\ntp-size = 2\nrank = 1\nkv-dtype = \"bfloat16\"\n",
+    )
+    .expect("write record");
+    let payload = dir.path().join("chunk.bin");
+    let bytes: Vec<u8> = (0..200_000u32).map(|i| (i * 7 + 3) as u8).collect();
+    std::fs::write(&payload, &bytes).expect("write payload");
+
+    let (p, r) = (
+        payload.to_string_lossy().into_owned(),
+        record.to_string_lossy().into_owned(),
+    );
+    let out = run_kvtier(
+        &[
+            &["put", &p, "--namespace-record", &r, "--name", "hello"][..],
+            &s,
+        ]
+        .concat(),
+        &[],
+    );
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let ns = text(&out.stderr)
+        .lines()
+        .find_map(|l| l.strip_prefix("namespace ").map(str::to_owned))
+        .expect("put prints the registered namespace id");
+    assert_eq!(ns.len(), 32);
+
+    let got = dir.path().join("got.bin");
+    let g = got.to_string_lossy().into_owned();
+    let out = run_kvtier(
+        &[
+            &["get", "--name", "hello", "--namespace", &ns, "-o", &g][..],
+            &s,
+        ]
+        .concat(),
+        &[],
+    );
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    assert!(
+        std::fs::read(&got).expect("read output") == bytes,
+        "get returns the bytes put"
+    );
+
+    let key = node::tier::ChunkKey::from_name(b"hello").to_string();
+    let other = "ab".repeat(32);
+    let out = run_kvtier(
+        &[&["lookup", "--namespace", &ns, &key][..], &s].concat(),
+        &[],
+    );
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    assert!(text(&out.stdout).contains("ram"), "{}", text(&out.stdout));
+    let out = run_kvtier(
+        &[
+            &["lookup", "--namespace", &ns, &key, &other, "--json"][..],
+            &s,
+        ]
+        .concat(),
+        &[],
+    );
+    assert_eq!(out.status.code(), Some(4), "a missing key exits 4");
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("lookup --json");
+    assert_eq!(v["prefix"], 1);
+
+    let out = run_kvtier(
+        &[&["get", &other, "--namespace", &ns, "-o", &g][..], &s].concat(),
+        &[],
+    );
+    assert_eq!(
+        out.status.code(),
+        Some(4),
+        "a miss exits 4: {}",
+        text(&out.stderr)
+    );
+
+    let out = run_kvtier(&[&["flush", "--json"][..], &s].concat(), &[]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("flush --json");
+    assert_eq!(v["failed"], 0);
+
+    let out = run_kvtier(&[&["stats", "--json"][..], &s].concat(), &[]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("stats --json");
+    assert!(v["store"]["puts"].as_u64().expect("store.puts") >= 1, "{v}");
+    let out = run_kvtier(&[&["stats"][..], &s].concat(), &[]);
+    assert!(
+        text(&out.stdout).contains("store.puts"),
+        "{}",
+        text(&out.stdout)
+    );
+
+    let data = d.data_dir.to_string_lossy().into_owned();
+    let out = run_kvtier(
+        &[
+            "namespaces",
+            "--json",
+            "--data-dir",
+            &data,
+            "--disk-budget",
+            "256MiB",
+        ],
+        &[],
+    );
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("namespaces --json");
+    assert!(
+        v.as_array()
+            .expect("a list")
+            .iter()
+            .any(|n| n["id"] == ns.as_str()),
+        "{v}"
+    );
+
+    let out = run_kvtier(
+        &[&["delete", "--namespace", &ns, &key, &other][..], &s].concat(),
+        &[],
+    );
+    assert_eq!(
+        out.status.code(),
+        Some(4),
+        "an absent key exits 4: {}",
+        text(&out.stdout)
+    );
+    let out = run_kvtier(
+        &[&["get", &key, "--namespace", &ns, "-o", &g][..], &s].concat(),
+        &[],
+    );
+    assert_eq!(out.status.code(), Some(4), "deleted");
+
+    let out = run_kvtier(&["put", &p, "--namespace", &ns, "--key"], &[]);
+    assert_eq!(
+        out.status.code(),
+        Some(2),
+        "usage error: {}",
+        text(&out.stderr)
+    );
+}
+
+#[test]
+fn an_unreachable_daemon_exits_3() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let sock = dir.path().join("none.sock").to_string_lossy().into_owned();
+    let out = run_kvtier(&["stats", "--socket", &sock], &[]);
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(3), "{err}");
+    assert!(
+        err.contains("none.sock") && err.contains("kvtier node start"),
+        "{err}"
+    );
+    assert!(!err.contains("panicked"), "{err}");
+}
+
+#[test]
+fn config_check_prints_a_config_that_parses_back() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let data = dir.path().join("data").to_string_lossy().into_owned();
+    let out = run_kvtier(
+        &[
+            "config",
+            "check",
+            "--data-dir",
+            &data,
+            "--ram-budget",
+            "1GiB",
+        ],
+        &[
+            ("KVTIER_RESP_LISTEN", "off"),
+            ("KVTIER_GPU_KV_POOL", "1TiB"),
+        ],
+    );
+    let toml = text(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    assert!(
+        toml.contains("ram-budget = \"1GiB\"") && toml.contains("resp-listen = \"off\""),
+        "{toml}"
+    );
+    assert!(
+        toml.contains("NOT larger than the GPU KV pool"),
+        "the seed-003 warning: {toml}"
+    );
+    let file = dir.path().join("effective.toml");
+    std::fs::write(&file, &toml).expect("write");
+    let f = file.to_string_lossy().into_owned();
+    let out = run_kvtier(&["config", "check", "--config", &f, "--json"], &[]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("config check --json");
+    assert_eq!(v["config"]["ram-budget"], "1GiB");
+    assert_eq!(v["config"]["data-dir"], data.as_str());
+}

@@ -1,0 +1,297 @@
+//! Crash and restart of a real `kvtier` daemon: every flushed chunk survives
+//! SIGKILL byte-exact, a SIGTERM flushes dirty chunks and exits 0, nothing
+//! corrupt is ever served, and bad configuration fails the start naming the
+//! key and its source.
+
+use std::collections::BTreeMap;
+
+use kvtier_tests::{Daemon, chunk_bytes, run_kvtier, test_record};
+use node::tier::{ChunkKey, Namespace};
+
+/// Chunks known to be durable (flushed) and chunks that may or may not
+/// have survived (put after the last flush).
+#[derive(Default)]
+struct Model {
+    durable: BTreeMap<ChunkKey, Vec<u8>>,
+    maybe: BTreeMap<ChunkKey, Vec<u8>>,
+}
+
+fn put_round(d: &Daemon, ns: Namespace, round: u32, n: u32) -> BTreeMap<ChunkKey, Vec<u8>> {
+    let mut c = d.client();
+    let mut out = BTreeMap::new();
+    for i in 0..n {
+        let (key, data) = chunk_bytes(round, i);
+        let st = c.put_bytes(ns, 0, &[(key, &data)]).expect("PUT");
+        assert_eq!(st, vec![0], "PUT status of chunk {i} in round {round}");
+        out.insert(key, data);
+    }
+    out
+}
+
+/// Every durable chunk is present and byte-exact; every other chunk is a
+/// miss or byte-exact, never different bytes.
+fn check(d: &Daemon, ns: Namespace, model: &Model) {
+    let mut c = d.client();
+    let ns2 = c.hello(&test_record(0)).expect("HELLO after restart");
+    assert_eq!(ns2, ns);
+    for (key, want) in &model.durable {
+        let got = c.get_bytes(ns, 0, *key).expect("GET");
+        match got {
+            Some(got) => assert!(
+                got == *want,
+                "flushed chunk {key} came back with different bytes"
+            ),
+            None => panic!(
+                "flushed chunk {key} is missing after restart; log:\n{}",
+                d.log()
+            ),
+        }
+    }
+    for (key, want) in &model.maybe {
+        if let Some(got) = c.get_bytes(ns, 0, *key).expect("GET") {
+            assert!(
+                got == *want,
+                "unflushed chunk {key} came back with different bytes"
+            );
+        }
+    }
+    let keys: Vec<ChunkKey> = model.durable.keys().copied().collect();
+    let r = c.lookup(ns, 0, &keys).expect("LOOKUP");
+    assert_eq!(
+        r.prefix as usize,
+        keys.len(),
+        "every flushed chunk is in the index"
+    );
+}
+
+#[test]
+fn sigkill_keeps_every_flushed_chunk_byte_exact() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let mut model = Model::default();
+    let mut ns = None;
+    for round in 0..3u32 {
+        let mut d = Daemon::start(dir.path(), &[], &[]).unwrap_or_else(|e| panic!("{e}"));
+        let mut c = d.client();
+        let id = c.hello(&test_record(0)).expect("HELLO");
+        assert_eq!(*ns.get_or_insert(id), id, "the namespace id is stable");
+        if round > 0 {
+            check(&d, id, &model);
+        }
+        let flushed = put_round(&d, id, round * 2, 24);
+        let reply = c.flush().expect("FLUSH");
+        assert_eq!(reply.failed, 0, "flush failures");
+        assert!(
+            reply.chunks >= flushed.len() as u64,
+            "flush wrote {} of {} chunks",
+            reply.chunks,
+            flushed.len()
+        );
+        model.durable.extend(flushed);
+        // Chunks after the flush may be lost by SIGKILL, never corrupted.
+        let unflushed = put_round(&d, id, round * 2 + 1, 8);
+        for k in unflushed.keys() {
+            model.durable.remove(k);
+        }
+        model.maybe.extend(unflushed);
+        d.kill9();
+    }
+    let d = Daemon::start(dir.path(), &[], &[]).unwrap_or_else(|e| panic!("{e}"));
+    check(&d, ns.expect("namespace"), &model);
+}
+
+#[test]
+fn sigterm_flushes_dirty_chunks_and_exits_0() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let mut d = Daemon::start(dir.path(), &[], &[]).unwrap_or_else(|e| panic!("{e}"));
+    let ns = d.client().hello(&test_record(0)).expect("HELLO");
+    let chunks = put_round(&d, ns, 100, 32);
+    let status = d.stop_with(libc::SIGTERM);
+    assert_eq!(
+        status.code(),
+        Some(0),
+        "exit status after SIGTERM; log:\n{}",
+        d.log()
+    );
+    assert!(!d.socket.exists(), "the socket file is removed at shutdown");
+    let d = Daemon::start(dir.path(), &[], &[]).unwrap_or_else(|e| panic!("{e}"));
+    check(
+        &d,
+        ns,
+        &Model {
+            durable: chunks,
+            maybe: BTreeMap::new(),
+        },
+    );
+}
+
+#[test]
+fn flipped_bytes_on_disk_are_never_served() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let mut d = Daemon::start(dir.path(), &[], &[]).unwrap_or_else(|e| panic!("{e}"));
+    let mut c = d.client();
+    let ns = c.hello(&test_record(0)).expect("HELLO");
+    let chunks = put_round(&d, ns, 200, 24);
+    assert_eq!(c.flush().expect("FLUSH").failed, 0);
+    d.kill9();
+
+    // Flip one byte every 16 KiB in the written part (the first 32 MiB
+    // hold every chunk of this test) of every store file.
+    let mut flipped = 0;
+    for entry in std::fs::read_dir(&d.data_dir)
+        .expect("list data dir")
+        .flatten()
+    {
+        use std::os::unix::fs::FileExt;
+        let path = entry.path();
+        if !path.is_file() || path.file_name() == Some(std::ffi::OsStr::new("LOCK")) {
+            continue;
+        }
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&path)
+            .expect("open store file");
+        let len = file
+            .metadata()
+            .expect("stat store file")
+            .len()
+            .min(32 << 20);
+        let mut bytes = vec![0u8; usize::try_from(len).expect("32 MiB fits usize")];
+        file.read_exact_at(&mut bytes, 0).expect("read store file");
+        let written = bytes.iter().rposition(|b| *b != 0).map_or(0, |p| p + 1);
+        let mut off = 8192;
+        while off < written {
+            bytes[off] ^= 0x5a;
+            flipped += 1;
+            off += 16 << 10;
+        }
+        file.write_all_at(&bytes, 0).expect("write store file");
+        file.sync_all().expect("sync store file");
+    }
+    assert!(
+        flipped > 0,
+        "the flushed chunks are in files under the data dir"
+    );
+
+    let d = Daemon::start(dir.path(), &[], &[])
+        .unwrap_or_else(|e| panic!("a corrupt store must still start: {e}"));
+    let mut c = d.client();
+    c.hello(&test_record(0)).expect("HELLO");
+    let mut served = 0;
+    for (key, want) in &chunks {
+        if let Some(got) = c.get_bytes(ns, 0, *key).expect("GET") {
+            assert!(got == *want, "chunk {key} was served with corrupt bytes");
+            served += 1;
+        }
+    }
+    // Chunks smaller than the flip stride may survive; most must be misses.
+    assert!(
+        served < chunks.len(),
+        "{served} of {} chunks served despite {flipped} flipped bytes",
+        chunks.len()
+    );
+}
+
+#[test]
+fn a_second_daemon_on_the_same_data_dir_is_refused() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let d = Daemon::start(dir.path(), &[], &[]).unwrap_or_else(|e| panic!("{e}"));
+    let other = tempfile::tempdir().expect("temp dir");
+    let data = d.data_dir.to_string_lossy().into_owned();
+    let sock = other.path().join("b.sock").to_string_lossy().into_owned();
+    let out = run_kvtier(
+        &[
+            "node",
+            "start",
+            "--data-dir",
+            &data,
+            "--socket",
+            &sock,
+            "--disk-budget",
+            "256MiB",
+            "--resp-listen",
+            "off",
+            "--http-listen",
+            "off",
+        ],
+        &[],
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("in use") && err.contains(&format!("pid {}", d.pid())),
+        "{err}"
+    );
+
+    // verify / gc need the store to themselves.
+    let out = run_kvtier(
+        &["verify", "--data-dir", &data, "--disk-budget", "256MiB"],
+        &[],
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("stop the daemon first"), "{err}");
+}
+
+#[test]
+fn config_errors_fail_the_start_naming_key_and_source() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let data = dir.path().join("data").to_string_lossy().into_owned();
+    let start = [
+        "node",
+        "start",
+        "--data-dir",
+        data.as_str(),
+        "--resp-listen",
+        "off",
+        "--http-listen",
+        "off",
+    ];
+
+    let out = run_kvtier(&start, &[("KVTIER_RAM_BUDGET", "12XB")]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("ram-budget") && err.contains("KVTIER_RAM_BUDGET"),
+        "{err}"
+    );
+    assert!(
+        !err.contains("panicked") && !err.contains("backtrace"),
+        "{err}"
+    );
+
+    let file = dir.path().join("bad.toml");
+    std::fs::write(&file, "ram-budget = \"1GiB\"\nwrite-polcy = \"no-tax\"\n")
+        .expect("write config");
+    let f = file.to_string_lossy().into_owned();
+    let mut args = start.to_vec();
+    args.extend(["--config", f.as_str()]);
+    let out = run_kvtier(&args, &[]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("write-polcy") && err.contains("bad.toml"),
+        "{err}"
+    );
+
+    let mut args = start.to_vec();
+    args.extend(["--shutdown-deadline", "soon"]);
+    let out = run_kvtier(&args, &[]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(
+        out.status.code(),
+        Some(2),
+        "a malformed flag is a usage error: {err}"
+    );
+    assert!(err.contains("--shutdown-deadline"), "{err}");
+
+    let mut args = start.to_vec();
+    args.extend(["--disk-budget", "1000TiB"]);
+    let out = run_kvtier(&args, &[]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("disk-budget") && err.contains("--disk-budget") && err.contains("available"),
+        "{err}"
+    );
+}
