@@ -123,6 +123,8 @@ class KvtierScheduler:
         keys = layout.chunk_keys(request.block_hashes, request.num_tokens - 1)
         if len(keys) * layout.chunk_tokens <= num_computed_tokens:
             return 0, False
+        if st.lookup is None or st.lookup[0] != len(keys):
+            self.stats.add(lookup_tokens=len(keys) * layout.chunk_tokens - num_computed_tokens)
         loadable, present = self._lookup(st, keys)
         st.stored_chunks = max(st.stored_chunks, present)
         hit = loadable * layout.chunk_tokens

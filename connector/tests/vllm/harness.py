@@ -139,25 +139,30 @@ def make_vllm_config(extra: dict[str, Any], *, tp_size: int = 1, rank: int = 0, 
     return vc
 
 
-def make_kv_cache_config(num_blocks: int = 512) -> Any:
+def make_kv_cache_config(num_blocks: int = 512, groups: int = 1) -> Any:
+    """One full-attention group, or `groups` of them (a hybrid-allocator layout)."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
     spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=NUM_KV_HEADS, head_size=HEAD_SIZE, dtype=torch.bfloat16)
-    names = [f"model.layers.{i}.self_attn.attn" for i in range(NUM_LAYERS)]
-    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(names, spec)])
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(NUM_LAYERS * groups)]
+    per = len(names) // groups
+    specs = [KVCacheGroupSpec(names[g * per : (g + 1) * per], spec) for g in range(groups)]
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=specs)
 
 
 def make_kv_caches(kv_cache_config: Any, layout: str = "LBHNC", device: str = "cpu") -> dict[str, torch.Tensor]:
-    """Per-layer `[B, H, N, C]` views into one allocation, in a vLLM physical layout."""
-    group = kv_cache_config.kv_cache_groups[0]
-    spec = group.kv_cache_spec
-    L, B, H, N, C = len(group.layer_names), kv_cache_config.num_blocks, spec.num_kv_heads, spec.block_size, 2 * spec.head_size
-    dims = {"L": L, "B": B, "H": H, "N": N, "C": C}
-    order = list(layout)
-    base = torch.zeros([dims[d] for d in order], dtype=spec.dtype, device=device)
-    # permute to logical [L, B, H, N, C]
-    full = base.permute(*[order.index(d) for d in "LBHNC"])
-    return {name: full[i] for i, name in enumerate(group.layer_names)}
+    """Per-layer `[B, H, N, C]` views into one allocation per group, in a vLLM physical layout."""
+    out = {}
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        L, B, H, N, C = len(group.layer_names), kv_cache_config.num_blocks, spec.num_kv_heads, spec.block_size, 2 * spec.head_size
+        dims = {"L": L, "B": B, "H": H, "N": N, "C": C}
+        order = list(layout)
+        base = torch.zeros([dims[d] for d in order], dtype=spec.dtype, device=device)
+        # permute to logical [L, B, H, N, C]
+        full = base.permute(*[order.index(d) for d in "LBHNC"])
+        out.update({name: full[i] for i, name in enumerate(group.layer_names)})
+    return out
 
 
 def make_request(req_id: str, tokens: list[int], max_tokens: int = 4, salt: str | None = None) -> Any:
@@ -183,29 +188,37 @@ def expected_page(rank: int, layer: int, prefix_digest: bytes, pos: int) -> torc
 class FakeModel:
     """Writes KV for computed tokens: a function of the token prefix, rank and layer."""
 
-    def __init__(self, rank: int, kv_caches: dict[str, torch.Tensor]):
+    def __init__(self, rank: int, kv_caches: dict[str, torch.Tensor], kv_cache_config: Any = None):
         self.rank = rank
         self.kv = kv_caches
         self.names = list(kv_caches)
+        #: layer index -> KV-cache group index
+        self.group_of = [0] * len(self.names)
+        if kv_cache_config is not None:
+            for g, group in enumerate(kv_cache_config.kv_cache_groups):
+                for n in group.layer_names:
+                    self.group_of[self.names.index(n)] = g
 
-    def forward(self, tokens: list[int], block_ids: list[int], start: int, end: int) -> None:
+    def forward(self, tokens: list[int], block_ids: Any, start: int, end: int) -> None:
         h = hashlib.sha256()
         digests = []
         for t in tokens[:end]:
             h.update(t.to_bytes(4, "little"))
             digests.append(h.digest())
         for pos in range(start, end):
-            b, off = block_ids[pos // BLOCK_SIZE], pos % BLOCK_SIZE
+            off = pos % BLOCK_SIZE
             for li, name in enumerate(self.names):
+                b = block_ids[self.group_of[li]][pos // BLOCK_SIZE]
                 self.kv[name][b, :, off, :] = expected_page(self.rank, li, digests[pos], pos)
 
-    def check(self, tokens: list[int], block_ids: list[int], upto: int) -> None:
+    def check(self, tokens: list[int], block_ids: Any, upto: int) -> None:
         """Asserts the KV of tokens [0, upto) is exactly what forward() writes."""
         h = hashlib.sha256()
         for pos in range(upto):
             h.update(tokens[pos].to_bytes(4, "little"))
-            b, off = block_ids[pos // BLOCK_SIZE], pos % BLOCK_SIZE
+            off = pos % BLOCK_SIZE
             for li, name in enumerate(self.names):
+                b = block_ids[self.group_of[li]][pos // BLOCK_SIZE]
                 got = self.kv[name][b, :, off, :]
                 want = expected_page(self.rank, li, h.digest(), pos)
                 assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (
@@ -217,7 +230,7 @@ class Engine:
     """vLLM's scheduler plus one worker connector and fake model per rank."""
 
     def __init__(self, extra: dict[str, Any], tp_size: int = 1, layout: str = "LBHNC", num_blocks: int = 512,
-                 hash_algo: str = "sha256_cbor", sockets: list[str] | None = None):
+                 hash_algo: str = "sha256_cbor", sockets: list[str] | None = None, groups: int = 1):
         from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.v1.core.sched.scheduler import Scheduler
@@ -226,7 +239,7 @@ class Engine:
         from kvtier.vllm import KvtierConnector
 
         self.tp_size = tp_size
-        self.kv_cache_config = make_kv_cache_config(num_blocks)
+        self.kv_cache_config = make_kv_cache_config(num_blocks, groups)
         vc = make_vllm_config(extra, tp_size=tp_size, rank=0, hash_algo=hash_algo, num_blocks=num_blocks)
         self.vllm_config = vc
         self.scheduler = Scheduler(vc, self.kv_cache_config, StructuredOutputManager(vc), block_size=BLOCK_SIZE, log_stats=True)
@@ -242,7 +255,7 @@ class Engine:
             caches = make_kv_caches(self.kv_cache_config, layout)
             w.register_kv_caches(caches)
             self.workers.append(w)
-            self.models.append(FakeModel(r, caches))
+            self.models.append(FakeModel(r, caches, self.kv_cache_config))
         self.aggregator = KVOutputAggregator(expected_finished_count=tp_size)
         self.stats: list[Any] = []
         self.finished: set[str] = set()
@@ -304,15 +317,15 @@ class Engine:
             req = self.requests[new.req_id]
             n = so.num_scheduled_tokens[new.req_id]
             # Whatever the engine did not compute itself (restored KV) must be exact.
-            model.check(req.all_token_ids, new.block_ids[0], new.num_computed_tokens)
+            model.check(req.all_token_ids, new.block_ids, new.num_computed_tokens)
             self.verified[new.req_id] = max(self.verified.get(new.req_id, 0), new.num_computed_tokens)
-            model.forward(req.all_token_ids, new.block_ids[0], new.num_computed_tokens, new.num_computed_tokens + n)
+            model.forward(req.all_token_ids, new.block_ids, new.num_computed_tokens, new.num_computed_tokens + n)
         cached = so.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             req = self.requests[req_id]
             n = so.num_scheduled_tokens[req_id]
             start = cached.num_computed_tokens[i]
-            blocks = self.scheduler.kv_cache_manager.get_block_ids(req_id)[0]
+            blocks = self.scheduler.kv_cache_manager.get_block_ids(req_id)
             model.forward(req.all_token_ids, blocks, start, start + n)
 
     def run(self, until: Any, max_steps: int = 5000, timeout_s: float = 60.0) -> int:

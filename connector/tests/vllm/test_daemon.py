@@ -43,6 +43,8 @@ def test_store_restart_lookup_load_byte_exact(daemon: Daemon):
         assert e.verified["again"] == 512
         assert t["hit_tokens"] == 512 and t["load_chunks"] == 2 and t["load_hit_disk"] == 2
         assert t["load_failed_chunks"] == 0
+        # One CLUSTER_LOOKUP for the request, however often vLLM asked.
+        assert t["lookups"] == 1 and t["lookup_tokens"] == 512
         # Nothing new to store: the chunks are already there.
         assert t["save_chunks"] == 0
     finally:
@@ -229,3 +231,34 @@ def test_two_ranks_on_two_daemons_with_peers(short_tmp):
     finally:
         d1.stop(graceful=False)
         d2.stop(graceful=False)
+
+
+def test_two_kv_cache_groups_store_restore_and_request_level_failure(daemon: Daemon):
+    """HMA layout with two groups: one chunk per group and key; a failure is
+    reported per request (`failed_recving`), as vLLM requires with several groups."""
+    from kvtier.client import KvtierClient
+
+    t = store(daemon.socket, groups=2)
+    assert t["save_chunks"] == 4  # 2 chunks x 2 groups
+    e = Engine({"socket": daemon.socket, "min_tokens_for_disk": 0}, groups=2)
+    try:
+        run_one(e, "g")
+        t = e.totals()
+        assert t["hit_tokens"] == 512 and t["load_chunks"] == 4 and e.verified["g"] == 512
+    finally:
+        e.shutdown()
+    e = Engine({"socket": daemon.socket, "min_tokens_for_disk": 0}, groups=2)
+    keys = e.connector.layout.chunk_keys(make_request("k", PROMPT).block_hashes, 599)
+
+    def evict(so):
+        if so.kv_connector_metadata.loads:
+            with KvtierClient(daemon.socket, region_size=0) as c:
+                assert c.delete(c.hello(e.workers[0].worker.record), [keys[1]], group=1) == [True]
+
+    e.before_workers = evict
+    try:
+        run_one(e, "h")
+        t = e.totals()
+        assert t["load_failed_requests"] == 1 and e.verified["h"] == 0
+    finally:
+        e.shutdown()
