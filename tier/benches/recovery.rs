@@ -64,6 +64,7 @@ fn case(root: &Path, name: &str, count: u64, len: usize, disk: u64) {
     }
     let mut ours = Vec::new();
     let mut base = Vec::new();
+    let mut lookups: Vec<f64> = Vec::new();
     for _ in 0..3 {
         let t = Instant::now();
         let s = ChunkStore::open(cfg.clone()).expect("reopen");
@@ -71,6 +72,31 @@ fn case(root: &Path, name: &str, count: u64, len: usize, disk: u64) {
         assert_eq!(s.stats().disk_chunks, count, "every chunk recovered");
         assert!(s.get(&id(ns, count / 2)).is_some());
         ours.push(el);
+        if count >= 1_000_000 && lookups.is_empty() {
+            // Store-level lookup_prefix of 1,024 keys (half hits) in this
+            // 1M-entry store: the index probe plus a RAM check per key.
+            let mut tiers = Vec::new();
+            let mut x = 0x9e37_79b9_u64;
+            for _ in 0..200 {
+                let keys: Vec<ChunkKey> = (0..1024u64)
+                    .map(|i| {
+                        x ^= x << 13;
+                        x ^= x >> 7;
+                        x ^= x << 17;
+                        let n = if i % 2 == 0 {
+                            x % count
+                        } else {
+                            count + x % count
+                        };
+                        id(ns, n).key
+                    })
+                    .collect();
+                let t = Instant::now();
+                s.lookup_prefix(ns, 0, &keys, &mut tiers);
+                lookups.push(t.elapsed().as_secs_f64() * 1e6);
+                assert_eq!(tiers.iter().filter(|t| t.is_some()).count(), 512);
+            }
+        }
         drop(s);
         let t = Instant::now();
         let mut m: HashMap<ChunkId, (u32, u32, u32)> = HashMap::with_capacity(count as usize);
@@ -81,6 +107,12 @@ fn case(root: &Path, name: &str, count: u64, len: usize, disk: u64) {
         base.push(t.elapsed().as_secs_f64());
     }
     let (o, b) = (median(ours), median(base));
+    if !lookups.is_empty() {
+        println!(
+            "RESULT store lookup_prefix 1024 keys (512 hits) in {count} entries: median {:.1} us/batch",
+            median(lookups)
+        );
+    }
     println!(
         "RESULT recovery {name}: {count} chunks in {:.0} ms ({:.2} us/entry); baseline std HashMap insert of {count} entries from RAM {:.0} ms; ratio {:.2}x",
         o * 1e3,
