@@ -501,6 +501,12 @@ impl NodeConfig {
         let margin = (space.total / 20).min(1 << 30);
         let usable = space.available_to_store.saturating_sub(margin);
         match self.disk_budget {
+            // An existing store keeps the size it was created with: the
+            // automatic choice depends on free space, which changes, and the
+            // store refuses to reopen with another budget.
+            None if existing_store_len(&self.data_dir) >= 2 * self.region_size.0 => {
+                self.disk_budget = Some(ByteSize(existing_store_len(&self.data_dir)));
+            }
             None => {
                 let auto = DEFAULT_DISK_BUDGET_CAP.0.min(usable / 2);
                 // Whole regions only.
@@ -552,6 +558,15 @@ impl NodeConfig {
     pub fn to_toml(&self) -> String {
         toml::to_string(self).expect("NodeConfig serializes to TOML")
     }
+}
+
+/// The store file's name in the data dir (see the README, "The store on
+/// disk"); it is preallocated to exactly the disk budget.
+const STORE_FILE: &str = "store.kvt";
+
+/// Length of an existing store file in `data_dir`, 0 if there is none.
+fn existing_store_len(data_dir: &Path) -> u64 {
+    std::fs::metadata(data_dir.join(STORE_FILE)).map_or(0, |m| m.len())
 }
 
 struct DiskSpace {
@@ -1212,6 +1227,15 @@ mod tests {
             e.contains("`disk-budget`") && e.contains("--disk-budget") && e.contains("available"),
             "{e}"
         );
+
+        // An existing store keeps its size when the budget is automatic.
+        std::fs::create_dir_all(dir.path().join("data")).unwrap();
+        let f = std::fs::File::create(dir.path().join("data").join(STORE_FILE)).unwrap();
+        f.set_len(3 * c.region_size.0).unwrap();
+        l = load_with(None, &[], flags.clone()).unwrap();
+        let mut c2 = l.config.clone();
+        c2.resolve(&l).unwrap();
+        assert_eq!(c2.disk_budget, Some(ByteSize(3 * c.region_size.0)));
 
         let ram_only = Overrides {
             disk_budget: Some(ByteSize(0)),

@@ -589,3 +589,112 @@ pub async fn run(config: NodeConfig, shutdown: impl Future<Output = ()>) -> Resu
         None => summary,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{Environment, Listen, NodeConfig};
+
+    #[test]
+    fn the_lock_is_exclusive_and_names_its_holder() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let data = dir.path().join("data");
+        assert!(DataDirLock::holder(&data).is_none());
+        let mut lock = DataDirLock::acquire(&data, "daemon").expect("first lock");
+        lock.write(&LockInfo {
+            pid: 4242,
+            role: "daemon".into(),
+            socket: Some("/tmp/x.sock".into()),
+            ready: true,
+            ..Default::default()
+        })
+        .expect("write");
+        match DataDirLock::acquire(&data, "verify") {
+            Err(NodeError::Locked { holder, .. }) => {
+                assert!(
+                    holder.contains("pid 4242") && holder.contains("/tmp/x.sock"),
+                    "{holder}"
+                );
+            }
+            other => panic!("expected Locked, got {other:?}"),
+        }
+        let h = DataDirLock::holder(&data).expect("held");
+        assert_eq!(h.pid, 4242);
+        drop(lock);
+        assert!(DataDirLock::holder(&data).is_none(), "released on drop");
+        let _again = DataDirLock::acquire(&data, "gc").expect("free again");
+    }
+
+    fn test_config(dir: &Path) -> NodeConfig {
+        let mut c = NodeConfig::defaults_for(&Environment::default());
+        c.data_dir = dir.join("data");
+        c.socket = dir.join("kvtier.sock");
+        c.ram_budget = ByteSize::mib(16);
+        c.disk_budget = Some(ByteSize::mib(16));
+        c.region_size = ByteSize::mib(4);
+        c.resp_listen = Listen::Addr("127.0.0.1:0".parse().expect("addr"));
+        c.http_listen = Listen::Addr("127.0.0.1:0".parse().expect("addr"));
+        c.shutdown_deadline = crate::HumanDuration::secs(10);
+        c
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn start_binds_everything_and_shutdown_releases_everything() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let cfg = test_config(dir.path());
+        let node = start(cfg.clone()).await.expect("start");
+        let addrs = node.addrs().clone();
+        assert!(addrs.resp.expect("resp").port() != 0);
+        assert!(addrs.http.expect("http").port() != 0);
+        assert!(addrs.socket.exists());
+        let info = DataDirLock::holder(&cfg.data_dir).expect("daemon holds the lock");
+        assert!(info.ready && info.pid == std::process::id() && info.resp == addrs.resp);
+        assert!(node.startup().render().contains("ready"));
+
+        // A second node on the same data dir is refused, naming the first.
+        let mut other = cfg.clone();
+        other.socket = dir.path().join("other.sock");
+        match start(other).await {
+            Err(NodeError::Locked { holder, .. }) => assert!(holder.contains("daemon"), "{holder}"),
+            Err(e) => panic!("expected Locked, got {e}"),
+            Ok(_) => panic!("a second node started on a locked data dir"),
+        }
+
+        let summary = node.shutdown().await.expect("shutdown");
+        assert!(summary.aborted.is_empty());
+        assert!(!addrs.socket.exists(), "socket removed");
+        assert!(
+            DataDirLock::holder(&cfg.data_dir).is_none(),
+            "lock released"
+        );
+        // Ports are free again.
+        std::net::TcpListener::bind(addrs.resp.expect("resp")).expect("RESP port released");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn run_returns_when_shutdown_completes() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let mut cfg = test_config(dir.path());
+        cfg.resp_listen = Listen::Off;
+        cfg.http_listen = Listen::Off;
+        let summary = run(cfg, async {}).await.expect("run");
+        assert!(summary.flush.is_some());
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_busy_port_fails_the_start_and_releases_the_lock() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let busy = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let mut cfg = test_config(dir.path());
+        cfg.http_listen = Listen::Addr(busy.local_addr().expect("addr"));
+        match start(cfg.clone()).await {
+            Err(NodeError::Bind { what, .. }) => assert_eq!(what, "HTTP"),
+            Err(e) => panic!("expected Bind, got {e}"),
+            Ok(_) => panic!("started on a busy port"),
+        }
+        assert!(
+            DataDirLock::holder(&cfg.data_dir).is_none(),
+            "lock released"
+        );
+    }
+}

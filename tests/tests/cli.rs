@@ -204,3 +204,141 @@ fn config_check_prints_a_config_that_parses_back() {
     assert_eq!(v["config"]["ram-budget"], "1GiB");
     assert_eq!(v["config"]["data-dir"], data.as_str());
 }
+
+#[test]
+fn verify_and_gc_work_offline_and_report_bad_chunks() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let mut d = Daemon::start(dir.path(), &[], &[]).unwrap_or_else(|e| panic!("{e}"));
+    let mut c = d.client();
+    let ns = c.hello(&kvtier_tests::test_record(0)).expect("HELLO");
+    for i in 0..12 {
+        let (key, data) = kvtier_tests::chunk_bytes(300, i);
+        assert_eq!(c.put_bytes(ns, 0, &[(key, &data)]).expect("PUT"), vec![0]);
+    }
+    assert_eq!(d.stop_with(libc::SIGTERM).code(), Some(0), "{}", d.log());
+
+    let data = d.data_dir.to_string_lossy().into_owned();
+    let store = [
+        "--data-dir",
+        data.as_str(),
+        "--disk-budget",
+        "256MiB",
+        "--ram-budget",
+        "64MiB",
+    ];
+    let out = run_kvtier(&[&["verify", "--json"][..], &store].concat(), &[]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("verify --json");
+    assert_eq!(v["checked"], 12, "{v}");
+    assert_eq!(v["bad"], 0, "{v}");
+
+    let id = ns.to_string();
+    let out = run_kvtier(
+        &[&["gc", "--namespace", &id, "--json"][..], &store].concat(),
+        &[],
+    );
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("gc --json");
+    assert_eq!(v["dry-run"], true);
+    assert_eq!(v["report"]["chunks"], 12, "{v}");
+    // A dry run dropped nothing.
+    let out = run_kvtier(&[&["verify", "--json"][..], &store].concat(), &[]);
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("verify --json");
+    assert_eq!(v["checked"], 12, "{v}");
+    let out = run_kvtier(
+        &[&["gc", "--namespace", &id, "--apply"][..], &store].concat(),
+        &[],
+    );
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stdout).contains("dropped"),
+        "{}",
+        text(&out.stdout)
+    );
+    let out = run_kvtier(&[&["verify", "--json"][..], &store].concat(), &[]);
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("verify --json");
+    assert_eq!(v["checked"], 0, "gc --apply dropped the namespace: {v}");
+
+    let out = run_kvtier(&[&["gc"][..], &store].concat(), &[]);
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "gc without a selection is refused"
+    );
+}
+
+#[test]
+fn verify_exits_5_on_corrupt_chunks_and_repair_drops_them() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    // 1 MiB regions: the chunks below fill several, so most are in sealed
+    // regions, which reopen from their summaries without re-reading payloads.
+    let mut d = Daemon::start(dir.path(), &[], &[("KVTIER_REGION_SIZE", "1MiB")])
+        .unwrap_or_else(|e| panic!("{e}"));
+    let mut c = d.client();
+    let ns = c.hello(&kvtier_tests::test_record(0)).expect("HELLO");
+    for i in 0..24 {
+        let (key, data) = kvtier_tests::chunk_bytes(400, i);
+        assert_eq!(c.put_bytes(ns, 0, &[(key, &data)]).expect("PUT"), vec![0]);
+    }
+    assert_eq!(c.flush().expect("FLUSH").failed, 0);
+    d.kill9();
+    // Flip a byte well inside the written data of the store file.
+    let path = d.data_dir.join("store.kvt");
+    {
+        use std::os::unix::fs::FileExt;
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&path)
+            .expect("open store");
+        let mut buf = vec![0u8; 1 << 20];
+        f.read_exact_at(&mut buf, 0).expect("read store");
+        let written = buf.iter().rposition(|b| *b != 0).expect("data written");
+        let off = written / 2;
+        buf[off] ^= 0xff;
+        f.write_all_at(&buf[off..=off], off as u64).expect("flip");
+        f.sync_all().expect("sync");
+    }
+    let data = d.data_dir.to_string_lossy().into_owned();
+    let store = [
+        "--data-dir",
+        data.as_str(),
+        "--disk-budget",
+        "256MiB",
+        "--ram-budget",
+        "64MiB",
+    ];
+    let out = run_kvtier(
+        &[&["verify"][..], &store].concat(),
+        &[("KVTIER_REGION_SIZE", "1MiB")],
+    );
+    assert_eq!(
+        out.status.code(),
+        Some(5),
+        "{}{}",
+        text(&out.stdout),
+        text(&out.stderr)
+    );
+    let out = run_kvtier(
+        &[&["verify", "--repair", "--json"][..], &store].concat(),
+        &[("KVTIER_REGION_SIZE", "1MiB")],
+    );
+    assert_eq!(
+        out.status.code(),
+        Some(5),
+        "the repair run still reports what it found: {}",
+        text(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("verify --json");
+    assert!(v["dropped"].as_u64().expect("dropped") >= 1, "{v}");
+    let out = run_kvtier(
+        &[&["verify"][..], &store].concat(),
+        &[("KVTIER_REGION_SIZE", "1MiB")],
+    );
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "clean after repair: {}",
+        text(&out.stdout)
+    );
+}
