@@ -12,7 +12,9 @@
 //! the exact size (one copy) and give it back with
 //! [`RequestParser::finish_direct`].
 
-use bytes::{Buf, Bytes, BytesMut};
+use bytes::Buf;
+/// The buffer types the parser works on (re-exported for fuzzers and tools).
+pub use bytes::{Bytes, BytesMut};
 
 /// Longest inline request or multibulk/bulk header line (Redis's
 /// `PROTO_INLINE_MAX_SIZE`).
