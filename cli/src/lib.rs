@@ -28,9 +28,14 @@ pub const EXIT_VERIFY_FAILED: u8 = 5;
 /// Parses `std::env::args`, runs the command, prints errors (the chain,
 /// no backtrace) and returns the exit code. `bin` names the program in
 /// messages ("kvtier" or "tier").
-pub fn main_with(bin: &str) -> ExitCode {
-    use clap::Parser;
-    let cli = match Cli::try_parse() {
+pub fn main_with(bin: &'static str) -> ExitCode {
+    use clap::{CommandFactory, FromArgMatches};
+    let parsed = Cli::command()
+        .name(bin)
+        .bin_name(bin)
+        .try_get_matches()
+        .and_then(|m| Cli::from_arg_matches(&m));
+    let cli = match parsed {
         Ok(cli) => cli,
         Err(e) => {
             // --help and --version print to stdout and exit 0; usage errors exit 2.

@@ -91,7 +91,11 @@ impl FromStr for ByteSize {
                 .iter()
                 .find(|(u, _)| *u == unit)
                 .map(|(_, m)| *m)
-                .ok_or_else(|| err(&format!("unknown unit {unit:?}")))?
+                .ok_or_else(|| {
+                    // ASCII lowercasing keeps byte offsets: show the unit as written.
+                    let written = input.trim().get(split..).unwrap_or(unit).trim();
+                    err(&format!("unknown unit {written:?}"))
+                })?
         };
         if num.is_empty() {
             return Err(err("no number"));
