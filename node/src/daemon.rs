@@ -573,8 +573,8 @@ pub async fn run(config: NodeConfig, shutdown: impl Future<Output = ()>) -> Resu
             recovery_ms = st.recovery.as_secs_f64() * 1e3,
             direct_io = st.direct_io,
             socket = %st.addrs.socket.display(),
-            resp = ?st.addrs.resp,
-            http = ?st.addrs.http,
+            resp = %st.addrs.resp.map_or_else(|| "off".to_string(), |a| a.to_string()),
+            http = %st.addrs.http.map_or_else(|| "off".to_string(), |a| a.to_string()),
                     "kvtier ready"
         );
     }

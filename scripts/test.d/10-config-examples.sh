@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Every example config under deploy/config parses and validates with
 # `kvtier config check` (run on an empty environment, data dir in a temp dir
-# so the free-space check does not depend on this machine's /var/lib).
+# so the free-space check does not depend on this machine's /var/lib), and
+# the systemd unit passes `systemd-analyze verify`.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 BIN=${KVTIER_BIN:-target/debug/kvtier}
@@ -27,3 +28,10 @@ if out=$(env -i PATH="$PATH" HOME="$tmp" "$BIN" config check --config "$tmp/bad.
 fi
 grep -q 'ram-budjet' <<<"$out" && grep -q 'bad.toml' <<<"$out" || { echo "unclear error: $out" >&2; exit 1; }
 echo "$n example config(s) OK"
+# The systemd unit is well-formed (when systemd-analyze is installed).
+if command -v systemd-analyze >/dev/null 2>&1; then
+  bin_abs=$(cd "$(dirname "$BIN")" && pwd)/$(basename "$BIN")
+  sed "s#/usr/local/bin/kvtier#$bin_abs#" deploy/systemd/kvtier.service >"$tmp/kvtier.service"
+  systemd-analyze verify "$tmp/kvtier.service"
+  echo "deploy/systemd/kvtier.service OK"
+fi
