@@ -423,6 +423,15 @@ fn http_get(addr: std::net::SocketAddr, path: &str) -> Result<Vec<u8>> {
 
 /// Opens the store offline (no daemon) under the data dir lock.
 fn open_offline(cfg: &NodeConfig, role: &str) -> Result<(ChunkStore, DataDirLock)> {
+    // Opening creates (and preallocates) a store: never do that by accident.
+    let file = cfg.data_dir.join(config::STORE_FILE);
+    if !file.exists() {
+        bail!(
+            "there is no chunk store in {} (no {}); give the daemon's --data-dir or --config",
+            cfg.data_dir.display(),
+            config::STORE_FILE
+        );
+    }
     let lock = DataDirLock::acquire(&cfg.data_dir, role).map_err(|e| match e {
         node::NodeError::Locked { data_dir, holder } => anyhow!(
             "data dir {} is in use by {holder}; `kvtier {role}` needs exclusive access to the \
@@ -454,6 +463,10 @@ fn namespaces(args: &NamespacesArgs) -> Result<u8> {
             info.role,
             info.pid
         ),
+        None if !cfg.data_dir.join(config::STORE_FILE).exists() => {
+            eprintln!("no chunk store in {} yet", cfg.data_dir.display());
+            serde_json::Value::Array(vec![])
+        }
         None => {
             let (store, lock) = open_offline(&cfg, "namespaces")?;
             let list = serde_json::to_value(store.namespaces())?;

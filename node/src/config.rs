@@ -562,7 +562,7 @@ impl NodeConfig {
 
 /// The store file's name in the data dir (see the README, "The store on
 /// disk"); it is preallocated to exactly the disk budget.
-const STORE_FILE: &str = "store.kvt";
+pub const STORE_FILE: &str = "store.kvt";
 
 /// Length of an existing store file in `data_dir`, 0 if there is none.
 fn existing_store_len(data_dir: &Path) -> u64 {
