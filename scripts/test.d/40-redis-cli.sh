@@ -34,7 +34,7 @@ cleanup() {
 trap cleanup EXIT
 fail() { echo "40-redis-cli: FAIL: $*" >&2; [ -f "$TMP/node.log" ] && tail -n 30 "$TMP/node.log" >&2; exit 1; }
 
-"$KVTIER" node start --data-dir "$TMP/data" --socket "$TMP/s.sock" --ram-budget 1GiB --disk-budget 0 \
+env -u KVTIER_BIN "$KVTIER" node start --data-dir "$TMP/data" --socket "$TMP/s.sock" --ram-budget 1GiB --disk-budget 0 \
   --resp-listen 127.0.0.1:0 --http-listen 127.0.0.1:0 >"$TMP/node.log" 2>&1 &
 PID=$!
 PORT= ; HTTP=

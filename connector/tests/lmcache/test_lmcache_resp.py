@@ -92,7 +92,9 @@ def resp_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
         "--http-listen", "off",
     ]  # fmt: skip
     with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        # KVTIER_* variables are daemon settings: do not hand it ours.
+        env = {k: v for k, v in os.environ.items() if k != "KVTIER_BIN"}
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     port = None
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and proc.poll() is None:
@@ -164,11 +166,22 @@ def key(rank: int, chunk_hash: int) -> Any:
     return CacheEngineKey(MODEL, WORLD, rank, chunk_hash, torch.bfloat16)
 
 
-def wait_puts(r: Rank, keys: list[Any]) -> None:
-    deadline = time.monotonic() + CALL_TIMEOUT
-    while any(r.remote.exists_in_put_tasks(k) for k in keys):
-        assert time.monotonic() < deadline, "puts did not complete in time"
-        time.sleep(0.01)
+class PutWaiter:
+    """Counts LMCache's per-key completion callbacks of fire-and-forget puts."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.done, self.cv = n, 0, threading.Condition()
+
+    def __call__(self, _key: Any) -> None:
+        with self.cv:
+            self.done += 1
+            self.cv.notify_all()
+
+    def wait(self) -> None:
+        with self.cv:
+            assert self.cv.wait_for(lambda: self.done >= self.n, CALL_TIMEOUT), (
+                f"{self.done} of {self.n} puts completed in time"
+            )
 
 
 def test_two_ranks_store_check_and_load_byte_exact(resp_daemon: Daemon) -> None:
@@ -185,8 +198,10 @@ def test_two_ranks_store_check_and_load_byte_exact(resp_daemon: Daemon) -> None:
                 obj, data = rank.chunk(seed=1000 * r + i)
                 objs.append(obj)
                 stored[(r, h)] = data
-            rank.remote.batched_submit_put_task(keys, objs)
-            wait_puts(rank, keys)
+            waiter = PutWaiter(len(keys))
+            rank.remote.batched_submit_put_task(keys, objs, on_complete_callback=waiter)
+            waiter.wait()
+            assert rank.remote.put_failed_count == 0
 
         # Every chunk is present; a missing one in the middle ends the prefix.
         for r, rank in enumerate(ranks):
