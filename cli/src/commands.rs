@@ -388,6 +388,12 @@ fn flush(args: &FlushArgs) -> Result<u8> {
 /// The namespaces of a running daemon, from its HTTP `/status` (the native
 /// STATS document does not list them).
 fn namespaces_from_daemon(info: &node::daemon::LockInfo) -> Result<serde_json::Value> {
+    if !info.ready {
+        bail!(
+            "the kvtier daemon (pid {}) holding the data dir is still starting; try again",
+            info.pid
+        );
+    }
     let addr = info.http.ok_or_else(|| {
         anyhow!(
             "a kvtier daemon (pid {}) holds the data dir and its HTTP endpoint is off; \
