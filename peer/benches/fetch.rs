@@ -12,7 +12,8 @@
 //! peer / raw quinn per chunk size.
 //!
 //! `KVTIER_BENCH_TUNING=default` uses the untuned datagram size (initial
-//! MTU 1200) instead of the loopback tuning.
+//! MTU 1200) instead of the loopback tuning; `KVTIER_BENCH_TUNING=N` uses
+//! `TransportTuning::jumbo(N)` (N-byte datagrams from the first packet).
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -38,8 +39,15 @@ const SUMMARY_BYTES: usize = 256 << 20;
 fn tuning() -> TransportTuning {
     match std::env::var("KVTIER_BENCH_TUNING").as_deref() {
         Ok("default") => TransportTuning::default(),
+        Ok(mtu) if mtu.parse::<u16>().is_ok() => {
+            TransportTuning::jumbo(mtu.parse().expect("checked"))
+        }
         _ => TransportTuning::loopback(),
     }
+}
+
+fn tuning_name() -> String {
+    std::env::var("KVTIER_BENCH_TUNING").unwrap_or_else(|_| "loopback (8952)".into())
 }
 
 fn payload(len: usize) -> Bytes {
@@ -89,6 +97,8 @@ struct Setup {
     raw: quinn::Connection,
     _raw_server: quinn::Endpoint,
     _raw_client: quinn::Endpoint,
+    // the raw server's side of the connection (sender stats)
+    raw_sender: Arc<parking_lot::Mutex<Option<quinn::Connection>>>,
     // tcp path
     tcp_addr: SocketAddr,
 }
@@ -110,6 +120,8 @@ fn setup() -> Setup {
         .iter()
         .map(|&s| (id(s), ChunkBytes::new(payload(s))))
         .collect();
+    let raw_sender = Arc::new(parking_lot::Mutex::new(None));
+    let rsend = raw_sender.clone();
     let (a, b, raw, rs, rc, tcp_addr) = rt.block_on(async {
         let cfg = PeerConfig {
             tuning: t,
@@ -166,6 +178,7 @@ fn setup() -> Setup {
             let payloads: Vec<Bytes> = SIZES.iter().map(|&s| payload(s)).collect();
             while let Some(inc) = rs2.accept().await {
                 let Ok(conn) = inc.await else { continue };
+                *rsend.lock() = Some(conn.clone());
                 let payloads = payloads.clone();
                 tokio::spawn(async move {
                     while let Ok((mut s, mut r)) = conn.accept_bi().await {
@@ -225,6 +238,7 @@ fn setup() -> Setup {
         raw,
         _raw_server: rs,
         _raw_client: rc,
+        raw_sender,
         tcp_addr,
     }
 }
@@ -314,11 +328,7 @@ fn bench(c: &mut Criterion) {
     // Summary: alternate the paths, median GB/s over rounds, and ratios.
     println!(
         "\npeer fetch summary ({} tuning, {CONCURRENCY} streams in flight, {SUMMARY_ROUNDS} rounds of {} MiB per path, median):",
-        if std::env::var("KVTIER_BENCH_TUNING").as_deref() == Ok("default") {
-            "default"
-        } else {
-            "loopback"
-        },
+        tuning_name(),
         SUMMARY_BYTES >> 20
     );
     println!(
@@ -339,6 +349,9 @@ fn bench(c: &mut Criterion) {
                 }
             });
             raw.push(bytes / t.elapsed().as_secs_f64() / 1e9);
+            if std::env::var_os("KVTIER_BENCH_VERBOSE").is_some() {
+                eprintln!("  {size}: raw round done in {:?}", t.elapsed());
+            }
             let t = Instant::now();
             st.rt.block_on(async {
                 for _ in 0..iters {
@@ -364,6 +377,20 @@ fn bench(c: &mut Criterion) {
             size >> 10,
             p / r,
             p / t
+        );
+    }
+    if let Some(c) = st.raw_sender.lock().as_ref() {
+        let p = c.stats().path;
+        println!(
+            "(raw quinn sender: mtu {}, sent {} packets, lost {} ({} bytes), {} congestion events, {} black holes, cwnd {} bytes, rtt {:?})",
+            p.current_mtu,
+            p.sent_packets,
+            p.lost_packets,
+            p.lost_bytes,
+            p.congestion_events,
+            p.black_holes_detected,
+            p.cwnd,
+            p.rtt
         );
     }
     let (n, table) = st.b.directory_size();

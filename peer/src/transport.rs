@@ -63,6 +63,9 @@ pub struct TransportTuning {
     /// Initial datagram size (must fit the path MTU from the first packet).
     /// Default: 1200.
     pub initial_mtu: u16,
+    /// Datagram size the path is known to carry: MTU discovery and black
+    /// hole detection never go below it. Default: 1200 (QUIC's minimum).
+    pub min_mtu: u16,
     /// Upper bound for MTU discovery and the largest UDP payload accepted.
     /// Default: 8952 (9000-byte jumbo frames minus IPv6 + UDP headers).
     pub max_udp_payload: u16,
@@ -81,6 +84,7 @@ impl Default for TransportTuning {
     fn default() -> Self {
         Self {
             initial_mtu: 1200,
+            min_mtu: 1200,
             max_udp_payload: 8952,
             stream_window: 16 << 20,
             conn_window: 64 << 20,
@@ -91,11 +95,27 @@ impl Default for TransportTuning {
 }
 
 impl TransportTuning {
-    /// Settings for loopback links: the first datagram is already jumbo
-    /// sized (loopback MTU is 64 KiB).
+    /// Settings for loopback links (MTU 64 KiB) and jumbo-frame networks:
+    /// 8952-byte datagrams from the first packet, with quinn's black-hole
+    /// detection free to fall back to 1200 when large datagrams get lost.
     pub fn loopback() -> Self {
         Self {
             initial_mtu: 8952,
+            ..Self::default()
+        }
+    }
+
+    /// Settings for a path known to carry `mtu`-byte UDP payloads: that
+    /// size from the first packet, and never below it (no black-hole
+    /// fallback). Measured here: large datagrams on an overloaded loopback
+    /// collapse throughput when they cannot fall back; see
+    /// docs/benchmarks.md.
+    pub fn jumbo(mtu: u16) -> Self {
+        let mtu = mtu.clamp(1200, 65_527);
+        Self {
+            initial_mtu: mtu,
+            min_mtu: mtu,
+            max_udp_payload: mtu,
             ..Self::default()
         }
     }
@@ -108,6 +128,7 @@ impl TransportTuning {
     ) -> quinn::TransportConfig {
         let mut t = quinn::TransportConfig::default();
         t.initial_mtu(self.initial_mtu.max(1200));
+        t.min_mtu(self.min_mtu.max(1200));
         let mut mtu = quinn::MtuDiscoveryConfig::default();
         mtu.upper_bound(self.max_udp_payload.max(self.initial_mtu).max(1200));
         t.mtu_discovery_config(Some(mtu));
