@@ -56,4 +56,5 @@ export VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 TOKENIZERS_PARALLELISM=false
 export PYTHONPATH="$ROOT/connector${PYTHONPATH:+:$PYTHONPATH}"
 args=(-q -p no:cacheprovider connector/tests/vllm)
 [ "$MODE" = "--full" ] || args+=(-m "not slow")
-"$VENV/bin/python" -m pytest "${args[@]}"
+# Bounded: a hang must fail CI, not eat its time budget.
+timeout 900 "$VENV/bin/python" -m pytest "${args[@]}"

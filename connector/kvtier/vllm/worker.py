@@ -279,10 +279,12 @@ class KvtierWorker:
 
     def _run_save(self, job: _SaveJob, stream: Any) -> None:
         with self._lock:
-            if job.state == "cancelled":
-                self._save_done(job, dropped=len(job.chunks))
-                return
-            job.state = "running"
+            cancelled = job.state == "cancelled"
+            if not cancelled:
+                job.state = "running"
+        if cancelled:
+            self._save_done(job, dropped=len(job.chunks))
+            return
         layout = self.layout
         assert layout is not None and self.record is not None
         group = next(g for g in layout.groups if g.group_id == job.group)
