@@ -60,6 +60,12 @@ pub enum Command {
     /// End-to-end benchmarks against real daemons (limits, local, vs, crash,
     /// churn, restore); see docs/benchmarks.md.
     Bench(crate::bench::BenchArgs),
+    /// Cluster certificates: `init-ca` and `issue` (mutual TLS between nodes).
+    #[command(subcommand)]
+    Cert(crate::cmd_cert::CertCommand),
+    /// Show this node's peers: state, RTT, chunks and bytes they hold, last
+    /// sync, bytes fetched and served.
+    Peers(crate::cmd_peers::PeersArgs),
 }
 
 /// `kvtier node ...`
@@ -137,6 +143,27 @@ pub struct ConfigArgs {
     /// Log level or filter, e.g. info, debug, info,node=debug. Default: info.
     #[arg(long, value_name = "LEVEL")]
     pub log_level: Option<String>,
+    /// This node's name; with peers it must equal the name in its
+    /// certificate. Default: the certificate's name, else the host name.
+    #[arg(long, value_name = "NAME")]
+    pub node_name: Option<String>,
+    /// Peer (QUIC, mutual TLS) listen address, or `off`. Default: off.
+    #[arg(long, value_name = "ADDR|off")]
+    pub peer_listen: Option<Listen>,
+    /// Seed peers, HOST:PORT (repeatable or comma-separated). Default: none.
+    #[arg(long, value_name = "HOST:PORT", value_delimiter = ',')]
+    pub peers: Vec<String>,
+    /// Directory with ca.pem, node.pem, node.key (`kvtier cert issue
+    /// --out DIR`). Required with --peer-listen unless --insecure-dev.
+    #[arg(long, value_name = "DIR")]
+    pub tls_dir: Option<PathBuf>,
+    /// Development only: self-signed certificate, any peer accepted,
+    /// loopback addresses only.
+    #[arg(long)]
+    pub insecure_dev: bool,
+    /// How long a local miss may wait for a peer, e.g. 500ms. Default: 2s.
+    #[arg(long, value_name = "DURATION")]
+    pub peer_fetch_timeout: Option<HumanDuration>,
 }
 
 fn parse_write_policy(s: &str) -> Result<WritePolicy, String> {
@@ -166,6 +193,12 @@ impl ConfigArgs {
             shutdown_deadline: self.shutdown_deadline,
             log_format: self.log_format,
             log_level: self.log_level.clone(),
+            node_name: self.node_name.clone(),
+            peer_listen: self.peer_listen,
+            peers: (!self.peers.is_empty()).then(|| node::config::PeerList(self.peers.clone())),
+            tls_dir: self.tls_dir.clone(),
+            insecure_dev: self.insecure_dev.then_some(true),
+            peer_fetch_timeout: self.peer_fetch_timeout,
         }
     }
 }

@@ -31,6 +31,8 @@ pub fn run(cli: Cli) -> Result<u8> {
         Command::Gc(a) => gc(&a),
         Command::Completions(a) => completions(&a),
         Command::Bench(a) => crate::bench::run(&a),
+        Command::Cert(c) => crate::cmd_cert::run(&c),
+        Command::Peers(a) => crate::cmd_peers::run(&a),
     }
 }
 
@@ -167,7 +169,7 @@ fn socket_of(args: &ClientArgs) -> Result<PathBuf> {
     Ok(loaded.config.socket)
 }
 
-fn connect(args: &ClientArgs) -> Result<Client> {
+pub(crate) fn connect(args: &ClientArgs) -> Result<Client> {
     let socket = socket_of(args)?;
     Ok(Client::connect(&socket)?)
 }

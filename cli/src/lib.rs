@@ -6,6 +6,8 @@
 
 mod args;
 mod bench;
+mod cmd_cert;
+mod cmd_peers;
 mod commands;
 
 use std::process::ExitCode;

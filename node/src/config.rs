@@ -236,8 +236,79 @@ pub struct NodeConfig {
         deserialize_with = "lenient_opt_string"
     )]
     pub node_name: Option<String>,
-    // Peer options (`peer-listen`, `peers`, `tls-dir`, `insecure-dev`) are
-    // added with the peer crate.
+    /// Address the peer endpoint (QUIC, mutual TLS) listens on, or `off`
+    /// (a single node). Default: `off`.
+    pub peer_listen: Listen,
+    /// Seed peers, `host:port` each: a TOML list, or one comma-separated
+    /// string in the environment. This node's own address may be listed (it
+    /// is skipped). At most 32. Default: none.
+    pub peers: PeerList,
+    /// Directory holding `ca.pem`, `node.pem` and `node.key` exactly as
+    /// `kvtier cert issue --out DIR` writes them. Required with
+    /// `peer-listen` unless `insecure-dev`. Default: unset.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tls_dir: Option<PathBuf>,
+    /// Development only: a throw-away self-signed certificate, any peer
+    /// accepted; `peer-listen` and every peer must be loopback addresses.
+    /// Default: false.
+    pub insecure_dev: bool,
+    /// How long a GET that misses locally may wait for a peer before it is
+    /// a miss. Default: 2s.
+    pub peer_fetch_timeout: HumanDuration,
+    /// Peer handshake timeout. Default: 2s.
+    pub peer_connect_timeout: HumanDuration,
+    /// Silence after which a peer is suspect. Default: 1s.
+    pub peer_suspect_after: HumanDuration,
+    /// Silence after which a peer is down (its chunks are no longer
+    /// offered). Must exceed `peer-suspect-after`. Default: 3s.
+    pub peer_down_after: HumanDuration,
+    /// Bytes per second this node serves to one peer; 0 = unlimited.
+    /// Default: 0.
+    pub peer_serve_rate: ByteSize,
+    /// Keep chunks fetched from peers in local RAM. Default: true.
+    pub peer_admit: bool,
+}
+
+/// The `peers` list: deserializes from a list of strings or from one
+/// comma-separated string (the environment's form).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PeerList(pub Vec<String>);
+
+impl Serialize for PeerList {
+    fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        self.0.serialize(s)
+    }
+}
+
+impl<'de> Deserialize<'de> for PeerList {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Form {
+            List(Vec<String>),
+            One(String),
+        }
+        let v = match Form::deserialize(d)? {
+            Form::List(v) => v,
+            Form::One(s) => s.split(',').map(str::to_owned).collect(),
+        };
+        Ok(PeerList(
+            v.into_iter()
+                .map(|p| p.trim().to_owned())
+                .filter(|p| !p.is_empty())
+                .collect(),
+        ))
+    }
+}
+
+/// Whether `host:port` names a loopback address (`localhost` or a loopback
+/// IP).
+fn is_loopback_peer(p: &str) -> bool {
+    if let Ok(a) = p.parse::<SocketAddr>() {
+        return a.ip().is_loopback();
+    }
+    p.rsplit_once(':')
+        .is_some_and(|(h, port)| h == "localhost" && port.parse::<u16>().is_ok())
 }
 
 /// Facts about the machine and the process environment that defaults
@@ -359,7 +430,35 @@ impl NodeConfig {
             log_format: LogFormat::Human,
             log_level: "info".into(),
             node_name: None,
+            peer_listen: Listen::Off,
+            peers: PeerList::default(),
+            tls_dir: None,
+            insecure_dev: false,
+            peer_fetch_timeout: HumanDuration::secs(2),
+            peer_connect_timeout: HumanDuration::secs(2),
+            peer_suspect_after: HumanDuration::secs(1),
+            peer_down_after: HumanDuration::secs(3),
+            peer_serve_rate: ByteSize(0),
+            peer_admit: true,
         }
+    }
+
+    /// The peer cascade's options, or `None` when `peer-listen` is `off`.
+    pub fn cluster_options(&self) -> Option<crate::cluster::ClusterOptions> {
+        let listen = self.peer_listen.addr()?;
+        Some(crate::cluster::ClusterOptions {
+            listen,
+            peers: self.peers.0.clone(),
+            tls_dir: self.tls_dir.clone(),
+            insecure_dev: self.insecure_dev,
+            node_name: self.node_name.clone(),
+            fetch_timeout: self.peer_fetch_timeout.0,
+            connect_timeout: self.peer_connect_timeout.0,
+            suspect_after: self.peer_suspect_after.0,
+            down_after: self.peer_down_after.0,
+            serve_rate: self.peer_serve_rate.0,
+            admit: self.peer_admit,
+        })
     }
 
     /// The chunk store's configuration. Call after [`NodeConfig::resolve`]
@@ -482,6 +581,7 @@ impl NodeConfig {
         {
             return Err(bad("node-name", "must be 1 to 253 characters".into()));
         }
+        self.check_peers(&bad)?;
         let mut warnings = Vec::new();
         if self.shutdown_deadline.0.is_zero() {
             warnings.push(
@@ -490,6 +590,74 @@ impl NodeConfig {
             );
         }
         Ok(warnings)
+    }
+
+    /// Contradictions between the peer keys.
+    fn check_peers(&self, bad: &dyn Fn(&str, String) -> NodeError) -> Result<()> {
+        let Some(listen) = self.peer_listen.addr() else {
+            if !self.peers.0.is_empty() {
+                return Err(bad(
+                    "peers",
+                    "peers are listed but `peer-listen` is off; set `peer-listen`".into(),
+                ));
+            }
+            return Ok(());
+        };
+        if self.peers.0.len() > 32 {
+            return Err(bad(
+                "peers",
+                format!("{} peers listed, at most 32", self.peers.0.len()),
+            ));
+        }
+        if let Some(p) = self.peers.0.iter().find(|p| p.rsplit_once(':').is_none()) {
+            return Err(bad("peers", format!("{p:?} is not host:port")));
+        }
+        if self.insecure_dev {
+            if !listen.ip().is_loopback() {
+                return Err(bad(
+                    "peer-listen",
+                    format!("{listen} is not a loopback address; `insecure-dev` binds loopback only"),
+                ));
+            }
+            if let Some(p) = self.peers.0.iter().find(|p| !is_loopback_peer(p)) {
+                return Err(bad(
+                    "peers",
+                    format!("{p} is not a loopback address; `insecure-dev` talks to loopback only"),
+                ));
+            }
+        } else if self.tls_dir.is_none() {
+            return Err(bad(
+                "tls-dir",
+                "`peer-listen` is set: point `tls-dir` at the directory `kvtier cert issue --out DIR` \
+                 wrote (or use `insecure-dev` on loopback)"
+                    .into(),
+            ));
+        }
+        if let Some(n) = &self.node_name {
+            peer::cert::validate_name("node", n).map_err(|e| bad("node-name", e.to_string()))?;
+        }
+        if self.peer_suspect_after.0 >= self.peer_down_after.0 {
+            return Err(bad(
+                "peer-down-after",
+                format!(
+                    "{} must be longer than `peer-suspect-after` ({})",
+                    self.peer_down_after, self.peer_suspect_after
+                ),
+            ));
+        }
+        if self.peer_suspect_after.0 <= std::time::Duration::from_millis(250) {
+            return Err(bad(
+                "peer-suspect-after",
+                "must be longer than the 250ms ping interval".into(),
+            ));
+        }
+        if self.peer_fetch_timeout.0.is_zero() || self.peer_connect_timeout.0.is_zero() {
+            return Err(bad(
+                "peer-fetch-timeout",
+                "peer timeouts must be larger than 0".into(),
+            ));
+        }
+        Ok(())
     }
 
     /// Checks against the machine and fills automatic values: the disk
@@ -660,6 +828,18 @@ pub struct Overrides {
     pub log_format: Option<LogFormat>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub log_level: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub node_name: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub peer_listen: Option<Listen>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub peers: Option<PeerList>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tls_dir: Option<PathBuf>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub insecure_dev: Option<bool>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub peer_fetch_timeout: Option<HumanDuration>,
 }
 
 /// Where the configuration comes from.

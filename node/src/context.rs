@@ -75,6 +75,8 @@ pub struct NodeContext {
     pub started: Instant,
     /// Node-level counters.
     pub counters: NodeCounters,
+    /// The peer cascade, when `peer-listen` is set.
+    pub cluster: Option<Arc<crate::cluster::Cluster>>,
 }
 
 impl NodeContext {
@@ -85,6 +87,22 @@ impl NodeContext {
             node_name,
             started: Instant::now(),
             counters: NodeCounters::default(),
+            cluster: None,
+        }
+    }
+
+    /// Adds the peer cascade: local misses then go to peers.
+    pub fn with_cluster(mut self, cluster: Arc<crate::cluster::Cluster>) -> Self {
+        self.cluster = Some(cluster);
+        self
+    }
+
+    /// Every peer's status (for STATS, `/status` and `kvtier peers`); an
+    /// empty list without peers.
+    pub fn peers_json(&self) -> serde_json::Value {
+        match &self.cluster {
+            None => serde_json::Value::Array(Vec::new()),
+            Some(c) => serde_json::to_value(c.peers()).unwrap_or(serde_json::Value::Null),
         }
     }
 
@@ -95,23 +113,47 @@ impl NodeContext {
 
     /// Reads a chunk through the cascade: RAM → local disk → peers.
     /// `name`, when given, must equal the stored name (RESP keys).
-    /// Any failure is a miss.
+    /// Any failure is a miss. A chunk fetched from a peer is reported as a
+    /// RAM hit (it is admitted to RAM by default); use
+    /// [`NodeContext::get_with_location`] to tell.
     pub async fn get(&self, id: ChunkId, name: Option<bytes::Bytes>) -> Option<Hit> {
+        let (data, loc) = self.get_with_location(id, name).await?;
+        let tier = match loc {
+            Location::Disk => Tier::Disk,
+            Location::Ram | Location::Peer => Tier::Ram,
+        };
+        Some(Hit { data, tier })
+    }
+
+    /// [`NodeContext::get`], returning where the bytes came from.
+    pub async fn get_with_location(
+        &self,
+        id: ChunkId,
+        name: Option<bytes::Bytes>,
+    ) -> Option<(bytes::Bytes, Location)> {
         // RAM hits are answered inline; anything else may touch the disk and
         // runs on the blocking pool, never on a runtime worker.
         if self.store.locate(&id) == Some(Tier::Ram) {
             if let Some(hit) = self.get_local(&id, name.as_deref()) {
-                return Some(hit);
+                return Some((hit.data, hit.tier.into()));
             }
         }
         let store = Arc::clone(&self.store);
-        tokio::task::spawn_blocking(move || match name {
+        let local = tokio::task::spawn_blocking(move || match name {
             Some(n) => store.get_named(&id, &n),
             None => store.get(&id),
         })
         .await
         .ok()
-        .flatten()
+        .flatten();
+        if let Some(hit) = local {
+            return Some((hit.data, hit.tier.into()));
+        }
+        // Peers: only those the in-RAM directory says hold it; the fetch is
+        // verified (id, length, CRC32C) and bounded by peer-fetch-timeout.
+        let cluster = self.cluster.as_ref()?;
+        let data = cluster.fetch(&id).await?;
+        Some((data, Location::Peer))
     }
 
     fn get_local(&self, id: &ChunkId, name: Option<&[u8]>) -> Option<Hit> {
@@ -123,7 +165,41 @@ impl NodeContext {
 
     /// Where a chunk is, from in-RAM indexes only (no disk, no network).
     pub fn locate(&self, id: &ChunkId) -> Option<Location> {
-        self.store.locate(id).map(Location::from)
+        match self.store.locate(id) {
+            Some(t) => Some(t.into()),
+            None => self
+                .cluster
+                .as_ref()
+                .filter(|c| c.holds(id))
+                .map(|_| Location::Peer),
+        }
+    }
+
+    /// Fills the `None`s of `tiers` (keys missing locally) with
+    /// [`Location::Peer`] where an up peer holds the key; returns the
+    /// longest prefix present locally or at a peer.
+    fn with_peers(
+        &self,
+        ns: Namespace,
+        group: GroupId,
+        keys: &[ChunkKey],
+        locs: &mut [Option<Location>],
+    ) -> usize {
+        if let Some(c) = &self.cluster {
+            let missing: Vec<usize> = (0..locs.len()).filter(|&i| locs[i].is_none()).collect();
+            if !missing.is_empty() {
+                let ids: Vec<ChunkId> = missing
+                    .iter()
+                    .map(|&i| ChunkId::new(ns, keys[i], group))
+                    .collect();
+                for (i, held) in missing.into_iter().zip(c.available(&ids)) {
+                    if held {
+                        locs[i] = Some(Location::Peer);
+                    }
+                }
+            }
+        }
+        locs.iter().take_while(|l| l.is_some()).count()
     }
 
     /// For an ordered key list in one namespace: per-key location and the
@@ -136,13 +212,22 @@ impl NodeContext {
     ) -> (usize, Vec<Option<Location>>) {
         let mut tiers = Vec::with_capacity(keys.len());
         let prefix = self.store.lookup_prefix(ns, group, keys, &mut tiers);
-        (prefix, tiers.into_iter().map(|t| t.map(Location::from)).collect())
+        let mut locs: Vec<Option<Location>> =
+            tiers.into_iter().map(|t| t.map(Location::from)).collect();
+        if self.cluster.is_none() {
+            return (prefix, locs);
+        }
+        let prefix = self.with_peers(ns, group, keys, &mut locs);
+        (prefix, locs)
     }
 
     /// Cluster lookup for the scheduler: for each rank of the family of
     /// `record` (its own rank field is ignored), the longest prefix present
     /// anywhere in the cluster and the RAM-resident prefix on the rank's node.
-    /// Without peers, only this node's store is consulted.
+    /// Without peers, only this node's store is consulted. With peers, the
+    /// prefix counts keys held by any up peer (from the in-RAM directory, no
+    /// RPC); `ram_prefix` is what this node holds in RAM (the directory does
+    /// not track where a peer keeps a chunk).
     pub fn cluster_lookup(
         &self,
         record: &NamespaceRecord,
@@ -154,11 +239,13 @@ impl NodeContext {
         let mut tiers = Vec::with_capacity(keys.len());
         for &rank in ranks {
             let ns = record.with_rank(rank).id();
-            let prefix = self.store.lookup_prefix(ns, group, keys, &mut tiers);
-            let ram_prefix = tiers
-                .iter()
-                .take_while(|t| **t == Some(Tier::Ram))
-                .count();
+            let mut prefix = self.store.lookup_prefix(ns, group, keys, &mut tiers);
+            let ram_prefix = tiers.iter().take_while(|t| **t == Some(Tier::Ram)).count();
+            if self.cluster.is_some() {
+                let mut locs: Vec<Option<Location>> =
+                    tiers.iter().map(|t| t.map(Location::from)).collect();
+                prefix = self.with_peers(ns, group, keys, &mut locs);
+            }
             out.push(RankPrefix {
                 rank,
                 prefix,

@@ -284,7 +284,22 @@ pub async fn start(config: NodeConfig) -> Result<NodeHandle> {
     let store = Arc::new(store);
     let stats = store.stats();
     let namespaces = store.namespaces();
-    let ctx = Arc::new(NodeContext::new(Arc::clone(&store), config.node_name()));
+    let mut ctx = NodeContext::new(Arc::clone(&store), config.node_name());
+    if let Some(opts) = config.cluster_options() {
+        // The peer cascade: binds the QUIC endpoint, loads the certificates
+        // and registers the store's availability observer.
+        match crate::cluster::Cluster::start(&opts, Arc::clone(&store)) {
+            Ok(c) => {
+                ctx.node_name = c.handle().node_name().to_owned();
+                ctx = ctx.with_cluster(Arc::new(c));
+            }
+            Err(e) => {
+                let _ = store.close(Duration::ZERO);
+                return Err(e);
+            }
+        }
+    }
+    let ctx = Arc::new(ctx);
 
     let (stop, stop_rx) = watch::channel(false);
     let mut tasks: JoinSet<TaskResult> = JoinSet::new();
@@ -503,6 +518,11 @@ impl NodeHandle {
             while self.tasks.join_next().await.is_some() {}
         }
 
+        if let Some(c) = &self.ctx.cluster {
+            // Peers see a clean close (and stop offering our chunks) before
+            // the store goes away.
+            c.shutdown(Duration::from_secs(1)).await;
+        }
         let remaining = deadline.saturating_duration_since(Instant::now());
         let store = Arc::clone(&self.ctx.store);
         let t0 = Instant::now();

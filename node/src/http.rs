@@ -221,6 +221,7 @@ pub fn status_json(ctx: &NodeContext) -> serde_json::Value {
         "uptime_seconds": ctx.started.elapsed().as_secs_f64(),
         "store": ctx.store.stats(),
         "namespaces": ctx.store.namespaces(),
+        "peers": ctx.peers_json(),
         "requests": {
             "native": c.native_requests.load(Ordering::Relaxed),
             "native_errors": c.native_errors.load(Ordering::Relaxed),

@@ -12,6 +12,7 @@
 //! store's internals (`tier`), the peer protocol (`peer`).
 
 pub mod config;
+pub mod cluster;
 pub mod context;
 pub mod daemon;
 pub mod error;

@@ -29,7 +29,7 @@ use super::codec::{
 use super::region::{self, MappedRegion, RegionError};
 use super::{NativeError, NativeOptions};
 use crate::context::{Location, NodeContext, NodeCounters};
-use tier::{ChunkId, Tier};
+use tier::ChunkId;
 
 /// Initial (and idle) size of a connection's read buffer.
 const READ_BUF: usize = 64 << 10;
@@ -504,25 +504,30 @@ impl Connection {
         let region = self.checked_region("GET", entries)?;
         let mut results = Vec::with_capacity(entries.len());
         for e in entries {
-            let result = match self.ctx.get(ChunkId::new(ns, e.key, group), None).await {
+            let result = match self
+                .ctx
+                .get_with_location(ChunkId::new(ns, e.key, group), None)
+                .await
+            {
                 None => GetResult {
                     status: GetStatus::Miss,
                     len: 0,
                 },
-                Some(hit) => {
-                    let len = hit.data.len() as u64;
+                Some((data, loc)) => {
+                    let len = data.len() as u64;
                     if len > e.len {
                         GetResult {
                             status: GetStatus::TooSmall,
                             len,
                         }
                     } else {
-                        let written = region.copy_in(e.offset, &hit.data);
+                        let written = region.copy_in(e.offset, &data);
                         debug_assert!(written, "range checked above");
                         GetResult {
-                            status: match hit.tier {
-                                Tier::Ram => GetStatus::HitRam,
-                                Tier::Disk => GetStatus::HitDisk,
+                            status: match loc {
+                                Location::Ram => GetStatus::HitRam,
+                                Location::Disk => GetStatus::HitDisk,
+                                Location::Peer => GetStatus::HitPeer,
                             },
                             len,
                         }
@@ -552,6 +557,7 @@ pub fn stats_json(ctx: &NodeContext) -> serde_json::Value {
         "node": ctx.node_name,
         "uptime-secs": ctx.started.elapsed().as_secs(),
         "store": ctx.store.stats(),
+        "peers": ctx.peers_json(),
         "counters": {
             "native-requests": c.native_requests.load(Relaxed),
             "native-errors": c.native_errors.load(Relaxed),

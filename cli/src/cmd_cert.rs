@@ -1,0 +1,95 @@
+//! `kvtier cert init-ca | issue`: the cluster CA and node certificates
+//! (rcgen, through `node::peer::cert`). Key files are written 0600 and
+//! existing files are never overwritten.
+
+use std::net::IpAddr;
+use std::path::PathBuf;
+
+use anyhow::{Context, Result};
+use clap::{Args, Subcommand};
+use node::peer::cert::{self, CaMaterial, Validity};
+
+use crate::EXIT_OK;
+
+/// `kvtier cert ...`
+#[derive(Debug, Subcommand)]
+pub enum CertCommand {
+    /// Create a cluster CA: writes ca.pem and ca.key (0600) into --out.
+    InitCa(InitCaArgs),
+    /// Issue a node certificate signed by the CA: writes ca.pem, node.pem
+    /// and node.key (0600) into --out, exactly what a node's tls-dir needs.
+    Issue(IssueArgs),
+}
+
+/// `kvtier cert init-ca`
+#[derive(Debug, Args)]
+pub struct InitCaArgs {
+    /// Cluster id carried by every certificate of this CA (1-63 characters
+    /// of [A-Za-z0-9.-]).
+    #[arg(long, value_name = "NAME")]
+    pub cluster: String,
+    /// Directory to write into (created if missing).
+    #[arg(long, value_name = "DIR")]
+    pub out: PathBuf,
+    /// Validity in days. Default: 3650.
+    #[arg(long, default_value_t = 3650)]
+    pub days: u32,
+}
+
+/// `kvtier cert issue`
+#[derive(Debug, Args)]
+pub struct IssueArgs {
+    /// The CA directory written by `init-ca`.
+    #[arg(long, value_name = "DIR")]
+    pub ca: PathBuf,
+    /// Node name (the daemon's --node-name; CN and SAN DNS name).
+    #[arg(long, value_name = "NAME")]
+    pub node: String,
+    /// Extra IP address SANs (repeatable).
+    #[arg(long, value_name = "IP")]
+    pub ip: Vec<IpAddr>,
+    /// Extra DNS name SANs (repeatable).
+    #[arg(long, value_name = "NAME")]
+    pub dns: Vec<String>,
+    /// Directory to write into. Default: ./NODE.
+    #[arg(long, value_name = "DIR")]
+    pub out: Option<PathBuf>,
+    /// Validity in days. Default: 365.
+    #[arg(long, default_value_t = 365)]
+    pub days: u32,
+}
+
+/// Runs a `kvtier cert` command.
+pub fn run(cmd: &CertCommand) -> Result<u8> {
+    match cmd {
+        CertCommand::InitCa(a) => {
+            let ca = cert::init_ca(&a.cluster, Validity::days(a.days)).context("create the CA")?;
+            ca.write_to(&a.out)
+                .with_context(|| format!("write the CA into {}", a.out.display()))?;
+            println!(
+                "cluster {}: wrote {} and {} (keep the key offline)",
+                a.cluster,
+                a.out.join(cert::CA_CERT_FILE).display(),
+                a.out.join(cert::CA_KEY_FILE).display()
+            );
+        }
+        CertCommand::Issue(a) => {
+            let ca = CaMaterial::read_from(&a.ca)
+                .with_context(|| format!("read the CA from {}", a.ca.display()))?;
+            let node = cert::issue(&ca, &a.node, &a.ip, &a.dns, Validity::days(a.days))
+                .with_context(|| format!("issue a certificate for {}", a.node))?;
+            let out = a.out.clone().unwrap_or_else(|| PathBuf::from(&a.node));
+            node.write_to(&out)
+                .with_context(|| format!("write the node files into {}", out.display()))?;
+            println!(
+                "node {} (cluster {}): wrote {}, {}, {}",
+                a.node,
+                ca.cluster,
+                out.join(cert::CA_CERT_FILE).display(),
+                out.join(cert::NODE_CERT_FILE).display(),
+                out.join(cert::NODE_KEY_FILE).display()
+            );
+        }
+    }
+    Ok(EXIT_OK)
+}

@@ -1,0 +1,238 @@
+//! The peer cascade inside the node: builds the peer endpoint from the
+//! configuration and glues it to the chunk store.
+//!
+//! - [`StoreSource`] serves peers' fetches and snapshots from the store
+//!   (reads on the blocking pool: a disk read is blocking, and the store
+//!   verifies header and payload CRCs on every disk read);
+//! - [`AvailabilityFeed`] is the store's [`tier::ChunkObserver`]: every add and
+//!   remove becomes a batched availability delta;
+//! - [`Cluster`] is what [`crate::context::NodeContext`] calls on a local
+//!   miss: which peers hold a chunk (RAM only) and fetch-and-admit.
+//!
+//! `tier` and `peer` never see each other: ids are converted here.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use peer::cert::NodeMaterial;
+use peer::tls::TlsSetup;
+use peer::{
+    ChunkBytes, ChunkSource, FetchError, PeerChunkId, PeerConfig, PeerHandle, PeerNamespace,
+    PeerStatus, SourceFuture,
+};
+use tier::{ChunkId, ChunkKey, ChunkObserver, ChunkStore, Namespace};
+
+use crate::error::NodeError;
+
+/// Converts a tier id to the peer protocol's id.
+pub fn to_peer(id: &ChunkId) -> PeerChunkId {
+    PeerChunkId {
+        ns: PeerNamespace(id.ns.0),
+        key: id.key.0,
+        group: id.group,
+    }
+}
+
+/// Converts a peer protocol id to a tier id.
+pub fn to_tier(id: &PeerChunkId) -> ChunkId {
+    ChunkId::new(Namespace(id.ns.0), ChunkKey(id.key), id.group)
+}
+
+/// Serves peers from the local store.
+pub struct StoreSource {
+    store: Arc<ChunkStore>,
+}
+
+impl ChunkSource for StoreSource {
+    fn read(&self, id: &PeerChunkId) -> SourceFuture {
+        let store = Arc::clone(&self.store);
+        let id = to_tier(id);
+        Box::pin(async move {
+            // The store verifies CRCs on disk reads; RAM bytes are what was
+            // put. The CRC is computed here, on the blocking thread, for the
+            // requester to verify end to end.
+            tokio::task::spawn_blocking(move || store.get(&id).map(|hit| ChunkBytes::new(hit.data)))
+                .await
+                .ok()
+                .flatten()
+        })
+    }
+
+    fn snapshot(&self) -> Vec<(PeerChunkId, u64)> {
+        self.store
+            .ids()
+            .into_iter()
+            .map(|(id, len)| (to_peer(&id), len))
+            .collect()
+    }
+
+    fn namespace_records(&self) -> Vec<(PeerNamespace, Vec<u8>)> {
+        self.store
+            .namespaces()
+            .into_iter()
+            .filter_map(|n| Some((PeerNamespace(n.id.0), serde_json::to_vec(&n.record).ok()?)))
+            .collect()
+    }
+}
+
+/// Forwards the store's availability changes to the peer layer (cheap,
+/// never blocks: the peer layer batches them into deltas).
+pub struct AvailabilityFeed {
+    handle: PeerHandle,
+}
+
+impl ChunkObserver for AvailabilityFeed {
+    fn added(&self, id: &ChunkId, len: u64) {
+        self.handle.local_added(to_peer(id), len);
+    }
+    fn removed(&self, id: &ChunkId) {
+        self.handle.local_removed(to_peer(id));
+    }
+}
+
+/// The peer options of the node configuration, resolved.
+#[derive(Clone, Debug)]
+pub struct ClusterOptions {
+    /// Address to listen on for peers.
+    pub listen: SocketAddr,
+    /// Seed peers (`host:port`).
+    pub peers: Vec<String>,
+    /// Directory with `ca.pem`, `node.pem`, `node.key`.
+    pub tls_dir: Option<PathBuf>,
+    /// Self-signed, loopback-only development mode.
+    pub insecure_dev: bool,
+    /// The configured node name (must match the certificate's).
+    pub node_name: Option<String>,
+    /// Whole-fetch timeout on a local miss (a slow peer becomes a miss).
+    pub fetch_timeout: Duration,
+    /// Handshake timeout.
+    pub connect_timeout: Duration,
+    /// Silence before a peer is suspect.
+    pub suspect_after: Duration,
+    /// Silence before a peer is down.
+    pub down_after: Duration,
+    /// Bytes per second served to one peer (0 = unlimited).
+    pub serve_rate: u64,
+    /// Admit fetched chunks into local RAM.
+    pub admit: bool,
+}
+
+/// The running peer cascade of a node.
+pub struct Cluster {
+    handle: PeerHandle,
+    store: Arc<ChunkStore>,
+    fetch_timeout: Duration,
+    admit: bool,
+}
+
+impl Cluster {
+    /// Loads the TLS files, binds the peer endpoint, starts syncing and
+    /// registers the availability observer on `store`. Inside a tokio
+    /// runtime.
+    pub fn start(opts: &ClusterOptions, store: Arc<ChunkStore>) -> Result<Self, NodeError> {
+        let peer_err = |what: &str, e: peer::Error| NodeError::Config(format!("{what}: {e}"));
+        let tls = if opts.insecure_dev {
+            let name = opts
+                .node_name
+                .clone()
+                .unwrap_or_else(|| "kvtier-dev".to_owned());
+            TlsSetup::insecure_dev(&name).map_err(|e| peer_err("insecure-dev certificate", e))?
+        } else {
+            let dir = opts.tls_dir.as_ref().ok_or_else(|| {
+                NodeError::Config(
+                    "`peer-listen` is set but `tls-dir` is not: point it at the directory \
+                     `kvtier cert issue --out DIR` wrote, or use --insecure-dev on loopback"
+                        .into(),
+                )
+            })?;
+            let m = NodeMaterial::read_from(dir)
+                .map_err(|e| peer_err(&format!("read tls-dir {}", dir.display()), e))?;
+            TlsSetup::from_material(&m)
+                .map_err(|e| peer_err(&format!("load certificates from {}", dir.display()), e))?
+        };
+        if let Some(n) = &opts.node_name {
+            if !opts.insecure_dev && *n != tls.node_name {
+                return Err(NodeError::Config(format!(
+                    "`node-name` is {n:?} but the certificate in tls-dir names {:?}",
+                    tls.node_name
+                )));
+            }
+        }
+        let cfg = PeerConfig {
+            listen: opts.listen,
+            peers: opts.peers.clone(),
+            connect_timeout: opts.connect_timeout,
+            suspect_after: opts.suspect_after,
+            down_after: opts.down_after,
+            serve_rate_limit: opts.serve_rate,
+            ..PeerConfig::default()
+        };
+        let source = Arc::new(StoreSource {
+            store: Arc::clone(&store),
+        });
+        let handle =
+            PeerHandle::start(cfg, tls, source).map_err(|e| peer_err("start the peer layer", e))?;
+        store.set_observer(Arc::new(AvailabilityFeed {
+            handle: handle.clone(),
+        }));
+        Ok(Self {
+            handle,
+            store,
+            fetch_timeout: opts.fetch_timeout,
+            admit: opts.admit,
+        })
+    }
+
+    /// The peer layer's handle.
+    pub fn handle(&self) -> &PeerHandle {
+        &self.handle
+    }
+
+    /// Whether any up or suspect peer holds `id` (RAM only, no RPC).
+    pub fn holds(&self, id: &ChunkId) -> bool {
+        !self.handle.holders(&to_peer(id)).is_empty()
+    }
+
+    /// For each id, whether any up or suspect peer holds it (one lock).
+    pub fn available(&self, ids: &[ChunkId]) -> Vec<bool> {
+        let p: Vec<PeerChunkId> = ids.iter().map(to_peer).collect();
+        self.handle.available(&p)
+    }
+
+    /// Fetches `id` from a holder within the fetch timeout (verified by the
+    /// peer layer), admitting it to local RAM when configured. Any failure
+    /// is a miss (logged at debug, counted by the peer layer).
+    pub async fn fetch(&self, id: &ChunkId) -> Option<Bytes> {
+        match self.handle.fetch(&to_peer(id), self.fetch_timeout).await {
+            Ok(b) => {
+                if self.admit {
+                    // A RAM insert; never waits for the disk under the
+                    // default write policy. An unregistered namespace (no
+                    // local client used it yet) is simply not admitted.
+                    if let Err(e) = self.store.put(*id, b.clone()) {
+                        tracing::debug!(error = %e, "fetched chunk not admitted");
+                    }
+                }
+                Some(b)
+            }
+            Err(FetchError::NoHolder) => None,
+            Err(e) => {
+                tracing::debug!(error = %e, "peer fetch became a miss");
+                None
+            }
+        }
+    }
+
+    /// Status of every peer.
+    pub fn peers(&self) -> Vec<PeerStatus> {
+        self.handle.peers()
+    }
+
+    /// Closes every peer connection (bounded by `grace`).
+    pub async fn shutdown(&self, grace: Duration) {
+        self.handle.shutdown(grace).await;
+    }
+}
