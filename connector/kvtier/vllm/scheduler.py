@@ -54,7 +54,7 @@ class KvtierScheduler:
         self._pending_loads: dict[str, list[ChunkLoad]] = {}
         self._final_saves: dict[str, list[ChunkSave]] = {}
         self._finishing: list[str] = []
-        self._link = DaemonLink(cfg.socket, 1 << 20, cfg.lookup_timeout_ms, "scheduler lookups")
+        self._link = DaemonLink(cfg.socket, 0, cfg.lookup_timeout_ms, "scheduler lookups")
         if self.enabled:
             try:
                 self._link.client()

@@ -71,11 +71,14 @@ class Staging:
 # own, deadlock (seen with PyPI torch 2.15); numpy copies use no thread pool.
 
 
-def gather(layers: list[torch.Tensor], block_ids: list[int], n: int, cb: int, staging: Staging) -> None:
-    """Copies `n` chunks of `cb` blocks (block_ids, chunk-major) of every layer into staging."""
+def gather(
+    layers: list[torch.Tensor], block_ids: list[int], n: int, cb: int, staging: Staging, use_numpy: bool | None = None
+) -> None:
+    """Copies `n` chunks of `cb` blocks (block_ids, chunk-major) of every layer into staging.
+    `use_numpy` defaults to "on CPU"."""
     dev = staging.device
     page = layers[0][0].numel()
-    if dev.type == "cpu":
+    if dev.type == "cpu" if use_numpy is None else use_numpy:
         out = staging.rows(n, len(layers), cb, page).numpy()
         for li, t in enumerate(layers):
             out[:, li] = t.numpy()[block_ids].reshape(n, cb, page)
@@ -90,14 +93,20 @@ def gather(layers: list[torch.Tensor], block_ids: list[int], n: int, cb: int, st
 
 
 def scatter(
-    layers: list[torch.Tensor], n: int, cb: int, staging: Staging, rows: list[int], block_ids: list[int]
+    layers: list[torch.Tensor],
+    n: int,
+    cb: int,
+    staging: Staging,
+    rows: list[int],
+    block_ids: list[int],
+    use_numpy: bool | None = None,
 ) -> None:
     """Copies staged pages into GPU blocks: row `rows[i]` (chunk * cb + block) of every
-    layer goes to block `block_ids[i]`."""
+    layer goes to block `block_ids[i]`. `use_numpy` defaults to "on CPU"."""
     dev = staging.device
     page = layers[0][0].numel()
     src = staging.rows(n, len(layers), cb, page)
-    if dev.type == "cpu":
+    if dev.type == "cpu" if use_numpy is None else use_numpy:
         s = src.numpy()
         for li, t in enumerate(layers):
             a = t.numpy()

@@ -86,8 +86,10 @@ def test_rank_disagreement_disables_the_worker(caplog):
     assert not c.worker.enabled and "rank check failed" in caplog.text
 
 
+@pytest.mark.parametrize("use_numpy", [True, False], ids=["numpy", "torch"])
 @pytest.mark.parametrize("layout", ["LBHNC", "BLHNC", "LHBNC", "BHLNC", "LBNHC"])
-def test_gather_scatter_round_trip_every_layout(layout):
+def test_gather_scatter_round_trip_every_layout(layout, use_numpy):
+    """Both copy paths (numpy: CPU I/O threads; torch: the CUDA path, run here on CPU)."""
     cfg = make_kv_cache_config(num_blocks=40)
     src = make_kv_caches(cfg, layout)
     for t in src.values():
@@ -99,7 +101,7 @@ def test_gather_scatter_round_trip_every_layout(layout):
     region = memoryview(bytearray(n * len(layers_src) * cb * layers_src[0][0].numel()))
     st = Staging(region, 0, torch.device("cpu"))
     blocks = [7, 3, 9, 1, 20, 21, 22, 23, 39, 0, 5, 6]
-    gather(layers_src, blocks, n, cb, st)
+    gather(layers_src, blocks, n, cb, st, use_numpy=use_numpy)
     # Payload order: [chunk][layer][block][page bytes].
     page = layers_src[0][0].numel()
     raw = bytes(region)
@@ -110,7 +112,7 @@ def test_gather_scatter_round_trip_every_layout(layout):
                 assert raw[off : off + page] == t[blocks[c * cb + i]].contiguous().numpy().tobytes()
     targets = [30, 31, 32, 33, 10, 11, 12, 13, 2, 4, 8, 15]
     rows = list(range(n * cb))
-    scatter(layers_dst, n, cb, st, rows, targets)
+    scatter(layers_dst, n, cb, st, rows, targets, use_numpy=use_numpy)
     for a, b in zip(src.values(), dst.values()):
         assert torch.equal(a[blocks].view(torch.uint8), b[targets].view(torch.uint8))
     untouched = [x for x in range(40) if x not in targets]
