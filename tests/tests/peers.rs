@@ -1,0 +1,416 @@
+//! The peer cascade between real `kvtier` daemons on loopback (QUIC +
+//! mutual TLS): a chunk PUT on A is found and fetched byte-exact on B,
+//! ranks never mix, a SIGKILLed peer turns into fast misses and is marked
+//! down, a restarted peer is re-synced, a node with a certificate from
+//! another CA is refused, and corrupt bytes on a holder's disk are never
+//! served to a peer.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use kvtier_tests::{Daemon, chunk_bytes, run_kvtier, test_record};
+use node::native::LookupLocation;
+use node::tier::{ChunkKey, Namespace};
+
+/// Fast membership thresholds for tests (environment, like any key).
+const ENV: [(&str, &str); 3] = [
+    ("KVTIER_PEER_SUSPECT_AFTER", "500ms"),
+    ("KVTIER_PEER_DOWN_AFTER", "1500ms"),
+    ("KVTIER_PEER_FETCH_TIMEOUT", "1s"),
+];
+
+fn kvtier_ok(args: &[&str]) {
+    let out = run_kvtier(args, &[]);
+    assert!(
+        out.status.success(),
+        "kvtier {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// `kvtier cert init-ca` into `dir/NAME-ca`, returning the CA dir.
+fn make_ca(dir: &Path, name: &str, cluster: &str) -> PathBuf {
+    let ca = dir.join(format!("{name}-ca"));
+    kvtier_ok(&[
+        "cert",
+        "init-ca",
+        "--cluster",
+        cluster,
+        "--out",
+        ca.to_str().expect("utf-8 path"),
+    ]);
+    ca
+}
+
+/// `kvtier cert issue` for `node` into `dir/node/tls`.
+fn issue(dir: &Path, ca: &Path, node: &str) -> PathBuf {
+    let tls = dir.join(node).join("tls");
+    kvtier_ok(&[
+        "cert",
+        "issue",
+        "--ca",
+        ca.to_str().expect("utf-8 path"),
+        "--node",
+        node,
+        "--ip",
+        "127.0.0.1",
+        "--out",
+        tls.to_str().expect("utf-8 path"),
+    ]);
+    tls
+}
+
+/// Free UDP ports on 127.0.0.1 (bound, then released).
+fn free_ports(n: usize) -> Vec<u16> {
+    let socks: Vec<std::net::UdpSocket> = (0..n)
+        .map(|_| std::net::UdpSocket::bind("127.0.0.1:0").expect("bind"))
+        .collect();
+    socks
+        .iter()
+        .map(|s| s.local_addr().expect("addr").port())
+        .collect()
+}
+
+fn start_node(
+    dir: &Path,
+    name: &str,
+    tls: &Path,
+    port: u16,
+    peers: &[u16],
+) -> Result<Daemon, String> {
+    let nd = dir.join(name);
+    std::fs::create_dir_all(&nd).expect("node dir");
+    let listen = format!("127.0.0.1:{port}");
+    let peers: Vec<String> = peers.iter().map(|p| format!("127.0.0.1:{p}")).collect();
+    let peers = peers.join(",");
+    let mut extra = vec![
+        "--node-name",
+        name,
+        "--peer-listen",
+        &listen,
+        "--tls-dir",
+        tls.to_str().expect("utf-8 path"),
+    ];
+    if !peers.is_empty() {
+        extra.extend(["--peers", &peers]);
+    }
+    Daemon::start(&nd, &extra, &ENV)
+}
+
+/// Polls `f` every 20 ms until it returns `Some`, for at most `limit`.
+fn poll<T>(what: &str, limit: Duration, mut f: impl FnMut() -> Option<T>) -> T {
+    let t0 = Instant::now();
+    loop {
+        if let Some(v) = f() {
+            return v;
+        }
+        assert!(
+            t0.elapsed() < limit,
+            "timed out after {limit:?} waiting for {what}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// The state of peer `name` in `d`'s STATS document.
+fn peer_state(d: &Daemon, name: &str) -> Option<String> {
+    let doc = d.client().stats().ok()?;
+    doc["peers"]
+        .as_array()?
+        .iter()
+        .find(|p| p["name"] == name)
+        .and_then(|p| p["state"].as_str().map(str::to_owned))
+}
+
+fn put(d: &Daemon, ns: Namespace, key: ChunkKey, data: &[u8]) {
+    let mut c = d.client();
+    let st = c.put_bytes(ns, 0, &[(key, data)]).expect("PUT");
+    assert_eq!(st, vec![0], "PUT status");
+}
+
+/// LOOKUP on `d` until `key` is present (at a peer or locally).
+fn wait_present(d: &Daemon, ns: Namespace, key: ChunkKey, limit: Duration) {
+    let mut c = d.client();
+    poll("the key to be present", limit, || {
+        let r = c.lookup(ns, 0, &[key]).ok()?;
+        (r.prefix == 1).then_some(())
+    });
+}
+
+#[test]
+fn chunks_cross_nodes_and_dead_peers_become_fast_misses() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let ca = make_ca(dir.path(), "cluster", "test");
+    let names = ["a", "b", "c"];
+    let ports = free_ports(3);
+    let tls: Vec<PathBuf> = names.iter().map(|n| issue(dir.path(), &ca, n)).collect();
+    let others = |i: usize| -> Vec<u16> {
+        ports
+            .iter()
+            .enumerate()
+            .filter(|(j, _)| *j != i)
+            .map(|(_, p)| *p)
+            .collect()
+    };
+    let mut nodes: Vec<Daemon> = (0..3)
+        .map(|i| {
+            start_node(dir.path(), names[i], &tls[i], ports[i], &others(i))
+                .unwrap_or_else(|e| panic!("start {}: {e}", names[i]))
+        })
+        .collect();
+
+    // Two ranks write the SAME keys with different bytes: rank 0 on a,
+    // rank 1 on c. b must serve each rank its own bytes.
+    let r0 = test_record(0);
+    let r1 = test_record(1);
+    let ns0 = nodes[0].client().hello(&r0).expect("HELLO");
+    let ns1 = nodes[2].client().hello(&r1).expect("HELLO");
+    let (key, d0) = chunk_bytes(1, 1);
+    let (_, d1) = chunk_bytes(2, 1);
+    assert_ne!(d0, d1);
+    put(&nodes[0], ns0, key, &d0);
+    put(&nodes[2], ns1, key, &d1);
+    // A second key on a that b only looks up, never fetches (so b holds no
+    // copy of it), and a flush so that a's disk has both.
+    let (key2, d2) = chunk_bytes(3, 1);
+    put(&nodes[0], ns0, key2, &d2);
+    assert_eq!(nodes[0].client().flush().expect("FLUSH").failed, 0);
+
+    let mut cb = nodes[1].client();
+    assert_eq!(cb.hello(&r0).expect("HELLO"), ns0);
+    assert_eq!(cb.hello(&r1).expect("HELLO"), ns1);
+    wait_present(&nodes[1], ns0, key, Duration::from_secs(15));
+    wait_present(&nodes[1], ns1, key, Duration::from_secs(15));
+    wait_present(&nodes[1], ns0, key2, Duration::from_secs(15));
+    let r = cb.lookup(ns0, 0, &[key]).expect("LOOKUP");
+    assert_eq!(
+        r.locations,
+        vec![LookupLocation::Peer],
+        "b holds no copy yet"
+    );
+    assert_eq!(cb.get_bytes(ns0, 0, key).expect("GET"), Some(d0.clone()));
+    assert_eq!(cb.get_bytes(ns1, 0, key).expect("GET"), Some(d1.clone()));
+    // CLUSTER_LOOKUP on b sees both ranks' chunks.
+    let cl = cb
+        .cluster_lookup(&r0, &[0, 1], 0, &[key])
+        .expect("CLUSTER_LOOKUP");
+    assert_eq!(cl.min_prefix, 1, "{cl:?}");
+
+    // `kvtier peers --json` on b lists a and c up.
+    let out = run_kvtier(
+        &[
+            "peers",
+            "--json",
+            "--socket",
+            nodes[1].socket.to_str().expect("utf-8 path"),
+        ],
+        &[],
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let peers: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    let peers = peers.as_array().expect("a list");
+    assert_eq!(peers.len(), 2, "{peers:?}");
+    for p in peers {
+        assert_eq!(p["state"], "up", "{p}");
+        for k in ["name", "addr", "chunks", "bytes"] {
+            assert!(p.get(k).is_some(), "{k} missing in {p}");
+        }
+    }
+
+    // SIGKILL a: b marks it down, and a GET of a chunk only a had is a
+    // fast miss.
+    nodes[0].kill9();
+    poll("a down at b", Duration::from_secs(10), || {
+        (peer_state(&nodes[1], "a").as_deref() == Some("down")).then_some(())
+    });
+    let t = Instant::now();
+    assert_eq!(cb.get_bytes(ns0, 0, key2).expect("GET"), None);
+    assert!(
+        t.elapsed() < Duration::from_millis(900),
+        "miss took {:?}",
+        t.elapsed()
+    );
+    let r = cb.lookup(ns0, 0, &[key2]).expect("LOOKUP");
+    assert_eq!(r.prefix, 0, "a down peer's chunks are not offered");
+
+    // a restarts with its disk content: b re-syncs and fetches key2.
+    nodes[0] = start_node(dir.path(), "a", &tls[0], ports[0], &others(0))
+        .unwrap_or_else(|e| panic!("restart a: {e}"));
+    poll("a up again at b", Duration::from_secs(15), || {
+        (peer_state(&nodes[1], "a").as_deref() == Some("up")).then_some(())
+    });
+    wait_present(&nodes[1], ns0, key2, Duration::from_secs(15));
+    assert_eq!(cb.get_bytes(ns0, 0, key2).expect("GET"), Some(d2));
+}
+
+#[test]
+fn a_node_from_another_ca_is_refused() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let ca = make_ca(dir.path(), "good", "test");
+    // Same cluster name, different CA key.
+    let evil_ca = make_ca(dir.path(), "evil", "test");
+    let ports = free_ports(2);
+    let a_tls = issue(dir.path(), &ca, "a");
+    let x_tls = issue(dir.path(), &evil_ca, "x");
+    let a = start_node(dir.path(), "a", &a_tls, ports[0], &[ports[1]])
+        .unwrap_or_else(|e| panic!("{e}"));
+    let x = start_node(dir.path(), "x", &x_tls, ports[1], &[ports[0]])
+        .unwrap_or_else(|e| panic!("{e}"));
+    // Both sides refuse the other's certificate and say why.
+    for (d, who) in [(&a, "a"), (&x, "x")] {
+        poll(
+            "a logged certificate refusal",
+            Duration::from_secs(15),
+            || d.log().contains("refused peer certificate").then_some(()),
+        );
+        let doc = d.client().stats().expect("STATS");
+        let peers = doc["peers"].as_array().expect("peers").clone();
+        assert_eq!(peers.len(), 1, "{who}: {peers:?}");
+        assert_eq!(peers[0]["state"], "down", "{who}: {peers:?}");
+        assert!(
+            peers[0]["name"].is_null(),
+            "{who} never learned a name: {peers:?}"
+        );
+    }
+}
+
+#[test]
+fn corrupt_bytes_on_the_holders_disk_are_never_served_to_a_peer() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let ca = make_ca(dir.path(), "cluster", "test");
+    let ports = free_ports(2);
+    let a_tls = issue(dir.path(), &ca, "a");
+    let b_tls = issue(dir.path(), &ca, "b");
+    let mut a = start_node(dir.path(), "a", &a_tls, ports[0], &[ports[1]])
+        .unwrap_or_else(|e| panic!("{e}"));
+    let rec = test_record(0);
+    let ns = a.client().hello(&rec).expect("HELLO");
+    let chunks: Vec<(ChunkKey, Vec<u8>)> = (0..16).map(|i| chunk_bytes(7, i)).collect();
+    for (k, v) in &chunks {
+        put(&a, ns, *k, v);
+    }
+    assert_eq!(a.client().flush().expect("FLUSH").failed, 0);
+    a.kill9();
+    // Flip one byte every 16 KiB of the written part of a's store files.
+    let mut flipped = 0;
+    for entry in std::fs::read_dir(&a.data_dir).expect("data dir").flatten() {
+        use std::os::unix::fs::FileExt;
+        let path = entry.path();
+        if !path.is_file() || path.file_name() == Some(std::ffi::OsStr::new("LOCK")) {
+            continue;
+        }
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&path)
+            .expect("open");
+        let len = f.metadata().expect("stat").len().min(32 << 20);
+        let mut bytes = vec![0u8; usize::try_from(len).expect("fits")];
+        f.read_exact_at(&mut bytes, 0).expect("read");
+        let written = bytes.iter().rposition(|b| *b != 0).map_or(0, |p| p + 1);
+        let mut off = 8192;
+        while off < written {
+            bytes[off] ^= 0x5a;
+            flipped += 1;
+            off += 16 << 10;
+        }
+        f.write_all_at(&bytes, 0).expect("write");
+        f.sync_all().expect("sync");
+    }
+    assert!(flipped > 0);
+    let a = start_node(dir.path(), "a", &a_tls, ports[0], &[ports[1]])
+        .unwrap_or_else(|e| panic!("{e}"));
+    let b = start_node(dir.path(), "b", &b_tls, ports[1], &[ports[0]])
+        .unwrap_or_else(|e| panic!("{e}"));
+    let mut cb = b.client();
+    cb.hello(&rec).expect("HELLO");
+    // Whatever a's index still offers after recovery reaches b's view.
+    let offered = a
+        .client()
+        .lookup(ns, 0, &chunks.iter().map(|c| c.0).collect::<Vec<_>>());
+    let offered = offered.expect("LOOKUP on a");
+    let held = |l: &&LookupLocation| **l != LookupLocation::Miss;
+    if offered.locations.iter().any(|l| held(&l)) {
+        let first = chunks
+            .iter()
+            .zip(&offered.locations)
+            .find(|(_, l)| held(l))
+            .map(|(c, _)| c.0)
+            .expect("one offered");
+        wait_present(&b, ns, first, Duration::from_secs(15));
+    }
+    let mut served = 0;
+    for (k, want) in &chunks {
+        if let Some(got) = cb.get_bytes(ns, 0, *k).expect("GET") {
+            assert!(got == *want, "chunk {k} reached b with corrupt bytes");
+            served += 1;
+        }
+    }
+    assert!(
+        served < chunks.len(),
+        "{served} of {} chunks served despite {flipped} flipped bytes",
+        chunks.len()
+    );
+}
+
+#[test]
+fn peer_configuration_contradictions_are_refused() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let data = dir.path().join("data");
+    let base = [
+        "config",
+        "check",
+        "--data-dir",
+        data.to_str().expect("utf-8 path"),
+        "--disk-budget",
+        "0",
+    ];
+    let cases: [(&[&str], &str); 4] = [
+        (
+            &["--peer-listen", "0.0.0.0:7401", "--insecure-dev"],
+            "peer-listen",
+        ),
+        (&["--peer-listen", "127.0.0.1:0"], "tls-dir"),
+        (&["--peers", "127.0.0.1:7401"], "peers"),
+        (
+            &[
+                "--peer-listen",
+                "127.0.0.1:0",
+                "--insecure-dev",
+                "--peers",
+                "10.1.2.3:7401",
+            ],
+            "peers",
+        ),
+    ];
+    for (extra, key) in cases {
+        let mut args: Vec<&str> = base.to_vec();
+        args.extend_from_slice(extra);
+        let out = run_kvtier(&args, &[]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{extra:?} accepted");
+        assert!(
+            err.contains(key),
+            "{extra:?}: error does not name {key}: {err}"
+        );
+    }
+    // Loopback-only insecure development mode is fine.
+    let mut args: Vec<&str> = base.to_vec();
+    args.extend_from_slice(&[
+        "--peer-listen",
+        "127.0.0.1:0",
+        "--insecure-dev",
+        "--peers",
+        "localhost:7401",
+    ]);
+    let out = run_kvtier(&args, &[]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
