@@ -3,7 +3,8 @@
 //! same client, for 256 KiB, 1 MiB, 2.5 MiB and 4 MiB values.
 //!
 //! Run: `cargo bench -p kvtier-node --bench resp` (add `-- --quick` for a
-//! short smoke). Prints GB/s for both servers and the ratio kvtier/redis
+//! short smoke, `-- --kvtier HOST:PORT` to measure a running daemon instead
+//! of the in-process server). Prints GB/s for both servers and the ratio kvtier/redis
 //! (target: >= 1). Without `redis-server` on PATH it measures kvtier only
 //! and says so.
 //!
@@ -218,6 +219,11 @@ fn start_redis() -> Option<(Redis, SocketAddr)> {
 fn main() {
     let quick = std::env::args().any(|a| a == "--quick");
     let target_bytes: usize = if quick { 64 << 20 } else { 512 << 20 };
+    // `--kvtier HOST:PORT`: measure a running daemon instead of an in-process server.
+    let external: Option<SocketAddr> = std::env::args()
+        .skip_while(|a| a != "--kvtier")
+        .nth(1)
+        .map(|a| a.parse().expect("--kvtier takes HOST:PORT"));
     let dir = tempfile::tempdir().expect("tempdir");
     let store = Arc::new(
         ChunkStore::open(TierConfig {
@@ -237,8 +243,17 @@ fn main() {
     let listener = rt
         .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
         .expect("bind");
-    let kv_addr = listener.local_addr().expect("addr");
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let kv_addr = match external {
+        Some(a) => {
+            println!("kvtier: the daemon at {a}");
+            a
+        }
+        None => {
+            println!("kvtier: in-process RESP server (2 tokio workers, RAM-only store)");
+            listener.local_addr().expect("addr")
+        }
+    };
     let server = rt.spawn(resp::serve(listener, ctx, RespOptions::default(), async {
         let _ = stop_rx.await;
     }));
