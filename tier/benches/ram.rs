@@ -10,13 +10,19 @@
 //!   buffer (as the node does into the client's shared memory);
 //! - memcpy: copy the chunk from the source pool into the destination pool.
 //!
+//! A fourth group measures the LRU bookkeeping alone (`lru-ops-1M`): `get`
+//! of random ids in a 1M-entry cache against `std::collections::HashMap::get`.
+//!
 //! Source and destination pools are 1 GiB each and every op moves to the
 //! next chunk, so no chunk is in the CPU caches when touched. Peak memory is
 //! about 2.5 GiB.
 //!
 //! `cargo bench -p kvtier-tier --bench ram` (add `-- --quick` for a short
 //! run). Besides criterion's own output, prints one summary line per size and
-//! op: `ratio = kvtier_throughput / memcpy_throughput`.
+//! op: `ratio = kvtier_throughput / memcpy_throughput`. The ratio comes from
+//! a paired run after criterion's: memcpy, put and get batches (64 MiB each)
+//! interleaved for 24 rounds, so that load from other processes on a shared
+//! machine hits baseline and candidate alike.
 
 use std::collections::BTreeMap;
 use std::hint::black_box;
@@ -33,7 +39,12 @@ const POOL_BYTES: usize = 1 << 30;
 /// Budget of the cache the put bench inserts into.
 const PUT_BUDGET: u64 = 512 << 20;
 
-/// (bytes, nanoseconds) accumulated per bench label over every timed call.
+/// Interleaved rounds of the paired measurement.
+const PAIRED_ROUNDS: usize = 24;
+/// Bytes per op per round of the paired measurement.
+const PAIRED_BATCH_BYTES: usize = 64 << 20;
+
+/// (bytes, nanoseconds) per paired label ("put-1024KiB").
 static TOTALS: Mutex<BTreeMap<String, (u128, u128)>> = Mutex::new(BTreeMap::new());
 
 fn record(label: &str, bytes: u64, elapsed: Duration) {
@@ -58,7 +69,6 @@ fn chunk_id(i: usize) -> ChunkId {
 }
 
 struct Pools {
-    size: usize,
     src: Vec<Bytes>,
     dst: Vec<Vec<u8>>,
     ids: Vec<ChunkId>,
@@ -74,7 +84,6 @@ impl Pools {
         // lazily mapped and fault during the measurement).
         let dst = (0..count).map(|_| vec![0xeeu8; size]).collect();
         Self {
-            size,
             src,
             dst,
             ids: (0..count).map(chunk_id).collect(),
@@ -86,95 +95,181 @@ impl Pools {
     }
 }
 
-fn bench_size(c: &mut Criterion, size: usize) {
-    let kib = size >> 10;
-    let mut p = Pools::new(size);
-    let count = p.count();
-    let mut g = c.benchmark_group(format!("ram-{kib}KiB"));
-    g.throughput(Throughput::Bytes(size as u64));
-    g.sample_size(10);
+/// The three measured operations over shared pools and caches, each with
+/// its own rotating cursor.
+struct Bench {
+    p: Pools,
+    put_cache: RamCache,
+    get_cache: RamCache,
+    cursors: [usize; 3],
+}
 
-    let mut next = 0usize;
-    g.bench_function(BenchmarkId::new("memcpy-cold", kib), |b| {
-        b.iter_custom(|iters| {
-            let start = Instant::now();
-            for _ in 0..iters {
-                let i = next;
-                next = (next + 1) % count;
-                p.dst[i].copy_from_slice(&p.src[i]);
-                black_box(&p.dst[i]);
-            }
-            let e = start.elapsed();
-            record(&format!("memcpy-{kib}KiB"), iters * size as u64, e);
-            e
-        })
-    });
+const MEMCPY: usize = 0;
+const PUT: usize = 1;
+const GET: usize = 2;
+const OP_NAMES: [&str; 3] = ["memcpy", "put", "get"];
 
-    {
-        let cache = RamCache::new(PUT_BUDGET);
+impl Bench {
+    fn new(size: usize) -> Self {
+        let p = Pools::new(size);
+        let count = p.count();
+        let put_cache = RamCache::new(PUT_BUDGET);
         // Fill it so every measured put inserts a new id and evicts one
         // (steady state); measured puts start after the filled ids.
         let mut filled = 0;
-        while filled < count && cache.used_bytes() + size as u64 <= PUT_BUDGET {
-            cache
+        while filled < count && put_cache.used_bytes() + size as u64 <= PUT_BUDGET {
+            put_cache
                 .insert(p.ids[filled], p.src[filled].clone(), None, false)
                 .expect("fits");
             filled += 1;
         }
-        let mut next = filled % count;
-        // Then one full rotation of measured-style puts, so the allocator
-        // reaches its steady state (freed copies reused by new ones) first.
-        for _ in 0..count {
-            let i = next;
-            next = (next + 1) % count;
-            let data = Bytes::copy_from_slice(&p.src[i]);
-            black_box(cache.insert(p.ids[i], data, None, false).expect("fits"));
-        }
-        g.bench_function(BenchmarkId::new("put-copy-in", kib), |b| {
-            b.iter_custom(|iters| {
-                let start = Instant::now();
-                for _ in 0..iters {
-                    let i = next;
-                    next = (next + 1) % count;
-                    let data = Bytes::copy_from_slice(&p.src[i]);
-                    let (_, evicted) = cache.insert(p.ids[i], data, None, false).expect("fits");
-                    black_box(evicted);
-                }
-                let e = start.elapsed();
-                record(&format!("put-{kib}KiB"), iters * size as u64, e);
-                e
-            })
-        });
-    }
-
-    {
         // Holds every source chunk (shares their memory: no extra GiB).
-        let cache = RamCache::new(POOL_BYTES as u64);
+        let get_cache = RamCache::new(POOL_BYTES as u64);
         for i in 0..count {
-            let (_, ev) = cache
+            let (_, ev) = get_cache
                 .insert(p.ids[i], p.src[i].clone(), None, false)
                 .expect("fits");
             assert!(ev.is_empty(), "get cache must hold the whole pool");
         }
-        let mut next = 0usize;
-        g.bench_function(BenchmarkId::new("get-copy-out", kib), |b| {
-            b.iter_custom(|iters| {
-                let start = Instant::now();
-                for _ in 0..iters {
-                    let i = next;
-                    next = (next + 1) % count;
-                    let entry = cache.get(&p.ids[i]).expect("every chunk is cached");
-                    p.dst[i].copy_from_slice(&entry.data);
-                    black_box(&p.dst[i]);
-                }
-                let e = start.elapsed();
-                record(&format!("get-{kib}KiB"), iters * size as u64, e);
-                e
-            })
-        });
+        let mut b = Self {
+            p,
+            put_cache,
+            get_cache,
+            cursors: [0, filled % count, 0],
+        };
+        // One full rotation of puts first, so the allocator reaches its
+        // steady state (freed copies reused by new ones).
+        b.run(PUT, count as u64);
+        b
     }
-    g.finish();
-    assert_eq!(p.size, size);
+
+    /// Runs `iters` ops of one kind and returns the time they took.
+    fn run(&mut self, op: usize, iters: u64) -> Duration {
+        let count = self.p.count();
+        let mut i = self.cursors[op];
+        let start = Instant::now();
+        for _ in 0..iters {
+            match op {
+                MEMCPY => {
+                    self.p.dst[i].copy_from_slice(&self.p.src[i]);
+                    black_box(&self.p.dst[i]);
+                }
+                PUT => {
+                    // The node copies out of shared memory into a new buffer.
+                    let data = Bytes::copy_from_slice(&self.p.src[i]);
+                    let (_, evicted) = self
+                        .put_cache
+                        .insert(self.p.ids[i], data, None, false)
+                        .expect("fits");
+                    black_box(evicted);
+                }
+                _ => {
+                    let entry = self
+                        .get_cache
+                        .get(&self.p.ids[i])
+                        .expect("every chunk is cached");
+                    self.p.dst[i].copy_from_slice(&entry.data);
+                    black_box(&self.p.dst[i]);
+                }
+            }
+            i = (i + 1) % count;
+        }
+        let elapsed = start.elapsed();
+        self.cursors[op] = i;
+        elapsed
+    }
+}
+
+fn bench_size(c: &mut Criterion, size: usize) {
+    let kib = size >> 10;
+    let mut b = Bench::new(size);
+    {
+        let mut g = c.benchmark_group(format!("ram-{kib}KiB"));
+        g.throughput(Throughput::Bytes(size as u64));
+        g.sample_size(10);
+        for (op, name) in [
+            (MEMCPY, "memcpy-cold"),
+            (PUT, "put-copy-in"),
+            (GET, "get-copy-out"),
+        ] {
+            g.bench_function(BenchmarkId::new(name, kib), |bench| {
+                bench.iter_custom(|iters| b.run(op, iters))
+            });
+        }
+        g.finish();
+    }
+    // Paired: the same ops interleaved, rotating which goes first.
+    let batch = (PAIRED_BATCH_BYTES / size).max(1) as u64;
+    for round in 0..PAIRED_ROUNDS {
+        for k in 0..3 {
+            let op = (round + k) % 3;
+            let e = b.run(op, batch);
+            record(
+                &format!("{}-{kib}KiB", OP_NAMES[op]),
+                batch * size as u64,
+                e,
+            );
+        }
+    }
+}
+
+/// Entries in the LRU-ops bench.
+const LRU_ENTRIES: usize = 1 << 20;
+/// Lookups per paired round of the LRU-ops bench.
+const LRU_BATCH: usize = 1 << 16;
+
+/// LRU bookkeeping cost alone: `get` (lookup + promote) of random ids in a
+/// 1M-entry cache of empty chunks, against `std::collections::HashMap::get`
+/// (SipHash, no LRU) over the same ids, in the same run.
+fn bench_lru_ops(c: &mut Criterion) {
+    let ids: Vec<ChunkId> = (0..LRU_ENTRIES).map(chunk_id).collect();
+    let cache = RamCache::new(u64::MAX);
+    let mut map = std::collections::HashMap::with_capacity(LRU_ENTRIES);
+    for (i, id) in ids.iter().enumerate() {
+        cache.insert(*id, Bytes::new(), None, false).expect("fits");
+        map.insert(*id, (Bytes::new(), i as u64));
+    }
+    // A fixed pseudo-random probe order (every probe hits).
+    let mut x = 0x2545_F491_4F6C_DD1Du64;
+    let order: Vec<usize> = (0..LRU_ENTRIES)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x % LRU_ENTRIES as u64) as usize
+        })
+        .collect();
+    let mut cursors = [0usize; 2];
+    let mut run = |which: usize, iters: u64| {
+        let mut k = cursors[which];
+        let start = Instant::now();
+        for _ in 0..iters {
+            let id = &ids[order[k]];
+            if which == 0 {
+                black_box(cache.get(id).expect("present"));
+            } else {
+                black_box(map.get(id).expect("present").clone());
+            }
+            k = (k + 1) % LRU_ENTRIES;
+        }
+        cursors[which] = k;
+        start.elapsed()
+    };
+    {
+        let mut g = c.benchmark_group("lru-ops-1M");
+        g.throughput(Throughput::Elements(1));
+        g.bench_function("ramcache-get", |b| b.iter_custom(|n| run(0, n)));
+        g.bench_function("std-hashmap-get", |b| b.iter_custom(|n| run(1, n)));
+        g.finish();
+    }
+    for round in 0..PAIRED_ROUNDS {
+        for k in 0..2 {
+            let which = (round + k) % 2;
+            let e = run(which, LRU_BATCH as u64);
+            let label = if which == 0 { "lru-get" } else { "std-get" };
+            record(label, LRU_BATCH as u64, e);
+        }
+    }
 }
 
 fn summary() {
@@ -184,7 +279,17 @@ fn summary() {
             .filter(|v| v.1 > 0)
             .map(|v| v.0 as f64 / v.1 as f64)
     };
-    eprintln!("\n=== tier RAM summary (cold: rotating through 1 GiB; GB/s = bytes per ns) ===");
+    eprintln!(
+        "\n=== tier RAM summary (cold: rotating through 1 GiB; paired, {PAIRED_ROUNDS} interleaved rounds of 64 MiB per op; GB/s = bytes per ns) ==="
+    );
+    if let (Some(k), Some(m)) = (gbps("lru-get"), gbps("std-get")) {
+        eprintln!(
+            "LRU get, 1M entries: kvtier {:.0} ns/op, std HashMap (SipHash, no LRU) {:.0} ns/op, ratio = kvtier_throughput / hashmap_throughput = {:.3}",
+            1.0 / k,
+            1.0 / m,
+            k / m
+        );
+    }
     for kib in [256, 1024, 4096] {
         let Some(m) = gbps(&format!("memcpy-{kib}KiB")) else {
             continue;
@@ -205,6 +310,7 @@ fn main() {
         .warm_up_time(Duration::from_millis(500))
         .measurement_time(Duration::from_secs(3))
         .configure_from_args();
+    bench_lru_ops(&mut c);
     for size in [256 << 10, 1 << 20, 4 << 20] {
         bench_size(&mut c, size);
     }

@@ -504,7 +504,9 @@ impl RamCache {
     }
 
     /// Up to `limit` dirty entries, oldest insert first; with `older_than`,
-    /// only those inserted at least that long ago (idle flush).
+    /// only those inserted at least that long ago (idle flush). Walks every
+    /// entry (one shard locked at a time): O(entries), meant for periodic
+    /// flush work, not for per-request paths.
     pub fn dirty_entries(
         &self,
         older_than: Option<Duration>,
@@ -568,7 +570,7 @@ impl RamCache {
 
     /// Keeps only the chunks for which `f` returns true; returns the others
     /// (for gc and namespace drops; the caller decides what to do with dirty
-    /// ones).
+    /// ones). `f` runs with a shard locked: it must not call into this cache.
     pub fn retain(&self, mut f: impl FnMut(&ChunkId) -> bool) -> Vec<Evicted> {
         let mut out = Vec::new();
         for slot in self.shards.iter() {
