@@ -365,14 +365,7 @@ def _free_udp_port() -> int:
 
 def start_peered_pair(d1: Daemon, d2: Daemon) -> None:
     """Starts two daemons peered over loopback with certificates of a fresh CA
-    (deploy/certs/README.md). xfails the calling test while the binary has no
-    peer support yet."""
-    import pytest
-
-    help_text = subprocess.run([kvtier_bin(), "node", "start", "--help"], capture_output=True, text=True, timeout=30).stdout
-    cert = subprocess.run([kvtier_bin(), "cert", "--help"], capture_output=True, text=True, timeout=30)
-    if "--peers" not in help_text or cert.returncode != 0:
-        pytest.xfail("kvtier node start has no --peers/--peer-listen/--tls-dir, or no `kvtier cert` yet (H6)")
+    (deploy/certs/README.md)."""
     base = d1.dir.parent / "certs"
     subprocess.run([kvtier_bin(), "cert", "init-ca", "--cluster", "test", "--out", str(base / "ca")], check=True, timeout=60)
     ports = [_free_udp_port(), _free_udp_port()]

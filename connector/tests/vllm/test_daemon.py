@@ -203,29 +203,65 @@ def test_two_ranks_min_over_ranks(daemon: Daemon):
         e.shutdown()
 
 
-@pytest.mark.xfail(
-    reason="needs the peer cascade (H6): `kvtier node start --peers`/CLUSTER_LOOKUP across nodes",
-    strict=False,
-)
 def test_two_ranks_on_two_daemons_with_peers(short_tmp):
     """TP=2 across two nodes: each rank stores into its own node's daemon; the
-    scheduler's one CLUSTER_LOOKUP on node 1 must see rank 1's chunks on node 2."""
+    scheduler's one CLUSTER_LOOKUP on node 1 sees rank 1's chunks on node 2
+    (through the peers' availability sync), and min over ranks is right when
+    one rank lacks a chunk."""
+    import time
+
+    from kvtier.client import KvtierClient
+
+    from harness import start_peered_pair
+
     d1 = Daemon(short_tmp, "n1")
     d2 = Daemon(short_tmp, "n2")
     try:
-        from harness import start_peered_pair
-
         start_peered_pair(d1, d2)
         socks = [d1.socket, d2.socket]
         e = Engine({"socket": d1.socket, "min_tokens_for_disk": 0}, tp_size=2, sockets=socks)
         try:
             run_one(e, "s")
+            assert e.totals()["save_chunks"] == 4
+            rec0, rec1 = e.workers[0].worker.record, e.workers[1].worker.record
         finally:
             e.shutdown()
+        req = make_request("k", PROMPT)  # block hashes 15 and 31 end chunks 0 and 1
+
+        with KvtierClient(d1.socket, region_size=0) as c:
+            # Each node holds only its own rank's chunks (rank 1's live on node 2)...
+            assert c.lookup(c.hello(rec1), [bytes(req.block_hashes[15])]).locations[0] not in ("ram", "disk")
+            # ...and learns the other node's through the availability sync.
+            deadline = time.monotonic() + 30
+            while True:
+                r = c.cluster_lookup(rec0, [0, 1], [bytes(req.block_hashes[15]), bytes(req.block_hashes[31])])
+                if r.min_prefix == 2 or time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+            assert r.min_prefix == 2, r
         e = Engine({"socket": d1.socket, "min_tokens_for_disk": 0}, tp_size=2, sockets=socks)
         try:
             run_one(e, "l")
-            assert e.totals()["hit_tokens"] == 512 and e.verified["l"] == 512
+            t = e.totals()
+            assert t["hit_tokens"] == 512 and t["load_chunks"] == 4 and e.verified["l"] == 512
+        finally:
+            e.shutdown()
+        # Rank 1 (node 2) loses chunk 1: node 1's scheduler must offer chunk 0 only.
+        with KvtierClient(d2.socket, region_size=0) as c:
+            assert c.delete(c.hello(rec1), [bytes(req.block_hashes[31])], group=0) == [True]
+        with KvtierClient(d1.socket, region_size=0) as c:
+            deadline = time.monotonic() + 30
+            while True:
+                r = c.cluster_lookup(rec0, [0, 1], [bytes(req.block_hashes[15]), bytes(req.block_hashes[31])])
+                if r.min_prefix == 1 or time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+            assert r.min_prefix == 1, r
+        e = Engine({"socket": d1.socket, "min_tokens_for_disk": 0}, tp_size=2, sockets=socks)
+        try:
+            run_one(e, "m")
+            t = e.totals()
+            assert t["hit_tokens"] == 256 and e.verified["m"] == 256
         finally:
             e.shutdown()
     finally:
