@@ -236,3 +236,83 @@ impl Cluster {
         self.handle.shutdown(grace).await;
     }
 }
+
+/// A per-peer metric: name, help, and how to read it from a status row.
+type Metric<T> = (&'static str, &'static str, fn(&PeerStatus) -> T);
+
+impl Cluster {
+    /// Per-peer Prometheus metrics (label `peer`: the node name, or the
+    /// seed address until connected).
+    pub fn encode_metrics(
+        &self,
+        enc: &mut prometheus_client::encoding::DescriptorEncoder<'_>,
+    ) -> Result<(), std::fmt::Error> {
+        use prometheus_client::encoding::EncodeMetric;
+        use prometheus_client::metrics::MetricType;
+        use prometheus_client::metrics::counter::ConstCounter;
+        use prometheus_client::metrics::gauge::ConstGauge;
+
+        let peers = self.peers();
+        let names: Vec<String> = peers
+            .iter()
+            .map(|p| p.name.clone().unwrap_or_else(|| p.addr.clone()))
+            .collect();
+        let counters: [Metric<u64>; 4] = [
+            (
+                "peer_fetched_bytes",
+                "Payload bytes fetched from the peer",
+                |p| p.bytes_fetched,
+            ),
+            (
+                "peer_served_bytes",
+                "Payload bytes served to the peer",
+                |p| p.bytes_served,
+            ),
+            (
+                "peer_fetches",
+                "Fetches from the peer that succeeded",
+                |p| p.fetches_ok,
+            ),
+            (
+                "peer_fetch_failures",
+                "Fetches from the peer that failed (became misses)",
+                |p| p.fetches_failed,
+            ),
+        ];
+        for (name, help, f) in counters {
+            let mut me = enc.encode_descriptor(name, help, None, MetricType::Counter)?;
+            for (n, p) in names.iter().zip(&peers) {
+                ConstCounter::new(f(p)).encode(me.encode_family(&[("peer", n.as_str())])?)?;
+            }
+        }
+        let gauges: [Metric<i64>; 4] = [
+            (
+                "peer_up",
+                "1 while the peer is up, 0 when suspect or down",
+                |p| i64::from(p.state == peer::PeerState::Up),
+            ),
+            (
+                "peer_chunks",
+                "Chunks the peer holds (as synced here)",
+                |p| p.chunks as i64,
+            ),
+            (
+                "peer_bytes",
+                "Payload bytes the peer holds (as synced here)",
+                |p| p.bytes as i64,
+            ),
+            (
+                "peer_rtt_microseconds",
+                "Smoothed RTT to the peer (0 when not connected)",
+                |p| p.rtt_us.unwrap_or(0) as i64,
+            ),
+        ];
+        for (name, help, f) in gauges {
+            let mut me = enc.encode_descriptor(name, help, None, MetricType::Gauge)?;
+            for (n, p) in names.iter().zip(&peers) {
+                ConstGauge::new(f(p)).encode(me.encode_family(&[("peer", n.as_str())])?)?;
+            }
+        }
+        Ok(())
+    }
+}

@@ -487,6 +487,9 @@ impl Collector for NodeCollector {
             "Client connections accepted (all interfaces)",
             ld(&c.connections),
         )?;
+        if let Some(cluster) = &self.ctx.cluster {
+            cluster.encode_metrics(&mut enc)?;
+        }
         Ok(())
     }
 }

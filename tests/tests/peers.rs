@@ -122,6 +122,21 @@ fn peer_state(d: &Daemon, name: &str) -> Option<String> {
         .and_then(|p| p["state"].as_str().map(str::to_owned))
 }
 
+fn http_get(addr: std::net::SocketAddr, path: &str) -> String {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).expect("connect http");
+    s.set_read_timeout(Some(Duration::from_secs(5)))
+        .expect("timeout");
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    )
+    .expect("write");
+    let mut out = String::new();
+    s.read_to_string(&mut out).expect("read");
+    out
+}
+
 fn put(d: &Daemon, ns: Namespace, key: ChunkKey, data: &[u8]) {
     let mut c = d.client();
     let st = c.put_bytes(ns, 0, &[(key, data)]).expect("PUT");
@@ -220,6 +235,26 @@ fn chunks_cross_nodes_and_dead_peers_become_fast_misses() {
             assert!(p.get(k).is_some(), "{k} missing in {p}");
         }
     }
+
+    // Per-peer Prometheus metrics and the `peers` field of /status.
+    let http = nodes[1].http.expect("http enabled");
+    let metrics = http_get(http, "/metrics");
+    assert!(
+        metrics.contains("kvtier_peer_up{peer=\"a\"} 1"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("kvtier_peer_fetched_bytes_total{peer=\"a\"}"),
+        "{metrics}"
+    );
+    let status: serde_json::Value = serde_json::from_str(
+        http_get(http, "/status")
+            .split("\r\n\r\n")
+            .nth(1)
+            .expect("body"),
+    )
+    .expect("status json");
+    assert_eq!(status["peers"].as_array().map(Vec::len), Some(2));
 
     // SIGKILL a: b marks it down, and a GET of a chunk only a had is a
     // fast miss.
