@@ -758,3 +758,36 @@ fn a_chunk_larger_than_a_region_stays_in_ram_and_is_counted() {
     assert_eq!(s.locate(&id(ns, 2)), Some(Tier::Ram));
     assert_eq!(st.disk_chunks, 1);
 }
+
+#[test]
+fn recovery_of_the_open_region_drops_only_the_corrupt_chunk() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = config(dir.path());
+    cfg.direct_io = false;
+    let (ns, bad) = {
+        let s = ChunkStore::open(cfg.clone()).unwrap();
+        let ns = s.register_namespace(&record(0)).unwrap();
+        for n in 0..3 {
+            s.put(id(ns, n), payload(n, 9000)).unwrap();
+            s.flush().unwrap(); // one batch each
+        }
+        let bad = s.disk_location(&id(ns, 1)).unwrap();
+        drop(s); // no seal: the region stays open on disk
+        (ns, bad)
+    };
+    flip_byte(&dir.path().join("store.kvt"), bad.1 + 128 + 4000);
+    let s = ChunkStore::open(cfg.clone()).unwrap();
+    assert_eq!(s.stats().verify_failures, 1, "counted at recovery");
+    assert!(s.get(&id(ns, 1)).is_none());
+    assert_eq!(s.get(&id(ns, 0)).unwrap().data, payload(0, 9000));
+    assert_eq!(
+        s.get(&id(ns, 2)).unwrap().data,
+        payload(2, 9000),
+        "later batches kept"
+    );
+    drop(s);
+    // The recovered region was sealed without the bad chunk.
+    let s = ChunkStore::open(cfg).unwrap();
+    assert_eq!(s.stats().verify_failures, 0);
+    assert_eq!(s.stats().disk_chunks, 2);
+}
