@@ -3,7 +3,7 @@
 The daemon binary is ``$KVTIER_BIN`` or ``target/debug/kvtier`` at the
 repository root (``cargo build -p kvtier-cli`` builds it). Tests that need a
 daemon are skipped, with the reason, only when that binary is missing or
-cannot start; ``scripts/test.d/30-python.sh`` sets ``KVTIER_REQUIRE_DAEMON=1``
+cannot start; ``scripts/test.d/30-python.sh`` sets ``REQUIRE_KVTIER_DAEMON=1``
 so that CI fails instead.
 """
 
@@ -28,7 +28,7 @@ def _binary() -> Path:
 
 
 def _unavailable(reason: str) -> None:
-    if os.environ.get("KVTIER_REQUIRE_DAEMON"):
+    if os.environ.get("REQUIRE_KVTIER_DAEMON"):
         pytest.fail(f"kvtier daemon required but unavailable: {reason}")
     pytest.skip(f"kvtier daemon unavailable: {reason}")
 
@@ -91,7 +91,9 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
         "256MiB",
     ]
     with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        # The daemon reads every KVTIER_* variable as configuration.
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
     d = Daemon(proc, sock, log)
     deadline = time.monotonic() + 30
     try:

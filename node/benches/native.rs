@@ -168,13 +168,18 @@ fn throughput(
     (put, get)
 }
 
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
 fn percentile(sorted: &[Duration], p: f64) -> Duration {
     sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
 }
 
 fn main() {
     let quick = std::env::var_os("KVTIER_BENCH_QUICK").is_some();
-    let total = if quick { 64 << 20 } else { 2 << 30 };
+    let total = if quick { 64 << 20 } else { 1 << 30 };
     let server = Server::start();
     let mut c = Client::connect(&server.path).expect("connect");
     let ns = c.hello(&record()).expect("hello");
@@ -183,19 +188,26 @@ fn main() {
 
     let src = vec![0xA5u8; ROTATE];
     let mut dst = vec![0u8; ROTATE];
+    let reps = if quick { 1 } else { 5 };
     println!(
-        "native socket + shared memory vs cold memcpy ({} MiB per case)",
+        "native socket + shared memory vs cold memcpy ({} MiB per measurement, median of {reps} interleaved runs)",
         total >> 20
     );
     println!(
-        "{:>8} {:>6} {:>12} {:>10} {:>10} {:>9} {:>9}",
+        "{:>8} {:>6} {:>12} {:>10} {:>10} {:>10} {:>10}",
         "size", "batch", "memcpy GB/s", "PUT GB/s", "GET GB/s", "PUT/memcpy", "GET/memcpy"
     );
     for size in [256usize << 10, 1 << 20, 4 << 20] {
         memcpy_cold(&src, &mut dst, size, ROTATE); // warm-up: fault every page in
         for batch in [1usize, 16] {
-            let base = gbps(total, memcpy_cold(&src, &mut dst, size, total));
-            let (put, get) = throughput(&mut c, ns, size, batch, total);
+            let (mut base, mut put, mut get) = (Vec::new(), Vec::new(), Vec::new());
+            for _ in 0..reps {
+                base.push(gbps(total, memcpy_cold(&src, &mut dst, size, total)));
+                let (p, g) = throughput(&mut c, ns, size, batch, total);
+                put.push(p);
+                get.push(g);
+            }
+            let (base, put, get) = (median(base), median(put), median(get));
             println!(
                 "{:>7}K {:>6} {:>12.2} {:>10.2} {:>10.2} {:>9.2}x {:>9.2}x",
                 size >> 10,

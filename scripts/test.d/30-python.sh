@@ -23,7 +23,7 @@ if [ ! -x "$ROOT/target/debug/kvtier" ]; then
 fi
 
 # The daemon is required here: a missing or failing binary fails the run.
-export KVTIER_REQUIRE_DAEMON=1
+export REQUIRE_KVTIER_DAEMON=1
 set +e
 (cd connector && "$VENV/bin/python" -m pytest -q tests/test_client.py)
 rc=$?
