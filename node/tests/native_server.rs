@@ -241,27 +241,14 @@ fn flush_reports_what_the_store_made_durable() {
     for i in 0..4 {
         c.put_bytes(ns, 0, &[(key(i), &payload(i, 8192))]).unwrap();
     }
-    match c.flush() {
-        Ok(report) => {
-            assert_eq!(report.chunks, 4);
-            assert_eq!(report.bytes, 4 * 8192);
-            assert_eq!(report.failed, 0);
-            // Nothing left dirty: a second flush writes nothing.
-            assert_eq!(c.flush().unwrap().chunks, 0);
-        }
-        Err(NativeError::Remote {
-            code: ErrorCode::Unimplemented,
-            message,
-        }) => {
-            // Only while the store itself cannot flush yet.
-            let direct = server.ctx.store.flush();
-            assert!(
-                matches!(direct, Err(node::tier::Error::Unimplemented(_))),
-                "{direct:?} vs {message}"
-            );
-        }
-        Err(e) => panic!("flush failed: {e}"),
-    }
+    let report = c.flush().unwrap();
+    assert_eq!(report.chunks, 4);
+    assert_eq!(report.bytes, 4 * 8192);
+    assert_eq!(report.failed, 0);
+    // Nothing left dirty: a second flush writes nothing.
+    assert_eq!(c.flush().unwrap().chunks, 0);
+    let stats = c.stats().unwrap();
+    assert_eq!(stats["store"]["dirty_bytes"], 0, "{stats}");
     // Data is still served after a flush.
     assert_eq!(
         c.get_bytes(ns, 0, key(2)).unwrap().unwrap(),
