@@ -636,3 +636,31 @@ async fn check_bind_refuses_public_addresses_without_password() {
     assert!(resp::check_bind(&any, Some("pw")).is_ok());
     assert!(resp::check_bind(&"127.0.0.1:6380".parse().expect("addr"), None).is_ok());
 }
+
+#[tokio::test]
+async fn a_pipeline_written_before_any_reply_is_read_is_served() {
+    let s = Server::start(RespOptions::default()).await;
+    let mut c = s.connect().await;
+    let v = vec![5u8; 1 << 20];
+    rt(&mut c, &cmd(&[b"SET", b"big", &v]), b"+OK\r\n").await;
+    // 64 MiB of replies are due before the client reads anything, and a 2 MiB
+    // SET follows the GETs: the server must keep reading while it cannot write.
+    let mut req = Vec::new();
+    for _ in 0..64 {
+        req.extend(cmd(&[b"GET", b"big"]));
+    }
+    let v2 = vec![6u8; 2 << 20];
+    req.extend(cmd(&[b"SET", b"big2", &v2]));
+    req.extend_from_slice(b"PING\r\n");
+    tokio::time::timeout(T, c.write_all(&req))
+        .await
+        .expect("the whole pipeline is accepted before any reply is read")
+        .expect("write");
+    let one = bulk(&v);
+    for _ in 0..64 {
+        expect(&mut c, &one).await;
+    }
+    expect(&mut c, b"+OK\r\n+PONG\r\n").await;
+    rt(&mut c, &cmd(&[b"GET", b"big2"]), &bulk(&v2)).await;
+    s.stop().await;
+}

@@ -27,6 +27,8 @@ const READ_BUF: usize = 64 * 1024;
 /// Queued reply bytes above which replies are written before the next
 /// pipelined command runs (bounds memory per connection).
 const FLUSH_AT: usize = 8 << 20;
+/// Most request bytes read ahead while replies cannot be written.
+const READ_AHEAD_MAX: usize = 4 << 20;
 /// Most segments handed to one vectored write.
 const MAX_IOV: usize = 64;
 /// Time allowed to tell a rejected client why.
@@ -111,17 +113,41 @@ impl Drop for ClientGuard<'_> {
     }
 }
 
-async fn flush(sock: &mut TcpStream, out: &mut Output) -> io::Result<()> {
+/// Writes every queued reply. While the client is not reading them, keeps
+/// reading its requests into `rbuf` (up to [`READ_AHEAD_MAX`] bytes), so a
+/// client that writes a long pipeline before it reads the replies cannot
+/// deadlock the connection.
+async fn flush(sock: &TcpStream, out: &mut Output, rbuf: &mut BytesMut) -> io::Result<()> {
+    let mut eof = false;
     while !out.is_empty() {
-        let n = {
+        let res = {
             let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(MAX_IOV);
             out.io_slices(&mut slices, MAX_IOV);
-            sock.write_vectored(&slices).await?
+            sock.try_write_vectored(&slices)
         };
-        if n == 0 {
-            return Err(io::ErrorKind::WriteZero.into());
+        match res {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(n) => {
+                out.advance(n);
+                continue;
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+            Err(e) => return Err(e),
         }
-        out.advance(n);
+        let read_ahead = !eof && rbuf.len() < READ_AHEAD_MAX;
+        tokio::select! {
+            r = sock.writable() => r?,
+            r = sock.readable(), if read_ahead => {
+                r?;
+                rbuf.reserve(READ_BUF);
+                match sock.try_read_buf(rbuf) {
+                    Ok(0) => eof = true,
+                    Ok(_) => {}
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                    Err(e) => return Err(e),
+                }
+            }
+        }
     }
     Ok(())
 }
@@ -148,16 +174,16 @@ async fn connection(shared: &Shared, mut sock: TcpStream) -> io::Result<()> {
                         parser.set_limits(MAX_ARGS, max_value);
                     }
                     if session.close {
-                        flush(&mut sock, &mut out).await?;
+                        flush(&sock, &mut out, &mut rbuf).await?;
                         return Ok(());
                     }
                     if out.pending() >= FLUSH_AT {
-                        flush(&mut sock, &mut out).await?;
+                        flush(&sock, &mut out, &mut rbuf).await?;
                     }
                 }
                 Ok(Parsed::Incomplete) => break,
                 Ok(Parsed::DirectBulk(len)) => {
-                    flush(&mut sock, &mut out).await?;
+                    flush(&sock, &mut out, &mut rbuf).await?;
                     // Read the payload straight into a buffer of its exact size.
                     let total = len + 2;
                     let mut data = BytesMut::with_capacity(total);
@@ -175,7 +201,7 @@ async fn connection(shared: &Shared, mut sock: TcpStream) -> io::Result<()> {
                 Err(e) => return protocol_error(shared, &mut sock, &mut out, &e).await,
             }
         }
-        flush(&mut sock, &mut out).await?;
+        flush(&sock, &mut out, &mut rbuf).await?;
         if rbuf.capacity() - rbuf.len() < READ_BUF / 4 {
             rbuf.reserve(READ_BUF);
         }
@@ -193,7 +219,7 @@ async fn protocol_error(
 ) -> io::Result<()> {
     NodeCounters::inc(&shared.ctx.counters.resp_errors);
     out.error(format!("Protocol error: {e}"));
-    flush(sock, out).await?;
+    flush(sock, out, &mut BytesMut::new()).await?;
     let _ = sock.shutdown().await;
     Ok(())
 }
