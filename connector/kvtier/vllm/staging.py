@@ -15,7 +15,6 @@ matter: `index_select` / `index_copy_` follow the strides.
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import torch
 
