@@ -8,8 +8,8 @@
 # prometheus_client<=0.24.1, opentelemetry-api<=1.40, numpy<=2.2.6,
 # protobuf<7) satisfy both vllm 0.33.0 and lmcache 0.5.6.
 #
-#   MODE=default  full vLLM connector tests (about 3 min on a fresh machine,
-#                 seconds once the venv is cached)
+#   MODE=default  all vLLM connector tests (venv set-up: ~5 min and 6.6 GB on a
+#                 fresh 2-core machine, once; the tests: ~40 s)
 #   MODE=--full   the same plus the slow tests (marked `slow`)
 #
 # Env: KVTIER_TORCH_VENV overrides the venv path (default .cache/venv-torch).
