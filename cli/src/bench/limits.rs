@@ -76,7 +76,10 @@ pub(crate) struct Limits {
     /// Whether the disk figures are O_DIRECT (false: buffered fallback).
     pub direct_io: bool,
     pub tcp_gbps: f64,
+    /// Raw quinn with the peer transport's settings (`TransportTuning::loopback`).
     pub quic_gbps: Option<f64>,
+    /// Raw quinn with quinn's default transport settings.
+    pub quic_default_gbps: Option<f64>,
     pub quic_error: Option<String>,
 }
 
@@ -110,14 +113,18 @@ pub(crate) fn measure(args: &LimitsArgs, dir: &Path, net: bool) -> Result<Limits
         });
     }
     drop(pool);
-    let (mut tcp, mut quic, mut quic_error) = (f64::NAN, None, None);
+    let (mut tcp, mut quic, mut quic_default, mut quic_error) = (f64::NAN, None, None, None);
     if net {
         pb.set_message("TCP loopback");
         tcp = tcp_loopback(args.net_bytes.0)?;
         pb.inc(1);
         pb.set_message("QUIC loopback");
-        match quic_loopback(args.net_bytes.0) {
+        match quic_loopback(args.net_bytes.0, QuicSettings::Peer) {
             Ok(q) => quic = Some(q),
+            Err(e) => quic_error = Some(format!("{e:#}")),
+        }
+        match quic_loopback(args.net_bytes.0, QuicSettings::QuinnDefault) {
+            Ok(q) => quic_default = Some(q),
             Err(e) => quic_error = Some(format!("{e:#}")),
         }
         pb.inc(1);
@@ -128,6 +135,7 @@ pub(crate) fn measure(args: &LimitsArgs, dir: &Path, net: bool) -> Result<Limits
         direct_io,
         tcp_gbps: tcp,
         quic_gbps: quic,
+        quic_default_gbps: quic_default,
         quic_error,
     })
 }
@@ -172,6 +180,12 @@ pub(crate) fn print_limits(l: &Limits) {
             ),
             (None, Some(e)) => println!("QUIC loopback: not measured: {e}"),
             (None, None) => {}
+        }
+        if let Some(q) = l.quic_default_gbps {
+            println!(
+                "QUIC loopback, one stream (quinn, quinn's default transport settings, mTLS): {} GB/s",
+                f2(q)
+            );
         }
     }
 }
@@ -320,9 +334,18 @@ pub(crate) fn tcp_loopback(total: u64) -> Result<f64> {
     Ok(gbps(total, end - t0))
 }
 
-/// One raw quinn stream on 127.0.0.1 with the peer transport's loopback
-/// settings and mutual TLS from a throwaway CA.
-pub(crate) fn quic_loopback(total: u64) -> Result<f64> {
+/// Which QUIC transport settings a raw quinn measurement uses.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum QuicSettings {
+    /// The peer transport's own (`peer::TransportTuning::loopback`).
+    Peer,
+    /// quinn's defaults (endpoint, transport, kernel socket buffers).
+    QuinnDefault,
+}
+
+/// One raw quinn stream on 127.0.0.1 with the given settings and mutual
+/// TLS from a throwaway CA.
+pub(crate) fn quic_loopback(total: u64, settings: QuicSettings) -> Result<f64> {
     use node::peer::TransportTuning;
     use node::peer::cert::{self, Validity};
     use node::peer::tls::TlsSetup;
@@ -336,22 +359,42 @@ pub(crate) fn quic_loopback(total: u64) -> Result<f64> {
     };
     let (ta, tb) = (tls("bench-a")?, tls("bench-b")?);
     let t = TransportTuning::loopback();
+    let peer = matches!(settings, QuicSettings::Peer);
     let pc = node::peer::PeerConfig::default();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
         .context("start a runtime")?;
-    rt.block_on(async move {
-        let transport = Arc::new(t.transport_config(pc.keep_alive, Duration::from_secs(30)));
+    let run = async move {
+        let transport = Arc::new(if peer {
+            t.transport_config(pc.keep_alive, Duration::from_secs(30))
+        } else {
+            quinn::TransportConfig::default()
+        });
+        let endpoint_config = || {
+            if peer {
+                t.endpoint_config()
+            } else {
+                quinn::EndpointConfig::default()
+            }
+        };
+        let bind = || -> std::io::Result<std::net::UdpSocket> {
+            let addr = "127.0.0.1:0".parse().expect("address");
+            if peer {
+                t.bind_socket(addr)
+            } else {
+                std::net::UdpSocket::bind(addr)
+            }
+        };
         let mut sc = quinn::ServerConfig::with_crypto(Arc::new(
             QuicServerConfig::try_from(ta.server.clone()).context("QUIC server config")?,
         ));
         sc.transport_config(transport.clone());
         let server = quinn::Endpoint::new(
-            t.endpoint_config(),
+            endpoint_config(),
             Some(sc),
-            t.bind_socket("127.0.0.1:0".parse().expect("address"))?,
+            bind()?,
             quinn::default_runtime().context("quinn runtime")?,
         )?;
         let mut cc = quinn::ClientConfig::new(Arc::new(
@@ -359,9 +402,9 @@ pub(crate) fn quic_loopback(total: u64) -> Result<f64> {
         ));
         cc.transport_config(transport);
         let client = quinn::Endpoint::new(
-            t.endpoint_config(),
+            endpoint_config(),
             None,
-            t.bind_socket("127.0.0.1:0".parse().expect("address"))?,
+            bind()?,
             quinn::default_runtime().context("quinn runtime")?,
         )?;
         let srv = server.clone();
@@ -400,8 +443,20 @@ pub(crate) fn quic_loopback(total: u64) -> Result<f64> {
         anyhow::ensure!(got == total, "QUIC receiver got {got} of {total} bytes");
         client.wait_idle().await;
         Ok(gbps(total, elapsed))
+    };
+    rt.block_on(async move {
+        tokio::time::timeout(QUIC_DEADLINE, run)
+            .await
+            .map_err(|_| {
+                anyhow::anyhow!(
+                    "the QUIC transfer of {total} bytes took longer than {QUIC_DEADLINE:?}"
+                )
+            })?
     })
 }
+
+/// Longest a QUIC loopback measurement may run.
+const QUIC_DEADLINE: Duration = Duration::from_secs(60);
 
 #[cfg(test)]
 mod tests {
@@ -417,6 +472,7 @@ mod tests {
     #[test]
     fn loopback_streams_deliver_every_byte() {
         assert!(tcp_loopback(8 << 20).unwrap() > 0.0);
-        assert!(quic_loopback(8 << 20).unwrap() > 0.0);
+        assert!(quic_loopback(8 << 20, QuicSettings::Peer).unwrap() > 0.0);
+        assert!(quic_loopback(8 << 20, QuicSettings::QuinnDefault).unwrap() > 0.0);
     }
 }
