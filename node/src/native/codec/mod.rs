@@ -860,4 +860,103 @@ mod tests {
         let e = decode_request(&header, body, &LIMITS).unwrap_err();
         assert!(e.to_string().contains("tp-sise"), "{e}");
     }
+
+    mod props {
+        use super::*;
+        use proptest::prelude::*;
+
+        fn key() -> impl Strategy<Value = ChunkKey> {
+            any::<[u8; 32]>().prop_map(ChunkKey)
+        }
+
+        fn entry() -> impl Strategy<Value = RegionEntry> {
+            (key(), any::<u64>(), any::<u64>()).prop_map(|(key, offset, len)| RegionEntry {
+                key,
+                offset,
+                len,
+            })
+        }
+
+        fn request() -> impl Strategy<Value = Request> {
+            let ns = any::<[u8; 16]>().prop_map(Namespace);
+            prop_oneof![
+                (
+                    ns.clone(),
+                    any::<u16>(),
+                    proptest::collection::vec(key(), 0..40)
+                )
+                    .prop_map(|(ns, group, keys)| Request::Lookup {
+                        ns,
+                        group,
+                        keys
+                    }),
+                (
+                    ns.clone(),
+                    any::<u16>(),
+                    proptest::collection::vec(key(), 0..40)
+                )
+                    .prop_map(|(ns, group, keys)| Request::Delete {
+                        ns,
+                        group,
+                        keys
+                    }),
+                (
+                    ns.clone(),
+                    any::<u16>(),
+                    any::<bool>(),
+                    proptest::collection::vec(entry(), 0..40)
+                )
+                    .prop_map(|(ns, group, atomic, entries)| Request::Put {
+                        ns,
+                        group,
+                        atomic,
+                        entries
+                    }),
+                (ns, any::<u16>(), proptest::collection::vec(entry(), 0..40))
+                    .prop_map(|(ns, group, entries)| Request::Get { ns, group, entries }),
+                (
+                    "[a-z]{0,12}",
+                    any::<u32>(),
+                    proptest::collection::vec(any::<u32>(), 0..8),
+                    proptest::collection::vec(key(), 0..8)
+                )
+                    .prop_map(|(model, rank, ranks, keys)| {
+                        Request::ClusterLookup {
+                            record: NamespaceRecord {
+                                model,
+                                rank,
+                                ..Default::default()
+                            },
+                            ranks,
+                            group: 0,
+                            keys,
+                        }
+                    }),
+                any::<u64>().prop_map(|len| Request::RegisterRegion { len }),
+            ]
+        }
+
+        proptest! {
+            #[test]
+            fn requests_round_trip_and_reject_any_flipped_bit(
+                req in request(),
+                id in any::<u64>(),
+                pos in any::<proptest::sample::Index>(),
+                bit in 0u8..8,
+            ) {
+                let mut out = Vec::new();
+                encode_request(&mut out, id, &req);
+                let Ok(Decoded::Frame { header, body, len }) = decode_frame(&out, u32::MAX) else {
+                    panic!("encoded request does not decode");
+                };
+                prop_assert_eq!(len, out.len());
+                prop_assert_eq!(header.id, id);
+                prop_assert_eq!(decode_request(&header, body, &LIMITS).unwrap(), req);
+                let i = pos.index(out.len());
+                out[i] ^= 1 << bit;
+                let accepted = matches!(decode_frame(&out, u32::MAX), Ok(Decoded::Frame { .. }));
+                prop_assert!(!accepted, "flip of bit {} at byte {} accepted", bit, i);
+            }
+        }
+    }
 }
