@@ -77,11 +77,45 @@ def _make_table() -> list[int]:
 _TABLE = _make_table()
 
 
-def _crc32c_py(data: bytes | bytearray | memoryview, crc: int = 0) -> int:
+def _slicing_tables() -> list[list[int]]:
+    tables = [_TABLE]
+    for _ in range(7):
+        prev = tables[-1]
+        tables.append([(prev[n] >> 8) ^ _TABLE[prev[n] & 0xFF] for n in range(256)])
+    return tables
+
+
+_T0, _T1, _T2, _T3, _T4, _T5, _T6, _T7 = _slicing_tables()
+
+
+def _crc32c_bytewise(data: bytes, crc: int = 0) -> int:
     table = _TABLE
     crc ^= 0xFFFFFFFF
-    for b in bytes(data):
+    for b in data:
         crc = table[(crc ^ b) & 0xFF] ^ (crc >> 8)
+    return crc ^ 0xFFFFFFFF
+
+
+def _crc32c_py(data: bytes | bytearray | memoryview, crc: int = 0) -> int:
+    """CRC32C in pure Python, 8 bytes per step (slicing-by-8)."""
+    data = bytes(data)
+    n8 = len(data) - len(data) % 8
+    t0, t1, t2, t3, t4, t5, t6, t7 = _T0, _T1, _T2, _T3, _T4, _T5, _T6, _T7
+    crc ^= 0xFFFFFFFF
+    for lo, hi in struct.iter_unpack("<II", data[:n8]):
+        x = crc ^ lo
+        crc = (
+            t7[x & 0xFF]
+            ^ t6[(x >> 8) & 0xFF]
+            ^ t5[(x >> 16) & 0xFF]
+            ^ t4[x >> 24]
+            ^ t3[hi & 0xFF]
+            ^ t2[(hi >> 8) & 0xFF]
+            ^ t1[(hi >> 16) & 0xFF]
+            ^ t0[hi >> 24]
+        )
+    for b in data[n8:]:
+        crc = t0[(crc ^ b) & 0xFF] ^ (crc >> 8)
     return crc ^ 0xFFFFFFFF
 
 

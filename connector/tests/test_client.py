@@ -74,6 +74,9 @@ def test_crc32c_matches_the_standard_check_value() -> None:
     assert fr.crc32c(b"123456789") == 0xE3069283
     assert fr._crc32c_py(b"123456789") == 0xE3069283
     assert fr.crc32c(b"") == 0
+    for n in (1, 7, 8, 9, 31, 64, 1000, 4099):
+        data = os.urandom(n)
+        assert fr._crc32c_py(data) == fr._crc32c_bytewise(data) == fr.crc32c(data)
 
 
 @pytest.mark.parametrize("name", sorted(GOLDEN_REQUESTS))
