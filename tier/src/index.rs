@@ -292,9 +292,10 @@ impl Index {
     }
 
     /// Batched lookup of `keys` in one namespace and group: `out[i]` is the
-    /// location of `keys[i]`. Software-pipelined: the slot of key `i + D` is
-    /// prefetched while key `i` is probed, then the entries of the hits are
-    /// prefetched before their ids are compared.
+    /// location of `keys[i]`. Software-pipelined over windows of 64 keys:
+    /// the slot of key `i + 16` is prefetched while key `i` is probed, a
+    /// matching slot's entry is prefetched at once, and the ids are compared
+    /// at the end of the window, when those entries have arrived.
     pub fn get_batch(
         &self,
         ns: &Namespace,
@@ -302,26 +303,53 @@ impl Index {
         keys: &[ChunkKey],
         out: &mut Vec<Option<Location>>,
     ) {
-        let mut cand = Vec::new();
-        self.probe_batch(ns, group, keys, &mut cand);
-        for &c in &cand {
-            if c != u32::MAX {
-                prefetch(&self.entries[c as usize]);
-            }
-        }
+        const W: usize = 64;
+        const D: usize = 16;
         out.clear();
-        out.extend(keys.iter().zip(&cand).map(|(k, &c)| {
-            if c == u32::MAX {
-                return None;
+        out.reserve(keys.len());
+        let mut hashes = [0u64; W];
+        let mut cand = [u32::MAX; W];
+        for window in keys.chunks(W) {
+            for (h, k) in hashes.iter_mut().zip(window) {
+                *h = hash_parts(ns, k, group);
             }
-            let (id, loc) = &self.entries[c as usize];
-            if id.key == *k && id.ns == *ns && id.group == group {
-                Some(*loc)
-            } else {
-                // Another id with the same fingerprint: the full probe.
-                self.get(&ChunkId::new(*ns, *k, group))
+            let n = window.len();
+            for h in hashes.iter().take(D.min(n)) {
+                prefetch(&self.slots[*h as usize & self.mask]);
             }
-        }));
+            for i in 0..n {
+                if i + D < n {
+                    prefetch(&self.slots[hashes[i + D] as usize & self.mask]);
+                }
+                let h = hashes[i];
+                let mut pos = h as usize;
+                cand[i] = loop {
+                    pos &= self.mask;
+                    let s = self.slots[pos];
+                    if s.fp == 0 {
+                        break u32::MAX;
+                    }
+                    if s.fp == h {
+                        // The entry is needed to confirm: start fetching it.
+                        prefetch(&self.entries[s.idx as usize]);
+                        break s.idx;
+                    }
+                    pos += 1;
+                };
+            }
+            out.extend(window.iter().zip(&cand[..n]).map(|(k, &c)| {
+                if c == u32::MAX {
+                    return None;
+                }
+                let (id, loc) = &self.entries[c as usize];
+                if id.key == *k && id.ns == *ns && id.group == group {
+                    Some(*loc)
+                } else {
+                    // Another id with the same fingerprint: the full probe.
+                    self.get(&ChunkId::new(*ns, *k, group))
+                }
+            }));
+        }
     }
 
     /// Batched presence test by 64-bit fingerprint only (no entry access):
