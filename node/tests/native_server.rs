@@ -314,3 +314,55 @@ fn connect_to_a_missing_socket_is_unavailable() {
     assert!(matches!(err, NativeError::Unavailable { .. }));
     assert!(err.to_string().contains("kvtier node start"), "{err}");
 }
+
+#[test]
+fn get_serves_disk_hits_concurrently_and_byte_exact() {
+    let server = TestServer::start_with_ram(node::native::NativeOptions::default(), 1 << 20);
+    let mut c = server.client();
+    let ns = c.hello(&record(0)).unwrap();
+    let n = 24u32;
+    let size = 200 << 10;
+    for i in 0..n {
+        assert_eq!(
+            c.put_bytes(ns, 0, &[(key(i), &payload(i, size))]).unwrap(),
+            vec![0]
+        );
+        // Durable before RAM evicts it, so eviction drops a clean copy.
+        c.flush().unwrap();
+    }
+    let keys: Vec<ChunkKey> = (0..n).map(key).collect();
+    let l = c.lookup(ns, 0, &keys).unwrap();
+    assert_eq!(l.prefix, n, "{:?}", l.locations);
+    let on_disk = l
+        .locations
+        .iter()
+        .filter(|l| **l == LookupLocation::Disk)
+        .count();
+    assert!(
+        on_disk >= 10,
+        "a 1 MiB RAM budget holds at most 5 chunks: {:?}",
+        l.locations
+    );
+    let entries: Vec<RegionEntry> = (0..n)
+        .map(|i| RegionEntry {
+            key: key(i),
+            offset: u64::from(i) * size as u64,
+            len: size as u64,
+        })
+        .collect();
+    let results = c.get(ns, 0, &entries).unwrap();
+    let disk_hits = results
+        .iter()
+        .filter(|r| r.status == GetStatus::HitDisk)
+        .count();
+    assert!(disk_hits >= 10, "{results:?}");
+    for (i, r) in results.iter().enumerate() {
+        assert!(r.status.is_hit(), "{i}: {r:?}");
+        assert_eq!(r.len, size as u64);
+        let off = i * size;
+        assert!(
+            c.region().unwrap().as_slice()[off..off + size] == payload(i as u32, size)[..],
+            "chunk {i} differs"
+        );
+    }
+}

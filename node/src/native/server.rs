@@ -35,6 +35,8 @@ use tier::ChunkId;
 const READ_BUF: usize = 64 << 10;
 /// Replies are written once this many bytes are pending, even mid-batch.
 const WRITE_FLUSH: usize = 1 << 20;
+/// Most disk or peer reads one GET keeps in flight.
+const MAX_CONCURRENT_READS: usize = 16;
 /// Most received descriptors waiting for their REGISTER_REGION frame.
 const MAX_PENDING_FDS: usize = 4;
 
@@ -502,41 +504,76 @@ impl Connection {
             return Ok(Response::Get { results: vec![] });
         }
         let region = self.checked_region("GET", entries)?;
-        let mut results = Vec::with_capacity(entries.len());
-        for e in entries {
-            let result = match self
-                .ctx
-                .get_with_location(ChunkId::new(ns, e.key, group), None)
-                .await
-            {
-                None => GetResult {
-                    status: GetStatus::Miss,
-                    len: 0,
-                },
-                Some((data, loc)) => {
-                    let len = data.len() as u64;
-                    if len > e.len {
-                        GetResult {
-                            status: GetStatus::TooSmall,
-                            len,
-                        }
-                    } else {
-                        let written = region.copy_in(e.offset, &data);
-                        debug_assert!(written, "range checked above");
-                        GetResult {
-                            status: match loc {
-                                Location::Ram => GetStatus::HitRam,
-                                Location::Disk => GetStatus::HitDisk,
-                                Location::Peer => GetStatus::HitPeer,
-                            },
-                            len,
-                        }
-                    }
-                }
+        let mut results = vec![
+            GetResult {
+                status: GetStatus::Miss,
+                len: 0,
             };
-            results.push(result);
+            entries.len()
+        ];
+        // RAM hits are served inline, in order. Anything else (disk, peers)
+        // is read concurrently, up to MAX_CONCURRENT_READS at a time, so a
+        // restore from disk or a peer keeps several reads in flight.
+        let mut pending = JoinSet::new();
+        for (i, e) in entries.iter().enumerate() {
+            let id = ChunkId::new(ns, e.key, group);
+            if self.ctx.locate(&id) == Some(Location::Ram) {
+                let hit = self.ctx.get_with_location(id, None).await;
+                results[i] = place(region, e, hit);
+                continue;
+            }
+            while pending.len() >= MAX_CONCURRENT_READS {
+                Self::settle(&mut pending, region, entries, &mut results).await;
+            }
+            let ctx = Arc::clone(&self.ctx);
+            pending.spawn(async move { (i, ctx.get_with_location(id, None).await) });
+        }
+        while !pending.is_empty() {
+            Self::settle(&mut pending, region, entries, &mut results).await;
         }
         Ok(Response::Get { results })
+    }
+
+    /// Waits for one concurrent read and writes its chunk into the region.
+    async fn settle(
+        pending: &mut JoinSet<(usize, Option<(Bytes, Location)>)>,
+        region: &MappedRegion,
+        entries: &[RegionEntry],
+        results: &mut [GetResult],
+    ) {
+        match pending.join_next().await {
+            Some(Ok((i, hit))) => results[i] = place(region, &entries[i], hit),
+            // A read task that panicked leaves its entry a miss.
+            Some(Err(e)) => warn!(error = %e, "native GET: a read task failed"),
+            None => {}
+        }
+    }
+}
+
+/// Writes a hit into the region (range already checked) and says what happened.
+fn place(region: &MappedRegion, e: &RegionEntry, hit: Option<(Bytes, Location)>) -> GetResult {
+    let Some((data, loc)) = hit else {
+        return GetResult {
+            status: GetStatus::Miss,
+            len: 0,
+        };
+    };
+    let len = data.len() as u64;
+    if len > e.len {
+        return GetResult {
+            status: GetStatus::TooSmall,
+            len,
+        };
+    }
+    let written = region.copy_in(e.offset, &data);
+    debug_assert!(written, "range checked before any read");
+    GetResult {
+        status: match loc {
+            Location::Ram => GetStatus::HitRam,
+            Location::Disk => GetStatus::HitDisk,
+            Location::Peer => GetStatus::HitPeer,
+        },
+        len,
     }
 }
 

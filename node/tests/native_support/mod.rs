@@ -30,10 +30,15 @@ impl TestServer {
     }
 
     pub fn start_with(opts: NativeOptions) -> Self {
+        Self::start_with_ram(opts, 256 << 20)
+    }
+
+    /// A server whose store has `ram_budget` bytes of RAM (64 MiB of disk).
+    pub fn start_with_ram(opts: NativeOptions, ram_budget: u64) -> Self {
         let dir = tempfile::tempdir().expect("tempdir");
         let config = TierConfig {
             data_dir: dir.path().join("data"),
-            ram_budget: 256 << 20,
+            ram_budget,
             disk_budget: 64 << 20,
             region_size: 8 << 20,
             ..TierConfig::default()
