@@ -10,8 +10,11 @@
 //!   buffer (as the node does into the client's shared memory);
 //! - memcpy: copy the chunk from the source pool into the destination pool.
 //!
-//! A fourth group measures the LRU bookkeeping alone (`lru-ops-1M`): `get`
-//! of random ids in a 1M-entry cache against `std::collections::HashMap::get`.
+//! Two more groups measure the LRU bookkeeping alone: `lru-ops-1M` (`get` of
+//! random ids in a 1M-entry cache against `std::collections::HashMap::get`)
+//! and `lookup-1024-in-1M` (1,024 ids, half cached: `contains_batch`, then
+//! `contains` per id, against `HashMap::contains_key`).
+//! `KVTIER_BENCH_SIZES_KIB=256,1024` picks chunk sizes (empty: none).
 //!
 //! Source and destination pools are 1 GiB each and every op moves to the
 //! next chunk, so no chunk is in the CPU caches when touched. Peak memory is
@@ -270,6 +273,84 @@ fn bench_lru_ops(c: &mut Criterion) {
             record(label, LRU_BATCH as u64, e);
         }
     }
+
+    // LOOKUP-style batches: 1,024 random ids, half cached, half not.
+    const LOOKUP: usize = 1024;
+    let batches: Vec<Vec<ChunkId>> = (0..64)
+        .map(|b| {
+            (0..LOOKUP)
+                .map(|j| {
+                    let k = order[(b * LOOKUP + j) % LRU_ENTRIES];
+                    if j % 2 == 0 {
+                        ids[k]
+                    } else {
+                        chunk_id(LRU_ENTRIES + k)
+                    }
+                })
+                .collect()
+        })
+        .collect();
+    let mut out = Vec::with_capacity(LOOKUP);
+    let mut next = 0usize;
+    let mut lookup = |which: usize, iters: u64| {
+        let start = Instant::now();
+        for _ in 0..iters {
+            let batch = &batches[next];
+            next = (next + 1) % batches.len();
+            match which {
+                0 => cache.contains_batch(batch, &mut out),
+                1 => {
+                    out.clear();
+                    out.extend(batch.iter().map(|id| cache.contains(id)));
+                }
+                _ => {
+                    out.clear();
+                    out.extend(batch.iter().map(|id| map.contains_key(id)));
+                }
+            }
+            black_box(&out);
+        }
+        start.elapsed()
+    };
+    {
+        let mut g = c.benchmark_group("lookup-1024-in-1M");
+        g.throughput(Throughput::Elements(LOOKUP as u64));
+        g.bench_function("ramcache-contains-batch", |b| {
+            b.iter_custom(|n| lookup(0, n))
+        });
+        g.bench_function("ramcache-contains-each", |b| {
+            b.iter_custom(|n| lookup(1, n))
+        });
+        g.bench_function("std-hashmap-contains-key", |b| {
+            b.iter_custom(|n| lookup(2, n))
+        });
+        g.finish();
+    }
+    for round in 0..PAIRED_ROUNDS {
+        for k in 0..3 {
+            let which = (round + k) % 3;
+            let e = lookup(which, 16);
+            let label = ["batch-contains", "each-contains", "std-contains"][which];
+            record(label, 16, e);
+        }
+    }
+}
+
+/// Chunk sizes in KiB: 256, 1024 and 4096, or the comma-separated list in
+/// `KVTIER_BENCH_SIZES_KIB` (empty: none, to run only the LRU groups).
+fn sizes() -> Vec<usize> {
+    match std::env::var("KVTIER_BENCH_SIZES_KIB") {
+        Ok(v) => v
+            .split(',')
+            .filter(|s| !s.trim().is_empty())
+            .map(|s| {
+                s.trim()
+                    .parse()
+                    .expect("KVTIER_BENCH_SIZES_KIB: sizes in KiB")
+            })
+            .collect(),
+        Err(_) => vec![256, 1024, 4096],
+    }
 }
 
 fn summary() {
@@ -290,7 +371,21 @@ fn summary() {
             k / m
         );
     }
-    for kib in [256, 1024, 4096] {
+    if let (Some(b), Some(e), Some(m)) = (
+        gbps("batch-contains"),
+        gbps("each-contains"),
+        gbps("std-contains"),
+    ) {
+        eprintln!(
+            "LOOKUP 1,024 ids (half hits) in 1M entries: contains_batch {:.1} us, contains each {:.1} us, std HashMap {:.1} us per batch; ratio = kvtier_throughput / hashmap_throughput = {:.3} (batch), {:.3} (each)",
+            1e-3 / b,
+            1e-3 / e,
+            1e-3 / m,
+            b / m,
+            e / m
+        );
+    }
+    for kib in sizes() {
         let Some(m) = gbps(&format!("memcpy-{kib}KiB")) else {
             continue;
         };
@@ -311,8 +406,8 @@ fn main() {
         .measurement_time(Duration::from_secs(3))
         .configure_from_args();
     bench_lru_ops(&mut c);
-    for size in [256 << 10, 1 << 20, 4 << 20] {
-        bench_size(&mut c, size);
+    for kib in sizes() {
+        bench_size(&mut c, kib << 10);
     }
     c.final_summary();
     summary();

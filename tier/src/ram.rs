@@ -308,9 +308,14 @@ impl RamCache {
         }
     }
 
+    /// The shard of a hash: a multiplicative mix, so that shard bits and the
+    /// table's bucket bits (the low bits of the hash) are independent.
+    fn shard_index(&self, hash: u64) -> usize {
+        (hash.wrapping_mul(GOLDEN) >> 32) as usize & self.shard_mask
+    }
+
     fn slot(&self, hash: u64) -> &ShardSlot {
-        let mixed = hash.wrapping_mul(GOLDEN) >> 32;
-        &self.shards[mixed as usize & self.shard_mask]
+        &self.shards[self.shard_index(hash)]
     }
 
     fn tick(&self) -> u64 {
@@ -469,6 +474,41 @@ impl RamCache {
     pub fn contains(&self, id: &ChunkId) -> bool {
         let hash = hash_id(id);
         self.slot(hash).inner.lock().find(hash, id).is_some()
+    }
+
+    /// Which of `ids` are cached (no promotion): `out[i]` answers `ids[i]`.
+    /// Takes each shard's lock once for the whole batch instead of once per
+    /// id (for LOOKUP of many keys).
+    pub fn contains_batch(&self, ids: &[ChunkId], out: &mut Vec<bool>) {
+        out.clear();
+        out.resize(ids.len(), false);
+        let n = self.shards.len();
+        let hashes: Vec<u64> = ids.iter().map(hash_id).collect();
+        // Counting sort of the ids by shard (O(len), no comparison sort).
+        let mut starts = vec![0usize; n + 1];
+        for &h in &hashes {
+            starts[self.shard_index(h) + 1] += 1;
+        }
+        for s in 0..n {
+            starts[s + 1] += starts[s];
+        }
+        let mut fill = starts.clone();
+        let mut order = vec![0usize; ids.len()];
+        for (i, &h) in hashes.iter().enumerate() {
+            let s = self.shard_index(h);
+            order[fill[s]] = i;
+            fill[s] += 1;
+        }
+        for s in 0..n {
+            let members = &order[starts[s]..starts[s + 1]];
+            if members.is_empty() {
+                continue;
+            }
+            let shard = self.shards[s].inner.lock();
+            for &i in members {
+                out[i] = shard.find(hashes[i], &ids[i]).is_some();
+            }
+        }
     }
 
     /// Removes a chunk; returns it if it was cached.
@@ -798,6 +838,26 @@ mod tests {
             c.insert(id(n), bytes(5, 0), None, false).unwrap();
         }
         check_accounting(&c);
+    }
+
+    #[test]
+    fn contains_batch_agrees_with_contains() {
+        for shards in [1, 4, DEFAULT_SHARDS] {
+            let c = RamCache::with_shards(10_000, shards);
+            for n in (0..200).step_by(3) {
+                c.insert(id(n), bytes(1, 0), None, false).unwrap();
+            }
+            let ids: Vec<ChunkId> = (0..200).rev().map(id).collect();
+            let mut out = vec![true; 3];
+            c.contains_batch(&ids, &mut out);
+            assert_eq!(out.len(), ids.len());
+            for (i, got) in ids.iter().zip(&out) {
+                assert_eq!(*got, c.contains(i), "{i:?}");
+            }
+            assert_eq!(out.iter().filter(|&&b| b).count(), 67);
+            c.contains_batch(&[], &mut out);
+            assert!(out.is_empty());
+        }
     }
 
     #[test]
