@@ -451,3 +451,43 @@ fn connections_over_the_limit_get_busy() {
     }));
     b.ping().unwrap();
 }
+
+#[test]
+fn a_client_that_never_reads_replies_is_dropped_and_shutdown_completes() {
+    let server = TestServer::start_with(NativeOptions {
+        frame_timeout: Duration::from_millis(300),
+        ..Default::default()
+    });
+    let mut w = Witness::new(&server);
+    let mut s = raw(&server);
+    s.set_write_timeout(Some(Duration::from_secs(10))).unwrap();
+    // STATS replies are far larger than the requests: the socket buffers
+    // fill up with unread replies while the requests still fit.
+    let mut batch = Vec::new();
+    for id in 0..2000u64 {
+        batch.extend_from_slice(&frame(Op::Stats as u16, 0, id, b""));
+    }
+    let start = Instant::now();
+    let mut closed = false;
+    for _ in 0..50 {
+        if let Err(e) = s.write_all(&batch) {
+            // Dropped by the server, not our own write timeout.
+            assert!(
+                matches!(
+                    e.kind(),
+                    std::io::ErrorKind::BrokenPipe | std::io::ErrorKind::ConnectionReset
+                ),
+                "{e}"
+            );
+            closed = true;
+            break;
+        }
+    }
+    assert!(
+        closed,
+        "the server kept accepting requests whose replies nobody reads"
+    );
+    assert!(start.elapsed() < Duration::from_secs(15));
+    w.check();
+    server.stop().unwrap();
+}

@@ -49,7 +49,7 @@ pub struct NativeOptions {
     /// Default: 1,024.
     pub max_connections: u32,
     /// Time allowed to receive the rest of a frame once its first byte has
-    /// arrived; a slower client is dropped. Default: 30 s.
+    /// arrived, and to write a reply; a slower client is dropped. Default: 30 s.
     pub frame_timeout: Duration,
 }
 

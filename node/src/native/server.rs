@@ -293,9 +293,19 @@ impl Connection {
         Ok(r)
     }
 
+    /// Writes pending replies. A client that stops reading its replies for
+    /// longer than `frame-timeout` is dropped, so it can never hold up
+    /// shutdown.
     async fn flush_writes(&mut self) -> io::Result<()> {
         if !self.wbuf.is_empty() {
-            self.stream.write_all(&self.wbuf).await?;
+            tokio::time::timeout(self.opts.frame_timeout, self.stream.write_all(&self.wbuf))
+                .await
+                .map_err(|_| {
+                    io::Error::new(
+                        io::ErrorKind::TimedOut,
+                        "client stopped reading its replies",
+                    )
+                })??;
             self.wbuf.clear();
         }
         Ok(())
