@@ -8,6 +8,7 @@ import os
 import socket
 import threading
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -181,7 +182,7 @@ def payload(i: int, n: int) -> bytes:
 
 
 @pytest.fixture
-def client(daemon) -> KvtierClient:  # type: ignore[no-untyped-def]
+def client(daemon) -> Iterator[KvtierClient]:  # type: ignore[no-untyped-def]
     c = KvtierClient(daemon.socket_path, region_size=8 << 20, timeout=30)
     yield c
     c.close()
