@@ -15,9 +15,10 @@
 //! - **unflushed survival**: share of acknowledged, unflushed chunks
 //!   present (reported: kill -9 may lose RAM-only chunks).
 //!
-//! Every `--fresh-every` iterations the data dir starts over, so the disk
-//! budget is never reached (a region eviction would legitimately drop
-//! flushed chunks and blur the count).
+//! Every `--fresh-every` iterations, and whenever the chunks written since
+//! the last fresh start could fill half the disk budget, the data dir starts
+//! over, so the budget is never reached (a region eviction would
+//! legitimately drop flushed chunks and blur the count).
 
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -35,6 +36,11 @@ use serde_json::json;
 use super::report::{Report, Table, f2, print_header};
 use super::{CommonArgs, Daemon, DaemonSpec, Scratch, bar, bench_key, bench_record, fill_payload};
 use crate::{EXIT_ERROR, EXIT_OK};
+
+/// Disk budget of the bench's daemon.
+const DISK_BUDGET: u64 = 1 << 30;
+/// Region size of the bench's daemon.
+const REGION_SIZE: u64 = 8 << 20;
 
 /// `kvtier bench crash`
 #[derive(Debug, Args)]
@@ -209,9 +215,15 @@ pub(crate) fn run(a: &CrashArgs) -> Result<u8> {
     let size = a.size.0;
     let spec = DaemonSpec {
         ram_budget: "64MiB".into(),
-        disk_budget: "512MiB".into(),
+        disk_budget: format!("{}MiB", DISK_BUDGET >> 20),
         resp: false,
         extra: Vec::new(),
+        // Small regions: every restart leaves the rest of the open region
+        // unused until it is evicted, so each iteration may consume a region.
+        env: vec![(
+            "KVTIER_REGION_SIZE".into(),
+            format!("{}MiB", REGION_SIZE >> 20),
+        )],
     };
     let rec = bench_record(1, 0, "crash");
     let mut next_id = 0u64;
@@ -219,17 +231,32 @@ pub(crate) fn run(a: &CrashArgs) -> Result<u8> {
     let mut older: Vec<u64> = Vec::new();
     let mut epoch = 0u32;
     let mut epoch_first = 0u64;
+    let mut epochs = 1u32;
+    let mut epoch_start_iter = 0u32;
     let mut daemon = Daemon::start(&scratch.path().join("e0"), &spec)?;
     let mut results = Vec::new();
     let mut writer_errors = Vec::new();
     let pb = bar(u64::from(a.iterations), "kill -9 loop");
     let t_all = Instant::now();
     for it in 0..a.iterations {
-        if it > 0 && it % a.fresh_every == 0 {
+        // A fresh data dir before the store could fill: a region eviction
+        // would legitimately drop flushed chunks. Each chunk takes its
+        // payload plus at most a 4 KiB-aligned header and padding on disk.
+        let epoch_bytes = (next_id - epoch_first) * (size + 8192);
+        // At most a quarter of the regions may be consumed by restarts.
+        let max_iters = a
+            .fresh_every
+            .min((DISK_BUDGET / REGION_SIZE / 4) as u32)
+            .max(1);
+        if it > 0 && (it - epoch_start_iter >= max_iters || epoch_bytes > DISK_BUDGET / 2) {
             daemon.kill9();
+            let old = scratch.path().join(format!("e{epoch}"));
+            std::fs::remove_dir_all(&old).with_context(|| format!("remove {}", old.display()))?;
             epoch += 1;
             older.clear();
             epoch_first = next_id;
+            epoch_start_iter = it;
+            epochs += 1;
             daemon = Daemon::start(&scratch.path().join(format!("e{epoch}")), &spec)?;
         }
         let stop = Arc::new(AtomicBool::new(false));
@@ -391,7 +418,7 @@ pub(crate) fn run(a: &CrashArgs) -> Result<u8> {
     report.set(
         "summary",
         json!({
-            "iterations": a.iterations, "chunk_size": size, "wrong": wrong, "phantom": phantom,
+            "iterations": a.iterations, "data_dirs": epochs, "chunk_size": size, "wrong": wrong, "phantom": phantom,
             "flushed": flushed, "flushed_present": fp,
             "older_flushed_checked": older_c, "older_flushed_present": older_p,
             "unflushed": unfl, "unflushed_present": up,

@@ -148,6 +148,7 @@ impl Drop for Scratch {
 pub(crate) struct Daemon {
     child: Option<Child>,
     args: Vec<String>,
+    env: Vec<(String, String)>,
     /// The data dir.
     pub data_dir: PathBuf,
     /// The native socket.
@@ -166,6 +167,8 @@ pub(crate) struct DaemonSpec {
     pub disk_budget: String,
     pub resp: bool,
     pub extra: Vec<String>,
+    /// Extra `KVTIER_*` environment (keys without a flag, e.g. region size).
+    pub env: Vec<(String, String)>,
 }
 
 impl Default for DaemonSpec {
@@ -175,6 +178,7 @@ impl Default for DaemonSpec {
             disk_budget: "1GiB".into(),
             resp: false,
             extra: Vec::new(),
+            env: Vec::new(),
         }
     }
 }
@@ -215,6 +219,7 @@ impl Daemon {
         let mut d = Daemon {
             child: None,
             args,
+            env: spec.env.clone(),
             data_dir,
             socket,
             resp: None,
@@ -243,6 +248,7 @@ impl Daemon {
                 cmd.env_remove(k);
             }
         }
+        cmd.envs(self.env.iter().map(|(k, v)| (k, v)));
         cmd.args(&self.args)
             .stdin(Stdio::null())
             .stdout(log.try_clone().context("dup log file")?)

@@ -351,6 +351,7 @@ pub(crate) fn run(a: &RestoreArgs) -> Result<u8> {
             ram_budget: format!("{}MiB", (bytes_per_rank >> 20) * 2 + 256),
             disk_budget: format!("{}MiB", (bytes_per_rank >> 20) * 4 + 512),
             resp: false,
+            env: Vec::new(),
             extra: vec![
                 "--node-name".into(),
                 name.clone(),

@@ -412,6 +412,7 @@ pub(crate) fn run(a: &VsArgs) -> Result<u8> {
         disk_budget: format!("{}MiB", (per_server >> 20) + 512),
         resp: true,
         extra: Vec::new(),
+        env: Vec::new(),
     };
     let mut kv = Daemon::start(&scratch.path().join("kvtier"), &spec)?;
     let kv_addr = kv.resp.context("the bench daemon has no RESP address")?;
