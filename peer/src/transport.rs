@@ -76,7 +76,8 @@ pub struct TransportTuning {
     /// Per-connection send window. Default: 64 MiB.
     pub send_window: u64,
     /// UDP socket send/receive buffer size requested from the kernel.
-    /// Default: 8 MiB (the kernel may cap it at `net.core.[rw]mem_max`).
+    /// Default: 32 MiB (the kernel caps it at `net.core.[rw]mem_max` unless
+    /// the process has CAP_NET_ADMIN).
     pub socket_buffer: u32,
 }
 
@@ -89,7 +90,7 @@ impl Default for TransportTuning {
             stream_window: 16 << 20,
             conn_window: 64 << 20,
             send_window: 64 << 20,
-            socket_buffer: 8 << 20,
+            socket_buffer: 32 << 20,
         }
     }
 }
@@ -155,8 +156,13 @@ impl TransportTuning {
     pub fn bind_socket(&self, addr: SocketAddr) -> std::io::Result<std::net::UdpSocket> {
         let s = std::net::UdpSocket::bind(addr)?;
         let size = self.socket_buffer as usize;
-        // Best effort: the kernel caps these at rmem_max / wmem_max.
-        let _ = rustix::net::sockopt::set_socket_recv_buffer_size(&s, size);
+        // Best effort: the kernel caps these at rmem_max / wmem_max unless
+        // the process may force them (CAP_NET_ADMIN). A large receive
+        // buffer is what keeps a briefly descheduled receiver from dropping
+        // datagrams (each drop costs a congestion-window cut).
+        if rustix::net::sockopt::set_socket_recv_buffer_size_force(&s, size).is_err() {
+            let _ = rustix::net::sockopt::set_socket_recv_buffer_size(&s, size);
+        }
         let _ = rustix::net::sockopt::set_socket_send_buffer_size(&s, size);
         Ok(s)
     }
