@@ -616,7 +616,9 @@ impl NodeConfig {
             if !listen.ip().is_loopback() {
                 return Err(bad(
                     "peer-listen",
-                    format!("{listen} is not a loopback address; `insecure-dev` binds loopback only"),
+                    format!(
+                        "{listen} is not a loopback address; `insecure-dev` binds loopback only"
+                    ),
                 ));
             }
             if let Some(p) = self.peers.0.iter().find(|p| !is_loopback_peer(p)) {

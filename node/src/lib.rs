@@ -11,8 +11,8 @@
 //! Does not own: command-line parsing (the `kvtier` binary), the chunk
 //! store's internals (`tier`), the peer protocol (`peer`).
 
-pub mod config;
 pub mod cluster;
+pub mod config;
 pub mod context;
 pub mod daemon;
 pub mod error;
