@@ -206,13 +206,24 @@ impl Cluster {
     /// peer layer), admitting it to local RAM when configured. Any failure
     /// is a miss (logged at debug, counted by the peer layer).
     pub async fn fetch(&self, id: &ChunkId) -> Option<Bytes> {
+        self.fetch_named(id, None).await
+    }
+
+    /// [`Cluster::fetch`] for a chunk stored under a name (RESP keys): the
+    /// admitted copy keeps `name`, so later local reads compare it. (The
+    /// peer protocol carries no names: the id is the hash of the name.)
+    pub async fn fetch_named(&self, id: &ChunkId, name: Option<Bytes>) -> Option<Bytes> {
         match self.handle.fetch(&to_peer(id), self.fetch_timeout).await {
             Ok(b) => {
                 if self.admit {
                     // A RAM insert; never waits for the disk under the
                     // default write policy. An unregistered namespace (no
                     // local client used it yet) is simply not admitted.
-                    if let Err(e) = self.store.put(*id, b.clone()) {
+                    let r = match name {
+                        Some(n) => self.store.put_named(*id, n, b.clone()),
+                        None => self.store.put(*id, b.clone()),
+                    };
+                    if let Err(e) = r {
                         tracing::debug!(error = %e, "fetched chunk not admitted");
                     }
                 }

@@ -139,7 +139,8 @@ impl NodeContext {
             }
         }
         let store = Arc::clone(&self.store);
-        let local = tokio::task::spawn_blocking(move || match name {
+        let local_name = name.clone();
+        let local = tokio::task::spawn_blocking(move || match local_name {
             Some(n) => store.get_named(&id, &n),
             None => store.get(&id),
         })
@@ -152,7 +153,7 @@ impl NodeContext {
         // Peers: only those the in-RAM directory says hold it; the fetch is
         // verified (id, length, CRC32C) and bounded by peer-fetch-timeout.
         let cluster = self.cluster.as_ref()?;
-        let data = cluster.fetch(&id).await?;
+        let data = cluster.fetch_named(&id, name).await?;
         Some((data, Location::Peer))
     }
 

@@ -449,3 +449,69 @@ fn peer_configuration_contradictions_are_refused() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// One RESP command over a fresh connection; returns the raw reply.
+fn resp(addr: std::net::SocketAddr, args: &[&[u8]]) -> Vec<u8> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).expect("connect resp");
+    s.set_read_timeout(Some(Duration::from_secs(5)))
+        .expect("timeout");
+    let mut req = format!("*{}\r\n", args.len()).into_bytes();
+    for a in args {
+        req.extend_from_slice(format!("${}\r\n", a.len()).as_bytes());
+        req.extend_from_slice(a);
+        req.extend_from_slice(b"\r\n");
+    }
+    s.write_all(&req).expect("write");
+    let mut out = Vec::new();
+    let mut buf = [0u8; 65536];
+    // Read until the reply is complete: a simple string/integer line, or a
+    // bulk string with its announced length.
+    loop {
+        let n = s.read(&mut buf).expect("read");
+        assert!(n > 0, "connection closed: {out:?}");
+        out.extend_from_slice(&buf[..n]);
+        if out.first() == Some(&b'$') {
+            if let Some(eol) = out.windows(2).position(|w| w == b"\r\n") {
+                let len: i64 = std::str::from_utf8(&out[1..eol])
+                    .expect("utf-8")
+                    .parse()
+                    .expect("length");
+                if len < 0 || out.len() >= eol + 2 + len as usize + 2 {
+                    return out;
+                }
+            }
+        } else if out.ends_with(b"\r\n") {
+            return out;
+        }
+    }
+}
+
+#[test]
+fn resp_set_on_one_node_is_found_by_get_and_exists_on_another() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let ca = make_ca(dir.path(), "cluster", "test");
+    let ports = free_ports(2);
+    let a_tls = issue(dir.path(), &ca, "a");
+    let b_tls = issue(dir.path(), &ca, "b");
+    let a = start_node(dir.path(), "a", &a_tls, ports[0], &[ports[1]])
+        .unwrap_or_else(|e| panic!("{e}"));
+    let b = start_node(dir.path(), "b", &b_tls, ports[1], &[ports[0]])
+        .unwrap_or_else(|e| panic!("{e}"));
+    let (ra, rb) = (a.resp.expect("resp on a"), b.resp.expect("resp on b"));
+    let value: Vec<u8> = (0..300_000u32).map(|i| (i * 13 % 251) as u8).collect();
+    assert_eq!(resp(ra, &[b"SET", b"lmcache:key:1", &value]), b"+OK\r\n");
+    poll("EXISTS on b", Duration::from_secs(15), || {
+        (resp(rb, &[b"EXISTS", b"lmcache:key:1"]) == b":1\r\n").then_some(())
+    });
+    let got = resp(rb, &[b"GET", b"lmcache:key:1"]);
+    let mut want = format!("${}\r\n", value.len()).into_bytes();
+    want.extend_from_slice(&value);
+    want.extend_from_slice(b"\r\n");
+    assert!(
+        got == want,
+        "GET on b returned {} bytes, not the value",
+        got.len()
+    );
+    assert_eq!(resp(rb, &[b"EXISTS", b"lmcache:other"]), b":0\r\n");
+}
