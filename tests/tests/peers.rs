@@ -515,3 +515,52 @@ fn resp_set_on_one_node_is_found_by_get_and_exists_on_another() {
     );
     assert_eq!(resp(rb, &[b"EXISTS", b"lmcache:other"]), b":0\r\n");
 }
+
+#[test]
+fn a_stopped_peer_never_hangs_a_get_past_its_timeout() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let ca = make_ca(dir.path(), "cluster", "test");
+    let ports = free_ports(2);
+    let a_tls = issue(dir.path(), &ca, "a");
+    let b_tls = issue(dir.path(), &ca, "b");
+    let a = start_node(dir.path(), "a", &a_tls, ports[0], &[ports[1]])
+        .unwrap_or_else(|e| panic!("{e}"));
+    let b = start_node(dir.path(), "b", &b_tls, ports[1], &[ports[0]])
+        .unwrap_or_else(|e| panic!("{e}"));
+    let rec = test_record(0);
+    let ns = a.client().hello(&rec).expect("HELLO");
+    let mut cb = b.client();
+    cb.hello(&rec).expect("HELLO");
+    let keys: Vec<(ChunkKey, Vec<u8>)> = (0..3).map(|i| chunk_bytes(9, i)).collect();
+    for (k, v) in &keys {
+        put(&a, ns, *k, v);
+    }
+    for (k, _) in &keys {
+        wait_present(&b, ns, *k, Duration::from_secs(15));
+    }
+    // Freeze a (a partition, as seen from b): every GET on b ends within the
+    // fetch timeout (1s) plus scheduling margin, as a miss.
+    kvtier_tests::signal(a.pid(), libc::SIGSTOP);
+    for (k, _) in &keys {
+        let t = Instant::now();
+        let got = cb.get_bytes(ns, 0, *k).expect("GET");
+        assert_eq!(got, None);
+        assert!(
+            t.elapsed() < Duration::from_millis(2500),
+            "GET took {:?}",
+            t.elapsed()
+        );
+    }
+    poll("a down at b", Duration::from_secs(10), || {
+        (peer_state(&b, "a").as_deref() == Some("down")).then_some(())
+    });
+    kvtier_tests::signal(a.pid(), libc::SIGCONT);
+    poll("a up again at b", Duration::from_secs(15), || {
+        (peer_state(&b, "a").as_deref() == Some("up")).then_some(())
+    });
+    wait_present(&b, ns, keys[0].0, Duration::from_secs(15));
+    assert_eq!(
+        cb.get_bytes(ns, 0, keys[0].0).expect("GET"),
+        Some(keys[0].1.clone())
+    );
+}
