@@ -372,6 +372,11 @@ fn hex_val(b: u8) -> Option<u8> {
 /// and `\<any>`; 'single quotes' understand `\'`. A closing quote must be
 /// followed by a space or the end of the line.
 pub fn split_args(line: &[u8]) -> Result<Vec<Bytes>, ProtocolError> {
+    // A NUL ends the line, as it ends the C string Redis splits.
+    let line = match line.iter().position(|&b| b == 0) {
+        Some(nul) => &line[..nul],
+        None => line,
+    };
     let mut out = Vec::new();
     let mut i = 0;
     let n = line.len();
@@ -442,7 +447,7 @@ pub fn split_args(line: &[u8]) -> Result<Vec<Bytes>, ProtocolError> {
                     break;
                 }
                 match line[i] {
-                    b' ' | b'\n' | b'\r' | b'\t' | 0 => break,
+                    b' ' | b'\n' | b'\r' | b'\t' => break,
                     b'"' => inq = true,
                     b'\'' => insq = true,
                     c => cur.push(c),
@@ -591,6 +596,10 @@ mod tests {
             args(&[b"a", b"A\n", b"it's", b""])
         );
         assert_eq!(split_args(b"   ").unwrap(), Vec::<Bytes>::new());
+        // Found by the fuzzer: a NUL once looped forever pushing empty arguments.
+        assert_eq!(split_args(b"\x01\x00").unwrap(), args(&[b"\x01"]));
+        assert_eq!(split_args(b"get a\x00b c").unwrap(), args(&[b"get", b"a"]));
+        assert_eq!(split_args(b"\x00").unwrap(), Vec::<Bytes>::new());
     }
 
     #[test]
