@@ -267,6 +267,8 @@ async fn basic_commands_reply_like_redis() {
     )
     .await;
     rt(&mut c, b"*0\r\n*-1\r\n\r\nPING\r\n", b"+PONG\r\n").await;
+    // A NUL ends an inline request (the C string Redis splits ends there).
+    rt(&mut c, b"PING\x00junk \"\r\n", b"+PONG\r\n").await;
     rt(&mut c, b"INFO bogus\r\n", b"$0\r\n\r\n").await;
     rt(&mut c, b"INFO keyspace\r\n", b"$12\r\n# Keyspace\r\n\r\n").await;
     rt(&mut c, b"SET a b\r\n", b"+OK\r\n").await;
