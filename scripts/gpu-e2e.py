@@ -35,6 +35,11 @@ sys.path.insert(0, str(ROOT / "connector"))
 
 import torch  # noqa: E402
 
+try:
+    import numpy as np
+except ImportError:  # the fresh-memory baseline is then skipped
+    np = None
+
 from kvtier.vllm.config import KvtierConfig  # noqa: E402
 from kvtier.vllm.layout import EngineLayout  # noqa: E402
 from kvtier.vllm.meta import ChunkLoad, ChunkSave, KvtierMetadata  # noqa: E402
@@ -85,6 +90,12 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--staging", type=int, default=512 << 20, help="staging bytes per direction")
     ap.add_argument("--ram-budget", default="8GiB")
+    ap.add_argument("--save-links", type=int, default=None, help="save connections (PUTs in flight); default: the connector's")
+    ap.add_argument(
+        "--breakdown", action="store_true",
+        help="time each phase (device gather/scatter, staging copies, PUT/GET); synchronizes "
+        "between phases, so the totals are those of an unpipelined run",
+    )
     args = ap.parse_args()
 
     dev = torch.device(args.device)
@@ -115,8 +126,11 @@ def main() -> int:
     proc, sock = start_daemon(os.path.abspath(args.kvtier), work, args.ram_budget)
     cfg = KvtierConfig(socket=sock, staging_bytes=args.staging, timeout_ms=120_000)
     worker = KvtierWorker(cfg, layout, SimpleNamespace(parallel_config=SimpleNamespace(rank=0)), True, _Stats())
-    results: dict[str, list[float]] = {"save": [], "load": [], "pinned_d2h": [], "pinned_h2d": []}
+    results: dict[str, list[float]] = {"save": [], "load": [], "pinned_d2h": [], "pinned_h2d": [], "fresh_copy": []}
+    phases: list[dict[str, float]] = []
     exact = True
+    if args.save_links is not None:
+        worker.save_links = args.save_links
     try:
         worker.register_kv_caches(caches)
         if not worker.enabled:
@@ -127,6 +141,8 @@ def main() -> int:
             keys = [os.urandom(32) for _ in range(n)]
             rid = f"r{it}"
             saves = [ChunkSave(keys[c], 0, src[c * cb : (c + 1) * cb]) for c in range(n)]
+            if args.breakdown:
+                worker.timing = {}
             sync(dev)
             t0 = time.perf_counter()
             worker.wait_for_save(KvtierMetadata(saves={rid: saves}, finishing=[rid]))
@@ -148,6 +164,11 @@ def main() -> int:
             _wait(loaded, "load")
             sync(dev)
             results["load"].append(time.perf_counter() - t0)
+            if worker.timing is not None:
+                tm = dict(worker.timing)
+                tm["save_total"] = results["save"][-1]
+                tm["load_total"] = results["load"][-1]
+                phases.append(tm)
             errors = worker.get_block_ids_with_load_errors()
             same = not errors and rid not in got["failed"] and torch.equal(
                 kv[:, src].view(torch.int16), kv[:, dst].view(torch.int16)
@@ -165,6 +186,20 @@ def main() -> int:
             flat.copy_(host, non_blocking=True)
             sync(dev)
             results["pinned_h2d"].append(time.perf_counter() - t0)
+            # Baseline of the daemon's PUT copy: chunk-sized copies on one thread into
+            # freshly allocated (never touched) memory, kept alive like stored chunks.
+            if np is None:
+                continue
+            src_host = host.view(-1).view(torch.uint8).numpy()
+            cbytes = group.chunk_bytes(cb)
+            kept = []
+            t0 = time.perf_counter()
+            for c in range(n):
+                fresh = np.empty(cbytes, dtype=np.uint8)
+                np.copyto(fresh, src_host[c * cbytes : (c + 1) * cbytes])
+                kept.append(fresh)
+            results["fresh_copy"].append(time.perf_counter() - t0)
+            del kept
     finally:
         worker.shutdown()
         proc.terminate()
@@ -174,22 +209,37 @@ def main() -> int:
             proc.kill()
         shutil.rmtree(work, ignore_errors=True)
 
-    med = {k: statistics.median(v) for k, v in results.items()}
+    med = {k: statistics.median(v) for k, v in results.items() if v}
     gbps = {k: total / v / 1e9 for k, v in med.items()}
+    gbps.setdefault("fresh_copy", float("nan"))
     out = {
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-        "bytes_per_iter": total, "chunk_bytes": group.chunk_bytes(cb), "chunks": n, "layers": L,
+        "bytes_per_iter": total, "chunk_bytes": group.chunk_bytes(cb), "chunks": n, "layers": L, "save_links": len(worker._save_links),
         "iters": args.iters, "byte_exact": exact,
         "save_GBps": round(gbps["save"], 3), "load_GBps": round(gbps["load"], 3),
         "pinned_d2h_GBps": round(gbps["pinned_d2h"], 3), "pinned_h2d_GBps": round(gbps["pinned_h2d"], 3),
         "save_vs_pinned_d2h": round(gbps["save"] / gbps["pinned_d2h"], 3),
         "load_vs_pinned_h2d": round(gbps["load"] / gbps["pinned_h2d"], 3),
+        "fresh_copy_GBps": round(gbps["fresh_copy"], 3),
     }
     print(f"{'path':<34}{'GB/s':>10}")
     print(f"{'save  device->staging->daemon (PUT)':<34}{out['save_GBps']:>10.2f}")
     print(f"{'load  daemon->staging->device (GET)':<34}{out['load_GBps']:>10.2f}")
     print(f"{'baseline pinned D2H':<34}{out['pinned_d2h_GBps']:>10.2f}")
     print(f"{'baseline pinned H2D':<34}{out['pinned_h2d_GBps']:>10.2f}")
+    print(f"{'baseline copy into fresh memory':<34}{out['fresh_copy_GBps']:>10.2f}")
+    if phases:
+        # One whole iteration (the median by save + load time), so that the phases add up.
+        bd_it = sorted(phases, key=lambda p: p["save_total"] + p["load_total"])[len(phases) // 2]
+        print("breakdown (seconds of the median iteration; phases synchronized, so not overlapped):")
+        keys = ["gather", "d2h", "gather_wait", "put", "save_total", "get", "h2d", "scatter", "scatter_wait", "load_total"]
+        bd = {k: bd_it.get(k, 0.0) for k in keys}
+        for k in keys:
+            print(f"  {k:<14}{bd[k]:>9.4f} s {total / bd[k] / 1e9 if bd[k] else float('inf'):>9.2f} GB/s")
+        for tot, parts in (("save_total", keys[:4]), ("load_total", keys[5:9])):
+            rest = bd[tot] - sum(bd[k] for k in parts)
+            print(f"  {tot[:4]} other   {rest:>9.4f} s (Python, queueing, polling)")
+        out["breakdown_s"] = {k: round(v, 5) for k, v in bd.items()}
     print(f"byte-exact restore: {exact}; {total / 2**20:.0f} MiB per iteration, median of {args.iters}")
     print("RESULT " + json.dumps(out))
     return 0 if exact else 1

@@ -15,6 +15,7 @@ matter: `index_select` / `index_copy_` follow the strides.
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -60,9 +61,9 @@ class Staging:
             torch.cuda.cudart().cudaHostUnregister(self._registered)
             self._registered = 0
 
-    def rows(self, n: int, layers: int, blocks: int, page: int) -> torch.Tensor:
-        """The first `n` chunk slots as `[n, layers, blocks, page]`."""
-        return self.tensor[: n * layers * blocks * page].view(n, layers, blocks, page)
+    def rows(self, n: int, layers: int, blocks: int, page: int, offset: int = 0) -> torch.Tensor:
+        """`n` chunk slots from byte `offset` as `[n, layers, blocks, page]`."""
+        return self.tensor[offset : offset + n * layers * blocks * page].view(n, layers, blocks, page)
 
 
 # On CPU the copies run through numpy: torch's OpenMP-parallel CPU kernels,
@@ -71,24 +72,41 @@ class Staging:
 
 
 def gather(
-    layers: list[torch.Tensor], block_ids: list[int], n: int, cb: int, staging: Staging, use_numpy: bool | None = None
+    layers: list[torch.Tensor],
+    block_ids: list[int],
+    n: int,
+    cb: int,
+    staging: Staging,
+    use_numpy: bool | None = None,
+    offset: int = 0,
+    timing: dict[str, float] | None = None,
 ) -> None:
-    """Copies `n` chunks of `cb` blocks (block_ids, chunk-major) of every layer into staging.
-    `use_numpy` defaults to "on CPU"."""
+    """Copies `n` chunks of `cb` blocks (block_ids, chunk-major) of every layer into staging
+    from byte `offset`. `use_numpy` defaults to "on CPU". On CUDA the copies are queued on
+    the current stream (the caller synchronizes). `timing`: adds seconds spent per phase
+    ("gather" on the device, "d2h" into staging), synchronizing between them (profiling only)."""
     dev = staging.device
     page = layers[0][0].numel()
+    t0 = time.perf_counter()
     if dev.type == "cpu" if use_numpy is None else use_numpy:
-        out = staging.rows(n, len(layers), cb, page).numpy()
+        out = staging.rows(n, len(layers), cb, page, offset).numpy()
         for li, t in enumerate(layers):
             out[:, li] = t.numpy()[block_ids].reshape(n, cb, page)
+        _add(timing, "gather", t0)
         return
     ids = torch.tensor(block_ids, dtype=torch.long, device=dev)
-    dst = staging.rows(n, len(layers), cb, page)
+    dst = staging.rows(n, len(layers), cb, page, offset)
     buf = dst if dev.type == "cpu" else torch.empty(dst.shape, dtype=torch.uint8, device=dev)
     for li, t in enumerate(layers):
         buf[:, li].copy_(t.index_select(0, ids).view(n, cb, page))
+    if timing is not None:
+        _sync(dev)
+        t0 = _add(timing, "gather", t0)
     if buf is not dst:
         dst.copy_(buf, non_blocking=True)
+    if timing is not None:
+        _sync(dev)
+        _add(timing, "d2h", t0)
 
 
 def scatter(
@@ -99,22 +117,47 @@ def scatter(
     rows: list[int],
     block_ids: list[int],
     use_numpy: bool | None = None,
+    offset: int = 0,
+    timing: dict[str, float] | None = None,
 ) -> None:
-    """Copies staged pages into GPU blocks: row `rows[i]` (chunk * cb + block) of every
-    layer goes to block `block_ids[i]`. `use_numpy` defaults to "on CPU"."""
+    """Copies staged pages (from byte `offset`) into GPU blocks: row `rows[i]` (chunk * cb +
+    block) of every layer goes to block `block_ids[i]`. `use_numpy` defaults to "on CPU".
+    On CUDA the copies are queued on the current stream (the caller synchronizes).
+    `timing`: as for `gather`, phases "h2d" and "scatter"."""
     dev = staging.device
     page = layers[0][0].numel()
-    src = staging.rows(n, len(layers), cb, page)
+    src = staging.rows(n, len(layers), cb, page, offset)
+    t0 = time.perf_counter()
     if dev.type == "cpu" if use_numpy is None else use_numpy:
         s = src.numpy()
         for li, t in enumerate(layers):
             a = t.numpy()
             a[block_ids] = s[:, li].reshape(n * cb, page)[rows].reshape(len(rows), *a.shape[1:])
+        _add(timing, "scatter", t0)
         return
     if dev.type != "cpu":
         src = src.to(dev, non_blocking=True)
+    if timing is not None:
+        _sync(dev)
+        t0 = _add(timing, "h2d", t0)
     ridx = torch.tensor(rows, dtype=torch.long, device=dev)
     bidx = torch.tensor(block_ids, dtype=torch.long, device=dev)
     for li, t in enumerate(layers):
         pages = src[:, li].reshape(n * cb, page).index_select(0, ridx)
         t.index_copy_(0, bidx, pages.view(len(rows), *t.shape[1:]))
+    if timing is not None:
+        _sync(dev)
+        _add(timing, "scatter", t0)
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.current_stream(dev).synchronize()
+
+
+def _add(timing: dict[str, float] | None, phase: str, t0: float) -> float:
+    """Adds the seconds since `t0` to `timing[phase]`; returns now."""
+    now = time.perf_counter()
+    if timing is not None:
+        timing[phase] = timing.get(phase, 0.0) + now - t0
+    return now

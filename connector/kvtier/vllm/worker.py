@@ -17,6 +17,7 @@ import logging
 import queue
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +33,9 @@ from kvtier.vllm.staging import Staging, byte_view, gather, scatter
 logger = logging.getLogger("kvtier.vllm")
 
 _STOP = object()
+
+#: Default number of save connections (see `KvtierWorker.save_links`).
+SAVE_LINKS = 8
 
 
 @dataclass
@@ -109,9 +113,18 @@ class KvtierWorker:
         self._threads: list[threading.Thread] = []
         self._save_q: queue.Queue = queue.Queue()
         self._load_q: queue.Queue = queue.Queue()
-        self._save_link = DaemonLink(cfg.socket, cfg.staging_bytes, cfg.timeout_ms, "worker saves")
+        #: Save connections (set in register_kv_caches): PUTs of several batches run at
+        #: once, one per connection, each from its own share of the staging bytes.
+        self._save_links: list[DaemonLink] = []
+        self._put_pool: ThreadPoolExecutor | None = None
         self._load_link = DaemonLink(cfg.socket, cfg.staging_bytes, cfg.timeout_ms, "worker loads")
         self._staging: dict[int, tuple[Any, Staging]] = {}
+        #: Profiling only (scripts/gpu-e2e.py --breakdown): when a dict, the I/O threads add
+        #: seconds per phase to it and synchronize the device between phases.
+        self.timing: dict[str, float] | None = None
+        #: Most save connections (PUTs in flight at once); fewer when staging_bytes
+        #: cannot give each one a whole chunk.
+        self.save_links = SAVE_LINKS
 
     # ---- setup -------------------------------------------------------------
 
@@ -150,8 +163,17 @@ class KvtierWorker:
                 )
                 self.enabled = False
                 return
+        # The daemon copies each PUT chunk into fresh memory on the thread serving
+        # the connection; several connections spread those copies over cores.
+        biggest = max(g.chunk_bytes(layout.chunk_blocks) for g in layout.groups)
+        links = max(1, min(self.save_links, self.cfg.staging_bytes // biggest))
+        self._save_links = [
+            DaemonLink(self.cfg.socket, self.cfg.staging_bytes // links, self.cfg.timeout_ms, f"worker saves ({i})")
+            for i in range(links)
+        ]
+        self._put_pool = ThreadPoolExecutor(max_workers=links, thread_name_prefix="kvtier-put")
         # Connect now so a daemon that is down is reported at start-up.
-        for link in (self._save_link, self._load_link):
+        for link in (*self._save_links, self._load_link):
             try:
                 link.namespace(self.record or {})
             except Exception:  # noqa: BLE001 - warned by the link
@@ -295,33 +317,71 @@ class KvtierWorker:
         try:
             if job.event is not None and stream is not None:
                 stream.wait_event(job.event)
-            ns = self._save_link.namespace(self.record)
-            staging = self._staging_for(self._save_link)
-            per = max(1, staging.nbytes // size)
-            for i in range(0, len(job.chunks), per):
-                batch = job.chunks[i : i + per]
-                ids = [b for c in batch for b in c.block_ids]
-                gather(self._layers[job.group], ids, len(batch), cb, staging)
-                if stream is not None:
-                    stream.synchronize()
-                with self._lock:
-                    tainted = job.tainted
-                if tainted:
-                    dropped += len(job.chunks) - i
-                    break
-                entries = [(c.key, k * size, size) for k, c in enumerate(batch)]
-                st = self._save_link.put(ns, entries, job.group)
-                ok = sum(1 for s in st if s)
-                stored += ok
-                failed += len(batch) - ok
+            tm = self.timing
+            links = self._save_links
+            nss = [link.namespace(self.record) for link in links]
+            stagings = [self._staging_for(link) for link in links]
+            per = max(1, stagings[0].nbytes // size)
+            inflight: list[Future | None] = [None] * len(links)
+            errors: list[BaseException] = []
+
+            def settle(k: int) -> None:
+                nonlocal stored
+                f, inflight[k] = inflight[k], None
+                if f is None:
+                    return
+                try:
+                    stored += f.result()
+                except DaemonDown:
+                    pass
+                except Exception as e:  # noqa: BLE001 - reported once below
+                    links[k].fail(e)
+                    errors.append(e)
+
+            try:
+                for slot, i in enumerate(range(0, len(job.chunks), per)):
+                    k = slot % len(links)
+                    settle(k)  # link k's staging is free again once its PUT returned
+                    batch = job.chunks[i : i + per]
+                    ids = [b for c in batch for b in c.block_ids]
+                    gather(self._layers[job.group], ids, len(batch), cb, stagings[k], timing=tm)
+                    t1 = time.perf_counter()
+                    if stream is not None:
+                        stream.synchronize()
+                    if tm is not None:
+                        tm["gather_wait"] = tm.get("gather_wait", 0.0) + time.perf_counter() - t1
+                    with self._lock:
+                        tainted = job.tainted
+                    if tainted:
+                        dropped += len(job.chunks) - i
+                        break
+                    entries = [(c.key, j * size, size) for j, c in enumerate(batch)]
+                    if tm is not None or self._put_pool is None:
+                        # Profiling: one PUT at a time, so that the phases add up.
+                        t1 = time.perf_counter()
+                        stored += self._put(links[k], nss[k], entries, job.group)
+                        if tm is not None:
+                            tm["put"] = tm.get("put", 0.0) + time.perf_counter() - t1
+                    else:
+                        inflight[k] = self._put_pool.submit(self._put, links[k], nss[k], entries, job.group)
+            finally:
+                for k in range(len(links)):
+                    settle(k)
+            failed = len(job.chunks) - stored - dropped
         except DaemonDown:
             failed = len(job.chunks) - stored - dropped
         except Exception as e:  # noqa: BLE001 - a failed save is a future miss
             failed = len(job.chunks) - stored - dropped
-            self._save_link.fail(e)
+            for link in self._save_links:
+                link.fail(e)
         self.stats.observe("save_s", time.perf_counter() - t0)
         self.stats.add(save_chunks=stored, save_bytes=stored * size, save_failed_chunks=failed)
         self._save_done(job, dropped=dropped)
+
+    @staticmethod
+    def _put(link: DaemonLink, ns: bytes, entries: list[tuple[bytes, int, int]], group: int) -> int:
+        """PUTs staged ranges on one connection; returns how many were stored."""
+        return sum(1 for ok in link.put(ns, entries, group) if ok)
 
     def _save_done(self, job: _SaveJob, dropped: int) -> None:
         if dropped:
@@ -342,19 +402,31 @@ class KvtierWorker:
         try:
             ns = self._load_link.namespace(self.record)
             staging = self._staging_for(self._load_link)
+            tm = self.timing
+            events: dict[int, Any] = {}
             by_group: dict[int, list[ChunkLoad]] = {}
             for ld in job.loads:
                 by_group.setdefault(ld.group, []).append(ld)
             for gid, loads in by_group.items():
                 group = next(g for g in layout.groups if g.group_id == gid)
                 size = group.chunk_bytes(cb)
-                per = max(1, staging.nbytes // size)
-                for i in range(0, len(loads), per):
+                # Two halves (when a chunk fits in one): batch i+1 is read from the
+                # daemon into one half while the device copies batch i out of the other.
+                half = staging.nbytes // 2 if staging.nbytes // 2 >= size else staging.nbytes
+                per = max(1, half // size)
+                for slot, i in enumerate(range(0, len(loads), per)):
                     batch = [ld for ld in loads[i : i + per] if first_bad is None or ld.chunk < first_bad]
                     if not batch:
                         break
-                    entries = [(ld.key, k * size, size) for k, ld in enumerate(batch)]
+                    base = (slot % 2) * half if half < staging.nbytes else 0
+                    busy = events.pop(base, None)
+                    if busy is not None:
+                        busy.synchronize()  # the device is done reading this half
+                    t1 = time.perf_counter()
+                    entries = [(ld.key, base + k * size, size) for k, ld in enumerate(batch)]
                     statuses = self._load_link.get(ns, entries, gid)
+                    if tm is not None:
+                        tm["get"] = tm.get("get", 0.0) + time.perf_counter() - t1
                     rows: list[int] = []
                     bids: list[int] = []
                     for k, (ld, (status, length)) in enumerate(zip(batch, statuses)):
@@ -367,14 +439,24 @@ class KvtierWorker:
                             rows.append(k * cb + idx)
                             bids.append(bid)
                     if rows:
-                        scatter(self._layers[gid], len(batch), cb, staging, rows, bids)
+                        scatter(self._layers[gid], len(batch), cb, staging, rows, bids, offset=base, timing=tm)
                         if stream is not None:
-                            stream.synchronize()
+                            ev = torch.cuda.Event()
+                            ev.record(stream)
+                            events[base] = ev
+                if stream is not None:
+                    t1 = time.perf_counter()
+                    stream.synchronize()
+                    events.clear()
+                    if tm is not None:
+                        tm["scatter_wait"] = tm.get("scatter_wait", 0.0) + time.perf_counter() - t1
         except DaemonDown:
             first_bad = -1
         except Exception as e:  # noqa: BLE001 - a failed load is recomputed by vLLM
             self._load_link.fail(e)
             first_bad = -1
+        if stream is not None:
+            stream.synchronize()  # no copy may still be in flight once the load is reported
         self.stats.observe("load_s", time.perf_counter() - t0)
         self.stats.add(
             load_chunks=hits[GET_RAM] + hits[GET_DISK] + hits[GET_PEER],
@@ -415,5 +497,8 @@ class KvtierWorker:
             t.join(timeout=self.cfg.timeout_ms / 1000.0)
         for _, st in self._staging.values():
             st.close()
-        self._save_link.close()
+        if self._put_pool is not None:
+            self._put_pool.shutdown(wait=True)
+        for link in self._save_links:
+            link.close()
         self._load_link.close()
