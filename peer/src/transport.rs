@@ -763,6 +763,11 @@ impl PeerHandle {
         out
     }
 
+    /// QUIC connections open on this endpoint (inbound and outbound).
+    pub fn open_connections(&self) -> usize {
+        self.shared.endpoint.open_connections()
+    }
+
     /// Distinct remote chunk ids tracked, and the index's table bytes.
     pub fn directory_size(&self) -> (usize, usize) {
         (

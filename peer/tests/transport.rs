@@ -500,3 +500,59 @@ async fn three_node_mesh_and_self_seed() {
         n.handle.shutdown(Duration::from_secs(2)).await;
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn flapping_peer_leaks_no_connections_or_entries() {
+    let c = Cluster::new("prod");
+    let (a, b) = pair(&c);
+    let addr = a.addr;
+    let tls = c.node("node-a");
+    let mut current = Some(a.handle);
+    drop(a.source);
+    for round in 0..3u8 {
+        if let Some(h) = current.take() {
+            h.shutdown(Duration::from_secs(2)).await;
+        }
+        poll("A down", Duration::from_secs(5), || {
+            (b.handle.peers()[0].state == PeerState::Down).then_some(())
+        })
+        .await;
+        // While A is down, B's reconnect attempts each live at most until
+        // the handshake or idle timeout: a bounded number, not a leak.
+        assert!(b.handle.open_connections() <= 8, "round {round}");
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let (h, src) = loop {
+            let src = Arc::new(MemSource::default());
+            src.insert(id(100 + round), payload(100, round));
+            let cfg = PeerConfig {
+                listen: addr,
+                ..fast_cfg(vec![])
+            };
+            match PeerHandle::start(cfg, tls.clone(), src.clone()) {
+                Ok(h) => break (h, src),
+                Err(e) => {
+                    assert!(Instant::now() < deadline, "rebind {addr}: {e}");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            }
+        };
+        poll("resync", Duration::from_secs(10), || {
+            (!b.handle.holders(&id(100 + round)).is_empty()).then_some(())
+        })
+        .await;
+        // Only the current incarnation's entries are held.
+        let (entries, _) = b.handle.directory_size();
+        assert_eq!(entries, src.chunks.lock().len(), "round {round}");
+        // Abandoned attempts expire; exactly the live link to A remains.
+        poll("one link to A", Duration::from_secs(10), || {
+            (b.handle.open_connections() == 1).then_some(())
+        })
+        .await;
+        current = Some(h);
+    }
+    assert!(b.handle.peers()[0].connects >= 4);
+    if let Some(h) = current {
+        h.shutdown(Duration::from_secs(2)).await;
+    }
+    b.handle.shutdown(Duration::from_secs(2)).await;
+}
