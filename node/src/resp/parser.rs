@@ -302,7 +302,8 @@ fn header_line(
     if buf[cr + 1] != b'\n' {
         return Ok(Some((None, cr + 2)));
     }
-    Ok(Some((string_to_i64(&buf[1..cr]), cr + 2)))
+    // `cr` may be 0 (a line that is only CRLF): no integer then.
+    Ok(Some((buf.get(1..cr).and_then(string_to_i64), cr + 2)))
 }
 
 /// Redis's `string2ll`: optional '-', digits, no '+', no leading zeros, no
@@ -552,6 +553,8 @@ mod tests {
         let e = |i: &[u8]| parse_all(i, 1000).unwrap_err().to_string();
         assert_eq!(e(b"*x\r\n"), "invalid multibulk length");
         assert_eq!(e(b"*2\r\n+a\r\n"), "expected '$', got '+'");
+        // Found by the fuzzer: an element that is only CRLF once panicked.
+        assert_eq!(e(b"*5\r\n\r\n"), "expected '$', got '?'");
         assert_eq!(e(b"*1\r\n$-1\r\n"), "invalid bulk length");
         assert_eq!(e(b"*1\r\n$abc\r\n"), "invalid bulk length");
         assert_eq!(
