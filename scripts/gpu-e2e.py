@@ -91,6 +91,7 @@ def main() -> int:
     ap.add_argument("--staging", type=int, default=512 << 20, help="staging bytes per direction")
     ap.add_argument("--ram-budget", default="8GiB")
     ap.add_argument("--save-links", type=int, default=None, help="save connections (PUTs in flight); default: the connector's")
+    ap.add_argument("--load-links", type=int, default=None, help="load connections (GETs in flight); default: the connector's")
     ap.add_argument(
         "--breakdown", action="store_true",
         help="time each phase (device gather/scatter, staging copies, PUT/GET); synchronizes "
@@ -131,6 +132,8 @@ def main() -> int:
     exact = True
     if args.save_links is not None:
         worker.save_links = args.save_links
+    if args.load_links is not None:
+        worker.load_links = args.load_links
     try:
         worker.register_kv_caches(caches)
         if not worker.enabled:
@@ -215,6 +218,7 @@ def main() -> int:
     out = {
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
         "bytes_per_iter": total, "chunk_bytes": group.chunk_bytes(cb), "chunks": n, "layers": L, "save_links": len(worker._save_links),
+        "load_links": len(worker._load_links),
         "iters": args.iters, "byte_exact": exact,
         "save_GBps": round(gbps["save"], 3), "load_GBps": round(gbps["load"], 3),
         "pinned_d2h_GBps": round(gbps["pinned_d2h"], 3), "pinned_h2d_GBps": round(gbps["pinned_h2d"], 3),

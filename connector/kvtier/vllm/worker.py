@@ -36,6 +36,8 @@ _STOP = object()
 
 #: Default number of save connections (see `KvtierWorker.save_links`).
 SAVE_LINKS = 8
+#: Default number of load connections (see `KvtierWorker.load_links`).
+LOAD_LINKS = 8
 
 
 @dataclass
@@ -117,7 +119,8 @@ class KvtierWorker:
         #: once, one per connection, each from its own share of the staging bytes.
         self._save_links: list[DaemonLink] = []
         self._put_pool: ThreadPoolExecutor | None = None
-        self._load_link = DaemonLink(cfg.socket, cfg.staging_bytes, cfg.timeout_ms, "worker loads")
+        self._load_links: list[DaemonLink] = []
+        self._get_pool: ThreadPoolExecutor | None = None
         self._staging: dict[int, tuple[Any, Staging]] = {}
         #: Profiling only (scripts/gpu-e2e.py --breakdown): when a dict, the I/O threads add
         #: seconds per phase to it and synchronize the device between phases.
@@ -125,6 +128,8 @@ class KvtierWorker:
         #: Most save connections (PUTs in flight at once); fewer when staging_bytes
         #: cannot give each one a whole chunk.
         self.save_links = SAVE_LINKS
+        #: Most load connections (GETs in flight at once), likewise.
+        self.load_links = LOAD_LINKS
 
     # ---- setup -------------------------------------------------------------
 
@@ -172,8 +177,14 @@ class KvtierWorker:
             for i in range(links)
         ]
         self._put_pool = ThreadPoolExecutor(max_workers=links, thread_name_prefix="kvtier-put")
+        links = max(1, min(self.load_links, self.cfg.staging_bytes // biggest))
+        self._load_links = [
+            DaemonLink(self.cfg.socket, self.cfg.staging_bytes // links, self.cfg.timeout_ms, f"worker loads ({i})")
+            for i in range(links)
+        ]
+        self._get_pool = ThreadPoolExecutor(max_workers=links, thread_name_prefix="kvtier-get")
         # Connect now so a daemon that is down is reported at start-up.
-        for link in (*self._save_links, self._load_link):
+        for link in (*self._save_links, *self._load_links):
             try:
                 link.namespace(self.record or {})
             except Exception:  # noqa: BLE001 - warned by the link
@@ -400,60 +411,80 @@ class KvtierWorker:
         loaded_bytes = 0
         hits = {GET_RAM: 0, GET_DISK: 0, GET_PEER: 0}
         try:
-            ns = self._load_link.namespace(self.record)
-            staging = self._staging_for(self._load_link)
             tm = self.timing
-            events: dict[int, Any] = {}
+            links = self._load_links
+            nss = [link.namespace(self.record) for link in links]
+            stagings = [self._staging_for(link) for link in links]
             by_group: dict[int, list[ChunkLoad]] = {}
             for ld in job.loads:
                 by_group.setdefault(ld.group, []).append(ld)
             for gid, loads in by_group.items():
                 group = next(g for g in layout.groups if g.group_id == gid)
                 size = group.chunk_bytes(cb)
-                # Two halves (when a chunk fits in one): batch i+1 is read from the
-                # daemon into one half while the device copies batch i out of the other.
-                half = staging.nbytes // 2 if staging.nbytes // 2 >= size else staging.nbytes
-                per = max(1, half // size)
-                for slot, i in enumerate(range(0, len(loads), per)):
-                    batch = [ld for ld in loads[i : i + per] if first_bad is None or ld.chunk < first_bad]
+                per = max(1, stagings[0].nbytes // size)
+                batches = [loads[i : i + per] for i in range(0, len(loads), per)]
+                # Up to one GET in flight per connection (each into its own staging);
+                # results are scattered in order as they come back.
+                inflight: list[tuple[int, list[ChunkLoad], Any]] = []
+
+                def submit(slot: int) -> None:
+                    k = slot % len(links)
+                    batch = [ld for ld in batches[slot] if first_bad is None or ld.chunk < first_bad]
                     if not batch:
-                        break
-                    base = (slot % 2) * half if half < staging.nbytes else 0
-                    busy = events.pop(base, None)
-                    if busy is not None:
-                        busy.synchronize()  # the device is done reading this half
-                    t1 = time.perf_counter()
-                    entries = [(ld.key, base + k * size, size) for k, ld in enumerate(batch)]
-                    statuses = self._load_link.get(ns, entries, gid)
-                    if tm is not None:
-                        tm["get"] = tm.get("get", 0.0) + time.perf_counter() - t1
-                    rows: list[int] = []
-                    bids: list[int] = []
-                    for k, (ld, (status, length)) in enumerate(zip(batch, statuses)):
-                        if status not in hits or length != size:
-                            first_bad = ld.chunk if first_bad is None else min(first_bad, ld.chunk)
-                            continue
-                        hits[status] += 1
-                        loaded_bytes += size
-                        for idx, bid in ld.dst:
-                            rows.append(k * cb + idx)
-                            bids.append(bid)
-                    if rows:
-                        scatter(self._layers[gid], len(batch), cb, staging, rows, bids, offset=base, timing=tm)
-                        if stream is not None:
-                            ev = torch.cuda.Event()
-                            ev.record(stream)
-                            events[base] = ev
-                if stream is not None:
-                    t1 = time.perf_counter()
-                    stream.synchronize()
-                    events.clear()
-                    if tm is not None:
-                        tm["scatter_wait"] = tm.get("scatter_wait", 0.0) + time.perf_counter() - t1
+                        return
+                    entries = [(ld.key, j * size, size) for j, ld in enumerate(batch)]
+                    if tm is not None or self._get_pool is None:
+                        # Profiling: one GET at a time, so that the phases add up.
+                        t1 = time.perf_counter()
+                        res = links[k].get(nss[k], entries, gid)
+                        if tm is not None:
+                            tm["get"] = tm.get("get", 0.0) + time.perf_counter() - t1
+                        inflight.append((k, batch, res))
+                    else:
+                        inflight.append((k, batch, self._get_pool.submit(links[k].get, nss[k], entries, gid)))
+
+                try:
+                    nxt = 0
+                    while nxt < min(len(links), len(batches)):
+                        submit(nxt)
+                        nxt += 1
+                    while inflight:
+                        k, batch, res = inflight.pop(0)
+                        statuses = res.result() if isinstance(res, Future) else res
+                        rows: list[int] = []
+                        bids: list[int] = []
+                        for j, (ld, (status, length)) in enumerate(zip(batch, statuses)):
+                            if status not in hits or length != size:
+                                first_bad = ld.chunk if first_bad is None else min(first_bad, ld.chunk)
+                                continue
+                            hits[status] += 1
+                            loaded_bytes += size
+                            for idx, bid in ld.dst:
+                                rows.append(j * cb + idx)
+                                bids.append(bid)
+                        if rows:
+                            scatter(self._layers[gid], len(batch), cb, stagings[k], rows, bids, timing=tm)
+                            t1 = time.perf_counter()
+                            if stream is not None:
+                                stream.synchronize()  # staging k is free again
+                            if tm is not None:
+                                tm["scatter_wait"] = tm.get("scatter_wait", 0.0) + time.perf_counter() - t1
+                        if nxt < len(batches):
+                            submit(nxt)
+                            nxt += 1
+                finally:
+                    # No GET may still write a staging area (or use a connection) after this.
+                    for _, _, res in inflight:
+                        if isinstance(res, Future):
+                            try:
+                                res.result()
+                            except Exception:  # noqa: BLE001 - the first error is handled below
+                                pass
         except DaemonDown:
             first_bad = -1
         except Exception as e:  # noqa: BLE001 - a failed load is recomputed by vLLM
-            self._load_link.fail(e)
+            for link in self._load_links:
+                link.fail(e)
             first_bad = -1
         if stream is not None:
             stream.synchronize()  # no copy may still be in flight once the load is reported
@@ -501,4 +532,7 @@ class KvtierWorker:
             self._put_pool.shutdown(wait=True)
         for link in self._save_links:
             link.close()
-        self._load_link.close()
+        if self._get_pool is not None:
+            self._get_pool.shutdown(wait=True)
+        for link in self._load_links:
+            link.close()
