@@ -597,9 +597,12 @@ impl ChunkStore {
         } else {
             on_disk.resize(keys.len(), false);
         }
+        let ids: Vec<ChunkId> = keys.iter().map(|k| ChunkId::new(ns, *k, group)).collect();
+        let mut in_ram = Vec::new();
+        self.inner.ram.contains_batch(&ids, &mut in_ram);
         tiers.clear();
-        tiers.extend(keys.iter().zip(&on_disk).map(|(k, &disk)| {
-            if self.inner.ram.contains(&ChunkId::new(ns, *k, group)) {
+        tiers.extend(in_ram.iter().zip(&on_disk).map(|(&ram, &disk)| {
+            if ram {
                 Some(Tier::Ram)
             } else {
                 disk.then_some(Tier::Disk)
