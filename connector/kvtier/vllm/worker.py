@@ -1,11 +1,15 @@
 """Worker side: moves KV pages between this rank's GPU and its own node's daemon.
 
 One instance per rank, on every node. Saves and loads run on two background
-threads (each with its own daemon connection, shared-memory staging area and,
+threads (each with its own daemon connections, shared-memory staging areas and,
 on CUDA, its own stream), so the forward pass is never held: a save waits on
 a CUDA event recorded after the step's forward, then gathers, copies to
 staging and PUTs; a load GETs into staging and scatters into the request's
-blocks while the request waits in WAITING_FOR_REMOTE_KVS.
+blocks while the request waits in WAITING_FOR_REMOTE_KVS. Each direction keeps
+up to `save_links` / `load_links` requests in flight, one per connection: the
+daemon copies a request's chunks on the thread serving its connection (PUT
+into freshly allocated memory, page-fault bound), so one connection caps a
+direction at one core's copy speed (docs/benchmarks.md, "vLLM connector").
 
 Every rank reports every finished save and load (even when it had nothing to
 do, or is disabled), so vLLM's aggregation across workers completes.
