@@ -44,9 +44,9 @@ def plot_local(doc, out, plt):
     sizes = sorted(limits)
     files = []
     for op, limit_key, limit_label, name in [
-        ("PUT", "memcpy_cold_gbps", "cold memcpy (limit)", "local-put.png"),
-        ("GET ram", "memcpy_cold_gbps", "cold memcpy (limit)", "local-get-ram.png"),
-        ("GET disk", "direct_read_gbps", "O_DIRECT read (limit)", "local-get-disk.png"),
+        ("PUT", "memcpy_cold_gbps", "cold memcpy, one thread (limit)", "local-put.png"),
+        ("GET ram", "memcpy_cold_gbps", "cold memcpy, one thread (limit)", "local-get-ram.png"),
+        ("GET disk", "direct_read_gbps", "O_DIRECT sequential read, qd1 (limit)", "local-get-disk.png"),
     ]:
         rows = [c for c in cells if c["op"] == op]
         if not rows:
