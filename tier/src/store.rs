@@ -597,12 +597,9 @@ impl ChunkStore {
         } else {
             on_disk.resize(keys.len(), false);
         }
-        let ids: Vec<ChunkId> = keys.iter().map(|k| ChunkId::new(ns, *k, group)).collect();
-        let mut in_ram = Vec::new();
-        self.inner.ram.contains_batch(&ids, &mut in_ram);
         tiers.clear();
-        tiers.extend(in_ram.iter().zip(&on_disk).map(|(&ram, &disk)| {
-            if ram {
+        tiers.extend(keys.iter().zip(&on_disk).map(|(k, &disk)| {
+            if self.inner.ram.contains(&ChunkId::new(ns, *k, group)) {
                 Some(Tier::Ram)
             } else {
                 disk.then_some(Tier::Disk)
