@@ -5,7 +5,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 ROOT=$PWD
-VENV="$ROOT/.cache/venv-py"
+VENV="${KVTEST_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kvtier-test}/venv-py"
+mkdir -p "$(dirname "$VENV")"
 
 if [ ! -x "$VENV/bin/python" ]; then
   python3 -m venv "$VENV"

@@ -2,38 +2,15 @@
 # LMCache 0.5.6's own resp:// remote backend (two ranks, real CacheEngineKeys)
 # against a real `kvtier node start` daemon: store, check, load byte-exact.
 #
-# The LMCache venv (CPU-only use of PyPI torch, about 6 GB and 100 s once) is
-# cached in $ROOT/.cache/venv-lmcache and reused when its marker is present.
+# The venv (PyPI torch used on CPU, vLLM and LMCache) is built once by
+# scripts/lib/torch-venv.sh, outside the checkout, and reused.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 ROOT=$PWD
-VENV=$ROOT/.cache/venv-lmcache
-MARKER=$VENV/.kvtier-lmcache-0.5.6-ok
 export LMCACHE_TRACK_USAGE=false DO_NOT_TRACK=1 PIP_DISABLE_PIP_VERSION_CHECK=1
-
-if [ ! -f "$MARKER" ]; then
-  echo "45-lmcache: installing LMCache 0.5.6 into $VENV (once)"
-  [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
-  "$VENV/bin/pip" install -q torch
-  "$VENV/bin/pip" install -q --no-deps lmcache==0.5.6
-  # Its requirements, less extras and the CUDA-only ones (and torch, installed above).
-  mapfile -t REQS < <("$VENV/bin/python" - <<'PY'
-import importlib.metadata as m, re
-skip = {"torch", "cupy-cuda13x", "cuda-python", "cufile-python"}
-for r in m.requires("lmcache") or []:
-    if "extra ==" in r:
-        continue
-    name = re.split(r"[<>=!~;\[ ]", r, maxsplit=1)[0].strip().lower()
-    if name in skip:
-        continue
-    print(r.split(";")[0].replace(" ", ""))
-PY
-)
-  "$VENV/bin/pip" install -q "${REQS[@]}"
-  "$VENV/bin/python" -c 'import lmcache.lmcache_redis, lmcache.v1.storage_backend' \
-    || { echo "45-lmcache: LMCache does not import" >&2; exit 1; }
-  touch "$MARKER"
-fi
+# One venv with torch, vLLM and LMCache, shared with 60-vllm.sh.
+source scripts/lib/torch-venv.sh
+VENV=$TORCH_VENV
 
 KVTIER=${KVTIER_BIN:-$ROOT/target/debug/kvtier}
 [ -x "$KVTIER" ] || cargo build --locked -q -p kvtier-cli

@@ -14,7 +14,8 @@
 //! column, as it is for LMCache users.
 //!
 //! The LMCache column needs a venv with `lmcache` and `torch` (the server
-//! imports torch): `--lmcache-python`, else `.cache/venv-lmcache` or
+//! imports torch): `--lmcache-python`, else the test scripts' shared venv
+//! (`~/.cache/kvtier-test/venv-torch`), else `.cache/venv-lmcache` or
 //! `.cache/venv-torch` under the current directory. When none works the
 //! column is skipped and the reason printed.
 
@@ -51,8 +52,9 @@ pub struct VsArgs {
     /// The redis-server binary.
     #[arg(long, default_value = "redis-server")]
     pub redis_server: PathBuf,
-    /// Python of a venv with lmcache and torch (default: .cache/venv-lmcache
-    /// or .cache/venv-torch, whichever imports both).
+    /// Python of a venv with lmcache and torch (default: the test scripts'
+    /// `~/.cache/kvtier-test/venv-torch`, else .cache/venv-lmcache or
+    /// .cache/venv-torch, whichever imports both).
     #[arg(long, value_name = "PATH")]
     pub lmcache_python: Option<PathBuf>,
     /// Common options.
@@ -313,10 +315,28 @@ for op in ("SET", "GET"):
 fn lmcache_python(given: Option<&Path>) -> Result<PathBuf, String> {
     let candidates: Vec<PathBuf> = match given {
         Some(p) => vec![p.to_owned()],
-        None => [".cache/venv-lmcache", ".cache/venv-torch"]
-            .iter()
-            .map(|v| Path::new(v).join("bin/python"))
-            .collect(),
+        None => {
+            // The test scripts' shared venv (scripts/lib/torch-venv.sh), then
+            // venvs under the current directory.
+            let cache = std::env::var_os("KVTEST_CACHE")
+                .map(PathBuf::from)
+                .or_else(|| {
+                    std::env::var_os("XDG_CACHE_HOME").map(|d| PathBuf::from(d).join("kvtier-test"))
+                })
+                .or_else(|| {
+                    std::env::var_os("HOME").map(|d| PathBuf::from(d).join(".cache/kvtier-test"))
+                });
+            cache
+                .map(|c| c.join("venv-torch"))
+                .into_iter()
+                .chain(
+                    [".cache/venv-lmcache", ".cache/venv-torch"]
+                        .iter()
+                        .map(PathBuf::from),
+                )
+                .map(|v| v.join("bin/python"))
+                .collect()
+        }
     };
     let mut why = Vec::new();
     for py in candidates {
