@@ -30,7 +30,9 @@ pub enum Error {
         detail: String,
     },
     /// The store was written by an incompatible format version.
-    #[error("store format version {found} is not supported by this build (supports {supported}); {hint}")]
+    #[error(
+        "store format version {found} is not supported by this build (supports {supported}); {hint}"
+    )]
     IncompatibleVersion {
         /// The version found on disk.
         found: u32,

@@ -115,10 +115,12 @@ macro_rules! hex_id {
         impl std::str::FromStr for $t {
             type Err = crate::Error;
             fn from_str(s: &str) -> Result<Self, Self::Err> {
-                parse_hex::<$n>(s).map($t).ok_or_else(|| crate::Error::InvalidArgument {
-                    what: concat!(stringify!($t), " must be ", stringify!($n), " bytes of hex"),
-                    value: s.chars().take(80).collect(),
-                })
+                parse_hex::<$n>(s)
+                    .map($t)
+                    .ok_or_else(|| crate::Error::InvalidArgument {
+                        what: concat!(stringify!($t), " must be ", stringify!($n), " bytes of hex"),
+                        value: s.chars().take(80).collect(),
+                    })
             }
         }
     };
