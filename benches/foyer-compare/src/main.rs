@@ -10,7 +10,9 @@
 //! 5. throughput per phase and the recovery time, with kvtier/foyer ratios.
 //!
 //! Usage: `cargo run --release --locked --manifest-path
-//! benches/foyer-compare/Cargo.toml -- [--quick] [--dir DIR]`.
+//! benches/foyer-compare/Cargo.toml -- [--quick] [--defaults] [--dir DIR]`.
+//! `--defaults` keeps each store's default overload policy (both drop
+//! chunks the disk writer cannot take) instead of "no drops".
 //! `DIR` (default: this package's `target/bench-data`) must be on a real
 //! filesystem, not tmpfs: both stores use O_DIRECT there.
 //!
@@ -36,6 +38,9 @@ struct Sizes {
     data: u64,
     /// kvtier region size = foyer block size.
     region: u64,
+    /// Each store's default overload policy (both drop what the disk
+    /// writer cannot take) instead of "every evicted chunk reaches disk".
+    defaults: bool,
 }
 
 const CHUNK_SIZES: [u64; 3] = [256 << 10, 1 << 20, 4 << 20];
@@ -59,17 +64,19 @@ struct Figures {
 
 fn main() {
     let mut quick = false;
+    let mut defaults = false;
     let mut dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/bench-data");
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         match a.as_str() {
             "--quick" => quick = true,
+            "--defaults" => defaults = true,
             "--dir" => match args.next() {
                 Some(d) => dir = PathBuf::from(d),
                 None => fail("--dir needs a path"),
             },
             other => fail(&format!(
-                "unknown argument {other:?}; usage: [--quick] [--dir DIR]"
+                "unknown argument {other:?}; usage: [--quick] [--defaults] [--dir DIR]"
             )),
         }
     }
@@ -79,6 +86,7 @@ fn main() {
             disk_budget: 256 << 20,
             data: 128 << 20,
             region: 16 << 20,
+            defaults,
         }
     } else {
         Sizes {
@@ -86,6 +94,7 @@ fn main() {
             disk_budget: 1 << 30,
             data: 512 << 20,
             region: 16 << 20,
+            defaults,
         }
     };
     if let Err(e) = std::fs::create_dir_all(&dir) {
@@ -93,12 +102,17 @@ fn main() {
     }
     println!(
         "kvtier tier::ChunkStore vs foyer 0.22.6 HybridCache: ram budget {} MiB, disk budget {} MiB, \
-         {} MiB written per chunk size, region/block {} MiB, data under {}",
+         {} MiB written per chunk size, region/block {} MiB, data under {}; overload policy: {}",
         sizes.ram_budget >> 20,
         sizes.disk_budget >> 20,
         sizes.data >> 20,
         sizes.region >> 20,
-        dir.display()
+        dir.display(),
+        if sizes.defaults {
+            "each store's default (drops what the disk writer cannot take)"
+        } else {
+            "no drops (kvtier Backpressure; foyer queue and buffer pool sized to the data)"
+        }
     );
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -160,7 +174,11 @@ fn run_kvtier(base: &Path, sizes: Sizes, chunks: &[Bytes]) -> Figures {
         region_size: sizes.region,
         // Every evicted chunk reaches disk (the default, no-tax, drops
         // what the writer cannot take; foyer is configured to match).
-        write_policy: WritePolicy::Backpressure,
+        write_policy: if sizes.defaults {
+            WritePolicy::NoTax
+        } else {
+            WritePolicy::Backpressure
+        },
         ..TierConfig::default()
     };
     let record = NamespaceRecord {
@@ -283,6 +301,18 @@ async fn build_foyer(dir: &Path, sizes: Sizes) -> (Foyer, String) {
             }
             Err(e) => fail(&format!("foyer device: {e}")),
         };
+        let mut engine = BlockEngineConfig::new(device).with_block_size(sizes.region as usize);
+        if !sizes.defaults {
+            engine = engine
+                // Default 32 MiB: entries evicted past it are dropped,
+                // never written. Raised so every evicted entry reaches
+                // disk, like kvtier under `Backpressure`.
+                .with_submit_queue_size_threshold((sizes.data + sizes.ram_budget) as usize)
+                // Default 16 MiB: an entry that does not fit the
+                // flusher's buffer is dropped too. Sized to the whole
+                // data set (extra RAM kvtier does not use).
+                .with_buffer_pool_size(sizes.data as usize);
+        }
         let built = HybridCacheBuilder::new()
             .with_name("foyer-compare")
             .with_policy(HybridCachePolicy::WriteOnEviction)
@@ -292,18 +322,7 @@ async fn build_foyer(dir: &Path, sizes: Sizes) -> (Foyer, String) {
             .storage()
             .with_io_engine_config(PsyncIoEngineConfig::new())
             .with_recover_mode(RecoverMode::Quiet)
-            .with_engine_config(
-                BlockEngineConfig::new(device)
-                    .with_block_size(sizes.region as usize)
-                    // Default 32 MiB: entries evicted past it are dropped,
-                    // never written. Raised so every evicted entry reaches
-                    // disk, like kvtier under `Backpressure`.
-                    .with_submit_queue_size_threshold((sizes.data + sizes.ram_budget) as usize)
-                    // Default 16 MiB: an entry that does not fit the
-                    // flusher's buffer is dropped too. Sized to the whole
-                    // data set (extra RAM kvtier does not use).
-                    .with_buffer_pool_size(sizes.data as usize),
-            )
+            .with_engine_config(engine)
             .build()
             .await;
         match built {
