@@ -14,6 +14,10 @@ DEFAULT_SOCKET = "/run/kvtier/kvtier.sock"
 
 SAVE_POLICIES = ("prefill-and-finish", "on-evict")
 
+#: Most daemon connections per direction and rank (each is a socket, a
+#: shared-memory region and a daemon thread).
+MAX_LINKS = 64
+
 
 class ConfigError(ValueError):
     """A bad `kv_connector_extra_config`."""
@@ -30,9 +34,18 @@ class KvtierConfig:
     #: than a disk read). 0 disables the gate. Default: 32768.
     min_tokens_for_disk: int = 32768
     #: When to store: "prefill-and-finish" (new full chunks as prefill
-    #: completes them, and the rest at request end) or "on-evict" (not
-    #: implemented yet). Default: "prefill-and-finish".
+    #: completes them, and the rest at request end) or "on-evict" (full chunks
+    #: cached in vLLM's GPU block pool, only as the pool is about to reuse
+    #: their blocks). Default: "prefill-and-finish".
     save_policy: str = "prefill-and-finish"
+    #: on-evict only: how far ahead of vLLM's allocator the connector looks, as
+    #: a fraction of the GPU block pool. A cached chunk that is not stored yet
+    #: is saved once one of its blocks is among the next
+    #: `evict_watermark * num_gpu_blocks` free blocks vLLM will hand out (never
+    #: fewer than one full step can allocate). While the free blocks ahead of
+    #: the first such chunk number at least that many, nothing is copied.
+    #: Default: 0.05.
+    evict_watermark: float = 0.05
     #: Engine blocks per kvtier chunk (chunk tokens = chunk_blocks *
     #: block_size). Default: 16 (256 tokens at block size 16).
     chunk_blocks: int = 16
@@ -55,6 +68,12 @@ class KvtierConfig:
     #: Model revision for the namespace when vLLM's config has none (e.g. a
     #: local path). Default: "" (vLLM's `revision`, if any, is used).
     model_revision: str = ""
+    #: Daemon connections the worker keeps for saves (PUTs in flight at once,
+    #: each with `staging_bytes / save_links` of the staging area; fewer when a
+    #: chunk would not fit). Default: 8.
+    save_links: int = 8
+    #: Daemon connections for loads (GETs in flight at once), likewise. Default: 8.
+    load_links: int = 8
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> KvtierConfig:
@@ -72,6 +91,10 @@ class KvtierConfig:
             if isinstance(default, bool):
                 if not isinstance(value, bool):
                     raise ConfigError(f"kvtier connector: {key} must be true or false, got {value!r}")
+            elif isinstance(default, float):
+                if isinstance(value, bool) or not isinstance(value, (int, float)):
+                    raise ConfigError(f"kvtier connector: {key} must be a number, got {value!r}")
+                value = float(value)
             elif isinstance(default, int):
                 if isinstance(value, bool) or not isinstance(value, int):
                     raise ConfigError(f"kvtier connector: {key} must be an integer, got {value!r}")
@@ -89,11 +112,14 @@ class KvtierConfig:
                 f"kvtier connector: save_policy must be one of {', '.join(SAVE_POLICIES)}, "
                 f"got {self.save_policy!r}"
             )
-        if self.save_policy == "on-evict":
+        if not 0.0 < self.evict_watermark <= 1.0:
             raise ConfigError(
-                "kvtier connector: save_policy 'on-evict' is not implemented yet "
-                "(use 'prefill-and-finish'; see docs/vllm.md)"
+                f"kvtier connector: evict_watermark must be a fraction of the block pool in (0, 1], "
+                f"got {self.evict_watermark!r}"
             )
+        for key in ("save_links", "load_links"):
+            if not 1 <= getattr(self, key) <= MAX_LINKS:
+                raise ConfigError(f"kvtier connector: {key} must be in 1..={MAX_LINKS}, got {getattr(self, key)!r}")
         if self.min_tokens_for_disk < 0:
             raise ConfigError("kvtier connector: min_tokens_for_disk must be >= 0")
         if not 1 <= self.chunk_blocks <= 4096:

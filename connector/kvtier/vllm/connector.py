@@ -69,7 +69,11 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         self.scheduler: KvtierScheduler | None = None
         self.worker: KvtierWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self.scheduler = KvtierScheduler(self.cfg, self.layout, enabled, self.stats)
+            sc = vllm_config.scheduler_config
+            bs = self.layout.block_size if self.layout is not None else 16
+            # Most blocks one step can allocate: its token budget, plus one partial block per request.
+            step_blocks = -(-int(sc.max_num_batched_tokens) // bs) + int(sc.max_num_seqs)
+            self.scheduler = KvtierScheduler(self.cfg, self.layout, enabled, self.stats, step_blocks)
         else:
             self.worker = KvtierWorker(self.cfg, self.layout, vllm_config, enabled, self.stats)
 
@@ -145,6 +149,11 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
             self.scheduler.shutdown()
 
     # ---- scheduler side ----------------------------------------------------
+
+    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+        """vLLM's GPU block pool: `save_policy: on-evict` watches its free queue."""
+        if self.scheduler is not None:
+            self.scheduler.bind_gpu_block_pool(gpu_block_pool)
 
     def on_new_request(self, request: Any) -> None:
         """Starts tracking a request."""

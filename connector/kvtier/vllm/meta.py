@@ -48,3 +48,7 @@ class KvtierMetadata(KVConnectorMetadata):
     finishing: list[str] = field(default_factory=list)
     #: Requests preempted this step: their blocks are about to be reused.
     preempted: list[str] = field(default_factory=list)
+    #: save_policy on-evict: cached chunks whose blocks vLLM may hand out from the
+    #: next step on. Every rank gathers them within this step (before
+    #: `wait_for_save` returns) or drops them.
+    evict_saves: list[ChunkSave] = field(default_factory=list)

@@ -41,7 +41,10 @@ COUNTERS = (
     "save_chunks",  # chunks stored
     "save_bytes",
     "save_failed_chunks",  # daemon refused or unreachable
-    "save_dropped_chunks",  # cancelled (preemption) or connector disabled
+    "save_dropped_chunks",  # cancelled (preemption), not gathered in time (on-evict), connector disabled
+    # scheduler, save_policy on-evict
+    "evict_chunks",  # cached chunks scheduled for saving as vLLM was about to reuse their blocks
+    "evict_lost_chunks",  # tracked chunks whose blocks vLLM reused before they could be saved
 )
 
 #: Per-batch latency series (seconds), reduced to avg / max.

@@ -14,6 +14,7 @@ from typing import Any
 
 from kvtier.vllm.config import KvtierConfig
 from kvtier.vllm.daemon import DaemonDown, DaemonLink
+from kvtier.vllm.evict import EvictTracker
 from kvtier.vllm.layout import EngineLayout
 from kvtier.vllm.meta import ChunkLoad, ChunkSave, KvtierMetadata
 from kvtier.vllm.metrics import StatsRecorder
@@ -26,8 +27,8 @@ class _Req:
     request: Any
     #: Local prefix-cache hit passed to the last get_num_new_matched_tokens.
     local_tokens: int = 0
-    #: Cached lookup: (number of keys asked, loadable chunks, present chunks).
-    lookup: tuple[int, int, int] | None = None
+    #: Cached lookup: ((number of keys, first chunk asked), loadable chunks, present chunks).
+    lookup: tuple[tuple[int, int], int, int] | None = None
     #: Chunks known stored on every rank or already scheduled for a save.
     stored_chunks: int = 0
     #: Whether any save was ever scheduled (the blocks must then be held at finish).
@@ -40,12 +41,15 @@ class _Req:
     loading_blocks: set[int] = field(default_factory=set)
     #: A restore failed: never offer one again for this request (vLLM recomputes).
     load_failed: bool = False
+    #: on-evict: keys of the chunks this request's blocks were tracked under.
+    tracked: list[bytes] = field(default_factory=list)
 
 
 class KvtierScheduler:
     """Scheduler-role logic of `KvtierConnector`."""
 
-    def __init__(self, cfg: KvtierConfig, layout: EngineLayout | None, enabled: bool, stats: StatsRecorder):
+    def __init__(self, cfg: KvtierConfig, layout: EngineLayout | None, enabled: bool, stats: StatsRecorder,
+                 step_blocks: int = 0):
         self.cfg = cfg
         self.layout = layout
         self.enabled = enabled and layout is not None
@@ -55,6 +59,11 @@ class KvtierScheduler:
         self._final_saves: dict[str, list[ChunkSave]] = {}
         self._finishing: list[str] = []
         self._link = DaemonLink(cfg.socket, 0, cfg.lookup_timeout_ms, "scheduler lookups")
+        #: save_policy on-evict: the cached chunks not stored yet (None: prefill-and-finish).
+        self.evict: EvictTracker | None = None
+        if self.enabled and cfg.save_policy == "on-evict" and layout is not None:
+            per_chunk = sum(g.chunk_bytes(layout.chunk_blocks) for g in layout.groups)
+            self.evict = EvictTracker(layout, cfg.evict_watermark, step_blocks, cfg.staging_bytes // per_chunk, stats)
         if self.enabled:
             try:
                 self._link.client()
@@ -75,25 +84,32 @@ class KvtierScheduler:
         if self.enabled:
             self._state(request)
 
-    def _lookup(self, st: _Req, keys: list[bytes]) -> tuple[int, int]:
-        """(loadable chunks after the size gate, chunks present on every rank)."""
-        if st.lookup is not None and st.lookup[0] == len(keys):
+    def bind_gpu_block_pool(self, pool: Any) -> None:
+        """vLLM's GPU block pool (on-evict watches its free queue)."""
+        if self.evict is not None:
+            self.evict.bind(pool)
+
+    def _lookup(self, st: _Req, keys: list[bytes], first: int = 0) -> tuple[int, int]:
+        """(loadable chunks after the size gate, chunks present on every rank), asking
+        only from chunk `first` on: the chunks before it count as present."""
+        if st.lookup is not None and st.lookup[0] == (len(keys), first):
             return st.lookup[1], st.lookup[2]
         assert self.layout is not None
         layout = self.layout
         ranks = list(range(layout.tp_size))
         gate = st.request.num_prompt_tokens < self.cfg.min_tokens_for_disk
         loadable = present = len(keys)
+        asked = keys[first:]
         t0 = time.perf_counter()
         try:
             for g in layout.groups:
-                mn, per = self._link.cluster_lookup(layout.record, ranks, keys, g.group_id)
+                mn, per = self._link.cluster_lookup(layout.record, ranks, asked, g.group_id)
                 if {p.rank for p in per} != set(ranks):
                     raise RuntimeError(f"cluster lookup answered ranks {[p.rank for p in per]}, asked {ranks}")
                 mn = min([mn] + [p.prefix for p in per])
                 ram = min(p.ram_prefix for p in per)
-                present = min(present, mn)
-                loadable = min(loadable, min(ram, mn) if gate else mn)
+                present = min(present, first + mn)
+                loadable = min(loadable, first + (min(ram, mn) if gate else mn))
         except DaemonDown:
             self.stats.add(lookup_errors=1)
             return 0, 0
@@ -106,7 +122,9 @@ class KvtierScheduler:
         if gate and present > loadable:
             self.stats.add(gate_skipped_tokens=(present - loadable) * layout.chunk_tokens)
         loadable = max(0, min(loadable, len(keys)))
-        st.lookup = (len(keys), loadable, max(0, min(present, len(keys))))
+        st.lookup = ((len(keys), first), loadable, max(0, min(present, len(keys))))
+        if self.evict is not None:
+            self.evict.mark_stored(keys[first : st.lookup[2]])
         return st.lookup[1], st.lookup[2]
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -122,14 +140,27 @@ class KvtierScheduler:
         # vLLM must compute at least the last token itself.
         keys = layout.chunk_keys(request.block_hashes, request.num_tokens - 1)
         if len(keys) * layout.chunk_tokens <= num_computed_tokens:
+            if keys and self.evict is None and self.cfg.store:
+                # Nothing to restore, but ask which chunks kvtier has, so that
+                # prefill-and-finish stores again only the missing ones (not
+                # every chunk vLLM found in its own prefix cache).
+                _, present = self._lookup(st, keys)
+                st.stored_chunks = max(st.stored_chunks, present)
             return 0, False
-        if st.lookup is None or st.lookup[0] != len(keys):
+        # on-evict stores only what leaves the GPU, so the chunks of a local
+        # prefix-cache hit may well be missing from kvtier: ask from the first
+        # chunk the local hit does not cover. prefill-and-finish asks from chunk
+        # 0, so that chunks kvtier lost are stored again from the local copy.
+        first = num_computed_tokens // layout.chunk_tokens if self.evict is not None else 0
+        if st.lookup is None or st.lookup[0] != (len(keys), first):
             self.stats.add(lookup_tokens=len(keys) * layout.chunk_tokens - num_computed_tokens)
-        loadable, present = self._lookup(st, keys)
+        loadable, present = self._lookup(st, keys, first)
         st.stored_chunks = max(st.stored_chunks, present)
         hit = loadable * layout.chunk_tokens
         if hit <= num_computed_tokens:
             return 0, False
+        if self.evict is not None and not self.evict.reserve(-(-(hit - num_computed_tokens) // layout.block_size)):
+            return None, False  # the blocks it would take hold unsaved chunks: next step
         return hit - num_computed_tokens, True
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -214,6 +245,14 @@ class KvtierScheduler:
         meta.preempted = sorted(scheduler_output.preempted_req_ids or ())
         if not self.cfg.store:
             return meta
+        self._plan_step(meta, scheduler_output)
+        if self.evict is not None:
+            # vLLM allocated this step's blocks already: the head of its free
+            # queue is what the next steps hand out.
+            meta.evict_saves = self.evict.select()
+        return meta
+
+    def _plan_step(self, meta: KvtierMetadata, scheduler_output: Any) -> None:
         sched = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             st = self._reqs.get(new.req_id)
@@ -236,9 +275,13 @@ class KvtierScheduler:
                     for g, b in enumerate(new_ids):
                         st.block_ids[g].extend(b)
             self._plan_prefill_saves(meta, st, cached.num_computed_tokens[i] + sched.get(req_id, 0))
-        return meta
 
     def _plan_prefill_saves(self, meta: KvtierMetadata, st: _Req, computed_after: int) -> None:
+        if self.evict is not None:
+            # on-evict: every full chunk computed so far (prompt and output) is
+            # tracked until vLLM is about to reuse its blocks.
+            self._track(st, computed_after, st.block_ids)
+            return
         if not st.prefill_open:
             return
         prompt = st.request.num_prompt_tokens
@@ -255,6 +298,24 @@ class KvtierScheduler:
         if not self.enabled or st is None or not self.cfg.store:
             return False, None
         computed = max(0, request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0))
+        if self.evict is not None:
+            self._track(st, computed, [list(b) for b in block_ids])
+            if not self.evict.pressure():
+                # The blocks go back to vLLM's pool as they are (no hold), behind at
+                # least `window` free blocks: saved if and when the pool is about to
+                # reuse them.
+                return False, None
+            # Freed now, the blocks would be among the next ones vLLM hands out,
+            # possibly in the very next allocation, before any step could copy
+            # them: save their chunks now and hold the blocks until every rank
+            # stored them (the prefill-and-finish path).
+            held = {b for g in block_ids for b in g}
+            saves = self.evict.take_held(st.tracked, held)
+            if not saves:
+                return False, None
+            self._final_saves.setdefault(request.request_id, []).extend(saves)
+            self._finishing.append(request.request_id)
+            return True, None
         saves = self._save_chunks(st, computed, [list(b) for b in block_ids])
         if saves:
             self._final_saves.setdefault(request.request_id, []).extend(saves)
@@ -262,6 +323,13 @@ class KvtierScheduler:
             return False, None
         self._finishing.append(request.request_id)
         return True, None
+
+    def _track(self, st: _Req, upto_tokens: int, block_ids: list[list[int]]) -> None:
+        assert self.evict is not None
+        first = st.stored_chunks
+        saves = self._save_chunks(st, upto_tokens, block_ids)
+        if saves:
+            st.tracked.extend(self.evict.track(saves, st.request.block_hashes, first))
 
     def shutdown(self) -> None:
         """Closes the daemon connection."""

@@ -6,7 +6,7 @@ on CUDA, its own stream), so the forward pass is never held: a save waits on
 a CUDA event recorded after the step's forward, then gathers, copies to
 staging and PUTs; a load GETs into staging and scatters into the request's
 blocks while the request waits in WAITING_FOR_REMOTE_KVS. Each direction keeps
-up to `save_links` / `load_links` requests in flight, one per connection: the
+up to `save_links` / `load_links` (config keys) requests in flight, one per connection: the
 daemon copies a request's chunks on the thread serving its connection (PUT
 into freshly allocated memory, page-fault bound), so one connection caps a
 direction at one core's copy speed (docs/benchmarks.md, "vLLM connector").
@@ -38,10 +38,9 @@ logger = logging.getLogger("kvtier.vllm")
 
 _STOP = object()
 
-#: Default number of save connections (see `KvtierWorker.save_links`).
-SAVE_LINKS = 8
-#: Default number of load connections (see `KvtierWorker.load_links`).
-LOAD_LINKS = 8
+#: Pseudo request id of on-evict saves (not a vLLM request: never reported
+#: in finished_sending).
+EVICT_REQ = "\x00kvtier-evict"
 
 
 @dataclass
@@ -55,6 +54,9 @@ class _SaveJob:
     #: Set when the source blocks may have been reused before the gather finished.
     tainted: bool = False
     done: threading.Event = field(default_factory=threading.Event)
+    #: Set once every batch was gathered into staging (or the job gave up): the
+    #: source blocks are no longer read after this.
+    gathered: threading.Event = field(default_factory=threading.Event)
 
 
 @dataclass
@@ -116,6 +118,9 @@ class KvtierWorker:
         self._seen_finished: set[str] = set()
         self._done_loads: list[tuple[str, bool, set[int]]] = []
         self._load_errors: set[int] = set()
+        #: on-evict saves of the current step (gathered before wait_for_save returns).
+        self._evict_jobs: list[_SaveJob] = []
+        self._evict_meta: KvtierMetadata | None = None
         self._threads: list[threading.Thread] = []
         self._save_q: queue.Queue = queue.Queue()
         self._load_q: queue.Queue = queue.Queue()
@@ -130,10 +135,11 @@ class KvtierWorker:
         #: seconds per phase to it and synchronize the device between phases.
         self.timing: dict[str, float] | None = None
         #: Most save connections (PUTs in flight at once); fewer when staging_bytes
-        #: cannot give each one a whole chunk.
-        self.save_links = SAVE_LINKS
-        #: Most load connections (GETs in flight at once), likewise.
-        self.load_links = LOAD_LINKS
+        #: cannot give each one a whole chunk. From `save_links` (config); may be
+        #: changed before register_kv_caches (scripts/gpu-e2e.py).
+        self.save_links = cfg.save_links
+        #: Most load connections (GETs in flight at once), likewise (`load_links`).
+        self.load_links = cfg.load_links
 
     # ---- setup -------------------------------------------------------------
 
@@ -237,6 +243,7 @@ class KvtierWorker:
 
     def start_load_kv(self, meta: KvtierMetadata) -> None:
         """Queues this step's restores (asynchronous)."""
+        self._queue_evict_saves(meta)
         for req_id, loads in meta.loads.items():
             if not self.enabled:
                 self._finish_load(req_id, loads, ok_before=-1)
@@ -244,7 +251,9 @@ class KvtierWorker:
             self._load_q.put(_LoadJob(req_id, loads))
 
     def handle_preemptions(self, meta: KvtierMetadata) -> None:
-        """Cancels queued saves of preempted requests; waits (bounded) for running ones."""
+        """Starts this step's on-evict gathers (vLLM calls this first in a step);
+        cancels queued saves of preempted requests; waits (bounded) for running ones."""
+        self._queue_evict_saves(meta)
         deadline = time.monotonic() + self.cfg.timeout_ms / 1000.0
         for req_id in meta.preempted:
             with self._lock:
@@ -257,8 +266,55 @@ class KvtierWorker:
                     with self._lock:
                         j.tainted = True
 
+    def _queue_evict_saves(self, meta: KvtierMetadata) -> None:
+        """Queues the step's on-evict saves (once per step, from the first hook that runs).
+
+        Their blocks are free in vLLM's pool: from the next step on vLLM may hand
+        them out, zero them or write them. So they are gathered now, ordered after
+        every earlier step's writes (an event on the current stream), and
+        `wait_for_save` waits until the gather is done; a gather not done by then
+        is dropped, never stored.
+        """
+        if meta is self._evict_meta:
+            return
+        self._evict_meta = meta
+        self._evict_jobs = []
+        if not meta.evict_saves:
+            return
+        if not self.enabled:
+            self.stats.add(save_dropped_chunks=len(meta.evict_saves))
+            return
+        event = None
+        if self.device is not None and self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+        by_group: dict[int, list[ChunkSave]] = {}
+        for c in meta.evict_saves:
+            by_group.setdefault(c.group, []).append(c)
+        for g, cs in by_group.items():
+            job = _SaveJob(EVICT_REQ, g, cs, event)
+            with self._lock:
+                self._pending_saves[EVICT_REQ] = self._pending_saves.get(EVICT_REQ, 0) + 1
+            self._evict_jobs.append(job)
+            self._save_q.put(job)
+
+    def _wait_evict_gathered(self) -> None:
+        """Waits (bounded by timeout_ms) until the step's on-evict saves left vLLM's blocks."""
+        jobs, self._evict_jobs, self._evict_meta = self._evict_jobs, [], None
+        deadline = time.monotonic() + self.cfg.timeout_ms / 1000.0
+        for j in jobs:
+            if not j.gathered.wait(max(0.0, deadline - time.monotonic())):
+                with self._lock:
+                    # The I/O thread checks this under the lock after each gather, before
+                    # its PUT: whatever it gathers from now on may be another request's.
+                    j.tainted = True
+
     def wait_for_save(self, meta: KvtierMetadata) -> None:
-        """Queues this step's saves behind an event on the current stream; returns at once."""
+        """Queues this step's saves behind an event on the current stream and
+        returns; first waits until this step's on-evict saves are gathered."""
+        if meta is not self._evict_meta:
+            self._queue_evict_saves(meta)  # a runner that called neither earlier hook
+        self._wait_evict_gathered()
         with self._lock:
             self._finishing.update(meta.finishing)
         if not meta.saves:
@@ -380,6 +436,7 @@ class KvtierWorker:
                     else:
                         inflight[k] = self._put_pool.submit(self._put, links[k], nss[k], entries, job.group)
             finally:
+                job.gathered.set()  # the source blocks are not read any more
                 for k in range(len(links)):
                     settle(k)
             failed = len(job.chunks) - stored - dropped
@@ -404,6 +461,7 @@ class KvtierWorker:
         with self._lock:
             job.state = "done" if job.state != "cancelled" else "cancelled"
             self._pending_saves[job.req_id] = self._pending_saves.get(job.req_id, 1) - 1
+        job.gathered.set()
         job.done.set()
 
     def _run_load(self, job: _LoadJob, stream: Any) -> None:

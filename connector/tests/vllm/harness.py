@@ -118,7 +118,8 @@ def tiny_model_dir() -> str:
 
 
 def make_vllm_config(extra: dict[str, Any], *, tp_size: int = 1, rank: int = 0, hash_algo: str = "sha256_cbor",
-                     num_blocks: int = 512, failure_policy: str = "recompute") -> Any:
+                     num_blocks: int = 512, failure_policy: str = "recompute", max_num_batched_tokens: int = 16384,
+                     max_num_seqs: int = 16) -> Any:
     from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, ParallelConfig,
                              SchedulerConfig, VllmConfig)
 
@@ -127,7 +128,7 @@ def make_vllm_config(extra: dict[str, Any], *, tp_size: int = 1, rank: int = 0, 
     cache.num_gpu_blocks = num_blocks
     kt = KVTransferConfig(kv_connector="KvtierConnector", kv_connector_module_path="kvtier.vllm", kv_role="kv_both",
                           kv_connector_extra_config=extra, kv_load_failure_policy=failure_policy)
-    sched = SchedulerConfig(max_num_batched_tokens=16384, max_num_seqs=16, max_model_len=16384,
+    sched = SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs, max_model_len=16384,
                             enable_chunked_prefill=True, is_encoder_decoder=False)
     par = ParallelConfig(tensor_parallel_size=1)
     vc = VllmConfig(model_config=model, cache_config=cache, kv_transfer_config=kt, scheduler_config=sched,
@@ -219,7 +220,7 @@ class FakeModel:
             off = pos % BLOCK_SIZE
             for li, name in enumerate(self.names):
                 b = block_ids[self.group_of[li]][pos // BLOCK_SIZE]
-                got = self.kv[name][b, :, off, :]
+                got = self.kv[name][b, :, off, :].cpu()
                 want = expected_page(self.rank, li, h.digest(), pos)
                 assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (
                     f"rank {self.rank} layer {li} token {pos} (block {b}) differs"
@@ -230,7 +231,8 @@ class Engine:
     """vLLM's scheduler plus one worker connector and fake model per rank."""
 
     def __init__(self, extra: dict[str, Any], tp_size: int = 1, layout: str = "LBHNC", num_blocks: int = 512,
-                 hash_algo: str = "sha256_cbor", sockets: list[str] | None = None, groups: int = 1):
+                 hash_algo: str = "sha256_cbor", sockets: list[str] | None = None, groups: int = 1,
+                 max_num_batched_tokens: int = 16384, max_num_seqs: int = 16, device: str = "cpu"):
         from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.v1.core.sched.scheduler import Scheduler
@@ -240,7 +242,8 @@ class Engine:
 
         self.tp_size = tp_size
         self.kv_cache_config = make_kv_cache_config(num_blocks, groups)
-        vc = make_vllm_config(extra, tp_size=tp_size, rank=0, hash_algo=hash_algo, num_blocks=num_blocks)
+        limits = {"max_num_batched_tokens": max_num_batched_tokens, "max_num_seqs": max_num_seqs}
+        vc = make_vllm_config(extra, tp_size=tp_size, rank=0, hash_algo=hash_algo, num_blocks=num_blocks, **limits)
         self.vllm_config = vc
         self.scheduler = Scheduler(vc, self.kv_cache_config, StructuredOutputManager(vc), block_size=BLOCK_SIZE, log_stats=True)
         self.connector = self.scheduler.connector
@@ -250,9 +253,9 @@ class Engine:
             wextra = dict(extra)
             if sockets is not None:
                 wextra["socket"] = sockets[r]
-            wvc = make_vllm_config(wextra, tp_size=tp_size, rank=r, hash_algo=hash_algo, num_blocks=num_blocks)
+            wvc = make_vllm_config(wextra, tp_size=tp_size, rank=r, hash_algo=hash_algo, num_blocks=num_blocks, **limits)
             w = KvtierConnector(wvc, KVConnectorRole.WORKER, self.kv_cache_config)
-            caches = make_kv_caches(self.kv_cache_config, layout)
+            caches = make_kv_caches(self.kv_cache_config, layout, device)
             w.register_kv_caches(caches)
             self.workers.append(w)
             self.models.append(FakeModel(r, caches, self.kv_cache_config))

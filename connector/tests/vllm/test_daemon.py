@@ -297,3 +297,17 @@ def test_two_kv_cache_groups_store_restore_and_request_level_failure(daemon: Dae
         assert t["load_failed_requests"] == 1 and e.verified["h"] == 0
     finally:
         e.shutdown()
+
+
+def test_local_prefix_hit_is_not_stored_again(daemon: Daemon):
+    # The second request finds every full chunk in vLLM's own prefix cache: one
+    # lookup says kvtier has them, so nothing is copied again.
+    e = Engine({"socket": daemon.socket, "min_tokens_for_disk": 0})
+    try:
+        run_one(e, "a", PROMPT)
+        assert e.totals()["save_chunks"] == 2
+        run_one(e, "b", PROMPT[:512] + [5] * 100)
+        t = e.totals()
+        assert t["save_chunks"] == 2 and t["lookups"] == 2 and t["hit_tokens"] == 0
+    finally:
+        e.shutdown()

@@ -25,10 +25,62 @@ def test_config_defaults_and_unknown_key():
         KvtierConfig.from_extra_config({"min_token_for_disk": 5})
     with pytest.raises(ConfigError, match="integer"):
         KvtierConfig.from_extra_config({"chunk_blocks": "16"})
-    with pytest.raises(ConfigError, match="not implemented yet"):
-        KvtierConfig.from_extra_config({"save_policy": "on-evict"})
     with pytest.raises(ConfigError, match="save_policy"):
         KvtierConfig.from_extra_config({"save_policy": "eager"})
+
+
+def test_config_on_evict_and_link_keys():
+    c = KvtierConfig.from_extra_config({})
+    assert (c.save_links, c.load_links, c.evict_watermark) == (8, 8, 0.05)
+    c = KvtierConfig.from_extra_config(
+        {"save_policy": "on-evict", "evict_watermark": 0.2, "save_links": 2, "load_links": 16}
+    )
+    assert (c.save_policy, c.evict_watermark, c.save_links, c.load_links) == ("on-evict", 0.2, 2, 16)
+    assert KvtierConfig.from_extra_config({"evict_watermark": 1}).evict_watermark == 1.0
+    for bad in (0, 0.0, -0.1, 1.5, float("nan")):
+        with pytest.raises(ConfigError, match="evict_watermark"):
+            KvtierConfig.from_extra_config({"evict_watermark": bad})
+    for bad in ("0.1", True, None):
+        with pytest.raises(ConfigError, match="evict_watermark must be a number"):
+            KvtierConfig.from_extra_config({"evict_watermark": bad})
+    for key in ("save_links", "load_links"):
+        for bad in (0, -1, 65):
+            with pytest.raises(ConfigError, match=key):
+                KvtierConfig.from_extra_config({key: bad})
+        for bad in (2.0, "8", True):
+            with pytest.raises(ConfigError, match="integer"):
+                KvtierConfig.from_extra_config({key: bad})
+
+
+def test_link_keys_reach_the_worker():
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    w = kv.KvtierConnector(make_vllm_config({"socket": "/nonexistent", "save_links": 3, "load_links": 5}),
+                           KVConnectorRole.WORKER, make_kv_cache_config())
+    try:
+        assert (w.worker.save_links, w.worker.load_links) == (3, 5)
+    finally:
+        w.shutdown()
+
+
+def test_on_evict_window_and_bound_pool():
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvtier.vllm.evict import window_blocks
+
+    assert window_blocks(0.05, 80, 18) == 18 and window_blocks(0.05, 50000, 768) == 2500
+    assert window_blocks(0.01, 10, 0) == 1
+    # vLLM's scheduler binds its block pool right after building the connector.
+    e = Engine({"socket": "/nonexistent", "save_policy": "on-evict"}, num_blocks=1000,
+               max_num_batched_tokens=512, max_num_seqs=4)
+    try:
+        ev = e.connector.scheduler.evict
+        assert ev is not None and ev.pool is e.scheduler.kv_cache_manager.block_pool
+        assert ev.window == max(50, 512 // 16 + 4)
+    finally:
+        e.shutdown()
+    c = kv.KvtierConnector(make_vllm_config({"socket": "/nonexistent"}), KVConnectorRole.SCHEDULER, make_kv_cache_config())
+    assert c.scheduler.evict is None  # prefill-and-finish
 
 
 def test_connector_refuses_unknown_key_through_vllm():
