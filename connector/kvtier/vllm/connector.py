@@ -71,8 +71,10 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.SCHEDULER:
             sc = vllm_config.scheduler_config
             bs = self.layout.block_size if self.layout is not None else 16
-            # Most blocks one step can allocate: its token budget, plus one partial block per request.
-            step_blocks = -(-int(sc.max_num_batched_tokens) // bs) + int(sc.max_num_seqs)
+            # Most blocks one step can allocate: its token budget plus one partial block
+            # per request, in every KV-cache group (they share the pool).
+            ngroups = max(1, len(getattr(kv_cache_config, "kv_cache_groups", None) or ()))
+            step_blocks = (-(-int(sc.max_num_batched_tokens) // bs) + int(sc.max_num_seqs)) * ngroups
             self.scheduler = KvtierScheduler(self.cfg, self.layout, enabled, self.stats, step_blocks)
         else:
             self.worker = KvtierWorker(self.cfg, self.layout, vllm_config, enabled, self.stats)

@@ -99,6 +99,32 @@ def test_pressure_saves_before_reuse_and_restores_byte_exact(daemon: Daemon):
         e.shutdown()
 
 
+@pytest.mark.parametrize("kw", [{"tp_size": 2}, {"groups": 2, "num_blocks": 160}], ids=["tp2", "hma2"])
+def test_pressure_every_rank_and_group(daemon: Daemon, kw):
+    # Two TP ranks save their own shard each; two KV-cache groups (sharing the
+    # pool, so a step allocates twice the blocks) save one chunk per group and key.
+    limits = {**LIMITS, **kw}
+    e = Engine(on_evict(daemon.socket), **limits)
+    n = (e.tp_size) * len(e.connector.layout.groups)
+    try:
+        run_one(e, "a", prompt(1))
+        for i in range(2, 6 if "groups" not in kw else 8):
+            run_one(e, f"f{i}", prompt(i))
+        t = e.totals()
+        assert t["evict_lost_chunks"] == 0, t
+        assert t["save_chunks"] == t["evict_chunks"] * n and t["save_failed_chunks"] == 0, t
+        assert present(daemon, e, chunk_keys(prompt(1))) == [True, True]
+    finally:
+        e.shutdown()
+    e = Engine(on_evict(daemon.socket), **limits)
+    try:
+        run_one(e, "a2", prompt(1))
+        t = e.totals()
+        assert e.verified["a2"] == 512 and t["load_chunks"] == 2 * n and t["load_failed_chunks"] == 0
+    finally:
+        e.shutdown()
+
+
 def test_local_prefix_hit_is_not_looked_up(daemon: Daemon):
     # a's chunk 1 leaves the GPU (and is saved on the way) while its chunk 0
     # stays cached: b shares chunk 0 and finished later, so chunk 0 is more
