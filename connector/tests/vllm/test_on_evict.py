@@ -125,6 +125,44 @@ def test_pressure_every_rank_and_group(daemon: Daemon, kw):
         e.shutdown()
 
 
+def test_request_finishing_under_pressure_is_held_and_saved(daemon: Daemon):
+    # a and b together hold 76 of the 79 blocks: when a finishes, fewer free
+    # blocks than the look-ahead (18) remain, so its blocks would be among the
+    # next ones handed out. Its chunks are saved at once and its blocks held
+    # until the save is done (request_finished returns True).
+    from kvtier.vllm.scheduler import KvtierScheduler
+
+    e = Engine(on_evict(daemon.socket), **LIMITS)
+    held = []
+    real = KvtierScheduler.request_finished
+
+    def spy(self, request, block_ids):
+        r = real(self, request, block_ids)
+        held.append((request.request_id, r[0]))
+        return r
+
+    KvtierScheduler.request_finished = spy
+    try:
+        e.add(make_request("a", prompt(1), max_tokens=3))
+        e.add(make_request("b", prompt(2), max_tokens=40))
+        e.run(lambda: "a" in e.finished)
+        e.run(lambda: "a" not in e.scheduler.requests)
+        assert ("a", True) in held, held
+        assert present(daemon, e, chunk_keys(prompt(1))) == [True, True]
+        e.run(lambda: "b" in e.finished)
+        e.run(lambda: "b" not in e.scheduler.requests)
+        assert e.totals()["evict_lost_chunks"] == 0
+    finally:
+        KvtierScheduler.request_finished = real
+        e.shutdown()
+    e = Engine(on_evict(daemon.socket), **LIMITS)
+    try:
+        run_one(e, "a2", prompt(1))
+        assert e.verified["a2"] == 512
+    finally:
+        e.shutdown()
+
+
 def test_local_prefix_hit_is_not_looked_up(daemon: Daemon):
     # a's chunk 1 leaves the GPU (and is saved on the way) while its chunk 0
     # stays cached: b shares chunk 0 and finished later, so chunk 0 is more
