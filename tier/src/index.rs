@@ -357,6 +357,10 @@ impl Index {
     /// positive is wrong with probability about 2^-64 per key, and a read
     /// that follows checks the full id (a false positive becomes a miss,
     /// never wrong bytes).
+    ///
+    /// One pass, no allocation: the slot of key `i + D` is hashed and
+    /// prefetched while key `i` is probed (a ring of hashes carries them),
+    /// so about `D` random slot reads are in flight at any time.
     pub fn contains_batch(
         &self,
         ns: &Namespace,
@@ -364,39 +368,36 @@ impl Index {
         keys: &[ChunkKey],
         out: &mut Vec<bool>,
     ) {
-        let mut cand = Vec::new();
-        self.probe_batch(ns, group, keys, &mut cand);
-        out.clear();
-        out.extend(cand.iter().map(|&c| c != u32::MAX));
-    }
-
-    /// For each key: the entry index whose slot fingerprint matches, or
-    /// `u32::MAX`.
-    fn probe_batch(&self, ns: &Namespace, group: GroupId, keys: &[ChunkKey], cand: &mut Vec<u32>) {
         const D: usize = 16;
-        let hashes: Vec<u64> = keys.iter().map(|k| hash_parts(ns, k, group)).collect();
-        for h in hashes.iter().take(D) {
-            prefetch(&self.slots[*h as usize & self.mask]);
+        const RING: usize = 32;
+        out.clear();
+        out.reserve(keys.len());
+        let mut ring = [0u64; RING];
+        for (i, k) in keys.iter().take(D).enumerate() {
+            let h = hash_parts(ns, k, group);
+            ring[i % RING] = h;
+            prefetch(&self.slots[h as usize & self.mask]);
         }
-        cand.clear();
-        cand.reserve(keys.len());
-        for (i, &h) in hashes.iter().enumerate() {
-            if let Some(&ahead) = hashes.get(i + D) {
-                prefetch(&self.slots[ahead as usize & self.mask]);
+        for i in 0..keys.len() {
+            if let Some(k) = keys.get(i + D) {
+                let h = hash_parts(ns, k, group);
+                ring[(i + D) % RING] = h;
+                prefetch(&self.slots[h as usize & self.mask]);
             }
+            let h = ring[i % RING];
             let mut pos = h as usize;
             let found = loop {
                 pos &= self.mask;
                 let s = self.slots[pos];
                 if s.fp == 0 {
-                    break u32::MAX;
+                    break false;
                 }
                 if s.fp == h {
-                    break s.idx;
+                    break true;
                 }
                 pos += 1;
             };
-            cand.push(found);
+            out.push(found);
         }
     }
 }
@@ -463,8 +464,18 @@ mod tests {
         for (n, o) in out.iter().enumerate() {
             assert_eq!(*o, (n < 5000).then(|| loc(n as u32)));
         }
+        let mut present = Vec::new();
+        for len in [0, 1, 15, 16, 17, 33, 10_000] {
+            ix.contains_batch(&Namespace([1; 16]), 0, &keys[..len], &mut present);
+            assert_eq!(present.len(), len);
+            for (n, p) in present.iter().enumerate() {
+                assert_eq!(*p, n < 5000, "key {n} of {len}");
+            }
+        }
         ix.get_batch(&Namespace([2; 16]), 0, &keys, &mut out);
         assert!(out.iter().all(Option::is_none));
+        ix.contains_batch(&Namespace([1; 16]), 1, &keys, &mut present);
+        assert!(!present.iter().any(|p| *p));
         let removed = ix.retain(|_, l| l.region % 2 == 0);
         assert_eq!(removed.len(), 2500);
         assert_eq!(ix.get(&id(3, 1, 0)), None);

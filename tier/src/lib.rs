@@ -21,6 +21,7 @@ pub mod index;
 pub mod layout;
 mod maintenance;
 pub mod manifest;
+mod pack;
 pub mod ram;
 mod segment;
 pub mod store;

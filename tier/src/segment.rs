@@ -61,17 +61,61 @@ pub(crate) enum ReadMiss {
     Bad,
 }
 
+/// A region recovered from its batch records (no valid seal).
+pub(crate) struct Unsealed {
+    pub r: u32,
+    pub generation: u64,
+    /// Entries of the intact batches, in order.
+    pub entries: Vec<Entry>,
+    /// End of the last intact batch (where the torn tail, if any, starts).
+    pub data_end: u64,
+}
+
 /// What recovery found, handed to the writer.
 pub(crate) struct Recovered {
     /// Per region: generation (0 = free) and whether it is sealed.
     pub regions: Vec<(u64, bool)>,
-    /// Regions recovered from batch records that must be sealed now, with
-    /// their entries and data end.
-    pub unsealed: Vec<(u32, u64, Vec<Entry>, u64)>,
+    /// Regions recovered from batch records that must be sealed now.
+    pub unsealed: Vec<Unsealed>,
+    /// The region that was open at the last shutdown or crash, recovered
+    /// from its batch records, to be re-opened for appends at its data end
+    /// (so restarts do not waste its remainder). Only the newest region
+    /// holding entries qualifies, and only if its walk saw no read error.
+    pub reopen: Option<Unsealed>,
     /// Highest generation seen.
     pub max_generation: u64,
     /// Highest transaction id seen.
     pub max_txn: u64,
+}
+
+/// A read of the recovery walk. Failpoint `tier::recovery::scan_read`
+/// (feature `failpoints`): fails it with EIO.
+fn scan_read(dev: &dyn Device, buf: &mut [u8], off: u64) -> std::io::Result<()> {
+    #[cfg(feature = "failpoints")]
+    fail::fail_point!("tier::recovery::scan_read", |arg| Err(failpoint_error(arg)));
+    dev.read_at(buf, off)
+}
+
+/// The I/O error a failpoint injects: ENOSPC for the argument `enospc`,
+/// else EIO.
+#[cfg(feature = "failpoints")]
+pub(crate) fn failpoint_error(arg: Option<String>) -> std::io::Error {
+    match arg.as_deref() {
+        Some("enospc") => std::io::Error::from_raw_os_error(libc::ENOSPC),
+        _ => std::io::Error::from_raw_os_error(libc::EIO),
+    }
+}
+
+/// What [`Disk::scan_batches`] found.
+pub(crate) struct Scan {
+    /// Entries of the intact batches, in order.
+    pub entries: Vec<Entry>,
+    /// Where the intact batches end.
+    pub data_end: u64,
+    /// The walk stopped at a read error (not at an invalid record), so
+    /// what lies beyond is unknown: such a region is neither sealed nor
+    /// re-opened (nothing is written to it).
+    pub io_error: bool,
 }
 
 impl Disk {
@@ -286,6 +330,7 @@ impl Disk {
         let mut rec = Recovered {
             regions: Vec::new(),
             unsealed: Vec::new(),
+            reopen: None,
             max_generation: order.last().map_or(0, |o| o.0),
             max_txn: 0,
         };
@@ -333,18 +378,55 @@ impl Disk {
                     regions[r as usize] = (generation, true);
                 }
                 None => {
-                    let (entries, data_end) = self.scan_batches(r, generation)?;
-                    if entries.is_empty() {
+                    let scan = self.scan_batches(r, generation)?;
+                    if scan.entries.is_empty() && !scan.io_error {
                         // Nothing durable: the region is free again.
                         continue;
                     }
-                    for e in &entries {
+                    for e in &scan.entries {
                         apply(r, e, &mut index, &mut rec.max_txn);
                     }
+                    // In memory, a region recovered from its batches counts
+                    // as sealed (nothing is appended) unless re-opened below.
                     regions[r as usize] = (generation, true);
-                    rec.unsealed.push((r, generation, entries, data_end));
+                    if scan.io_error {
+                        // What lies past the read error is unknown: sealing
+                        // (a summary at the end of what was read) or
+                        // appending could overwrite durable batches. The
+                        // region is left as it is until it is reclaimed; the
+                        // next open walks it again.
+                        tracing::warn!(
+                            region = r,
+                            entries = scan.entries.len(),
+                            "read error while walking the batches of an unsealed region; \
+                             serving what was read, writing nothing to it"
+                        );
+                    } else {
+                        // `order` is sorted by generation: a later region
+                        // holding entries makes an earlier candidate unfit
+                        // (its new entries would be applied before that
+                        // region's at the next recovery); see below.
+                        rec.unsealed.extend(rec.reopen.take());
+                        rec.reopen = Some(Unsealed {
+                            r,
+                            generation,
+                            entries: scan.entries,
+                            data_end: scan.data_end,
+                        });
+                    }
                 }
             }
+            if rec
+                .reopen
+                .as_ref()
+                .is_some_and(|u| u.generation < generation)
+            {
+                rec.unsealed.extend(rec.reopen.take());
+            }
+        }
+        if let Some(u) = &rec.reopen {
+            // Open (not sealed): the writer appends to it.
+            regions[u.r as usize] = (u.generation, false);
         }
         // Atomic groups: hide every member of a group that is not complete.
         for (txn, (size, members)) in txns {
@@ -385,13 +467,15 @@ impl Disk {
     /// Walks the batch records of region `r` from the start, verifying every
     /// chunk of every batch; stops at the first invalid or torn batch.
     /// Returns the entries of the intact batches and where they end.
-    pub fn scan_batches(&self, r: u32, generation: u64) -> Result<(Vec<Entry>, u64)> {
+    pub fn scan_batches(&self, r: u32, generation: u64) -> Result<Scan> {
         let mut entries = Vec::new();
         let mut off = DATA_START;
         let base = self.region_base(r);
         let mut head_buf = AlignedBuf::zeroed(BLOCK as usize);
+        let mut io_error = false;
         while off + BLOCK <= self.region_size {
-            if self.dev.read_at(&mut head_buf, base + off).is_err() {
+            if scan_read(&*self.dev, &mut head_buf, base + off).is_err() {
+                io_error = true;
                 break;
             }
             let Some(h) = BatchHead::decode(&head_buf[..BATCH_FIXED]) else {
@@ -408,6 +492,7 @@ impl Disk {
             }
             let mut batch = AlignedBuf::zeroed(blen as usize);
             if self.dev.read_at(&mut batch, base + off).is_err() {
+                io_error = true;
                 break;
             }
             let ents = &batch[BATCH_FIXED..BATCH_FIXED + h.entries_len as usize];
@@ -423,8 +508,10 @@ impl Disk {
             }
             // The record is intact, so the chain goes on; a chunk of the batch
             // that is torn or corrupt is left out on its own. (Within one
-            // generation a position is written once, so a valid record at a
-            // chained position is genuine.)
+            // generation a position is written once, and a re-opened region
+            // clears leftover records past its data end before a batch can
+            // chain to them, see `Writer::clear_leftover`; so a valid record
+            // at a chained position is genuine.)
             for e in list {
                 if self.batch_entry_ok(&e, &batch, off, blen) {
                     entries.push(e);
@@ -438,7 +525,11 @@ impl Disk {
             }
             off += blen;
         }
-        Ok((entries, off))
+        Ok(Scan {
+            entries,
+            data_end: off,
+            io_error,
+        })
     }
 
     fn batch_entry_ok(&self, e: &Entry, batch: &[u8], batch_off: u64, blen: u64) -> bool {

@@ -218,9 +218,16 @@ pub(crate) struct Inner {
     counters: Counters,
     // parking_lot: swapped rarely, read on every add/remove.
     observer: RwLock<Option<Arc<dyn ChunkObserver>>>,
-    /// Deletes whose jobs may still be queued: a job inserted before the
-    /// delete is skipped. parking_lot: short sections.
+    /// Deletes (and broken atomic groups) whose jobs may still be queued: a
+    /// job inserted before the cancellation is skipped. An entry is pruned
+    /// when the writer has handled every job queued before it (the delete's
+    /// tombstone, or a `Msg::Forget` for a broken group, is written or
+    /// seen). parking_lot: short sections.
     cancel: Mutex<HashMap<ChunkId, Instant>>,
+    /// `Msg::Forget`s that found the writer queue full (they are never sent
+    /// blocking: the writer thread itself breaks groups); sent by the next
+    /// flush or idle pass. parking_lot: short sections.
+    forget_later: Mutex<Vec<(ChunkId, Instant)>>,
     // parking_lot: short sections on atomic puts and group breaks.
     txns: Mutex<Txns>,
     /// Held for writing while an atomic group is inserted into RAM, for
@@ -340,6 +347,7 @@ impl ChunkStore {
             counters: Counters::default(),
             observer: RwLock::new(None),
             cancel: Mutex::new(HashMap::new()),
+            forget_later: Mutex::new(Vec::new()),
             txns: Mutex::new(txns),
             gate: RwLock::new(()),
             closed: AtomicBool::new(false),
@@ -353,7 +361,12 @@ impl ChunkStore {
         if let (Some(d), Some(rec)) = (disk, rec) {
             let needs_seal = !rec.unsealed.is_empty();
             let hooks: Arc<dyn Hooks> = inner.clone();
-            let writer = Writer::new(d.clone(), hooks, rec, WRITE_BATCH);
+            let helpers = inner.config.pack_threads.unwrap_or_else(|| {
+                crate::pack::default_helpers(
+                    std::thread::available_parallelism().map_or(1, |n| n.get()),
+                )
+            });
+            let writer = Writer::new(d.clone(), hooks, rec, WRITE_BATCH, helpers);
             let h = std::thread::Builder::new()
                 .name("kvtier-writer".into())
                 .spawn(move || writer.run(rx))
@@ -364,8 +377,9 @@ impl ChunkStore {
                 })?;
             store.threads.lock().push(h);
             if needs_seal {
-                // Seal the regions recovered from batch records now, so no
-                // later write can land behind their intact batches.
+                // Seal the regions recovered from batch records that are not
+                // re-opened (older ones, or one whose scan hit a read error),
+                // so no later write can land behind their intact batches.
                 let (ack, wait) = bounded(1);
                 inner.send(Msg::SealRecovered(ack))?;
                 wait.recv().map_err(|_| Error::Closed)??;
@@ -580,7 +594,9 @@ impl ChunkStore {
 
     /// For an ordered key list: fills `tiers` with where each key lives (or
     /// `None`) and returns the length of the longest present prefix. Touches
-    /// no disk: the disk index is probed in one prefetched batch.
+    /// no disk: the disk index is probed in one prefetched batch, the RAM
+    /// tier with one lock per shard (not per key); no allocation once the
+    /// calling thread's scratch space has grown.
     pub fn lookup_prefix(
         &self,
         ns: Namespace,
@@ -588,23 +604,41 @@ impl ChunkStore {
         keys: &[ChunkKey],
         tiers: &mut Vec<Option<Tier>>,
     ) -> usize {
-        let _g = self.inner.gate.read();
-        let mut on_disk = Vec::new();
-        if let Some(d) = &self.inner.disk {
-            d.index
-                .read()
-                .contains_batch(&ns, group, keys, &mut on_disk);
-        } else {
-            on_disk.resize(keys.len(), false);
+        thread_local! {
+            static SCRATCH: std::cell::RefCell<(Vec<bool>, Vec<bool>, Vec<ChunkId>)> =
+                const { std::cell::RefCell::new((Vec::new(), Vec::new(), Vec::new())) };
         }
-        tiers.clear();
-        tiers.extend(keys.iter().zip(&on_disk).map(|(k, &disk)| {
-            if self.inner.ram.contains(&ChunkId::new(ns, *k, group)) {
-                Some(Tier::Ram)
-            } else {
-                disk.then_some(Tier::Disk)
+        let _g = self.inner.gate.read();
+        SCRATCH.with_borrow_mut(|(on_disk, in_ram, ids)| {
+            match &self.inner.disk {
+                Some(d) => d.index.read().contains_batch(&ns, group, keys, on_disk),
+                None => {
+                    on_disk.clear();
+                    on_disk.resize(keys.len(), false);
+                }
             }
-        }));
+            if self.inner.ram.is_empty() {
+                in_ram.clear();
+                in_ram.resize(keys.len(), false);
+            } else {
+                ids.clear();
+                ids.extend(keys.iter().map(|k| ChunkId::new(ns, *k, group)));
+                self.inner.ram.contains_batch(ids, in_ram);
+            }
+            tiers.clear();
+            tiers.extend(in_ram.iter().zip(on_disk.iter()).map(|(&ram, &disk)| {
+                if ram {
+                    Some(Tier::Ram)
+                } else {
+                    disk.then_some(Tier::Disk)
+                }
+            }));
+            // Keep the scratch space of a huge batch from staying around.
+            const KEEP: usize = 1 << 16;
+            on_disk.shrink_to(KEEP);
+            in_ram.shrink_to(KEEP);
+            ids.shrink_to(KEEP);
+        });
         tiers.iter().take_while(|t| t.is_some()).count()
     }
 
@@ -742,6 +776,13 @@ impl ChunkStore {
             d.region_base(l.region) + u64::from(l.offset),
             u64::from(l.header_len) + u64::from(l.payload_len),
         ))
+    }
+
+    /// Test hook: entries of the map of cancelled writes (deletes and broken
+    /// atomic groups whose pruning is still pending).
+    #[cfg(feature = "test_utils")]
+    pub fn cancelled_writes(&self) -> usize {
+        self.inner.cancel.lock().len()
     }
 
     /// Test hook: header length of the chunk `id` on disk.
@@ -918,12 +959,52 @@ impl Inner {
                 }
             });
             // Also cancels a write of this member that is queued or in flight.
-            self.cancel.lock().insert(id, Instant::now());
+            if self.disk.is_some() {
+                let now = Instant::now();
+                self.cancel.lock().insert(id, now);
+                self.forget_cancel(id, now);
+            }
             if in_ram || on_disk {
                 if let Some(o) = &obs {
                     o.removed(&id);
                 }
             }
+        }
+    }
+
+    /// Asks the writer to prune the cancellation of `id` made at `at` once
+    /// the jobs queued before it are done. Never blocks (the writer thread
+    /// itself breaks groups when a write fails or a region is reclaimed).
+    fn forget_cancel(&self, id: ChunkId, at: Instant) {
+        match &self.tx {
+            Some(tx) => match tx.try_send(Msg::Forget(id, at)) {
+                Ok(()) => {}
+                Err(TrySendError::Full(_)) => self.forget_later.lock().push((id, at)),
+                Err(TrySendError::Disconnected(_)) => self.tombstone_done(&id, at),
+            },
+            None => self.tombstone_done(&id, at),
+        }
+    }
+
+    /// Sends the `Msg::Forget`s that found the queue full (flush, idle).
+    fn send_forgets(&self, blocking: bool) {
+        let later = std::mem::take(&mut *self.forget_later.lock());
+        let Some(tx) = &self.tx else {
+            return;
+        };
+        let mut rest = Vec::new();
+        for (id, at) in later {
+            let sent = if blocking {
+                tx.send(Msg::Forget(id, at)).is_ok()
+            } else {
+                tx.try_send(Msg::Forget(id, at)).is_ok()
+            };
+            if !sent {
+                rest.push((id, at));
+            }
+        }
+        if !rest.is_empty() {
+            self.forget_later.lock().extend(rest);
         }
     }
 
@@ -1084,6 +1165,7 @@ impl Inner {
         if let Some(p) = d.poisoned() {
             return Err(Error::Poisoned(p));
         }
+        self.send_forgets(true);
         let ticket = Arc::new(Ticket::default());
         for (id, e) in dirty {
             let (txn, txn_size) = self.txn_of(&id);
@@ -1125,6 +1207,7 @@ impl Inner {
         if self.closed.load(Ordering::SeqCst) || d.poisoned().is_some() || !tx.is_empty() {
             return;
         }
+        self.send_forgets(false);
         let limit = self.config.writer_queue;
         for (id, e) in self
             .ram

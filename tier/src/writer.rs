@@ -10,6 +10,7 @@
 //! 8), except ENOSPC, which pauses the writer: the batch fails, the writer
 //! keeps serving and tries again with the next batch.
 
+use std::collections::VecDeque;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
@@ -17,19 +18,17 @@ use std::time::Instant;
 use bytes::Bytes;
 use crossbeam_channel::{Receiver, Sender, bounded};
 
-use crate::device::{AlignedBuf, BLOCK, block_up};
+use crate::device::{AlignedBuf, BLOCK, Device, block_up};
 use crate::format::ChunkHeader;
 use crate::index::Location;
 use crate::layout::{
     BATCH_FIXED, BatchHead, DATA_START, Entry, KIND_CHUNK, KIND_TOMBSTONE, OPEN_SLOT, RECORD_ALIGN,
     SEAL_SLOT, SealSlot, decode_entries, encode_entries, encode_open_slot, entries_len_bound,
 };
-use crate::segment::{Disk, Recovered};
+use crate::pack::{Packer, Part};
+use crate::segment::{Disk, Recovered, Unsealed};
 use crate::types::ChunkId;
 use crate::{Error, Result};
-
-/// Piece size of the fused copy + CRC (fits in L2 with room to spare).
-const COPY_PIECE: usize = 64 << 10;
 
 /// Counts what a flush's jobs became.
 #[derive(Default)]
@@ -60,6 +59,9 @@ pub(crate) enum Msg {
     Write(Job),
     /// Persist the deletion of an id (deleted at `.1`).
     Tombstone(ChunkId, Instant),
+    /// The cancellation of `id`'s jobs made at `.1` (its atomic group broke)
+    /// may be forgotten once every job queued before this message is done.
+    Forget(ChunkId, Instant),
     /// Write everything queued before, fdatasync, then answer.
     Flush(Sender<Result<()>>),
     /// Like `Flush`, then exit.
@@ -78,7 +80,9 @@ pub(crate) trait Hooks: Send + Sync {
     fn failed(&self, job: &Job);
     /// These entries left the index because their region was reclaimed.
     fn reclaimed(&self, removed: Vec<(ChunkId, Location)>);
-    /// A tombstone for `id` deleted at `at` was written.
+    /// A tombstone for `id` deleted at `at` was written, or (for
+    /// [`Msg::Forget`]) every job queued before it is done: cancellations of
+    /// `id` made at or before `at` are no longer needed.
     fn tombstone_done(&self, id: &ChunkId, at: Instant);
 }
 
@@ -87,6 +91,11 @@ struct OpenRegion {
     generation: u64,
     data_end: u64,
     entries: Vec<Entry>,
+    /// Re-opened after recovery with its old generation: blocks past the
+    /// data end may hold leftover batch records of this generation (written
+    /// before the crash, never made durable in order), so each batch first
+    /// makes sure the block right after it holds none.
+    reused: bool,
 }
 
 pub(crate) struct Writer {
@@ -97,15 +106,23 @@ pub(crate) struct Writer {
     open: Option<OpenRegion>,
     next_generation: u64,
     batch_bytes: usize,
-    /// Spare batch buffers (two: one being filled while one is written).
+    /// Spare batch buffers (reused: fresh ones pay page faults).
     spare: Vec<AlignedBuf>,
-    recovered: Vec<(u32, u64, Vec<Entry>, u64)>,
-    /// The batch the I/O thread is writing, if any.
-    inflight: Option<InFlight>,
+    recovered: Vec<Unsealed>,
+    /// Batches handed to the I/O thread, oldest first (it writes them in
+    /// order); at most `depth`.
+    inflight: VecDeque<InFlight>,
+    depth: usize,
     io: Option<IoLink>,
+    packer: Packer,
 }
 
-/// Channels to the I/O thread (`kvtier-io`): it writes one batch at a time
+/// Batches in flight to the I/O thread: while it writes one, the next ones
+/// wait in its queue, so the device never idles while the writer packs
+/// (copy + CRC) or wakes up.
+const IO_DEPTH: usize = 3;
+
+/// Channels to the I/O thread (`kvtier-io`): it writes batches in order
 /// while the writer packs the next, so copying and CRCs overlap the I/O.
 struct IoLink {
     req: Sender<(AlignedBuf, u64)>,
@@ -142,32 +159,78 @@ impl Item {
     }
 }
 
+/// Writes one batch. Failpoint `tier::writer::batch_write` (feature
+/// `failpoints`): fails it with ENOSPC when its argument is `enospc`, else EIO.
+fn write_batch(dev: &dyn Device, buf: &[u8], off: u64) -> std::io::Result<()> {
+    #[cfg(feature = "failpoints")]
+    fail::fail_point!("tier::writer::batch_write", |arg| Err(
+        crate::segment::failpoint_error(arg)
+    ));
+    dev.write_at(buf, off)
+}
+
+/// The fdatasync of a flush. Failpoint `tier::writer::flush_sync` (feature
+/// `failpoints`): fails it with EIO.
+fn flush_sync(dev: &dyn Device) -> std::io::Result<()> {
+    #[cfg(feature = "failpoints")]
+    fail::fail_point!("tier::writer::flush_sync", |arg| Err(
+        crate::segment::failpoint_error(arg)
+    ));
+    dev.sync()
+}
+
 impl Writer {
-    pub fn new(disk: Arc<Disk>, hooks: Arc<dyn Hooks>, rec: Recovered, batch_bytes: usize) -> Self {
+    pub fn new(
+        disk: Arc<Disk>,
+        hooks: Arc<dyn Hooks>,
+        rec: Recovered,
+        batch_bytes: usize,
+        pack_helpers: usize,
+    ) -> Self {
+        let open = rec.reopen.map(|u| {
+            tracing::info!(
+                region = u.r,
+                generation = u.generation,
+                data_end = u.data_end,
+                entries = u.entries.len(),
+                "re-opened the region that was open at shutdown for appends"
+            );
+            OpenRegion {
+                r: u.r,
+                generation: u.generation,
+                data_end: u.data_end,
+                entries: u.entries,
+                reused: true,
+            }
+        });
         Self {
             disk,
             hooks,
             regions: rec.regions,
-            open: None,
+            open,
             next_generation: rec.max_generation + 1,
             batch_bytes,
             spare: Vec::new(),
             recovered: rec.unsealed,
-            inflight: None,
+            inflight: VecDeque::new(),
+            depth: IO_DEPTH,
             io: None,
+            packer: Packer::new(pack_helpers),
         }
     }
 
     /// The thread body: starts the I/O thread, then serves messages.
     pub fn run(mut self, rx: Receiver<Msg>) {
         let dev = self.disk.dev.clone();
-        let (req_tx, req_rx) = bounded::<(AlignedBuf, u64)>(1);
-        let (done_tx, done_rx) = bounded(1);
+        // Never more than `depth` batches are outstanding, so neither
+        // channel ever blocks its sender.
+        let (req_tx, req_rx) = bounded::<(AlignedBuf, u64)>(self.depth);
+        let (done_tx, done_rx) = bounded(self.depth);
         let io = std::thread::Builder::new()
             .name("kvtier-io".into())
             .spawn(move || {
                 for (buf, off) in req_rx {
-                    let res = dev.write_at(&buf, off);
+                    let res = write_batch(&*dev, &buf, off);
                     if done_tx.send((buf, res)).is_err() {
                         return;
                     }
@@ -189,10 +252,14 @@ impl Writer {
 
     fn serve(&mut self, rx: &Receiver<Msg>) {
         let mut items: Vec<Item> = Vec::new();
-        while let Ok(msg) = rx.recv() {
+        let mut forgets: Vec<(ChunkId, Instant)> = Vec::new();
+        while let Some(msg) = self.next_msg(rx) {
             let mut control = None;
             let mut bytes = 0usize;
-            let push = |m: Msg, items: &mut Vec<Item>, bytes: &mut usize| match m {
+            let push = |m: Msg,
+                        items: &mut Vec<Item>,
+                        forgets: &mut Vec<(ChunkId, Instant)>,
+                        bytes: &mut usize| match m {
                 Msg::Write(j) => {
                     *bytes += j.data.len();
                     items.push(Item::Job(j));
@@ -202,21 +269,31 @@ impl Writer {
                     items.push(Item::Tomb(id, seq));
                     None
                 }
+                Msg::Forget(id, at) => {
+                    forgets.push((id, at));
+                    None
+                }
                 other => Some(other),
             };
-            control = control.or(push(msg, &mut items, &mut bytes));
+            control = control.or(push(msg, &mut items, &mut forgets, &mut bytes));
             while control.is_none() && bytes < self.batch_bytes {
                 match rx.try_recv() {
-                    Ok(m) => control = push(m, &mut items, &mut bytes),
+                    Ok(m) => control = push(m, &mut items, &mut forgets, &mut bytes),
                     Err(_) => break,
                 }
             }
             if !items.is_empty() {
                 self.write_items(std::mem::take(&mut items));
             }
-            if control.is_some() || rx.is_empty() {
-                // Nothing to overlap with: finish the batch in flight, so
-                // its chunks become readable from disk now.
+            if !forgets.is_empty() {
+                // Every job queued before these messages is written (or
+                // skipped) once the batches in flight are done.
+                self.drain();
+                for (id, at) in forgets.drain(..) {
+                    self.hooks.tombstone_done(&id, at);
+                }
+            }
+            if control.is_some() {
                 self.drain();
             }
             match control {
@@ -231,10 +308,27 @@ impl Writer {
                     let _ = ack.send(self.sync());
                     return;
                 }
-                Some(Msg::Write(_) | Msg::Tombstone(..)) => unreachable!("handled by push"),
+                Some(Msg::Write(_) | Msg::Tombstone(..) | Msg::Forget(..)) => {
+                    unreachable!("handled by push")
+                }
             }
         }
         self.drain();
+    }
+
+    /// The next message; while batches are in flight, their completions
+    /// are applied as they come (their chunks become readable from disk).
+    fn next_msg(&mut self, rx: &Receiver<Msg>) -> Option<Msg> {
+        loop {
+            let done = match (&self.io, self.inflight.is_empty()) {
+                (Some(io), false) => io.done.clone(),
+                _ => return rx.recv().ok(),
+            };
+            crossbeam_channel::select! {
+                recv(rx) -> m => return m.ok(),
+                recv(done) -> d => self.on_done(d.ok()),
+            }
+        }
     }
 
     fn poison(&self, what: String) {
@@ -254,7 +348,7 @@ impl Writer {
 
     fn sync(&mut self) -> Result<()> {
         self.check_poison()?;
-        if let Err(e) = self.disk.dev.sync() {
+        if let Err(e) = flush_sync(&*self.disk.dev) {
             self.poison(format!("fdatasync failed: {e}"));
             return Err(Error::Io {
                 op: "sync",
@@ -266,13 +360,14 @@ impl Writer {
     }
 
     fn seal_recovered(&mut self) -> Result<()> {
-        for (r, generation, entries, data_end) in std::mem::take(&mut self.recovered) {
+        for u in std::mem::take(&mut self.recovered) {
             self.check_poison()?;
             let mut o = OpenRegion {
-                r,
-                generation,
-                data_end,
-                entries,
+                r: u.r,
+                generation: u.generation,
+                data_end: u.data_end,
+                entries: u.entries,
+                reused: true,
             };
             self.seal(&mut o)?;
         }
@@ -352,9 +447,19 @@ impl Writer {
         }
     }
 
-    /// Packs `items` into a batch, waits for the batch in flight, then hands
-    /// this one to the I/O thread.
+    /// Packs `items` into a batch and hands it to the I/O thread (after
+    /// making room: at most `depth` batches in flight).
     fn submit(&mut self, items: Vec<Item>) {
+        while self.inflight.len() >= self.depth {
+            self.complete_oldest();
+        }
+        self.reap();
+        // A completion may have failed (rolled back the data end, or
+        // poisoned the disk): pack against the state as it is now.
+        if self.check_poison().is_err() || self.open.is_none() {
+            self.fail_all(&items);
+            return;
+        }
         let mut buf = self
             .spare
             .pop()
@@ -367,25 +472,31 @@ impl Writer {
             buf = AlignedBuf::zeroed(total as usize);
         }
         buf.set_len(total as usize);
-        let mut entries = Vec::with_capacity(items.len());
+        // Layout first, then the payloads (copy + CRC, spread over the
+        // pack helpers), then the headers, which carry the CRCs.
         let mut at = head_len as usize;
+        let mut parts = Vec::with_capacity(items.len());
+        let mut places = Vec::with_capacity(items.len());
+        for it in items.iter() {
+            if let Item::Job(j) = it {
+                let hl = ChunkHeader::encoded_len_for_name(j.name.as_ref().map_or(0, |n| n.len()));
+                parts.push(Part {
+                    src: &j.data[..],
+                    dst: at + hl,
+                });
+                places.push((at, hl));
+                at += it.record_len() as usize;
+            }
+        }
+        let crcs = self.packer.copy_crc(&mut buf, &parts);
+        drop(parts);
+        let mut entries = Vec::with_capacity(items.len());
+        let mut jobs = places.iter().zip(crcs);
         for it in items.iter() {
             match it {
                 Item::Job(j) => {
-                    let hl =
-                        ChunkHeader::encoded_len_for_name(j.name.as_ref().map_or(0, |n| n.len()));
+                    let (&(at, hl), crc) = jobs.next().expect("one place per job");
                     let pl = j.data.len();
-                    // Copy and checksum in one pass: the CRC reads each piece
-                    // while it is still in cache from the copy.
-                    let mut crc = 0u32;
-                    for (src, dst) in j
-                        .data
-                        .chunks(COPY_PIECE)
-                        .zip(buf[at + hl..at + hl + pl].chunks_mut(COPY_PIECE))
-                    {
-                        dst.copy_from_slice(src);
-                        crc = crc32c::crc32c_append(crc, dst);
-                    }
                     let h = ChunkHeader {
                         id: j.id,
                         payload_len: pl as u64,
@@ -396,7 +507,7 @@ impl Writer {
                     };
                     debug_assert_eq!(h.encoded_len(), hl);
                     h.encode_into(&mut buf[at..at + hl]);
-                    let rec = ((hl + pl) as u64).next_multiple_of(RECORD_ALIGN) as usize;
+                    let rec = it.record_len() as usize;
                     buf[at + hl + pl..at + rec].fill(0);
                     entries.push(Entry {
                         ns: j.id.ns.0,
@@ -406,11 +517,10 @@ impl Writer {
                         offset: (o.data_end + at as u64) as u32,
                         header_len: hl as u32,
                         payload_len: pl as u32,
-                        payload_crc: h.payload_crc,
+                        payload_crc: crc,
                         txn: j.txn,
                         txn_size: j.txn_size,
                     });
-                    at += rec;
                 }
                 Item::Tomb(id, _) => entries.push(Entry {
                     ns: id.ns.0,
@@ -440,6 +550,7 @@ impl Writer {
         buf[BATCH_FIXED..BATCH_FIXED + ents.len()].copy_from_slice(&ents);
         buf[BATCH_FIXED + ents.len()..head_len as usize].fill(0);
         let off = self.disk.region_base(r) + o.data_end;
+        let check_after = o.reused.then_some((o.generation, o.data_end + total));
         let f = InFlight {
             r,
             start: o.data_end,
@@ -448,11 +559,13 @@ impl Writer {
             items,
             entries,
         };
-        // The previous batch must have landed before this one counts.
-        if let Some(prev) = self.inflight.take() {
-            if !self.complete(prev) {
+        if let Some((generation, after)) = check_after {
+            if let Err(e) = self.clear_leftover(r, generation, after) {
+                self.poison(format!(
+                    "clearing a leftover batch record in region {r} failed: {e}"
+                ));
                 self.fail_all(&f.items);
-                self.spare.push(buf);
+                self.recycle(buf);
                 return;
             }
         }
@@ -461,41 +574,113 @@ impl Writer {
         o.entries.extend_from_slice(&f.entries);
         match &self.io {
             Some(io) => {
-                if io.req.send((buf, off)).is_err() {
+                if let Err(e) = io.req.send((buf, off)) {
+                    // The I/O thread is gone: nothing can be written.
                     self.poison("the kvtier-io thread is gone".into());
+                    self.recycle(e.into_inner().0);
+                    self.finish(
+                        f,
+                        Err(std::io::Error::other("the kvtier-io thread is gone")),
+                    );
+                    return;
                 }
-                self.inflight = Some(f);
+                self.inflight.push_back(f);
             }
             None => {
-                let res = self.disk.dev.write_at(&buf, off);
-                self.spare.push(buf);
+                let res = write_batch(&*self.disk.dev, &buf, off);
+                self.recycle(buf);
                 self.finish(f, res);
             }
         }
     }
 
-    /// Waits for the batch in flight (if any) and applies it.
-    fn drain(&mut self) {
-        if let Some(f) = self.inflight.take() {
-            self.complete(f);
+    fn recycle(&mut self, buf: AlignedBuf) {
+        if self.spare.len() <= self.depth && buf.capacity() == self.batch_bytes {
+            self.spare.push(buf);
         }
     }
 
-    /// Waits for `f`'s write; returns whether it succeeded.
-    fn complete(&mut self, f: InFlight) -> bool {
-        let res = match self.io.as_ref().map(|io| io.done.recv()) {
-            Some(Ok((buf, res))) => {
-                if self.spare.len() < 2 {
-                    self.spare.push(buf);
-                }
-                res
-            }
-            _ => Err(std::io::Error::other("the kvtier-io thread is gone")),
-        };
-        self.finish(f, res)
+    /// In a re-opened region, the block at `at` (right after the batch about
+    /// to be written) may hold a batch record of this generation left from
+    /// before the crash (or from a batch whose write failed): were this
+    /// batch's successor lost in a crash, recovery would chain into it and
+    /// revive stale entries. Such a block is zeroed and synced before the
+    /// batch is written.
+    fn clear_leftover(&self, r: u32, generation: u64, at: u64) -> std::io::Result<()> {
+        if at + BLOCK > self.disk.region_size {
+            return Ok(());
+        }
+        let off = self.disk.region_base(r) + at;
+        let mut block = AlignedBuf::zeroed(BLOCK as usize);
+        self.disk.dev.read_at(&mut block, off)?;
+        let leftover = BatchHead::decode(&block[..BATCH_FIXED])
+            .is_some_and(|h| h.region == r && h.generation == generation);
+        if leftover {
+            tracing::info!(
+                region = r,
+                offset = at,
+                "zeroing a leftover batch record past the recovered data end"
+            );
+            block.fill(0);
+            self.disk.dev.write_at(&block, off)?;
+            self.disk.dev.sync()?;
+        }
+        Ok(())
     }
 
-    /// Applies a written batch (index, hooks) or rolls back a failed one.
+    /// Applies the completions that have arrived, without waiting.
+    fn reap(&mut self) {
+        while !self.inflight.is_empty() {
+            let Some(Ok(d)) = self.io.as_ref().map(|io| io.done.try_recv()) else {
+                return;
+            };
+            self.on_done(Some(d));
+        }
+    }
+
+    /// Waits for every batch in flight and applies it.
+    fn drain(&mut self) {
+        while !self.inflight.is_empty() {
+            self.complete_oldest();
+        }
+    }
+
+    /// Waits for the oldest batch in flight and applies it.
+    fn complete_oldest(&mut self) {
+        let d = self.io.as_ref().and_then(|io| io.done.recv().ok());
+        self.on_done(d);
+    }
+
+    /// Applies the completion `d` of the oldest batch in flight (`None`: the
+    /// I/O thread is gone).
+    fn on_done(&mut self, d: Option<(AlignedBuf, std::io::Result<()>)>) {
+        let Some(f) = self.inflight.pop_front() else {
+            return;
+        };
+        let res = match d {
+            Some((buf, res)) => {
+                self.recycle(buf);
+                res
+            }
+            None => Err(std::io::Error::other("the kvtier-io thread is gone")),
+        };
+        if res.is_err() && !self.inflight.is_empty() {
+            // The later batches were written behind a hole: recovery would
+            // never reach them, so they fail too (after their I/O is done,
+            // so their buffers come back).
+            let later: Vec<InFlight> = self.inflight.drain(..).collect();
+            for l in later {
+                if let Some((buf, _)) = self.io.as_ref().and_then(|io| io.done.recv().ok()) {
+                    self.recycle(buf);
+                }
+                self.fail_all(&l.items);
+            }
+        }
+        self.finish(f, res);
+    }
+
+    /// Applies a written batch (index, hooks) or rolls back a failed one
+    /// (and every batch after it: none is in flight any more).
     fn finish(&mut self, f: InFlight, res: std::io::Result<()>) -> bool {
         let InFlight {
             r,
@@ -509,6 +694,9 @@ impl Writer {
             if let Some(o) = self.open.as_mut().filter(|o| o.r == r) {
                 o.data_end = start;
                 o.entries.truncate(entries_before);
+                // What the failed (or later) writes left past the data end
+                // may include batch records of this generation.
+                o.reused = true;
             }
             if e.raw_os_error() == Some(libc::ENOSPC) {
                 if !self.disk.paused_nospace.swap(true, Ordering::Relaxed) {
@@ -672,6 +860,7 @@ impl Writer {
             generation,
             data_end: DATA_START,
             entries: Vec::new(),
+            reused: false,
         });
         Ok(())
     }

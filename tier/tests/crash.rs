@@ -63,6 +63,7 @@ fn cfg(dir: &std::path::Path, region: u64) -> TierConfig {
         idle_flush_after: Duration::from_secs(3600),
         write_policy: WritePolicy::Backpressure,
         writer_queue: 8,
+        pack_threads: Some(1),
         ..TierConfig::default()
     }
 }
@@ -469,4 +470,53 @@ fn kill_9_loop_never_loses_flushed_chunks() {
         loops += 1;
     }
     assert!(loops >= 5, "only {loops} loops ran");
+}
+
+/// A re-opened region must not chain into a batch left from before the
+/// crash. Image: batches A (chunk 2, v0), T (a tombstone), C (chunk 2, v1)
+/// with T lost and C landed (unsynced writes land in any order). Recovery
+/// stops at T's hole and serves v0; the next incarnation deletes chunk 2,
+/// whose tombstone batch has T's length and so ends exactly where C starts.
+/// Were C still there, a third open would chain into it and revive v1
+/// after a flushed delete.
+#[test]
+fn a_leftover_batch_past_the_recovered_end_is_never_chained_into() {
+    let dir = tempfile::tempdir().unwrap();
+    let region = 256 * KIB;
+    let dev = Arc::new(CrashDevice::new(2 * MIB));
+    let s = ChunkStore::open_with_device(cfg(dir.path(), region), dev.clone()).unwrap();
+    let ns = s.register_namespace(&record()).unwrap();
+    let (v0, v1) = (value(2, 0, 2000), value(2, 1, 2000));
+    s.put(id(ns, 2), v0.clone()).unwrap();
+    s.flush().unwrap();
+    let a = s.disk_location(&id(ns, 2)).unwrap();
+    s.delete(&id(ns, 9));
+    s.flush().unwrap();
+    s.put(id(ns, 2), v1.clone()).unwrap();
+    s.flush().unwrap();
+    let c = s.disk_location(&id(ns, 2)).unwrap();
+    drop(s);
+    // Layout: A = head block + one record block at 12 KiB; T = one block at
+    // 20 KiB; C's record right after its head block at 24 KiB.
+    assert_eq!((a.0, a.1, c.0, c.1), (0, 16384, 0, 28672), "layout changed");
+    let mut img = dev.durable_image();
+    img[20480..24576].fill(0); // T lost, C landed
+    let dev2 = Arc::new(CrashDevice::from_image(img));
+    let s = ChunkStore::open_with_device(cfg(dir.path(), region), dev2.clone()).unwrap();
+    assert_eq!(s.get(&id(ns, 2)).unwrap().data, v0, "recovery stops at T");
+    assert!(s.delete(&id(ns, 2)));
+    s.flush().unwrap();
+    drop(s);
+    let s = ChunkStore::open_with_device(
+        cfg(dir.path(), region),
+        Arc::new(CrashDevice::from_image(dev2.durable_image())),
+    )
+    .unwrap();
+    assert!(
+        s.get(&id(ns, 2)).is_none(),
+        "a flushed delete was undone by a leftover batch"
+    );
+    s.put(id(ns, 3), value(3, 0, 2000)).unwrap();
+    s.flush().unwrap();
+    assert_eq!(s.get(&id(ns, 3)).unwrap().data, value(3, 0, 2000));
 }

@@ -1,0 +1,147 @@
+//! Deterministic fault injection with `fail` failpoints (feature
+//! `failpoints`; run with `cargo nextest run -p kvtier-tier --features
+//! failpoints --test failpoints`). The failpoint registry is global, so the
+//! scenarios run one after another in one test.
+//!
+//! - `tier::writer::batch_write=return(enospc)`: the writer pauses, RAM keeps
+//!   serving, writes go through again once the device has room;
+//! - `tier::writer::batch_write=return`: EIO poisons disk writes until reopen;
+//!   what an earlier flush confirmed survives;
+//! - `tier::writer::flush_sync=return`: a failed fdatasync fails the flush;
+//! - `tier::recovery::scan_read=return`: a read error while walking the open
+//!   region's batches at open: the chunks read so far are served, nothing is
+//!   written to that region (neither re-opened nor sealed: what lies past the
+//!   error is unknown), and a later clean open finds all of it.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use tier::{ChunkId, ChunkKey, ChunkStore, NamespaceRecord, Tier, TierConfig, WritePolicy};
+
+const MIB: u64 = 1 << 20;
+
+fn cfg(dir: &std::path::Path) -> TierConfig {
+    TierConfig {
+        data_dir: dir.to_path_buf(),
+        ram_budget: 4 * MIB,
+        disk_budget: 8 * MIB,
+        region_size: MIB,
+        idle_flush_after: Duration::from_secs(3600),
+        write_policy: WritePolicy::Backpressure,
+        ..TierConfig::default()
+    }
+}
+
+fn id(ns: tier::Namespace, n: u64) -> ChunkId {
+    let mut key = [0u8; 32];
+    key[..8].copy_from_slice(&n.wrapping_mul(0x9e37_79b9_7f4a_7c15).to_le_bytes());
+    key[8..16].copy_from_slice(&n.to_le_bytes());
+    ChunkId::new(ns, ChunkKey(key), 0)
+}
+
+fn payload(n: u64) -> Bytes {
+    Bytes::from(vec![(n as u8) | 1; 20_000 + n as usize])
+}
+
+fn record() -> NamespaceRecord {
+    NamespaceRecord {
+        model: "failpoints".into(),
+        ..Default::default()
+    }
+}
+
+#[test]
+fn failpoints() {
+    let scenario = fail::FailScenario::setup();
+    enospc_pauses_and_resumes();
+    eio_poisons_until_reopen();
+    failed_fdatasync_fails_the_flush();
+    a_read_error_in_the_recovery_walk_leaves_the_region_untouched();
+    scenario.teardown();
+}
+
+fn enospc_pauses_and_resumes() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = ChunkStore::open(cfg(dir.path())).unwrap();
+    let ns = s.register_namespace(&record()).unwrap();
+    fail::cfg("tier::writer::batch_write", "return(enospc)").unwrap();
+    s.put(id(ns, 1), payload(1)).unwrap();
+    let r = s.flush().unwrap();
+    assert_eq!((r.chunks, r.failed), (0, 1));
+    let st = s.stats();
+    assert!(st.writer_paused_nospace && !st.disk_poisoned, "{st:?}");
+    assert_eq!(s.get(&id(ns, 1)).unwrap().tier, Tier::Ram);
+    fail::remove("tier::writer::batch_write");
+    let r = s.flush().unwrap();
+    assert_eq!((r.chunks, r.failed), (1, 0));
+    assert!(!s.stats().writer_paused_nospace);
+    drop(s);
+    let s = ChunkStore::open(cfg(dir.path())).unwrap();
+    assert_eq!(s.get(&id(ns, 1)).unwrap().data, payload(1));
+}
+
+fn eio_poisons_until_reopen() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = ChunkStore::open(cfg(dir.path())).unwrap();
+    let ns = s.register_namespace(&record()).unwrap();
+    s.put(id(ns, 1), payload(1)).unwrap();
+    s.flush().unwrap();
+    fail::cfg("tier::writer::batch_write", "return").unwrap();
+    s.put(id(ns, 2), payload(2)).unwrap();
+    assert!(s.flush().is_err() || s.stats().disk_poisoned);
+    assert!(s.stats().disk_poisoned);
+    assert!(s.flush().is_err(), "poisoned until reopen");
+    assert_eq!(s.get(&id(ns, 2)).unwrap().data, payload(2), "RAM serves");
+    fail::remove("tier::writer::batch_write");
+    drop(s);
+    let s = ChunkStore::open(cfg(dir.path())).unwrap();
+    assert!(!s.stats().disk_poisoned);
+    assert_eq!(s.get(&id(ns, 1)).unwrap().data, payload(1));
+    assert!(s.get(&id(ns, 2)).is_none(), "never written");
+}
+
+fn failed_fdatasync_fails_the_flush() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = ChunkStore::open(cfg(dir.path())).unwrap();
+    let ns = s.register_namespace(&record()).unwrap();
+    s.put(id(ns, 1), payload(1)).unwrap();
+    fail::cfg("tier::writer::flush_sync", "return").unwrap();
+    assert!(s.flush().is_err());
+    assert!(s.stats().disk_poisoned);
+    fail::remove("tier::writer::flush_sync");
+}
+
+fn a_read_error_in_the_recovery_walk_leaves_the_region_untouched() {
+    let dir = tempfile::tempdir().unwrap();
+    let ns = record().id();
+    let first = {
+        let s = ChunkStore::open(cfg(dir.path())).unwrap();
+        s.register_namespace(&record()).unwrap();
+        s.put(id(ns, 1), payload(1)).unwrap();
+        s.flush().unwrap();
+        s.disk_location(&id(ns, 1)).unwrap().0
+    };
+    // Without a fault the open region is re-opened: new chunks join it.
+    {
+        let s = ChunkStore::open(cfg(dir.path())).unwrap();
+        s.put(id(ns, 2), payload(2)).unwrap();
+        s.flush().unwrap();
+        assert_eq!(s.disk_location(&id(ns, 2)).unwrap().0, first);
+    }
+    // The walk reads the first batch, then fails: what it read is served,
+    // and new chunks go to another region.
+    fail::cfg("tier::recovery::scan_read", "1*off->return").unwrap();
+    let s = ChunkStore::open(cfg(dir.path())).unwrap();
+    fail::remove("tier::recovery::scan_read");
+    assert_eq!(s.get(&id(ns, 1)).unwrap().data, payload(1));
+    assert!(s.get(&id(ns, 2)).is_none(), "past the read error");
+    s.put(id(ns, 3), payload(3)).unwrap();
+    s.flush().unwrap();
+    assert_ne!(s.disk_location(&id(ns, 3)).unwrap().0, first);
+    drop(s);
+    // Nothing was written to that region, so a clean open finds all of it.
+    let s = ChunkStore::open(cfg(dir.path())).unwrap();
+    for n in 1..=3 {
+        assert_eq!(s.get(&id(ns, n)).unwrap().data, payload(n), "chunk {n}");
+    }
+}
