@@ -21,7 +21,7 @@ use peer::cert::NodeMaterial;
 use peer::tls::TlsSetup;
 use peer::{
     ChunkBytes, ChunkSource, FetchError, PeerChunkId, PeerConfig, PeerHandle, PeerNamespace,
-    PeerStatus, SourceFuture,
+    PeerStatus, SourceFuture, TransportTuning,
 };
 use tier::{ChunkId, ChunkKey, ChunkObserver, ChunkStore, Namespace};
 
@@ -116,7 +116,8 @@ pub struct ClusterOptions {
     pub down_after: Duration,
     /// Bytes per second served to one peer (0 = unlimited).
     pub serve_rate: u64,
-    /// Admit fetched chunks into local RAM.
+    /// Admit fetched chunks into local RAM (clean: never written to the
+    /// local disk).
     pub admit: bool,
 }
 
@@ -168,6 +169,15 @@ impl Cluster {
             suspect_after: opts.suspect_after,
             down_after: opts.down_after,
             serve_rate_limit: opts.serve_rate,
+            // A loopback listener means every peer is on this host (the
+            // insecure mode and the tests): the path carries 64 KiB, so
+            // start at the largest datagram GSO can batch. Elsewhere MTU
+            // discovery finds the path's size (up to the same bound).
+            tuning: if opts.listen.ip().is_loopback() {
+                TransportTuning::loopback()
+            } else {
+                TransportTuning::default()
+            },
             ..PeerConfig::default()
         };
         let source = Arc::new(StoreSource {
@@ -216,14 +226,11 @@ impl Cluster {
         match self.handle.fetch(&to_peer(id), self.fetch_timeout).await {
             Ok(b) => {
                 if self.admit {
-                    // A RAM insert; never waits for the disk under the
-                    // default write policy. An unregistered namespace (no
+                    // A clean RAM insert: the holder keeps the durable copy,
+                    // so this one is never written to the local disk and is
+                    // dropped on eviction. An unregistered namespace (no
                     // local client used it yet) is simply not admitted.
-                    let r = match name {
-                        Some(n) => self.store.put_named(*id, n, b.clone()),
-                        None => self.store.put(*id, b.clone()),
-                    };
-                    if let Err(e) = r {
+                    if let Err(e) = self.store.put_clean(*id, name, b.clone()) {
                         tracing::debug!(error = %e, "fetched chunk not admitted");
                     }
                 }

@@ -7,13 +7,22 @@
 //! stream chunks into one buffer per chunk; the peer path also checks the
 //! frame CRC, the id and the payload CRC32C.
 //!
-//! After the criterion groups, a summary pass alternates the three paths
-//! (`SUMMARY_ROUNDS` rounds, median) and prints GB/s and the ratio
-//! peer / raw quinn per chunk size.
+//! After the criterion groups, a summary pass alternates the paths
+//! (`SUMMARY_ROUNDS` rounds, median) and prints GB/s and the ratios
+//! peer / raw quinn (same settings), peer / TCP and peer / Redis GET per
+//! chunk size, plus raw quinn with quinn's default transport settings,
+//! the load average and the CPU seconds per GB of each path.
 //!
-//! `KVTIER_BENCH_TUNING=default` uses the untuned datagram size (initial
-//! MTU 1200) instead of the loopback tuning; `KVTIER_BENCH_TUNING=N` uses
-//! `TransportTuning::jumbo(N)` (N-byte datagrams from the first packet).
+//! Redis: `redis-server` from `KVTIER_REDIS_SERVER` or `PATH` is started on
+//! a free loopback port (no persistence) and read with GET over one
+//! connection, the same request/response pattern as the TCP path; without
+//! it the Redis column says so.
+//!
+//! `KVTIER_BENCH_TUNING=default` uses `TransportTuning::default()` (initial
+//! MTU 1200, discovery up to 6500) instead of the loopback tuning;
+//! `KVTIER_BENCH_TUNING=N` uses `TransportTuning::path(N)` (N-byte
+//! datagrams from the first packet). `KVTIER_BENCH_SUMMARY_ONLY=1` skips
+//! the criterion groups.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -40,14 +49,14 @@ fn tuning() -> TransportTuning {
     match std::env::var("KVTIER_BENCH_TUNING").as_deref() {
         Ok("default") => TransportTuning::default(),
         Ok(mtu) if mtu.parse::<u16>().is_ok() => {
-            TransportTuning::jumbo(mtu.parse().expect("checked"))
+            TransportTuning::path(mtu.parse().expect("checked"))
         }
         _ => TransportTuning::loopback(),
     }
 }
 
 fn tuning_name() -> String {
-    std::env::var("KVTIER_BENCH_TUNING").unwrap_or_else(|_| "loopback (8952)".into())
+    std::env::var("KVTIER_BENCH_TUNING").unwrap_or_else(|_| "loopback (6500)".into())
 }
 
 fn payload(len: usize) -> Bytes {
@@ -99,6 +108,9 @@ struct Setup {
     _raw_client: quinn::Endpoint,
     // the raw server's side of the connection (sender stats)
     raw_sender: Arc<parking_lot::Mutex<Option<quinn::Connection>>>,
+    // raw quinn with quinn's default transport settings
+    raw_default: quinn::Connection,
+    _raw_default_eps: (quinn::Endpoint, quinn::Endpoint),
     // tcp path
     tcp_addr: SocketAddr,
 }
@@ -122,7 +134,7 @@ fn setup() -> Setup {
         .collect();
     let raw_sender = Arc::new(parking_lot::Mutex::new(None));
     let rsend = raw_sender.clone();
-    let (a, b, raw, rs, rc, tcp_addr) = rt.block_on(async {
+    let (a, b, raw, rs, rc, tcp_addr, raw_default) = rt.block_on(async {
         let cfg = PeerConfig {
             tuning: t,
             ..PeerConfig::default()
@@ -149,61 +161,30 @@ fn setup() -> Setup {
 
         // Raw quinn: same tuning, same TLS configs.
         let transport = Arc::new(t.transport_config(cfg.keep_alive, cfg.idle_timeout));
-        let mut sc = quinn::ServerConfig::with_crypto(Arc::new(
-            QuicServerConfig::try_from(ta.server.clone()).expect("sc"),
-        ));
-        sc.transport_config(transport.clone());
-        let rs = quinn::Endpoint::new(
+        let (rs, rc, raw) = raw_pair(
+            &ta,
+            &tb,
+            transport,
             t.endpoint_config(),
-            Some(sc),
-            t.bind_socket("127.0.0.1:0".parse().expect("addr"))
-                .expect("bind"),
-            quinn::default_runtime().expect("rt"),
+            || {
+                t.bind_socket("127.0.0.1:0".parse().expect("addr"))
+                    .expect("bind")
+            },
+            Some(rsend),
         )
-        .expect("server");
-        let mut cc = quinn::ClientConfig::new(Arc::new(
-            QuicClientConfig::try_from(tb.client.clone()).expect("cc"),
-        ));
-        cc.transport_config(transport);
-        let rc = quinn::Endpoint::new(
-            t.endpoint_config(),
+        .await;
+        // Raw quinn with quinn's defaults (plain sockets, default configs).
+        let mut dt = quinn::TransportConfig::default();
+        dt.max_concurrent_bidi_streams(quinn::VarInt::from_u32(256));
+        let raw_default = raw_pair(
+            &ta,
+            &tb,
+            Arc::new(dt),
+            quinn::EndpointConfig::default(),
+            || std::net::UdpSocket::bind("127.0.0.1:0").expect("bind"),
             None,
-            t.bind_socket("127.0.0.1:0".parse().expect("addr"))
-                .expect("bind"),
-            quinn::default_runtime().expect("rt"),
         )
-        .expect("client");
-        let rs2 = rs.clone();
-        tokio::spawn(async move {
-            let payloads: Vec<Bytes> = SIZES.iter().map(|&s| payload(s)).collect();
-            while let Some(inc) = rs2.accept().await {
-                let Ok(conn) = inc.await else { continue };
-                *rsend.lock() = Some(conn.clone());
-                let payloads = payloads.clone();
-                tokio::spawn(async move {
-                    while let Ok((mut s, mut r)) = conn.accept_bi().await {
-                        let payloads = payloads.clone();
-                        tokio::spawn(async move {
-                            let mut req = [0u8; 8];
-                            if r.read_exact(&mut req).await.is_err() {
-                                return;
-                            }
-                            let len = u64::from_le_bytes(req) as usize;
-                            let Some(p) = payloads.iter().find(|p| p.len() == len) else {
-                                return;
-                            };
-                            let _ = s.write_chunk(p.clone()).await;
-                            let _ = s.finish();
-                        });
-                    }
-                });
-            }
-        });
-        let raw = rc
-            .connect_with(cc, rs.local_addr().expect("addr"), "bench-a")
-            .expect("connect")
-            .await
-            .expect("handshake");
+        .await;
 
         // One TCP stream: the server answers each 8-byte length request
         // with that many bytes.
@@ -229,7 +210,7 @@ fn setup() -> Setup {
                 });
             }
         });
-        (a, b, raw, rs, rc, tcp_addr)
+        (a, b, raw, rs, rc, tcp_addr, raw_default)
     });
     Setup {
         rt,
@@ -239,8 +220,78 @@ fn setup() -> Setup {
         _raw_server: rs,
         _raw_client: rc,
         raw_sender,
+        raw_default: raw_default.2,
+        _raw_default_eps: (raw_default.0, raw_default.1),
         tcp_addr,
     }
+}
+
+/// A raw quinn server answering each stream's 8-byte length with that many
+/// bytes (`write_chunk` of a shared buffer), and a client connected to it.
+async fn raw_pair(
+    ta: &TlsSetup,
+    tb: &TlsSetup,
+    transport: Arc<quinn::TransportConfig>,
+    endpoint: quinn::EndpointConfig,
+    bind: impl Fn() -> std::net::UdpSocket,
+    sender: Option<Arc<parking_lot::Mutex<Option<quinn::Connection>>>>,
+) -> (quinn::Endpoint, quinn::Endpoint, quinn::Connection) {
+    let mut sc = quinn::ServerConfig::with_crypto(Arc::new(
+        QuicServerConfig::try_from(ta.server.clone()).expect("sc"),
+    ));
+    sc.transport_config(transport.clone());
+    let rs = quinn::Endpoint::new(
+        endpoint.clone(),
+        Some(sc),
+        bind(),
+        quinn::default_runtime().expect("rt"),
+    )
+    .expect("server");
+    let mut cc = quinn::ClientConfig::new(Arc::new(
+        QuicClientConfig::try_from(tb.client.clone()).expect("cc"),
+    ));
+    cc.transport_config(transport);
+    let rc = quinn::Endpoint::new(
+        endpoint,
+        None,
+        bind(),
+        quinn::default_runtime().expect("rt"),
+    )
+    .expect("client");
+    let rs2 = rs.clone();
+    tokio::spawn(async move {
+        let payloads: Vec<Bytes> = SIZES.iter().map(|&s| payload(s)).collect();
+        while let Some(inc) = rs2.accept().await {
+            let Ok(conn) = inc.await else { continue };
+            if let Some(s) = &sender {
+                *s.lock() = Some(conn.clone());
+            }
+            let payloads = payloads.clone();
+            tokio::spawn(async move {
+                while let Ok((mut s, mut r)) = conn.accept_bi().await {
+                    let payloads = payloads.clone();
+                    tokio::spawn(async move {
+                        let mut req = [0u8; 8];
+                        if r.read_exact(&mut req).await.is_err() {
+                            return;
+                        }
+                        let len = u64::from_le_bytes(req) as usize;
+                        let Some(p) = payloads.iter().find(|p| p.len() == len) else {
+                            return;
+                        };
+                        let _ = s.write_chunk(p.clone()).await;
+                        let _ = s.finish();
+                    });
+                }
+            });
+        }
+    });
+    let raw = rc
+        .connect_with(cc, rs.local_addr().expect("addr"), "bench-a")
+        .expect("connect")
+        .await
+        .expect("handshake");
+    (rs, rc, raw)
 }
 
 async fn raw_one(conn: &quinn::Connection, size: usize) -> Bytes {
@@ -295,6 +346,134 @@ async fn tcp_batch(s: &mut tokio::net::TcpStream, buf: &mut [u8], size: usize) {
     }
 }
 
+/// A `redis-server` this bench started (killed by its handle on drop),
+/// holding one value per chunk size under the key `chunk-SIZE`.
+struct Redis {
+    child: std::process::Child,
+    conn: std::io::BufReader<std::net::TcpStream>,
+}
+
+impl Redis {
+    /// Starts `KVTIER_REDIS_SERVER` or `redis-server` from `PATH`; `Err`
+    /// says why there is no Redis column.
+    fn start() -> Result<Self, String> {
+        use std::io::Write;
+        let bin = std::env::var_os("KVTIER_REDIS_SERVER")
+            .map(std::path::PathBuf::from)
+            .or_else(|| {
+                std::env::split_paths(&std::env::var_os("PATH")?)
+                    .map(|d| d.join("redis-server"))
+                    .find(|p| p.is_file())
+            })
+            .ok_or("no redis-server in PATH (set KVTIER_REDIS_SERVER)")?;
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map_err(|e| e.to_string())?
+            .port();
+        let child = std::process::Command::new(&bin)
+            .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+            .args(["--save", "", "--appendonly", "no", "--protected-mode", "no"])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .map_err(|e| format!("start {}: {e}", bin.display()))?;
+        let mut r = Redis {
+            child,
+            conn: std::io::BufReader::new(Self::connect(port)?),
+        };
+        for size in SIZES {
+            let key = format!("chunk-{size}");
+            let p = payload(size);
+            let s = r.conn.get_mut();
+            write!(
+                s,
+                "*3\r\n$3\r\nSET\r\n${}\r\n{key}\r\n${}\r\n",
+                key.len(),
+                p.len()
+            )
+            .map_err(|e| e.to_string())?;
+            s.write_all(&p).map_err(|e| e.to_string())?;
+            s.write_all(b"\r\n").map_err(|e| e.to_string())?;
+            let mut line = String::new();
+            std::io::BufRead::read_line(&mut r.conn, &mut line).map_err(|e| e.to_string())?;
+            if line != "+OK\r\n" {
+                return Err(format!("SET answered {line:?}"));
+            }
+        }
+        Ok(r)
+    }
+
+    fn connect(port: u16) -> Result<std::net::TcpStream, String> {
+        let t0 = Instant::now();
+        loop {
+            match std::net::TcpStream::connect(("127.0.0.1", port)) {
+                Ok(s) => {
+                    s.set_nodelay(true).map_err(|e| e.to_string())?;
+                    return Ok(s);
+                }
+                Err(e) if t0.elapsed() > Duration::from_secs(10) => {
+                    return Err(format!("connect to redis-server: {e}"));
+                }
+                Err(_) => std::thread::sleep(Duration::from_millis(20)),
+            }
+        }
+    }
+
+    /// `CONCURRENCY` GETs of the chunk of `size`, one after the other (the
+    /// TCP path's pattern), each read into `buf`.
+    fn get_batch(&mut self, size: usize, buf: &mut [u8]) {
+        use std::io::{BufRead, Read, Write};
+        let key = format!("chunk-{size}");
+        for _ in 0..CONCURRENCY {
+            write!(
+                self.conn.get_mut(),
+                "*2\r\n$3\r\nGET\r\n${}\r\n{key}\r\n",
+                key.len()
+            )
+            .expect("GET");
+            let mut line = String::new();
+            self.conn.read_line(&mut line).expect("GET reply");
+            assert_eq!(line, format!("${size}\r\n"), "GET reply header");
+            self.conn.read_exact(&mut buf[..size]).expect("GET value");
+            let mut crlf = [0u8; 2];
+            self.conn.read_exact(&mut crlf).expect("GET CRLF");
+        }
+    }
+}
+
+impl Drop for Redis {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// user+sys CPU seconds of this process (both ends of the in-process
+/// paths; not the Redis server).
+fn cpu_seconds() -> f64 {
+    let s = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+    let rest = s.rsplit_once(')').map_or("", |r| r.1);
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    // utime and stime are fields 14 and 15 of stat(5); `rest` starts at 3.
+    let tick = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+    (tick(11) + tick(12)) / 100.0
+}
+
+fn loadavg() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|l| l.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_else(|_| "?".into())
+}
+
+/// Runs `f` once over `bytes` payload bytes: (GB/s, CPU seconds per GB).
+fn timed(bytes: f64, f: impl FnOnce()) -> (f64, f64) {
+    let c0 = cpu_seconds();
+    let t = Instant::now();
+    f();
+    let secs = t.elapsed().as_secs_f64();
+    (bytes / secs / 1e9, (cpu_seconds() - c0) / (bytes / 1e9))
+}
+
 fn bench(c: &mut Criterion) {
     let st = setup();
     let mut tcp = st
@@ -303,88 +482,135 @@ fn bench(c: &mut Criterion) {
         .expect("tcp connect");
     tcp.set_nodelay(true).expect("nodelay");
     let mut tcp_buf = vec![0u8; 4 << 20];
-    let mut g = c.benchmark_group("peer_fetch");
-    g.sample_size(10);
-    g.warm_up_time(Duration::from_millis(500));
-    g.measurement_time(Duration::from_secs(2));
-    for size in SIZES {
-        g.throughput(Throughput::Bytes((size * CONCURRENCY) as u64));
-        g.bench_with_input(BenchmarkId::new("raw_quinn", size), &size, |bch, &s| {
-            bch.iter(|| st.rt.block_on(raw_batch(&st.raw, s)));
-        });
-        g.bench_with_input(BenchmarkId::new("peer", size), &size, |bch, &s| {
-            bch.iter(|| st.rt.block_on(peer_batch(&st.b, s)));
-        });
-        g.bench_with_input(
-            BenchmarkId::new("tcp_one_stream", size),
-            &size,
-            |bch, &s| {
-                bch.iter(|| st.rt.block_on(tcp_batch(&mut tcp, &mut tcp_buf, s)));
-            },
-        );
+    let mut redis = Redis::start();
+    if std::env::var_os("KVTIER_BENCH_SUMMARY_ONLY").is_none() {
+        let mut g = c.benchmark_group("peer_fetch");
+        g.sample_size(10);
+        g.warm_up_time(Duration::from_millis(500));
+        g.measurement_time(Duration::from_secs(2));
+        for size in SIZES {
+            g.throughput(Throughput::Bytes((size * CONCURRENCY) as u64));
+            g.bench_with_input(BenchmarkId::new("raw_quinn", size), &size, |bch, &s| {
+                bch.iter(|| st.rt.block_on(raw_batch(&st.raw, s)));
+            });
+            g.bench_with_input(BenchmarkId::new("peer", size), &size, |bch, &s| {
+                bch.iter(|| st.rt.block_on(peer_batch(&st.b, s)));
+            });
+            g.bench_with_input(
+                BenchmarkId::new("tcp_one_stream", size),
+                &size,
+                |bch, &s| {
+                    bch.iter(|| st.rt.block_on(tcp_batch(&mut tcp, &mut tcp_buf, s)));
+                },
+            );
+        }
+        g.finish();
     }
-    g.finish();
 
     // Summary: alternate the paths, median GB/s over rounds, and ratios.
     println!(
-        "\npeer fetch summary ({} tuning, {CONCURRENCY} streams in flight, {SUMMARY_ROUNDS} rounds of {} MiB per path, median):",
+        "\npeer fetch summary ({} tuning, {CONCURRENCY} streams in flight, {SUMMARY_ROUNDS} rounds of {} MiB per path, median; load average {} at start):",
         tuning_name(),
-        SUMMARY_BYTES >> 20
+        SUMMARY_BYTES >> 20,
+        loadavg()
     );
+    if let Err(why) = &redis {
+        println!("(Redis GET not measured: {why})");
+    }
     println!(
-        "{:>9} {:>10} {:>10} {:>10} {:>12} {:>10}",
-        "chunk", "raw GB/s", "peer GB/s", "tcp GB/s", "peer/raw", "peer/tcp"
+        "{:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>10} {:>17}",
+        "chunk",
+        "raw GB/s",
+        "peer",
+        "dflt",
+        "tcp",
+        "redis",
+        "peer/raw",
+        "peer/tcp",
+        "peer/redis",
+        "CPU-s/GB raw/peer/dflt"
     );
     for size in SIZES {
         let iters = (SUMMARY_BYTES / (size * CONCURRENCY)).max(1);
         let bytes = (iters * size * CONCURRENCY) as f64;
-        let mut raw = Vec::new();
-        let mut peer = Vec::new();
-        let mut tcpv = Vec::new();
+        let (mut raw, mut peer, mut dflt, mut tcpv, mut redv) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
         for _ in 0..SUMMARY_ROUNDS {
-            let t = Instant::now();
-            st.rt.block_on(async {
-                for _ in 0..iters {
-                    raw_batch(&st.raw, size).await;
-                }
-            });
-            raw.push(bytes / t.elapsed().as_secs_f64() / 1e9);
-            if std::env::var_os("KVTIER_BENCH_VERBOSE").is_some() {
-                eprintln!("  {size}: raw round done in {:?}", t.elapsed());
+            raw.push(timed(bytes, || {
+                st.rt.block_on(async {
+                    for _ in 0..iters {
+                        raw_batch(&st.raw, size).await;
+                    }
+                });
+            }));
+            peer.push(timed(bytes, || {
+                st.rt.block_on(async {
+                    for _ in 0..iters {
+                        peer_batch(&st.b, size).await;
+                    }
+                });
+            }));
+            dflt.push(timed(bytes, || {
+                st.rt.block_on(async {
+                    for _ in 0..iters {
+                        raw_batch(&st.raw_default, size).await;
+                    }
+                });
+            }));
+            tcpv.push(timed(bytes, || {
+                st.rt.block_on(async {
+                    for _ in 0..iters {
+                        tcp_batch(&mut tcp, &mut tcp_buf, size).await;
+                    }
+                });
+            }));
+            if let Ok(r) = &mut redis {
+                redv.push(timed(bytes, || {
+                    for _ in 0..iters {
+                        r.get_batch(size, &mut tcp_buf);
+                    }
+                }));
             }
-            let t = Instant::now();
-            st.rt.block_on(async {
-                for _ in 0..iters {
-                    peer_batch(&st.b, size).await;
-                }
-            });
-            peer.push(bytes / t.elapsed().as_secs_f64() / 1e9);
-            let t = Instant::now();
-            st.rt.block_on(async {
-                for _ in 0..iters {
-                    tcp_batch(&mut tcp, &mut tcp_buf, size).await;
-                }
-            });
-            tcpv.push(bytes / t.elapsed().as_secs_f64() / 1e9);
         }
-        let med = |v: &mut Vec<f64>| {
-            v.sort_by(f64::total_cmp);
+        let med = |v: &mut Vec<(f64, f64)>| -> (f64, f64) {
+            if v.is_empty() {
+                return (f64::NAN, f64::NAN);
+            }
+            v.sort_by(|a, b| a.0.total_cmp(&b.0));
             v[v.len() / 2]
         };
-        let (r, p, t) = (med(&mut raw), med(&mut peer), med(&mut tcpv));
+        let (r, p, d, t, x) = (
+            med(&mut raw),
+            med(&mut peer),
+            med(&mut dflt),
+            med(&mut tcpv),
+            med(&mut redv),
+        );
         println!(
-            "{:>6} KiB {r:>10.2} {p:>10.2} {t:>10.2} {:>11.2}x {:>9.2}x",
+            "{:>6} KiB {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>8.2}x {:>8.2}x {:>9.2}x {:>6.2}/{:.2}/{:.2}",
             size >> 10,
-            p / r,
-            p / t
+            r.0,
+            p.0,
+            d.0,
+            t.0,
+            x.0,
+            p.0 / r.0,
+            p.0 / t.0,
+            p.0 / x.0,
+            r.1,
+            p.1,
+            d.1
         );
     }
-    if let Some(c) = st.raw_sender.lock().as_ref() {
-        let p = c.stats().path;
+    println!("(load average {} at end)", loadavg());
+    if let Some(c) = st.raw_sender.lock().clone() {
+        let s = c.stats();
+        let p = s.path;
         println!(
-            "(raw quinn sender: mtu {}, sent {} packets, lost {} ({} bytes), {} congestion events, {} black holes, cwnd {} bytes, rtt {:?})",
+            "(raw quinn, same settings, sender: mtu {}, sent {} packets in {} sendmsg calls, lost {} ({} bytes), {} congestion events, {} black holes, cwnd {} bytes, rtt {:?})",
             p.current_mtu,
             p.sent_packets,
+            s.udp_tx.ios,
             p.lost_packets,
             p.lost_bytes,
             p.congestion_events,
@@ -393,6 +619,11 @@ fn bench(c: &mut Criterion) {
             p.rtt
         );
     }
+    let p = st.raw_default.stats().path;
+    println!(
+        "(raw quinn, quinn defaults, receiver view: mtu {}, rtt {:?}; its sender's losses are not visible from here)",
+        p.current_mtu, p.rtt
+    );
     let (n, table) = st.b.directory_size();
     println!("(directory at the requester: {n} entries, {table} table bytes)");
 }

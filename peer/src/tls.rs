@@ -330,8 +330,25 @@ impl TlsSetup {
         Self::build_from(m, false)
     }
 
+    /// Like [`TlsSetup::from_material`] with another rustls provider (e.g.
+    /// one cipher suite only, to measure its cost).
+    #[cfg(feature = "test_utils")]
+    pub fn from_material_with_provider(
+        m: &NodeMaterial,
+        provider: Arc<CryptoProvider>,
+    ) -> Result<Self, Error> {
+        Self::build_with(m, true, provider)
+    }
+
     fn build_from(m: &NodeMaterial, check_own: bool) -> Result<Self, Error> {
-        let provider = provider();
+        Self::build_with(m, check_own, provider())
+    }
+
+    fn build_with(
+        m: &NodeMaterial,
+        check_own: bool,
+        provider: Arc<CryptoProvider>,
+    ) -> Result<Self, Error> {
         let ca = pem_certs(&m.ca_pem, "ca.pem")?;
         let chain = pem_certs(&m.cert_pem, "node.pem")?;
         let key = pem_key(&m.key_pem)?;

@@ -57,17 +57,44 @@ pub trait ChunkSource: Send + Sync + 'static {
     fn namespace_records(&self) -> Vec<(PeerNamespace, Vec<u8>)>;
 }
 
+/// Largest UDP payload one `sendmsg` may carry (IPv4: 65,535 − 20 − 8).
+/// With segmentation offload (GSO), quinn hands the kernel up to
+/// [`GSO_SEGMENTS`] datagrams in one call, and the kernel refuses the whole
+/// batch with EMSGSIZE when they add up to more; quinn-udp drops such a
+/// batch silently (as if the datagrams were lost).
+pub const MAX_SENDMSG_PAYLOAD: usize = 65_507;
+
+/// Datagrams quinn 0.11 puts in one GSO batch (`MAX_TRANSMIT_SEGMENTS`).
+pub const GSO_SEGMENTS: usize = 10;
+
+/// Largest datagram that still fits [`GSO_SEGMENTS`] to a `sendmsg`.
+pub const MAX_GSO_DATAGRAM: u16 = (MAX_SENDMSG_PAYLOAD / GSO_SEGMENTS) as u16;
+
+/// Largest initial datagram size quinn-proto 0.11 can use: handshake
+/// (long-header) packets encode their length in two bytes, and it panics
+/// on 16 KiB or more.
+pub const MAX_INITIAL_MTU: u16 = 16_383;
+
 /// QUIC transport tuning (same settings for the raw-quinn baseline bench).
+///
+/// What decides throughput on a fast path (measured with
+/// `peer/examples/quic_tune.rs`, see docs/benchmarks.md): CPU per packet
+/// (so the datagram size), loss from receive-buffer overruns (each loss
+/// cuts the congestion window), and GSO batches that must stay under the
+/// 64 KiB `sendmsg` limit.
 #[derive(Debug, Clone, Copy)]
 pub struct TransportTuning {
-    /// Initial datagram size (must fit the path MTU from the first packet).
-    /// Default: 1200.
+    /// Initial datagram size (must fit the path MTU from the first packet;
+    /// at most [`MAX_INITIAL_MTU`]). Default: 1200.
     pub initial_mtu: u16,
     /// Datagram size the path is known to carry: MTU discovery and black
     /// hole detection never go below it. Default: 1200 (QUIC's minimum).
     pub min_mtu: u16,
     /// Upper bound for MTU discovery and the largest UDP payload accepted.
-    /// Default: 8952 (9000-byte jumbo frames minus IPv6 + UDP headers).
+    /// Above [`MAX_GSO_DATAGRAM`], segmentation offload is turned off (one
+    /// datagram per `sendmsg`). Default: 6500 (reached on jumbo-frame
+    /// networks and loopback; 1500-byte networks stop at ~1450 by
+    /// discovery), so GSO stays on.
     pub max_udp_payload: u16,
     /// Per-stream receive window. Default: 16 MiB.
     pub stream_window: u32,
@@ -77,7 +104,8 @@ pub struct TransportTuning {
     pub send_window: u64,
     /// UDP socket send/receive buffer size requested from the kernel.
     /// Default: 32 MiB (the kernel caps it at `net.core.[rw]mem_max` unless
-    /// the process has CAP_NET_ADMIN).
+    /// the process has CAP_NET_ADMIN; the receive side is forced when it
+    /// may be).
     pub socket_buffer: u32,
 }
 
@@ -86,7 +114,7 @@ impl Default for TransportTuning {
         Self {
             initial_mtu: 1200,
             min_mtu: 1200,
-            max_udp_payload: 8952,
+            max_udp_payload: MAX_GSO_DATAGRAM.min(6500),
             stream_window: 16 << 20,
             conn_window: 64 << 20,
             send_window: 64 << 20,
@@ -96,29 +124,39 @@ impl Default for TransportTuning {
 }
 
 impl TransportTuning {
-    /// Settings for loopback links (MTU 64 KiB) and jumbo-frame networks:
-    /// 8952-byte datagrams from the first packet, with quinn's black-hole
-    /// detection free to fall back to 1200 when large datagrams get lost.
+    /// Settings for loopback (MTU 64 KiB): 6500-byte datagrams from the
+    /// first packet and never below (the path is known), GSO on.
     pub fn loopback() -> Self {
-        Self {
-            initial_mtu: 8952,
-            ..Self::default()
-        }
+        Self::path(6500)
     }
 
-    /// Settings for a path known to carry `mtu`-byte UDP payloads: that
-    /// size from the first packet, and never below it (no black-hole
-    /// fallback). Measured here: large datagrams on an overloaded loopback
-    /// collapse throughput when they cannot fall back; see
-    /// docs/benchmarks.md.
-    pub fn jumbo(mtu: u16) -> Self {
-        let mtu = mtu.clamp(1200, 65_527);
+    /// Settings for a path known to carry `mtu`-byte UDP payloads
+    /// (e.g. 8952 on 9000-byte jumbo frames): that size from the first
+    /// packet and never below (no black-hole fallback). `mtu` is clamped
+    /// to 1200..=[`MAX_INITIAL_MTU`]; above [`MAX_GSO_DATAGRAM`] GSO is off.
+    pub fn path(mtu: u16) -> Self {
+        let mtu = mtu.clamp(1200, MAX_INITIAL_MTU);
         Self {
             initial_mtu: mtu,
             min_mtu: mtu,
             max_udp_payload: mtu,
             ..Self::default()
         }
+    }
+
+    /// Same as [`TransportTuning::path`] (kept for the bench's
+    /// `KVTIER_BENCH_TUNING=N`).
+    pub fn jumbo(mtu: u16) -> Self {
+        Self::path(mtu)
+    }
+
+    fn upper_bound(&self) -> u16 {
+        self.max_udp_payload.max(self.initial_mtu).max(1200)
+    }
+
+    /// Whether GSO batches of this datagram size fit one `sendmsg`.
+    pub fn gso(&self) -> bool {
+        self.upper_bound() <= MAX_GSO_DATAGRAM
     }
 
     /// quinn's transport config for these settings plus liveness timers.
@@ -128,11 +166,19 @@ impl TransportTuning {
         idle_timeout: Duration,
     ) -> quinn::TransportConfig {
         let mut t = quinn::TransportConfig::default();
-        t.initial_mtu(self.initial_mtu.max(1200));
-        t.min_mtu(self.min_mtu.max(1200));
+        let initial = self.initial_mtu.clamp(1200, MAX_INITIAL_MTU);
+        t.initial_mtu(initial);
+        t.min_mtu(self.min_mtu.clamp(1200, initial));
         let mut mtu = quinn::MtuDiscoveryConfig::default();
-        mtu.upper_bound(self.max_udp_payload.max(self.initial_mtu).max(1200));
+        mtu.upper_bound(self.upper_bound());
         t.mtu_discovery_config(Some(mtu));
+        t.enable_segmentation_offload(self.gso());
+        // RFC 9002's initial window (10 datagrams, at least 14,720 bytes):
+        // quinn's fixed 14,720 leaves less than two datagrams above ~7 KB
+        // and stalls the handshake.
+        let mut cc = quinn::congestion::CubicConfig::default();
+        cc.initial_window((10 * u64::from(initial)).max(14_720));
+        t.congestion_controller_factory(Arc::new(cc));
         t.stream_receive_window(VarInt::from_u32(self.stream_window));
         t.receive_window(VarInt::from_u32(self.conn_window));
         t.send_window(self.send_window);
@@ -146,9 +192,8 @@ impl TransportTuning {
     /// quinn's endpoint config for these settings.
     pub fn endpoint_config(&self) -> quinn::EndpointConfig {
         let mut e = quinn::EndpointConfig::default();
-        let v = self.max_udp_payload.max(self.initial_mtu).max(1200);
         // Values from 1200 to 65527 are accepted; ours are clamped above.
-        let _ = e.max_udp_payload_size(v);
+        let _ = e.max_udp_payload_size(self.upper_bound());
         e
     }
 
@@ -1448,9 +1493,15 @@ async fn fetch_from(
     }
     let len = len as usize;
     let mut buf = BytesMut::with_capacity(len);
+    // The CRC runs over each piece right after it is copied (still in
+    // cache), not in a second pass over the whole chunk.
+    let mut got = 0u32;
     while buf.len() < len {
         match recv.read_chunk(len - buf.len(), true).await {
-            Ok(Some(c)) => buf.extend_from_slice(&c.bytes),
+            Ok(Some(c)) => {
+                buf.extend_from_slice(&c.bytes);
+                got = crc32c::crc32c_append(got, &c.bytes);
+            }
             Ok(None) => {
                 return Err(corrupt(format!(
                     "stream ended after {} of {len} payload bytes",
@@ -1460,7 +1511,6 @@ async fn fetch_from(
             Err(e) => return Err(tr(e.to_string())),
         }
     }
-    let got = crc32c::crc32c(&buf);
     if got != crc {
         return Err(corrupt(format!(
             "payload crc32c {got:#010x} != {crc:#010x}"

@@ -147,11 +147,33 @@ impl Daemon {
     /// Starts `kvtier ARGS` (which must include `--data-dir DIR/data` and
     /// `--socket`) and waits until it serves.
     pub fn start_args(dir: &Path, args: &[String], env: &[(&str, &str)]) -> Result<Daemon, String> {
+        Self::start_wrapped(dir, &[], args, env)
+    }
+
+    /// [`Daemon::start_args`] with `kvtier` run through `wrapper` (e.g.
+    /// `ip netns exec NAME`, which execs it: the pid stays the daemon's).
+    pub fn start_wrapped(
+        dir: &Path,
+        wrapper: &[&str],
+        args: &[String],
+        env: &[(&str, &str)],
+    ) -> Result<Daemon, String> {
         let data_dir = PathBuf::from(flag_value(args, "--data-dir").expect("--data-dir"));
         let socket = PathBuf::from(flag_value(args, "--socket").expect("--socket"));
         let log = dir.join(format!("daemon-{}.log", unique()));
         let log_file = std::fs::File::create(&log).map_err(|e| e.to_string())?;
         let mut cmd = kvtier_command();
+        if let Some((prog, rest)) = wrapper.split_first() {
+            let mut w = Command::new(prog);
+            w.args(rest).arg(cmd.get_program());
+            for (k, v) in cmd.get_envs() {
+                match v {
+                    Some(v) => w.env(k, v),
+                    None => w.env_remove(k),
+                };
+            }
+            cmd = w;
+        }
         cmd.args(args)
             .stdin(Stdio::null())
             .stdout(log_file.try_clone().map_err(|e| e.to_string())?)

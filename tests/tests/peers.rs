@@ -205,6 +205,17 @@ fn chunks_cross_nodes_and_dead_peers_become_fast_misses() {
     );
     assert_eq!(cb.get_bytes(ns0, 0, key).expect("GET"), Some(d0.clone()));
     assert_eq!(cb.get_bytes(ns1, 0, key).expect("GET"), Some(d1.clone()));
+    // The fetched copies are admitted to b's RAM as clean: a read is now a
+    // local RAM hit, and a flush writes nothing to b's disk (a and c keep
+    // the durable copies).
+    let r = cb.lookup(ns0, 0, &[key]).expect("LOOKUP");
+    assert_eq!(r.locations, vec![LookupLocation::Ram], "admitted to RAM");
+    let fl = cb.flush().expect("FLUSH");
+    assert_eq!((fl.chunks, fl.failed), (0, 0), "{fl:?}");
+    let st = cb.stats().expect("STATS");
+    assert_eq!(st["store"]["disk_writes"], 0, "{}", st["store"]);
+    assert_eq!(st["store"]["disk_chunks"], 0, "{}", st["store"]);
+    assert_eq!(st["store"]["dirty_bytes"], 0, "{}", st["store"]);
     // CLUSTER_LOOKUP on b sees both ranks' chunks.
     let cl = cb
         .cluster_lookup(&r0, &[0, 1], 0, &[key])

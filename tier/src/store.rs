@@ -504,6 +504,25 @@ impl ChunkStore {
         self.inner.put_inner(id, Some(name), data, None)
     }
 
+    /// Admits a copy of a chunk that is durable elsewhere (e.g. fetched from
+    /// a peer) into RAM as *clean*: it is never written to this node's disk
+    /// and is dropped when RAM evicts it. The observer is told it is held
+    /// here (and that it is gone after the eviction). `name` is kept and
+    /// compared like [`ChunkStore::put_named`]'s.
+    ///
+    /// Returns `Ok(false)` and changes nothing when the chunk is already in
+    /// RAM or on disk here, so a local PUT is never replaced by an older
+    /// clean copy.
+    pub fn put_clean(&self, id: ChunkId, name: Option<Bytes>, data: Bytes) -> Result<bool> {
+        if let Some(n) = &name {
+            ChunkHeader::check_name_len(n.len()).map_err(|e| Error::InvalidArgument {
+                what: "chunk name",
+                value: e.to_string(),
+            })?;
+        }
+        self.inner.put_clean_inner(id, name, data)
+    }
+
     /// Stores several chunks that become visible together or not at all,
     /// also across crashes (a boundary manifest).
     ///
@@ -911,6 +930,25 @@ impl Inner {
         self.touch(&id.ns);
         self.handle_evicted(evicted);
         Ok(())
+    }
+
+    fn put_clean_inner(&self, id: ChunkId, name: Option<Bytes>, data: Bytes) -> Result<bool> {
+        self.check_open()?;
+        if !self.namespaces.read().contains_key(&id.ns) {
+            return Err(Error::UnknownNamespace(id.ns));
+        }
+        if self.ram.contains(&id) || self.on_disk(&id) {
+            return Ok(false);
+        }
+        let len = data.len() as u64;
+        let mut evicted = Vec::new();
+        self.ram_insert(id, name, data, false, &mut evicted)?;
+        if let Some(o) = self.observer() {
+            o.added(&id, len);
+        }
+        self.touch(&id.ns);
+        self.handle_evicted(evicted);
+        Ok(true)
     }
 
     /// Takes `id` out of its atomic group (it was replaced).
