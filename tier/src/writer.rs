@@ -460,17 +460,23 @@ impl Writer {
             self.fail_all(&items);
             return;
         }
-        let mut buf = self
-            .spare
-            .pop()
-            .unwrap_or_else(|| AlignedBuf::zeroed(self.batch_bytes));
-        let o = self.open.as_mut().expect("a region is open");
-        let r = o.r;
         let head_len = block_up(BATCH_FIXED as u64 + entries_len_bound(items.len()));
         let total: u64 = block_up(head_len + items.iter().map(Item::record_len).sum::<u64>());
-        if buf.capacity() < total as usize {
-            buf = AlignedBuf::zeroed(total as usize);
-        }
+        // A batch gathers at least `batch_bytes` of payload, so it is a bit
+        // larger than that (headers, the last chunk): buffers get headroom
+        // and are reused (a fresh one costs page faults and zeroing).
+        let mut buf = match self
+            .spare
+            .iter()
+            .position(|b| b.capacity() >= total as usize)
+        {
+            Some(i) => self.spare.swap_remove(i),
+            None => {
+                AlignedBuf::zeroed((total as usize).max(self.batch_bytes + self.batch_bytes / 4))
+            }
+        };
+        let o = self.open.as_mut().expect("a region is open");
+        let r = o.r;
         buf.set_len(total as usize);
         // Layout first, then the payloads (copy + CRC, spread over the
         // pack helpers), then the headers, which carry the CRCs.
@@ -594,9 +600,19 @@ impl Writer {
         }
     }
 
+    /// Keeps a written batch's buffer for the next batch: up to `depth + 1`
+    /// buffers (one being packed while `depth` are in flight), the largest
+    /// ones (a buffer of an unusually large batch replaces a smaller one).
     fn recycle(&mut self, buf: AlignedBuf) {
-        if self.spare.len() <= self.depth && buf.capacity() == self.batch_bytes {
+        if self.spare.len() <= self.depth {
             self.spare.push(buf);
+        } else if let Some(small) = self
+            .spare
+            .iter_mut()
+            .min_by_key(|b| b.capacity())
+            .filter(|b| b.capacity() < buf.capacity())
+        {
+            *small = buf;
         }
     }
 
