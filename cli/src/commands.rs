@@ -67,6 +67,9 @@ fn node_start(args: &ConfigArgs) -> Result<u8> {
             );
         }
     }
+    // Before any thread starts: see node::memory (one arena, no page
+    // faults on reused chunk memory).
+    node::memory::tune_allocator();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .thread_name("kvtier-worker")

@@ -224,6 +224,8 @@ fn main() {
         .skip_while(|a| a != "--kvtier")
         .nth(1)
         .map(|a| a.parse().expect("--kvtier takes HOST:PORT"));
+    // As the daemon does at start (see `node::memory`).
+    node::memory::tune_allocator();
     let dir = tempfile::tempdir().expect("tempdir");
     let store = Arc::new(
         ChunkStore::open(TierConfig {
@@ -257,6 +259,8 @@ fn main() {
     let server = rt.spawn(resp::serve(listener, ctx, RespOptions::default(), async {
         let _ = stop_rx.await;
     }));
+    let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    println!("load average at start: {}", load.trim());
     let redis = start_redis();
     if redis.is_none() {
         println!("redis-server not found or did not start: measuring kvtier only (no ratio)");
@@ -292,12 +296,21 @@ fn main() {
             let kv = median(&mut kv);
             if rd.is_empty() {
                 println!("{label:<8} {op:<4} {kv:>12.2} {:>12} {:>8}", "-", "-");
+                println!(
+                    "RESULT resp {op} {label}: kvtier {kv:.2} GB/s (no redis-server: no ratio)"
+                );
             } else {
                 let rd = median(&mut rd);
                 println!("{label:<8} {op:<4} {kv:>12.2} {rd:>12.2} {:>8.2}", kv / rd);
+                println!(
+                    "RESULT resp {op} {label}: kvtier {kv:.2} GB/s vs redis-server {rd:.2} GB/s = {:.2}x (target >= 1)",
+                    kv / rd
+                );
             }
         }
     }
+    let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    println!("load average at end: {}", load.trim());
     drop(redis);
     let _ = stop_tx.send(());
     let _ = rt.block_on(server);

@@ -133,10 +133,8 @@ impl NodeContext {
     ) -> Option<(bytes::Bytes, Location)> {
         // RAM hits are answered inline; anything else may touch the disk and
         // runs on the blocking pool, never on a runtime worker.
-        if self.store.locate(&id) == Some(Tier::Ram) {
-            if let Some(hit) = self.get_local(&id, name.as_deref()) {
-                return Some((hit.data, hit.tier.into()));
-            }
+        if let Some(hit) = self.get_ram(&id, name.as_deref()) {
+            return Some(hit);
         }
         let store = Arc::clone(&self.store);
         let local_name = name.clone();
@@ -155,6 +153,19 @@ impl NodeContext {
         let cluster = self.cluster.as_ref()?;
         let data = cluster.fetch_named(&id, name).await?;
         Some((data, Location::Peer))
+    }
+
+    /// The chunk if it is in this node's RAM (no disk, no network, never
+    /// blocks): one index probe for a miss, two for a hit. `name` as for
+    /// [`NodeContext::get`].
+    pub fn get_ram(&self, id: &ChunkId, name: Option<&[u8]>) -> Option<(bytes::Bytes, Location)> {
+        if self.store.locate(id) != Some(Tier::Ram) {
+            return None;
+        }
+        // Evicted between the probe and the read: the store then reads it
+        // from disk inline (a rare race, accepted as before).
+        let hit = self.get_local(id, name)?;
+        Some((hit.data, hit.tier.into()))
     }
 
     fn get_local(&self, id: &ChunkId, name: Option<&[u8]>) -> Option<Hit> {
@@ -211,15 +222,35 @@ impl NodeContext {
         group: GroupId,
         keys: &[ChunkKey],
     ) -> (usize, Vec<Option<Location>>) {
+        let mut locs = Vec::with_capacity(keys.len());
+        let prefix = self.lookup_with(ns, group, keys, |l| locs.push(l));
+        (prefix, locs)
+    }
+
+    /// [`NodeContext::lookup`] handing each key's location to `each`, in
+    /// key order, instead of collecting them (the native server writes them
+    /// straight into its reply). Without peers this is one batched probe of
+    /// the store's indexes and no other allocation than the store's.
+    pub fn lookup_with(
+        &self,
+        ns: Namespace,
+        group: GroupId,
+        keys: &[ChunkKey],
+        mut each: impl FnMut(Option<Location>),
+    ) -> usize {
         let mut tiers = Vec::with_capacity(keys.len());
         let prefix = self.store.lookup_prefix(ns, group, keys, &mut tiers);
+        if self.cluster.is_none() {
+            for t in tiers {
+                each(t.map(Location::from));
+            }
+            return prefix;
+        }
         let mut locs: Vec<Option<Location>> =
             tiers.into_iter().map(|t| t.map(Location::from)).collect();
-        if self.cluster.is_none() {
-            return (prefix, locs);
-        }
         let prefix = self.with_peers(ns, group, keys, &mut locs);
-        (prefix, locs)
+        locs.into_iter().for_each(each);
+        prefix
     }
 
     /// Cluster lookup for the scheduler: for each rank of the family of

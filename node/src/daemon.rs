@@ -260,6 +260,9 @@ async fn stopped(mut rx: watch::Receiver<bool>) {
 /// ([`NodeConfig::resolve`]).
 pub async fn start(config: NodeConfig) -> Result<NodeHandle> {
     let started = Instant::now();
+    // Chunk buffers reuse freed memory instead of faulting fresh pages.
+    let tuning = crate::memory::tune_allocator();
+    tracing::debug!(?tuning, "allocator settings");
     let data_dir = config.data_dir.clone();
     let lock = {
         let data_dir = data_dir.clone();
@@ -525,6 +528,11 @@ impl NodeHandle {
         }
         let remaining = deadline.saturating_duration_since(Instant::now());
         let store = Arc::clone(&self.ctx.store);
+        tracing::info!(
+            dirty_bytes = store.stats().dirty_bytes,
+            remaining_ms = remaining.as_millis() as u64,
+            "servers stopped: flushing the dirty set, then closing the store"
+        );
         let t0 = Instant::now();
         let closed = tokio::task::spawn_blocking(move || store.close(remaining))
             .await

@@ -18,6 +18,7 @@ pub mod daemon;
 pub mod error;
 pub mod http;
 pub mod logging;
+pub mod memory;
 pub mod native;
 pub mod resp;
 pub mod size;

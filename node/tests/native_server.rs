@@ -204,6 +204,42 @@ fn pipelined_requests_are_answered_in_order() {
 }
 
 #[test]
+fn polling_server_and_client_serve_back_to_back_pipelined_and_idle_requests() {
+    // Polling before parking (server) and before blocking (client) must not
+    // change what is answered: back-to-back requests, a pipeline, requests
+    // after an idle gap longer than the poll, a region passed mid-poll, and
+    // a disconnect seen while polling.
+    let server = TestServer::start_with(native::NativeOptions {
+        spin: Duration::from_micros(200),
+        ..Default::default()
+    });
+    let mut c = server.client();
+    c.set_spin(Duration::from_micros(200));
+    let ns = c.hello(&record(0)).unwrap();
+    for round in 0..50u32 {
+        let data = payload(round, 1000 + round as usize * 3);
+        assert_eq!(c.put_bytes(ns, 0, &[(key(round), &data)]).unwrap(), vec![0]);
+        assert_eq!(c.get_bytes(ns, 0, key(round)).unwrap().unwrap(), data);
+        if round % 10 == 0 {
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+    let ids: Vec<u64> = (0..20).map(|_| c.send(&Request::Ping).unwrap()).collect();
+    for id in ids {
+        let (got, reply) = c.recv().unwrap();
+        assert_eq!(got, id);
+        assert!(matches!(reply, Reply::Ok(Response::Pong)), "{reply:?}");
+    }
+    let keys: Vec<ChunkKey> = (0..50).map(key).collect();
+    assert_eq!(c.lookup(ns, 0, &keys).unwrap().prefix, 50);
+    drop(c);
+    // The server noticed the disconnect and keeps serving others.
+    let mut c = server.client();
+    c.ping().unwrap();
+    server.stop().unwrap();
+}
+
+#[test]
 fn concurrent_clients_each_get_their_own_bytes() {
     let server = TestServer::start();
     std::thread::scope(|s| {

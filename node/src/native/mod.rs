@@ -34,6 +34,12 @@ pub use server::serve;
 /// Default socket permissions: owner and group may connect.
 pub const DEFAULT_SOCKET_MODE: u32 = 0o660;
 
+/// Default [`NativeOptions::spin`] and [`Client::set_spin`]: off. Polling
+/// saves a thread wake-up per request only where CPUs are idle; on the
+/// loaded 2-core build machine it doubled the round trip (two pollers
+/// starve each other), see `docs/benchmarks.md`.
+pub const DEFAULT_SPIN: Duration = Duration::ZERO;
+
 /// Limits and timeouts of the native server.
 #[derive(Clone, Debug)]
 pub struct NativeOptions {
@@ -51,6 +57,12 @@ pub struct NativeOptions {
     /// Time allowed to receive the rest of a frame once its first byte has
     /// arrived, and to write a reply; a slower client is dropped. Default: 30 s.
     pub frame_timeout: Duration,
+    /// How long a connection keeps polling its socket for the next request
+    /// after answering, before its task parks (0 parks at once). Can save a
+    /// worker wake-up per request for clients that send requests back to
+    /// back, at the price of up to this much CPU per request. Default: 0
+    /// ([`DEFAULT_SPIN`]).
+    pub spin: Duration,
 }
 
 impl Default for NativeOptions {
@@ -61,6 +73,7 @@ impl Default for NativeOptions {
             max_batch: 65_536,
             max_connections: 1_024,
             frame_timeout: Duration::from_secs(30),
+            spin: DEFAULT_SPIN,
         }
     }
 }

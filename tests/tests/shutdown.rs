@@ -1,0 +1,153 @@
+//! Signals during shutdown: a second SIGTERM / SIGINT while the daemon is
+//! still flushing its dirty chunks after the first one exits at once with
+//! code 130, and the store it leaves behind reopens and never serves wrong
+//! bytes.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use kvtier_tests::{DEADLINE, Daemon, test_record};
+use node::native::RegionEntry;
+use node::tier::ChunkKey;
+
+/// Chunk size and count: a dirty set large enough (768 MiB) that the
+/// shutdown flush takes a good fraction of a second even on a fast disk.
+const CHUNK: usize = 4 << 20;
+const CHUNKS: usize = 192;
+/// Chunks per PUT (the region holds one batch).
+const BATCH: usize = 16;
+
+fn key(i: usize) -> ChunkKey {
+    let mut k = [0u8; 32];
+    k[..8].copy_from_slice(&(i as u64).to_le_bytes());
+    k[8] = 0x5D;
+    ChunkKey(k)
+}
+
+/// Chunk `i`'s bytes: every 8-byte word holds (i, word index).
+fn fill(i: usize, out: &mut [u8]) {
+    for (w, c) in out.chunks_exact_mut(8).enumerate() {
+        c.copy_from_slice(&(((i as u64) << 40) | w as u64).to_le_bytes());
+    }
+}
+
+fn args(dir: &Path) -> Vec<String> {
+    let s = |p: std::path::PathBuf| p.to_string_lossy().into_owned();
+    [
+        "node",
+        "start",
+        "--data-dir",
+        &s(dir.join("data")),
+        "--socket",
+        &s(dir.join("kvtier.sock")),
+        // Everything stays dirty in RAM until the shutdown flush.
+        "--ram-budget",
+        "1GiB",
+        "--disk-budget",
+        "2GiB",
+        "--idle-flush-after",
+        "1h",
+        "--resp-listen",
+        "off",
+        "--http-listen",
+        "off",
+        "--log-format",
+        "json",
+        "--shutdown-deadline",
+        "60s",
+    ]
+    .iter()
+    .map(|a| a.to_string())
+    .collect()
+}
+
+/// Waits (bounded) until the daemon's log contains `needle`.
+fn wait_for_log(d: &Daemon, needle: &str) {
+    let t0 = Instant::now();
+    while !d.log().contains(needle) {
+        assert!(
+            t0.elapsed() < DEADLINE,
+            "the daemon never logged {needle:?}; log:\n{}",
+            d.log()
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+fn second_signal_during_the_flush_exits_at_once_with_130(first: libc::c_int, second: libc::c_int) {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let mut d =
+        Daemon::start_args(dir.path(), &args(dir.path()), &[]).unwrap_or_else(|e| panic!("{e}"));
+    let mut c = d.client();
+    let ns = c.hello(&test_record(0)).expect("HELLO");
+    c.create_region((CHUNK * BATCH) as u64).expect("region");
+    for b in 0..CHUNKS / BATCH {
+        let region = c.region_mut().expect("region").as_mut_slice();
+        let mut entries = Vec::with_capacity(BATCH);
+        for j in 0..BATCH {
+            let i = b * BATCH + j;
+            fill(i, &mut region[j * CHUNK..(j + 1) * CHUNK]);
+            entries.push(RegionEntry {
+                key: key(i),
+                offset: (j * CHUNK) as u64,
+                len: CHUNK as u64,
+            });
+        }
+        let st = c.put(ns, 0, &entries, false).expect("PUT");
+        assert!(st.iter().all(|s| *s == 0), "PUT statuses {st:?}");
+    }
+    let stats = c.stats().expect("STATS");
+    let dirty = stats["store"]["dirty_bytes"].as_u64().expect("dirty_bytes");
+    assert_eq!(dirty, (CHUNK * CHUNKS) as u64, "every chunk is still dirty");
+    drop(c);
+
+    kvtier_tests::signal(d.pid(), first);
+    // The daemon logs this right before it starts writing the dirty set.
+    wait_for_log(&d, "flushing the dirty set");
+    let t0 = Instant::now();
+    kvtier_tests::signal(d.pid(), second);
+    let status = d.wait_exit();
+    let took = t0.elapsed();
+    let log = d.log();
+    assert_eq!(
+        status.code(),
+        Some(130),
+        "exit status after a second signal during the flush ({status}); log:\n{log}"
+    );
+    assert!(
+        log.contains("second signal"),
+        "the daemon says why it exits; log:\n{log}"
+    );
+    assert!(
+        !log.contains("store closed"),
+        "the flush had finished before the second signal, so this run proves nothing \
+         (make the dirty set larger); log:\n{log}"
+    );
+    assert!(
+        took < Duration::from_secs(5),
+        "exiting took {took:?} after the second signal"
+    );
+
+    // The store it left mid-flush reopens; what it serves is byte-exact.
+    let d =
+        Daemon::start_args(dir.path(), &args(dir.path()), &[]).unwrap_or_else(|e| panic!("{e}"));
+    let mut c = d.client();
+    assert_eq!(c.hello(&test_record(0)).expect("HELLO"), ns);
+    let mut want = vec![0u8; CHUNK];
+    for i in 0..CHUNKS {
+        if let Some(got) = c.get_bytes(ns, 0, key(i)).expect("GET") {
+            fill(i, &mut want);
+            assert!(got == want, "chunk {i} came back with different bytes");
+        }
+    }
+}
+
+#[test]
+fn a_second_sigterm_during_the_shutdown_flush_exits_at_once_with_130() {
+    second_signal_during_the_flush_exits_at_once_with_130(libc::SIGTERM, libc::SIGTERM);
+}
+
+#[test]
+fn a_sigint_after_a_sigterm_during_the_shutdown_flush_exits_at_once_with_130() {
+    second_signal_during_the_flush_exits_at_once_with_130(libc::SIGTERM, libc::SIGINT);
+}
