@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use bytes::BytesMut;
+use bytes::{BufMut, BytesMut};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Semaphore, watch};
@@ -24,6 +24,8 @@ use crate::context::NodeCounters;
 
 /// Read buffer size (and the minimum free space before a read).
 const READ_BUF: usize = 64 * 1024;
+/// Most bytes read when no command is pending (Redis reads 16 KiB too).
+const FIRST_READ: usize = 16 * 1024;
 /// Queued reply bytes above which replies are written before the next
 /// pipelined command runs (bounds memory per connection).
 const FLUSH_AT: usize = 8 << 20;
@@ -205,7 +207,16 @@ async fn connection(shared: &Shared, mut sock: TcpStream) -> io::Result<()> {
         if rbuf.capacity() - rbuf.len() < READ_BUF / 4 {
             rbuf.reserve(READ_BUF);
         }
-        if sock.read_buf(&mut rbuf).await? == 0 {
+        // Between commands, read at most FIRST_READ: a large value's head
+        // that lands in the read buffer is copied once more into the
+        // value's own buffer (the rest is read straight into it), so the
+        // first read should not take in more of it than needed.
+        let n = if rbuf.is_empty() {
+            sock.read_buf(&mut (&mut rbuf).limit(FIRST_READ)).await?
+        } else {
+            sock.read_buf(&mut rbuf).await?
+        };
+        if n == 0 {
             return Ok(());
         }
     }
