@@ -39,7 +39,7 @@ use bytes::Bytes;
 use hashbrown::HashTable;
 use parking_lot::Mutex;
 
-use crate::types::ChunkId;
+use crate::types::{ChunkId, ChunkKey, GroupId, Namespace};
 
 /// Default number of shards of [`RamCache::new`].
 pub const DEFAULT_SHARDS: usize = 16;
@@ -87,13 +87,19 @@ fn charge(data: &Bytes, name: Option<&Bytes>) -> u64 {
 /// The index hash of a chunk id: key bytes are uniform, so fold, don't hash.
 #[inline]
 fn hash_id(id: &ChunkId) -> u64 {
+    hash_parts(&id.ns, &id.key, id.group)
+}
+
+/// [`hash_id`] of the id `(ns, key, group)`, without building it.
+#[inline]
+fn hash_parts(ns: &Namespace, key: &ChunkKey, group: GroupId) -> u64 {
     let word = |b: &[u8]| {
         let mut w = [0u8; 8];
         w.copy_from_slice(&b[..8]);
         u64::from_le_bytes(w)
     };
-    let ns = word(&id.ns.0[..8]) ^ word(&id.ns.0[8..]).rotate_left(29);
-    word(&id.key.0[..8]) ^ ns.rotate_left(17) ^ u64::from(id.group).wrapping_mul(GOLDEN)
+    let n = word(&ns.0[..8]) ^ word(&ns.0[8..]).rotate_left(29);
+    word(&key.0[..8]) ^ n.rotate_left(17) ^ u64::from(group).wrapping_mul(GOLDEN)
 }
 
 struct Node {
@@ -147,6 +153,17 @@ impl Shard {
                 slots[i as usize].as_ref().is_some_and(|n| n.id == *id)
             })
             .copied()
+    }
+
+    fn contains_parts(&self, hash: u64, ns: &Namespace, key: &ChunkKey, group: GroupId) -> bool {
+        let slots = &self.slots;
+        self.table
+            .find(hash, |&i| {
+                slots[i as usize]
+                    .as_ref()
+                    .is_some_and(|n| n.id.key == *key && n.id.ns == *ns && n.id.group == group)
+            })
+            .is_some()
     }
 
     fn tail_tick(&self) -> u64 {
@@ -511,6 +528,51 @@ impl RamCache {
         }
     }
 
+    /// Which of the ids `(ns, keys[i], group)` are cached (no promotion):
+    /// [`RamCache::contains_batch`] for one namespace and group, without
+    /// building the ids (for LOOKUP of many keys).
+    pub fn contains_keys(
+        &self,
+        ns: &Namespace,
+        group: GroupId,
+        keys: &[ChunkKey],
+        out: &mut Vec<bool>,
+    ) {
+        out.clear();
+        out.resize(keys.len(), false);
+        if self.is_empty() {
+            return;
+        }
+        let n = self.shards.len();
+        let hashes: Vec<u64> = keys.iter().map(|k| hash_parts(ns, k, group)).collect();
+        // Counting sort of the keys by shard (O(len), no comparison sort).
+        let mut starts = vec![0u32; n + 1];
+        for &h in &hashes {
+            starts[self.shard_index(h) + 1] += 1;
+        }
+        for s in 0..n {
+            starts[s + 1] += starts[s];
+        }
+        let mut fill = starts.clone();
+        let mut order = vec![0u32; keys.len()];
+        for (i, &h) in hashes.iter().enumerate() {
+            let s = self.shard_index(h);
+            order[fill[s] as usize] = i as u32;
+            fill[s] += 1;
+        }
+        for s in 0..n {
+            let members = &order[starts[s] as usize..starts[s + 1] as usize];
+            if members.is_empty() {
+                continue;
+            }
+            let shard = self.shards[s].inner.lock();
+            for &i in members {
+                let i = i as usize;
+                out[i] = shard.contains_parts(hashes[i], ns, &keys[i], group);
+            }
+        }
+    }
+
     /// Removes a chunk; returns it if it was cached.
     pub fn remove(&self, id: &ChunkId) -> Option<RamEntry> {
         let hash = hash_id(id);
@@ -857,6 +919,21 @@ mod tests {
             assert_eq!(out.iter().filter(|&&b| b).count(), 67);
             c.contains_batch(&[], &mut out);
             assert!(out.is_empty());
+            // By key, for each group (a key is cached only under its group).
+            let keys: Vec<ChunkKey> = ids.iter().map(|i| i.key).collect();
+            let mut found = 0;
+            for g in 0..3u16 {
+                c.contains_keys(&Namespace([1; 16]), g, &keys, &mut out);
+                assert_eq!(out.len(), keys.len());
+                for (k, got) in keys.iter().zip(&out) {
+                    let want = c.contains(&ChunkId::new(Namespace([1; 16]), *k, g));
+                    assert_eq!(*got, want, "{k:?} group {g}");
+                    found += usize::from(*got);
+                }
+            }
+            assert_eq!(found, 67);
+            c.contains_keys(&Namespace([2; 16]), 0, &keys, &mut out);
+            assert!(!out.iter().any(|&b| b), "other namespace");
         }
     }
 

@@ -614,8 +614,7 @@ impl ChunkStore {
     /// For an ordered key list: fills `tiers` with where each key lives (or
     /// `None`) and returns the length of the longest present prefix. Touches
     /// no disk: the disk index is probed in one prefetched batch, the RAM
-    /// tier with one lock per shard (not per key); no allocation once the
-    /// calling thread's scratch space has grown.
+    /// tier with one lock per shard (not per key).
     pub fn lookup_prefix(
         &self,
         ns: Namespace,
@@ -624,11 +623,11 @@ impl ChunkStore {
         tiers: &mut Vec<Option<Tier>>,
     ) -> usize {
         thread_local! {
-            static SCRATCH: std::cell::RefCell<(Vec<bool>, Vec<bool>, Vec<ChunkId>)> =
-                const { std::cell::RefCell::new((Vec::new(), Vec::new(), Vec::new())) };
+            static SCRATCH: std::cell::RefCell<(Vec<bool>, Vec<bool>)> =
+                const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
         }
         let _g = self.inner.gate.read();
-        SCRATCH.with_borrow_mut(|(on_disk, in_ram, ids)| {
+        SCRATCH.with_borrow_mut(|(on_disk, in_ram)| {
             match &self.inner.disk {
                 Some(d) => d.index.read().contains_batch(&ns, group, keys, on_disk),
                 None => {
@@ -636,14 +635,7 @@ impl ChunkStore {
                     on_disk.resize(keys.len(), false);
                 }
             }
-            if self.inner.ram.is_empty() {
-                in_ram.clear();
-                in_ram.resize(keys.len(), false);
-            } else {
-                ids.clear();
-                ids.extend(keys.iter().map(|k| ChunkId::new(ns, *k, group)));
-                self.inner.ram.contains_batch(ids, in_ram);
-            }
+            self.inner.ram.contains_keys(&ns, group, keys, in_ram);
             tiers.clear();
             tiers.extend(in_ram.iter().zip(on_disk.iter()).map(|(&ram, &disk)| {
                 if ram {
@@ -656,7 +648,6 @@ impl ChunkStore {
             const KEEP: usize = 1 << 16;
             on_disk.shrink_to(KEEP);
             in_ram.shrink_to(KEEP);
-            ids.shrink_to(KEEP);
         });
         tiers.iter().take_while(|t| t.is_some()).count()
     }
