@@ -112,9 +112,32 @@ struct Node {
     next: u32,
 }
 
+/// The tag of a hash kept next to the slot index in a shard's table: bits
+/// 16..48, clear of the bucket bits (low) and of hashbrown's 7-bit control
+/// byte (top 7) for tables under 64K buckets, so it filters ~2^-32 of the
+/// other ids a probe meets before their node is read.
+#[inline]
+fn tag(hash: u64) -> u32 {
+    (hash >> 16) as u32
+}
+
+#[inline(always)]
+fn prefetch<T>(p: *const T) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: prefetch is a hint; it never faults, even on invalid addresses.
+    unsafe {
+        core::arch::x86_64::_mm_prefetch(p as *const i8, core::arch::x86_64::_MM_HINT_T0);
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = p;
+}
+
 /// One shard: an index table of slab slots and an LRU list through them.
 struct Shard {
-    table: HashTable<u32>,
+    /// `(tag(hash), slot)`: a probe compares the tag first and reads the
+    /// node (a likely cache miss) only when it matches, so a miss almost
+    /// never touches `slots`.
+    table: HashTable<(u32, u32)>,
     slots: Vec<Option<Node>>,
     free: Vec<u32>,
     /// Most recently used.
@@ -148,22 +171,33 @@ impl Shard {
 
     fn find(&self, hash: u64, id: &ChunkId) -> Option<u32> {
         let slots = &self.slots;
+        let t = tag(hash);
         self.table
-            .find(hash, |&i| {
-                slots[i as usize].as_ref().is_some_and(|n| n.id == *id)
+            .find(hash, |&(et, i)| {
+                et == t && slots[i as usize].as_ref().is_some_and(|n| n.id == *id)
             })
-            .copied()
+            .map(|&(_, i)| i)
     }
 
     fn contains_parts(&self, hash: u64, ns: &Namespace, key: &ChunkKey, group: GroupId) -> bool {
         let slots = &self.slots;
+        let t = tag(hash);
         self.table
-            .find(hash, |&i| {
-                slots[i as usize]
-                    .as_ref()
-                    .is_some_and(|n| n.id.key == *key && n.id.ns == *ns && n.id.group == group)
+            .find(hash, |&(et, i)| {
+                et == t
+                    && slots[i as usize]
+                        .as_ref()
+                        .is_some_and(|n| n.id.key == *key && n.id.ns == *ns && n.id.group == group)
             })
             .is_some()
+    }
+
+    /// Starts loading slot `i` (every cache line of it) into the cache.
+    fn prefetch_slot(&self, i: u32) {
+        let p = self.slots.as_ptr().wrapping_add(i as usize).cast::<u8>();
+        for off in (0..size_of::<Option<Node>>()).step_by(64) {
+            prefetch(p.wrapping_add(off));
+        }
     }
 
     fn tail_tick(&self) -> u64 {
@@ -229,7 +263,7 @@ impl Shard {
             }
         };
         let slots = &self.slots;
-        self.table.insert_unique(hash, i, |&j| {
+        self.table.insert_unique(hash, (tag(hash), i), |&(_, j)| {
             slots[j as usize]
                 .as_ref()
                 .expect("indexed slot is occupied")
@@ -240,7 +274,7 @@ impl Shard {
 
     fn remove_at(&mut self, i: u32) -> Node {
         let hash = self.node(i).hash;
-        match self.table.find_entry(hash, |&j| j == i) {
+        match self.table.find_entry(hash, |&(_, j)| j == i) {
             Ok(e) => {
                 e.remove();
             }
@@ -560,15 +594,35 @@ impl RamCache {
             order[fill[s] as usize] = i as u32;
             fill[s] += 1;
         }
+        let mut cands: Vec<(u32, u32)> = Vec::with_capacity(keys.len());
         for s in 0..n {
             let members = &order[starts[s] as usize..starts[s + 1] as usize];
             if members.is_empty() {
                 continue;
             }
             let shard = self.shards[s].inner.lock();
+            // Two passes: probe the table by tag only (no node read, so the
+            // probes are independent) and prefetch the node of each match;
+            // then compare the full ids of the matches, whose loads now
+            // overlap instead of stalling one probe each.
+            cands.clear();
             for &i in members {
+                let h = hashes[i as usize];
+                let t = tag(h);
+                if let Some(&(_, slot)) = shard.table.find(h, |&(et, _)| et == t) {
+                    shard.prefetch_slot(slot);
+                    cands.push((i, slot));
+                }
+            }
+            for &(i, slot) in &cands {
                 let i = i as usize;
-                out[i] = shard.contains_parts(hashes[i], ns, &keys[i], group);
+                let k = &keys[i];
+                out[i] = match &shard.slots[slot as usize] {
+                    Some(n) if n.id.key == *k && n.id.ns == *ns && n.id.group == group => true,
+                    // The first tag match is another id (same tag, or the
+                    // same hash): the exact probe decides.
+                    _ => shard.contains_parts(hashes[i], ns, k, group),
+                };
             }
         }
     }
@@ -759,6 +813,10 @@ mod tests {
             }
             assert_eq!(prev, shard.tail);
             assert_eq!(n, shard.table.len());
+            // Each table entry carries the tag of its node's hash.
+            for &(t, i) in shard.table.iter() {
+                assert_eq!(t, tag(shard.node(i).hash));
+            }
             assert_eq!(slot.tail_tick.load(Ordering::Relaxed), shard.tail_tick());
         }
     }
@@ -950,8 +1008,16 @@ mod tests {
         c.insert(b, bytes(2, 2), None, false).unwrap();
         assert_eq!(c.get(&a).unwrap().data.len(), 1);
         assert_eq!(c.get(&b).unwrap().data.len(), 2);
+        // Same hash, so same tag: only the full id tells them apart, in
+        // the batched probe by key too.
+        assert_eq!(tag(hash_id(&a)), tag(hash_id(&b)));
+        let mut out = Vec::new();
         c.remove(&a);
         assert!(c.contains(&b) && !c.contains(&a));
+        c.contains_keys(&a.ns, 0, &[a.key, b.key], &mut out);
+        assert_eq!(out, [false, true]);
+        c.contains_keys(&a.ns, 1, &[a.key, b.key], &mut out);
+        assert_eq!(out, [false, false], "other group");
     }
 
     /// A deliberately simple LRU: a Vec in recency order, LRU first.
