@@ -1012,6 +1012,9 @@ mod tests {
         // the batched probe by key too.
         assert_eq!(tag(hash_id(&a)), tag(hash_id(&b)));
         let mut out = Vec::new();
+        // Both present: for one of them the first tag match is the other.
+        c.contains_keys(&a.ns, 0, &[a.key, b.key], &mut out);
+        assert_eq!(out, [true, true]);
         c.remove(&a);
         assert!(c.contains(&b) && !c.contains(&a));
         c.contains_keys(&a.ns, 0, &[a.key, b.key], &mut out);
