@@ -325,3 +325,43 @@ pub fn chunk_bytes(round: u32, i: u32) -> (node::tier::ChunkKey, Vec<u8>) {
     rng.fill(&mut data[..]);
     (node::tier::ChunkKey(key), data)
 }
+
+/// Polls `f` every 20 ms until it returns `Some`, for at most `limit`
+/// (panics naming `what` when the limit passes).
+pub fn poll<T>(what: &str, limit: Duration, mut f: impl FnMut() -> Option<T>) -> T {
+    let t0 = Instant::now();
+    loop {
+        if let Some(v) = f() {
+            return v;
+        }
+        assert!(
+            t0.elapsed() < limit,
+            "timed out after {limit:?} waiting for {what}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// The state of peer `name` in `d`'s STATS document.
+pub fn peer_state(d: &Daemon, name: &str) -> Option<String> {
+    let doc = d.client().stats().ok()?;
+    doc["peers"]
+        .as_array()?
+        .iter()
+        .find(|p| p["name"] == name)
+        .and_then(|p| p["state"].as_str().map(str::to_owned))
+}
+
+/// LOOKUP on `d` until `key` (group 0) is present, at a peer or locally.
+pub fn wait_present(
+    d: &Daemon,
+    ns: node::tier::Namespace,
+    key: node::tier::ChunkKey,
+    limit: Duration,
+) {
+    let mut c = d.client();
+    poll("the key to be present", limit, || {
+        let r = c.lookup(ns, 0, &[key]).ok()?;
+        (r.prefix == 1).then_some(())
+    });
+}

@@ -16,9 +16,11 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use kvtier_tests::{Daemon, chunk_bytes, run_kvtier, test_args, test_record};
+use kvtier_tests::{
+    Daemon, chunk_bytes, peer_state, poll, run_kvtier, test_args, test_record, wait_present,
+};
 use node::native::LookupLocation;
-use node::tier::{ChunkKey, Namespace};
+use node::tier::ChunkKey;
 
 const ENV: [(&str, &str); 3] = [
     ("KVTIER_PEER_SUSPECT_AFTER", "500ms"),
@@ -118,37 +120,6 @@ fn kvtier_ok(args: &[&str]) {
         "kvtier {args:?} failed: {}",
         String::from_utf8_lossy(&out.stderr)
     );
-}
-
-fn poll<T>(what: &str, limit: Duration, mut f: impl FnMut() -> Option<T>) -> T {
-    let t0 = Instant::now();
-    loop {
-        if let Some(v) = f() {
-            return v;
-        }
-        assert!(
-            t0.elapsed() < limit,
-            "timed out after {limit:?} waiting for {what}"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
-fn peer_state(d: &Daemon, name: &str) -> Option<String> {
-    let doc = d.client().stats().ok()?;
-    doc["peers"]
-        .as_array()?
-        .iter()
-        .find(|p| p["name"] == name)
-        .and_then(|p| p["state"].as_str().map(str::to_owned))
-}
-
-fn wait_present(d: &Daemon, ns: Namespace, key: ChunkKey, limit: Duration) {
-    let mut c = d.client();
-    poll("the key to be present", limit, || {
-        let r = c.lookup(ns, 0, &[key]).ok()?;
-        (r.prefix == 1).then_some(())
-    });
 }
 
 fn start(dir: &Path, netns: &Netns, i: usize, tls: &Path) -> Daemon {

@@ -8,7 +8,7 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use kvtier_tests::{Daemon, chunk_bytes, run_kvtier, test_record};
+use kvtier_tests::{Daemon, chunk_bytes, peer_state, poll, run_kvtier, test_record, wait_present};
 use node::native::LookupLocation;
 use node::tier::{ChunkKey, Namespace};
 
@@ -97,31 +97,6 @@ fn start_node(
     Daemon::start(&nd, &extra, &ENV)
 }
 
-/// Polls `f` every 20 ms until it returns `Some`, for at most `limit`.
-fn poll<T>(what: &str, limit: Duration, mut f: impl FnMut() -> Option<T>) -> T {
-    let t0 = Instant::now();
-    loop {
-        if let Some(v) = f() {
-            return v;
-        }
-        assert!(
-            t0.elapsed() < limit,
-            "timed out after {limit:?} waiting for {what}"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
-/// The state of peer `name` in `d`'s STATS document.
-fn peer_state(d: &Daemon, name: &str) -> Option<String> {
-    let doc = d.client().stats().ok()?;
-    doc["peers"]
-        .as_array()?
-        .iter()
-        .find(|p| p["name"] == name)
-        .and_then(|p| p["state"].as_str().map(str::to_owned))
-}
-
 fn http_get(addr: std::net::SocketAddr, path: &str) -> String {
     use std::io::{Read, Write};
     let mut s = std::net::TcpStream::connect(addr).expect("connect http");
@@ -141,15 +116,6 @@ fn put(d: &Daemon, ns: Namespace, key: ChunkKey, data: &[u8]) {
     let mut c = d.client();
     let st = c.put_bytes(ns, 0, &[(key, data)]).expect("PUT");
     assert_eq!(st, vec![0], "PUT status");
-}
-
-/// LOOKUP on `d` until `key` is present (at a peer or locally).
-fn wait_present(d: &Daemon, ns: Namespace, key: ChunkKey, limit: Duration) {
-    let mut c = d.client();
-    poll("the key to be present", limit, || {
-        let r = c.lookup(ns, 0, &[key]).ok()?;
-        (r.prefix == 1).then_some(())
-    });
 }
 
 #[test]

@@ -69,8 +69,10 @@ fn split(h: u64) -> (usize, u32) {
     (h as usize, ((h >> 32) as u32) | 1)
 }
 
+/// A cache prefetch hint for `p` (no-op off x86_64); shared with the RAM
+/// table's batched probe.
 #[inline(always)]
-fn prefetch<T>(p: *const T) {
+pub(crate) fn prefetch<T>(p: *const T) {
     #[cfg(target_arch = "x86_64")]
     // SAFETY: prefetch is a hint; it never faults, even on invalid addresses.
     unsafe {

@@ -39,6 +39,7 @@ use bytes::Bytes;
 use hashbrown::HashTable;
 use parking_lot::Mutex;
 
+use crate::index::prefetch;
 use crate::types::{ChunkId, ChunkKey, GroupId, Namespace};
 
 /// Default number of shards of [`RamCache::new`].
@@ -119,17 +120,6 @@ struct Node {
 #[inline]
 fn tag(hash: u64) -> u32 {
     (hash >> 16) as u32
-}
-
-#[inline(always)]
-fn prefetch<T>(p: *const T) {
-    #[cfg(target_arch = "x86_64")]
-    // SAFETY: prefetch is a hint; it never faults, even on invalid addresses.
-    unsafe {
-        core::arch::x86_64::_mm_prefetch(p as *const i8, core::arch::x86_64::_MM_HINT_T0);
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = p;
 }
 
 /// One shard: an index table of slab slots and an LRU list through them.
