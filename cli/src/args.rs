@@ -106,6 +106,14 @@ pub struct ConfigArgs {
     /// data dir's filesystem if less. Must fit the free space.
     #[arg(long, value_name = "SIZE")]
     pub disk_budget: Option<ByteSize>,
+    /// Space the disk budget leaves free on the data dir's filesystem.
+    /// Default: 5% of the filesystem, at most 1GiB.
+    #[arg(long, value_name = "SIZE")]
+    pub disk_reserve: Option<ByteSize>,
+    /// Size of one region of the disk store (the unit of eviction), e.g.
+    /// 64MiB. Default: 64MiB. An existing store keeps the size it was made with.
+    #[arg(long, value_name = "SIZE")]
+    pub region_size: Option<ByteSize>,
     /// Native protocol Unix socket. Default: /run/kvtier/kvtier.sock as root,
     /// else $XDG_RUNTIME_DIR/kvtier/kvtier.sock, else kvtier.sock in the
     /// default data dir.
@@ -183,6 +191,8 @@ impl ConfigArgs {
             data_dir: self.data_dir.clone(),
             ram_budget: self.ram_budget,
             disk_budget: self.disk_budget,
+            disk_reserve: self.disk_reserve,
+            region_size: self.region_size,
             socket: self.socket.clone(),
             resp_listen: self.resp_listen,
             resp_password: self.resp_password.clone(),

@@ -88,7 +88,12 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
         "--ram-budget",
         "512MiB",
         "--disk-budget",
-        "256MiB",
+        "64MiB",
+        "--region-size",
+        "8MiB",
+        # Tests must start on a nearly full disk too (CI has had 258 MiB free).
+        "--disk-reserve",
+        "0",
     ]
     with open(log, "wb") as out:
         # The daemon reads every KVTIER_* variable as configuration.

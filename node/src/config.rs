@@ -176,10 +176,15 @@ pub struct NodeConfig {
     pub ram_budget: ByteSize,
     /// Hard byte limit of the disk tier (preallocated in the data dir);
     /// 0 keeps chunks in RAM only. Must fit the free space of the data dir's
-    /// filesystem (minus a margin of 5 %, at most 1 GiB). Default: unset,
-    /// meaning 16 GiB or half of the available space if that is less.
+    /// filesystem minus `disk-reserve`. Default: unset, meaning 16 GiB or
+    /// half of the available space if that is less.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub disk_budget: Option<ByteSize>,
+    /// Space the disk budget leaves free on the data dir's filesystem for
+    /// everything else on it. Default: unset, meaning 5 % of the
+    /// filesystem, at most 1 GiB.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disk_reserve: Option<ByteSize>,
     /// Size of one region of the disk store. Default: 64 MiB.
     pub region_size: ByteSize,
     /// Use O_DIRECT on the disk store when the filesystem supports it.
@@ -415,6 +420,7 @@ impl NodeConfig {
             data_dir: env.default_data_dir(),
             ram_budget: env.default_ram_budget(),
             disk_budget: None,
+            disk_reserve: None,
             region_size: ByteSize::mib(64),
             direct_io: true,
             idle_flush_after: HumanDuration::secs(30),
@@ -666,9 +672,16 @@ impl NodeConfig {
     /// budget must fit the data dir's filesystem. Returns warnings (such as
     /// a tier not larger than the GPU KV pool) that do not prevent a start.
     pub fn resolve(&mut self, loaded: &Loaded) -> Result<Vec<String>> {
-        let mut warnings = Vec::new();
         let space = disk_space(&self.data_dir)?;
-        let margin = (space.total / 20).min(1 << 30);
+        self.resolve_with(loaded, space)
+    }
+
+    /// [`NodeConfig::resolve`] against a given filesystem size.
+    fn resolve_with(&mut self, loaded: &Loaded, space: DiskSpace) -> Result<Vec<String>> {
+        let mut warnings = Vec::new();
+        let margin = self
+            .disk_reserve
+            .map_or((space.total / 20).min(1 << 30), |r| r.0);
         let usable = space.available_to_store.saturating_sub(margin);
         match self.disk_budget {
             // An existing store keeps the size it was created with: the
@@ -695,7 +708,8 @@ impl NodeConfig {
             Some(b) if b.0 > usable => {
                 return Err(NodeError::Config(format!(
                     "invalid `disk-budget` ({}): {} does not fit the filesystem of data dir {}: \
-                     {} available (free space plus the store's existing files) minus a margin of {}",
+                     {} available (free space plus the store's existing files) minus \
+                     `disk-reserve` {}",
                     loaded.sources.of("disk-budget"),
                     b.approx(),
                     self.data_dir.display(),
@@ -810,6 +824,10 @@ pub struct Overrides {
     pub ram_budget: Option<ByteSize>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub disk_budget: Option<ByteSize>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub disk_reserve: Option<ByteSize>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub region_size: Option<ByteSize>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub socket: Option<PathBuf>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -1392,31 +1410,78 @@ mod tests {
             data_dir: Some(dir.path().join("data")),
             ..Default::default()
         };
+        // A 100 GiB filesystem with 40 GiB free: the reserve is 1 GiB.
+        let roomy = || DiskSpace {
+            total: 100 << 30,
+            available_to_store: 40 << 30,
+        };
         let mut l = load_with(None, &[], flags.clone()).unwrap();
         let mut c = l.config.clone();
-        let w = c.resolve(&l).unwrap();
-        let auto = c.disk_budget.unwrap();
-        assert!(auto.0 > 0 && auto <= DEFAULT_DISK_BUDGET_CAP && auto.0 % c.region_size.0 == 0);
+        let w = c.resolve_with(&l, roomy()).unwrap();
+        assert_eq!(c.disk_budget, Some(DEFAULT_DISK_BUDGET_CAP));
         assert!(w.is_empty(), "{w:?}");
+        // 10 GiB free: half of what is left after the reserve, whole regions.
+        let mut c = l.config.clone();
+        let some = DiskSpace {
+            total: 100 << 30,
+            available_to_store: 10 << 30,
+        };
+        c.resolve_with(&l, some).unwrap();
+        assert_eq!(c.disk_budget, Some(ByteSize(9 << 29)));
+
+        // Too little room for two regions: the error says what to set.
+        let tight = || DiskSpace {
+            total: 100 << 30,
+            available_to_store: 1 << 30,
+        };
+        let e = l.config.clone().resolve_with(&l, tight()).unwrap_err();
+        assert!(
+            e.to_string().contains("set `disk-budget` explicitly"),
+            "{e}"
+        );
 
         let huge = Overrides {
             disk_budget: Some(ByteSize(1 << 60)),
             ..flags.clone()
         };
         l = load_with(None, &[], huge).unwrap();
-        let e = l.config.clone().resolve(&l).unwrap_err().to_string();
+        let e = l.config.clone().resolve_with(&l, roomy()).unwrap_err();
+        let e = e.to_string();
         assert!(
             e.contains("`disk-budget`") && e.contains("--disk-budget") && e.contains("available"),
             "{e}"
         );
+        // The real filesystem cannot hold an exbibyte either.
+        assert!(l.config.clone().resolve(&l).is_err());
 
-        // An existing store keeps its size when the budget is automatic.
+        // The reserve: 768 MiB fit 1 GiB free only with a reserve of at most 256 MiB.
+        let fits = |reserve: Option<ByteSize>| {
+            let l = load_with(
+                None,
+                &[],
+                Overrides {
+                    disk_budget: Some(ByteSize::mib(768)),
+                    disk_reserve: reserve,
+                    ..flags.clone()
+                },
+            )
+            .unwrap();
+            l.config.clone().resolve_with(&l, tight())
+        };
+        let e = fits(None).unwrap_err().to_string();
+        assert!(e.contains("`disk-reserve` 1.0 GiB"), "{e}");
+        assert!(fits(Some(ByteSize::mib(257))).is_err());
+        fits(Some(ByteSize::mib(256))).unwrap();
+        fits(Some(ByteSize(0))).unwrap();
+
+        // An existing store keeps its size when the budget is automatic,
+        // however little room is left.
         std::fs::create_dir_all(dir.path().join("data")).unwrap();
         let f = std::fs::File::create(dir.path().join("data").join(STORE_FILE)).unwrap();
         f.set_len(3 * c.region_size.0).unwrap();
         l = load_with(None, &[], flags.clone()).unwrap();
         let mut c2 = l.config.clone();
-        c2.resolve(&l).unwrap();
+        c2.resolve_with(&l, tight()).unwrap();
         assert_eq!(c2.disk_budget, Some(ByteSize(3 * c.region_size.0)));
 
         let ram_only = Overrides {

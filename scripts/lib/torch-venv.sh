@@ -33,9 +33,16 @@ _STAMP="v2 $_PKGS_TORCH $_PKGS_VLLM $_PKGS_LMCACHE ${_PKGS_DEPS[*]}"
 if [ ! -x "$TORCH_VENV/bin/python" ] || [ "$(cat "$TORCH_VENV/.kvtier-stamp" 2>/dev/null)" != "$_STAMP" ]; then
   echo "setting up $TORCH_VENV (torch, vllm and lmcache --no-deps, import deps; ~5 min and ~7 GB once)"
   mkdir -p "$(dirname "$TORCH_VENV")"
+  _free=$(df -Pk "$(dirname "$TORCH_VENV")" | awk 'NR == 2 { print $4 }')
+  if [ "${_free:-0}" -lt $((8 << 20)) ]; then
+    df -h "$(dirname "$TORCH_VENV")" >&2
+    echo "the torch venv needs ~8 GB free under $(dirname "$TORCH_VENV"); free space or set KVTEST_CACHE" >&2
+    exit 1
+  fi
   [ -x "$TORCH_VENV/bin/python" ] || python3 -m venv "$TORCH_VENV"
   _log=$(mktemp)
-  _pip() { PIP_DISABLE_PIP_VERSION_CHECK=1 "$TORCH_VENV/bin/python" -m pip install -q "$@"; }
+  # No wheel cache: it would hold another ~3 GB next to the venv.
+  _pip() { PIP_DISABLE_PIP_VERSION_CHECK=1 "$TORCH_VENV/bin/python" -m pip install -q --no-cache-dir "$@"; }
   # vllm and lmcache are installed without their (CUDA) dependencies, so pip's
   # resolver complains about them: keep its output unless a step fails.
   if ! { _pip "$_PKGS_TORCH" &&

@@ -48,7 +48,51 @@ pub fn kvtier_command() -> Command {
         }
     }
     cmd.env("RUST_BACKTRACE", "0");
+    // Test stores are small and preallocated; they must also start on a
+    // nearly full disk (CI machines have been seen with 258 MiB free), so
+    // no space is held back beyond each store's own budget.
+    cmd.env("KVTIER_DISK_RESERVE", "0");
     cmd
+}
+
+/// Free bytes (for unprivileged users) on the filesystem holding `dir`.
+pub fn free_bytes(dir: &Path) -> Option<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(dir.as_os_str().as_bytes()).ok()?;
+    // SAFETY: statvfs is a plain C struct; all zeroes is a valid value.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: `c` is a NUL-terminated path and `st` a writable statvfs.
+    let rc = unsafe { libc::statvfs(c.as_ptr(), &mut st) };
+    (rc == 0).then(|| st.f_bavail.saturating_mul(st.f_frsize))
+}
+
+/// A temporary directory with room for `bytes`: under the system temp dir
+/// when its filesystem has that much free (plus 256 MiB), else under
+/// `/dev/shm` (tmpfs: the store then takes its buffered-I/O fallback).
+/// Panics, saying how much each had, when neither has room.
+pub fn tempdir_with_room(bytes: u64) -> tempfile::TempDir {
+    let need = bytes + (256 << 20);
+    let tmp = std::env::temp_dir();
+    let shm = Path::new("/dev/shm");
+    let tmp_free = free_bytes(&tmp);
+    if tmp_free.is_some_and(|f| f >= need) {
+        return tempfile::tempdir().expect("temp dir");
+    }
+    let shm_free = free_bytes(shm);
+    if shm_free.is_some_and(|f| f >= need) {
+        eprintln!(
+            "{} has {:?} bytes free, under the {need} this test needs: using {}",
+            tmp.display(),
+            tmp_free,
+            shm.display()
+        );
+        return tempfile::tempdir_in(shm).expect("temp dir in /dev/shm");
+    }
+    panic!(
+        "this test needs {need} bytes of free space: {} has {tmp_free:?}, {} has {shm_free:?}",
+        tmp.display(),
+        shm.display()
+    );
 }
 
 /// Runs `kvtier ARGS...` to completion (bounded by [`DEADLINE`]).
@@ -109,7 +153,7 @@ pub struct Daemon {
 }
 
 /// Arguments for a small test daemon: its data dir and socket under `dir`,
-/// 64 MiB RAM, 256 MiB disk in 8 MiB regions, ephemeral ports, JSON logs.
+/// 64 MiB RAM, 32 MiB disk in 4 MiB regions, ephemeral ports, JSON logs.
 pub fn test_args(dir: &Path) -> Vec<String> {
     let s = |p: PathBuf| p.to_string_lossy().into_owned();
     vec![
@@ -122,7 +166,9 @@ pub fn test_args(dir: &Path) -> Vec<String> {
         "--ram-budget".into(),
         "64MiB".into(),
         "--disk-budget".into(),
-        "256MiB".into(),
+        "32MiB".into(),
+        "--region-size".into(),
+        "4MiB".into(),
         "--resp-listen".into(),
         "127.0.0.1:0".into(),
         "--http-listen".into(),
@@ -132,6 +178,14 @@ pub fn test_args(dir: &Path) -> Vec<String> {
         "--shutdown-deadline".into(),
         "30s".into(),
     ]
+}
+
+/// Sets `flag`'s value in `args` (appending the flag if it is absent).
+pub fn set_flag(args: &mut Vec<String>, flag: &str, value: &str) {
+    match args.iter().position(|a| a == flag) {
+        Some(i) if i + 1 < args.len() => args[i + 1] = value.to_string(),
+        _ => args.extend([flag.to_string(), value.to_string()]),
+    }
 }
 
 impl Daemon {

@@ -114,7 +114,9 @@ fn client_commands_round_trip_and_use_documented_exit_codes() {
             "--data-dir",
             &data,
             "--disk-budget",
-            "256MiB",
+            "32MiB",
+            "--region-size",
+            "4MiB",
         ],
         &[],
     );
@@ -222,7 +224,9 @@ fn verify_and_gc_work_offline_and_report_bad_chunks() {
         "--data-dir",
         data.as_str(),
         "--disk-budget",
-        "256MiB",
+        "32MiB",
+        "--region-size",
+        "4MiB",
         "--ram-budget",
         "64MiB",
     ];
@@ -272,8 +276,9 @@ fn verify_exits_5_on_corrupt_chunks_and_repair_drops_them() {
     let dir = tempfile::tempdir().expect("temp dir");
     // 1 MiB regions: the chunks below fill several, so most are in sealed
     // regions, which reopen from their summaries without re-reading payloads.
-    let mut d = Daemon::start(dir.path(), &[], &[("KVTIER_REGION_SIZE", "1MiB")])
-        .unwrap_or_else(|e| panic!("{e}"));
+    let mut args = kvtier_tests::test_args(dir.path());
+    kvtier_tests::set_flag(&mut args, "--region-size", "1MiB");
+    let mut d = Daemon::start_args(dir.path(), &args, &[]).unwrap_or_else(|e| panic!("{e}"));
     let mut c = d.client();
     let ns = c.hello(&kvtier_tests::test_record(0)).expect("HELLO");
     for i in 0..24 {
@@ -304,14 +309,13 @@ fn verify_exits_5_on_corrupt_chunks_and_repair_drops_them() {
         "--data-dir",
         data.as_str(),
         "--disk-budget",
-        "256MiB",
+        "32MiB",
+        "--region-size",
+        "1MiB",
         "--ram-budget",
         "64MiB",
     ];
-    let out = run_kvtier(
-        &[&["verify"][..], &store].concat(),
-        &[("KVTIER_REGION_SIZE", "1MiB")],
-    );
+    let out = run_kvtier(&[&["verify"][..], &store].concat(), &[]);
     assert_eq!(
         out.status.code(),
         Some(5),
@@ -321,7 +325,7 @@ fn verify_exits_5_on_corrupt_chunks_and_repair_drops_them() {
     );
     let out = run_kvtier(
         &[&["verify", "--repair", "--json"][..], &store].concat(),
-        &[("KVTIER_REGION_SIZE", "1MiB")],
+        &[],
     );
     assert_eq!(
         out.status.code(),
@@ -331,10 +335,7 @@ fn verify_exits_5_on_corrupt_chunks_and_repair_drops_them() {
     );
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("verify --json");
     assert!(v["dropped"].as_u64().expect("dropped") >= 1, "{v}");
-    let out = run_kvtier(
-        &[&["verify"][..], &store].concat(),
-        &[("KVTIER_REGION_SIZE", "1MiB")],
-    );
+    let out = run_kvtier(&[&["verify"][..], &store].concat(), &[]);
     assert_eq!(
         out.status.code(),
         Some(0),

@@ -208,7 +208,9 @@ fn a_second_daemon_on_the_same_data_dir_is_refused() {
             "--socket",
             &sock,
             "--disk-budget",
-            "256MiB",
+            "32MiB",
+            "--region-size",
+            "4MiB",
             "--resp-listen",
             "off",
             "--http-listen",
@@ -225,7 +227,15 @@ fn a_second_daemon_on_the_same_data_dir_is_refused() {
 
     // verify / gc need the store to themselves.
     let out = run_kvtier(
-        &["verify", "--data-dir", &data, "--disk-budget", "256MiB"],
+        &[
+            "verify",
+            "--data-dir",
+            &data,
+            "--disk-budget",
+            "32MiB",
+            "--region-size",
+            "4MiB",
+        ],
         &[],
     );
     let err = String::from_utf8_lossy(&out.stderr);

@@ -55,7 +55,9 @@ class Daemon:
             "--resp-listen", "off",
             "--http-listen", "off",
             "--ram-budget", "256MiB",
-            "--disk-budget", "256MiB",
+            "--disk-budget", "256MiB", "--region-size", "16MiB",
+            # Tests must start on a nearly full disk too (CI has had 258 MiB free).
+            "--disk-reserve", "0",
             *self.extra,
         ]
         if os.path.exists(self.socket):
