@@ -116,6 +116,8 @@ pub struct ClusterOptions {
     pub down_after: Duration,
     /// Bytes per second served to one peer (0 = unlimited).
     pub serve_rate: u64,
+    /// QUIC connections per peer that carry fetches.
+    pub fetch_connections: u32,
     /// Admit fetched chunks into local RAM (clean: never written to the
     /// local disk).
     pub admit: bool,
@@ -169,6 +171,7 @@ impl Cluster {
             suspect_after: opts.suspect_after,
             down_after: opts.down_after,
             serve_rate_limit: opts.serve_rate,
+            fetch_connections: opts.fetch_connections,
             // A loopback listener means every peer is on this host (the
             // insecure mode and the tests): the path carries 64 KiB, so
             // start at the largest datagram GSO can batch. Elsewhere MTU

@@ -272,6 +272,11 @@ pub struct NodeConfig {
     pub peer_serve_rate: ByteSize,
     /// Keep chunks fetched from peers in local RAM. Default: true.
     pub peer_admit: bool,
+    /// QUIC connections to each peer that carry fetches (the control
+    /// connection and `peer-fetch-connections - 1` fetch-only ones), 1 to
+    /// 16. More spread a restore's packet and crypto work over more cores.
+    /// Default: 1.
+    pub peer_fetch_connections: u32,
 }
 
 /// The `peers` list: deserializes from a list of strings or from one
@@ -445,6 +450,7 @@ impl NodeConfig {
             peer_suspect_after: HumanDuration::secs(1),
             peer_down_after: HumanDuration::secs(3),
             peer_serve_rate: ByteSize(0),
+            peer_fetch_connections: 1,
             peer_admit: true,
         }
     }
@@ -463,6 +469,7 @@ impl NodeConfig {
             suspect_after: self.peer_suspect_after.0,
             down_after: self.peer_down_after.0,
             serve_rate: self.peer_serve_rate.0,
+            fetch_connections: self.peer_fetch_connections,
             admit: self.peer_admit,
         })
     }
@@ -663,6 +670,16 @@ impl NodeConfig {
             return Err(bad(
                 "peer-fetch-timeout",
                 "peer timeouts must be larger than 0".into(),
+            ));
+        }
+        if !(1..=peer::MAX_FETCH_CONNECTIONS).contains(&self.peer_fetch_connections) {
+            return Err(bad(
+                "peer-fetch-connections",
+                format!(
+                    "{} is not between 1 and {}",
+                    self.peer_fetch_connections,
+                    peer::MAX_FETCH_CONNECTIONS
+                ),
             ));
         }
         Ok(())

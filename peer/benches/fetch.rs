@@ -2,7 +2,7 @@
 //! transport settings and TLS, plus one TCP loopback stream for context,
 //! all in the same run on 127.0.0.1.
 //!
-//! Each iteration moves `CONCURRENCY` chunks of the given size, one stream
+//! Each iteration moves `concurrency()` chunks of the given size, one stream
 //! per chunk, all in flight at once. Both quinn paths copy the received
 //! stream chunks into one buffer per chunk; the peer path also checks the
 //! frame CRC, the id and the payload CRC32C.
@@ -23,6 +23,13 @@
 //! `KVTIER_BENCH_TUNING=N` uses `TransportTuning::path(N)` (N-byte
 //! datagrams from the first packet). `KVTIER_BENCH_SUMMARY_ONLY=1` skips
 //! the criterion groups.
+//!
+//! Scale: `KVTIER_BENCH_STREAMS` (chunks in flight per iteration, default
+//! 4), `KVTIER_BENCH_PEER_CONNS` (the requester's
+//! `PeerConfig::fetch_connections`, default 1) and `KVTIER_BENCH_WORKERS`
+//! (tokio worker threads shared by both nodes and the baselines, default
+//! 2). The TCP and Redis baselines stay one connection, one request at a
+//! time.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -41,9 +48,23 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::runtime::Runtime;
 
 const SIZES: [usize; 3] = [256 << 10, 1 << 20, 4 << 20];
-const CONCURRENCY: usize = 4;
 const SUMMARY_ROUNDS: usize = 5;
 const SUMMARY_BYTES: usize = 256 << 20;
+
+/// A positive integer from the environment variable `name`, else `default`.
+fn env_count(name: &str, default: usize) -> usize {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .filter(|&n| n > 0)
+        .unwrap_or(default)
+}
+
+/// Chunks in flight per iteration.
+fn concurrency() -> usize {
+    static N: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *N.get_or_init(|| env_count("KVTIER_BENCH_STREAMS", 4))
+}
 
 fn tuning() -> TransportTuning {
     match std::env::var("KVTIER_BENCH_TUNING").as_deref() {
@@ -117,7 +138,7 @@ struct Setup {
 
 fn setup() -> Setup {
     let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
+        .worker_threads(env_count("KVTIER_BENCH_WORKERS", 2))
         .enable_all()
         .build()
         .expect("runtime");
@@ -147,6 +168,8 @@ fn setup() -> Setup {
         let b = PeerHandle::start(
             PeerConfig {
                 peers: vec![a.local_addr().expect("addr").to_string()],
+                fetch_connections: env_count("KVTIER_BENCH_PEER_CONNS", 1) as u32,
+                max_fetches_per_peer: 16.max(concurrency() as u32),
                 ..cfg.clone()
             },
             tb.clone(),
@@ -154,8 +177,11 @@ fn setup() -> Setup {
         )
         .expect("start b");
         let deadline = Instant::now() + Duration::from_secs(20);
-        while SIZES.iter().any(|&s| b.holders(&id(s)).is_empty()) {
-            assert!(Instant::now() < deadline, "sync");
+        let conns = env_count("KVTIER_BENCH_PEER_CONNS", 1) as u32;
+        while SIZES.iter().any(|&s| b.holders(&id(s)).is_empty())
+            || b.peers().first().is_none_or(|p| p.connections < conns)
+        {
+            assert!(Instant::now() < deadline, "sync and {conns} connection(s)");
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
 
@@ -312,7 +338,7 @@ async fn raw_one(conn: &quinn::Connection, size: usize) -> Bytes {
 
 async fn raw_batch(conn: &quinn::Connection, size: usize) {
     let mut set = tokio::task::JoinSet::new();
-    for _ in 0..CONCURRENCY {
+    for _ in 0..concurrency() {
         let c = conn.clone();
         set.spawn(async move { raw_one(&c, size).await.len() });
     }
@@ -323,7 +349,7 @@ async fn raw_batch(conn: &quinn::Connection, size: usize) {
 
 async fn peer_batch(b: &PeerHandle, size: usize) {
     let mut set = tokio::task::JoinSet::new();
-    for _ in 0..CONCURRENCY {
+    for _ in 0..concurrency() {
         let b = b.clone();
         set.spawn(async move {
             b.fetch(&id(size), Duration::from_secs(10))
@@ -338,7 +364,7 @@ async fn peer_batch(b: &PeerHandle, size: usize) {
 }
 
 async fn tcp_batch(s: &mut tokio::net::TcpStream, buf: &mut [u8], size: usize) {
-    for _ in 0..CONCURRENCY {
+    for _ in 0..concurrency() {
         s.write_all(&(size as u64).to_le_bytes())
             .await
             .expect("write");
@@ -419,12 +445,12 @@ impl Redis {
         }
     }
 
-    /// `CONCURRENCY` GETs of the chunk of `size`, one after the other (the
+    /// `concurrency()` GETs of the chunk of `size`, one after the other (the
     /// TCP path's pattern), each read into `buf`.
     fn get_batch(&mut self, size: usize, buf: &mut [u8]) {
         use std::io::{BufRead, Read, Write};
         let key = format!("chunk-{size}");
-        for _ in 0..CONCURRENCY {
+        for _ in 0..concurrency() {
             write!(
                 self.conn.get_mut(),
                 "*2\r\n$3\r\nGET\r\n${}\r\n{key}\r\n",
@@ -489,7 +515,7 @@ fn bench(c: &mut Criterion) {
         g.warm_up_time(Duration::from_millis(500));
         g.measurement_time(Duration::from_secs(2));
         for size in SIZES {
-            g.throughput(Throughput::Bytes((size * CONCURRENCY) as u64));
+            g.throughput(Throughput::Bytes((size * concurrency()) as u64));
             g.bench_with_input(BenchmarkId::new("raw_quinn", size), &size, |bch, &s| {
                 bch.iter(|| st.rt.block_on(raw_batch(&st.raw, s)));
             });
@@ -509,8 +535,11 @@ fn bench(c: &mut Criterion) {
 
     // Summary: alternate the paths, median GB/s over rounds, and ratios.
     println!(
-        "\npeer fetch summary ({} tuning, {CONCURRENCY} streams in flight, {SUMMARY_ROUNDS} rounds of {} MiB per path, median; load average {} at start):",
+        "\npeer fetch summary ({} tuning, {} streams in flight, {} fetch connection(s), {} workers, {SUMMARY_ROUNDS} rounds of {} MiB per path, median; load average {} at start):",
         tuning_name(),
+        concurrency(),
+        env_count("KVTIER_BENCH_PEER_CONNS", 1),
+        env_count("KVTIER_BENCH_WORKERS", 2),
         SUMMARY_BYTES >> 20,
         loadavg()
     );
@@ -531,8 +560,8 @@ fn bench(c: &mut Criterion) {
         "CPU-s/GB raw/peer/dflt"
     );
     for size in SIZES {
-        let iters = (SUMMARY_BYTES / (size * CONCURRENCY)).max(1);
-        let bytes = (iters * size * CONCURRENCY) as f64;
+        let iters = (SUMMARY_BYTES / (size * concurrency())).max(1);
+        let bytes = (iters * size * concurrency()) as f64;
         let (mut raw, mut peer, mut dflt, mut tcpv, mut redv) =
             (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
         for _ in 0..SUMMARY_ROUNDS {

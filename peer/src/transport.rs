@@ -21,7 +21,7 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
@@ -213,6 +213,9 @@ impl TransportTuning {
     }
 }
 
+/// Most [`PeerConfig::fetch_connections`] per peer.
+pub const MAX_FETCH_CONNECTIONS: u32 = 16;
+
 /// Peer configuration (the node maps its own config onto this).
 #[derive(Debug, Clone)]
 pub struct PeerConfig {
@@ -240,6 +243,11 @@ pub struct PeerConfig {
     pub backoff_max: Duration,
     /// Concurrent fetches per peer (requester side). Default: 16.
     pub max_fetches_per_peer: u32,
+    /// QUIC connections per peer that carry fetches: the control connection
+    /// plus `fetch_connections - 1` fetch-only ones dialed after it, used in
+    /// turn. Each connection is driven by its own task, so on hosts with
+    /// cores to spare several spread the packet and crypto work. Default: 1.
+    pub fetch_connections: u32,
     /// Bytes per second served to one peer; 0 = unlimited. Default: 0.
     pub serve_rate_limit: u64,
     /// Flush a delta when this many changes are pending. Default: 1024.
@@ -266,6 +274,7 @@ impl Default for PeerConfig {
             backoff_base: Duration::from_millis(100),
             backoff_max: Duration::from_secs(5),
             max_fetches_per_peer: 16,
+            fetch_connections: 1,
             serve_rate_limit: 0,
             delta_max_batch: 1024,
             delta_max_delay: Duration::from_millis(5),
@@ -294,6 +303,12 @@ impl PeerConfig {
         }
         if self.max_fetches_per_peer == 0 {
             return bad("max-fetches-per-peer must be at least 1".into());
+        }
+        if !(1..=MAX_FETCH_CONNECTIONS).contains(&self.fetch_connections) {
+            return bad(format!(
+                "fetch-connections must be 1 to {MAX_FETCH_CONNECTIONS}, not {}",
+                self.fetch_connections
+            ));
         }
         if self.backoff_base.is_zero() || self.backoff_base > self.backoff_max {
             return bad("backoff-base must be > 0 and <= backoff-max".into());
@@ -399,13 +414,17 @@ pub struct PeerStatus {
     pub fetches_failed: u64,
     /// Successful connects so far.
     pub connects: u64,
+    /// Open QUIC connections that carry fetches (the control connection
+    /// plus fetch-only ones; 0 while disconnected).
+    pub connections: u32,
     /// Snapshots forced by gaps or resets.
     pub resyncs: u64,
 }
 
-#[derive(Default)]
+/// What one requesting peer has been served, over all its connections.
 struct ServeStats {
     bytes: AtomicU64,
+    limiter: RateLimiter,
 }
 
 /// One configured peer.
@@ -414,6 +433,11 @@ struct Slot {
     seed: String,
     name: RwLock<Option<Arc<str>>>,
     conn: RwLock<Option<Connection>>,
+    /// Fetch-only connections to the same peer (see
+    /// [`PeerConfig::fetch_connections`]); emptied when the link drops.
+    extra: RwLock<Vec<Connection>>,
+    /// Round-robin position over `conn` and `extra`.
+    next_conn: AtomicUsize,
     health: Mutex<PeerHealth>,
     sync: Mutex<RemoteSync>,
     namespaces: Mutex<Vec<(PeerNamespace, Vec<u8>)>>,
@@ -530,6 +554,8 @@ impl PeerHandle {
                     seed: seed.clone(),
                     name: RwLock::new(None),
                     conn: RwLock::new(None),
+                    extra: RwLock::new(Vec::new()),
+                    next_conn: AtomicUsize::new(0),
                     health: Mutex::new(PeerHealth::new(health)),
                     sync: Mutex::new(RemoteSync::new()),
                     namespaces: Mutex::new(Vec::new()),
@@ -778,6 +804,15 @@ impl PeerHandle {
                     fetches_ok: s.fetches_ok.load(Ordering::Relaxed),
                     fetches_failed: s.fetches_failed.load(Ordering::Relaxed),
                     connects: s.connects.load(Ordering::Relaxed),
+                    connections: s.conn.read().as_ref().map_or(0, |_| {
+                        let live = s
+                            .extra
+                            .read()
+                            .iter()
+                            .filter(|c| c.close_reason().is_none())
+                            .count();
+                        1 + live as u32
+                    }),
                     resyncs: sync.gaps(),
                 }
             })
@@ -999,9 +1034,13 @@ async fn serve_conn(shared: Arc<Shared>, conn: Connection) {
         .served
         .lock()
         .entry(label.clone())
-        .or_default()
+        .or_insert_with(|| {
+            Arc::new(ServeStats {
+                bytes: AtomicU64::new(0),
+                limiter: RateLimiter::new(shared.cfg.serve_rate_limit),
+            })
+        })
         .clone();
-    let limiter = Arc::new(RateLimiter::new(shared.cfg.serve_rate_limit));
     let mut shutdown = shared.shutdown.subscribe();
     loop {
         let (send, recv) = tokio::select! {
@@ -1016,11 +1055,10 @@ async fn serve_conn(shared: Arc<Shared>, conn: Connection) {
         };
         let s2 = shared.clone();
         let st = stats.clone();
-        let lim = limiter.clone();
         let cn = cert_name.clone();
         let lb = label.clone();
         tokio::spawn(async move {
-            if let Err(e) = serve_stream(s2, send, recv, cn, st, lim).await {
+            if let Err(e) = serve_stream(s2, send, recv, cn, st).await {
                 tracing::debug!(peer = %lb, error = %e, "peer stream ended");
             }
         });
@@ -1033,13 +1071,12 @@ async fn serve_stream(
     mut recv: RecvStream,
     cert_name: Option<String>,
     stats: Arc<ServeStats>,
-    limiter: Arc<RateLimiter>,
 ) -> Result<(), StreamErr> {
     let first = tokio::time::timeout(shared.cfg.connect_timeout, read_frame(&mut recv))
         .await
         .map_err(|_| StreamErr::Io("no request within the timeout".into()))??;
     match first {
-        Message::FetchRequest { id } => serve_fetch(&shared, send, id, &stats, &limiter).await,
+        Message::FetchRequest { id } => serve_fetch(&shared, send, id, &stats).await,
         Message::Hello {
             node_name, cluster, ..
         } => {
@@ -1116,8 +1153,8 @@ async fn serve_fetch(
     mut send: SendStream,
     id: PeerChunkId,
     stats: &ServeStats,
-    limiter: &RateLimiter,
 ) -> Result<(), StreamErr> {
+    let limiter = &stats.limiter;
     let got = shared.source.read(&id).await;
     let reply = |status, len, crc| Message::FetchReply {
         status,
@@ -1211,7 +1248,18 @@ async fn link_loop(shared: Arc<Shared>, slot: Arc<Slot>) {
         match connect(&shared, &slot).await {
             Ok(Some((conn, send, recv))) => {
                 backoff.reset();
+                let _extras = (shared.cfg.fetch_connections > 1).then(|| {
+                    AbortOnDrop(tokio::spawn(dial_extra(
+                        shared.clone(),
+                        slot.clone(),
+                        conn.remote_address(),
+                    )))
+                });
                 run_link(&shared, &slot, &conn, send, recv).await;
+                drop(_extras);
+                for c in std::mem::take(&mut *slot.extra.write()) {
+                    c.close(VarInt::from_u32(0), b"link closed");
+                }
                 conn.close(VarInt::from_u32(0), b"link closed");
                 *slot.conn.write() = None;
                 slot.health.lock().on_disconnected();
@@ -1327,6 +1375,56 @@ async fn connect(shared: &Arc<Shared>, slot: &Slot) -> Result<Option<Link>, Stri
     Ok(Some((conn, send, recv)))
 }
 
+/// Dials the fetch-only connections of `slot` (all but its control
+/// connection) to `addr`, checking that each certificate names the peer the
+/// control connection said hello to. A failure is logged and leaves fetches
+/// on the connections made so far.
+async fn dial_extra(shared: Arc<Shared>, slot: Arc<Slot>, addr: SocketAddr) {
+    let want = slot.name.read().clone();
+    for _ in 1..shared.cfg.fetch_connections {
+        let dial = async {
+            shared
+                .endpoint
+                .connect_with(shared.client_cfg.clone(), addr, "kvtier-peer")
+                .map_err(|e| e.to_string())?
+                .await
+                .map_err(|e| e.to_string())
+        };
+        let conn = match tokio::time::timeout(shared.cfg.connect_timeout, dial).await {
+            Ok(Ok(c)) => c,
+            Ok(Err(e)) => {
+                tracing::debug!(peer = %slot.label(), error = %e, "extra fetch connection failed");
+                return;
+            }
+            Err(_) => {
+                tracing::debug!(peer = %slot.label(), "extra fetch connection timed out");
+                return;
+            }
+        };
+        if !shared.insecure && conn_name(&conn).as_deref() != want.as_deref() {
+            tracing::warn!(peer = %slot.label(), cert = ?conn_name(&conn), "extra fetch connection: certificate names another node; not used");
+            conn.close(VarInt::from_u32(0), b"name mismatch");
+            return;
+        }
+        slot.extra.write().push(conn);
+    }
+}
+
+/// The connection for the next fetch from `slot`: the control connection
+/// and the fetch-only ones in turn (a closed one is passed over).
+fn pick_conn(slot: &Slot) -> Option<Connection> {
+    let main = slot.conn.read().clone()?;
+    let extra = slot.extra.read();
+    if extra.is_empty() {
+        return Some(main);
+    }
+    let i = slot.next_conn.fetch_add(1, Ordering::Relaxed) % (extra.len() + 1);
+    match extra.get(i.wrapping_sub(1)) {
+        Some(c) if c.close_reason().is_none() => Some(c.clone()),
+        _ => Some(main),
+    }
+}
+
 async fn run_link(
     shared: &Arc<Shared>,
     slot: &Slot,
@@ -1431,11 +1529,7 @@ async fn fetch_from(
         .acquire()
         .await
         .map_err(|_| FetchError::ShuttingDown)?;
-    let conn = slot
-        .conn
-        .read()
-        .clone()
-        .ok_or_else(|| tr("not connected".into()))?;
+    let conn = pick_conn(slot).ok_or_else(|| tr("not connected".into()))?;
     let (mut send, mut recv) = conn.open_bi().await.map_err(|e| tr(e.to_string()))?;
     send.write_all(&frame::encode(&Message::FetchRequest { id: *id }))
         .await

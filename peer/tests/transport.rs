@@ -333,6 +333,72 @@ async fn sync_and_fetch_byte_exact() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fetches_spread_over_several_connections_byte_exact() {
+    let c = Cluster::new("prod");
+    let a = start(c.node("node-a"), fast_cfg(vec![]));
+    let b = start(
+        c.node("node-b"),
+        PeerConfig {
+            fetch_connections: 3,
+            ..fast_cfg(vec![a.addr.to_string()])
+        },
+    );
+    let chunks: Vec<_> = (0..24u8)
+        .map(|i| {
+            let p = payload((64 << 10) * (1 + usize::from(i % 5)), i);
+            a.source.insert(id(i), p.clone());
+            a.handle.local_added(id(i), p.len() as u64);
+            (i, p)
+        })
+        .collect();
+    poll(
+        "every chunk at B, three connections",
+        Duration::from_secs(10),
+        || {
+            let st = b.handle.peers();
+            (chunks
+                .iter()
+                .all(|(i, _)| !b.handle.holders(&id(*i)).is_empty())
+                && st[0].connections == 3)
+                .then_some(())
+        },
+    )
+    .await;
+    // All in flight at once, over the three connections in turn.
+    let mut set = tokio::task::JoinSet::new();
+    for (i, p) in chunks.clone() {
+        let h = b.handle.clone();
+        set.spawn(async move { (h.fetch(&id(i), Duration::from_secs(5)).await, p) });
+    }
+    while let Some(r) = set.join_next().await {
+        let (got, want) = r.expect("join");
+        assert_eq!(got.expect("fetch"), want, "byte-exact");
+    }
+    let st = b.handle.peers();
+    assert_eq!(st[0].fetches_ok, chunks.len() as u64);
+    assert_eq!(st[0].fetches_failed, 0);
+    // When the peer goes away, every connection to it goes too.
+    a.handle.shutdown(Duration::from_secs(2)).await;
+    poll("no connection left at B", Duration::from_secs(10), || {
+        (b.handle.peers()[0].connections == 0).then_some(())
+    })
+    .await;
+    b.handle.shutdown(Duration::from_secs(2)).await;
+}
+
+#[test]
+fn fetch_connections_out_of_range_are_refused() {
+    for n in [0, peer::MAX_FETCH_CONNECTIONS + 1] {
+        let cfg = PeerConfig {
+            fetch_connections: n,
+            ..PeerConfig::default()
+        };
+        let e = cfg.validate(false).expect_err("refused").to_string();
+        assert!(e.contains("fetch-connections"), "{e}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn corrupt_payload_is_rejected() {
     let c = Cluster::new("prod");
     let (a, b) = pair(&c);
