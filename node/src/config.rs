@@ -275,7 +275,7 @@ pub struct NodeConfig {
     /// QUIC connections to each peer that carry fetches (the control
     /// connection and `peer-fetch-connections - 1` fetch-only ones), 1 to
     /// 16. More spread a restore's packet and crypto work over more cores.
-    /// Default: 1.
+    /// Default: 4.
     pub peer_fetch_connections: u32,
 }
 
@@ -450,7 +450,7 @@ impl NodeConfig {
             peer_suspect_after: HumanDuration::secs(1),
             peer_down_after: HumanDuration::secs(3),
             peer_serve_rate: ByteSize(0),
-            peer_fetch_connections: 1,
+            peer_fetch_connections: 4,
             peer_admit: true,
         }
     }

@@ -26,7 +26,8 @@
 //!
 //! Scale: `KVTIER_BENCH_STREAMS` (chunks in flight per iteration, default
 //! 4), `KVTIER_BENCH_PEER_CONNS` (the requester's
-//! `PeerConfig::fetch_connections`, default 1) and `KVTIER_BENCH_WORKERS`
+//! `PeerConfig::fetch_connections`, default 1: the raw quinn baseline is
+//! one connection too) and `KVTIER_BENCH_WORKERS`
 //! (tokio worker threads shared by both nodes and the baselines, default
 //! 2). The TCP and Redis baselines stay one connection, one request at a
 //! time.

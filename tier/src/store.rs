@@ -623,31 +623,39 @@ impl ChunkStore {
         tiers: &mut Vec<Option<Tier>>,
     ) -> usize {
         thread_local! {
-            static SCRATCH: std::cell::RefCell<(Vec<bool>, Vec<bool>)> =
-                const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
+            static SCRATCH: std::cell::RefCell<(Vec<bool>, Vec<bool>, Vec<ChunkKey>)> =
+                const { std::cell::RefCell::new((Vec::new(), Vec::new(), Vec::new())) };
         }
         let _g = self.inner.gate.read();
-        SCRATCH.with_borrow_mut(|(on_disk, in_ram)| {
-            match &self.inner.disk {
-                Some(d) => d.index.read().contains_batch(&ns, group, keys, on_disk),
-                None => {
-                    on_disk.clear();
-                    on_disk.resize(keys.len(), false);
-                }
-            }
+        SCRATCH.with_borrow_mut(|(in_ram, on_disk, rest)| {
+            // RAM first: it is the smaller table, and a key found there
+            // needs no probe of the disk index.
             self.inner.ram.contains_keys(&ns, group, keys, in_ram);
             tiers.clear();
-            tiers.extend(in_ram.iter().zip(on_disk.iter()).map(|(&ram, &disk)| {
-                if ram {
-                    Some(Tier::Ram)
-                } else {
-                    disk.then_some(Tier::Disk)
+            tiers.extend(in_ram.iter().map(|&r| r.then_some(Tier::Ram)));
+            if let Some(d) = &self.inner.disk {
+                rest.clear();
+                rest.extend(
+                    keys.iter()
+                        .zip(in_ram.iter())
+                        .filter(|(_, r)| !**r)
+                        .map(|(k, _)| *k),
+                );
+                if !rest.is_empty() {
+                    d.index.read().contains_batch(&ns, group, rest, on_disk);
+                    let mut found = on_disk.iter();
+                    for t in tiers.iter_mut().filter(|t| t.is_none()) {
+                        if found.next().copied().unwrap_or(false) {
+                            *t = Some(Tier::Disk);
+                        }
+                    }
                 }
-            }));
+            }
             // Keep the scratch space of a huge batch from staying around.
             const KEEP: usize = 1 << 16;
             on_disk.shrink_to(KEEP);
             in_ram.shrink_to(KEEP);
+            rest.shrink_to(KEEP);
         });
         tiers.iter().take_while(|t| t.is_some()).count()
     }

@@ -45,10 +45,7 @@ fn config(dir: &std::path::Path) -> TierConfig {
 }
 
 fn id(ns: tier::Namespace, n: u64) -> ChunkId {
-    let mut key = [0u8; 32];
-    key[..8].copy_from_slice(&n.wrapping_mul(0x9e37_79b9_7f4a_7c15).to_le_bytes());
-    key[8..16].copy_from_slice(&n.to_le_bytes());
-    ChunkId::new(ns, ChunkKey(key), (n % 3) as u16)
+    ChunkId::new(ns, id_ns_key(n), (n % 3) as u16)
 }
 
 fn payload(n: u64, len: usize) -> Bytes {
@@ -148,6 +145,66 @@ fn miss_performs_zero_disk_io_and_lookup_prefix_reports_tiers() {
         "misses and lookups must not touch the device"
     );
     assert_eq!(s.stats().misses, 2001);
+}
+
+#[test]
+fn lookup_prefix_reports_each_keys_tier_in_any_interleaving() {
+    let dir = tempfile::tempdir().unwrap();
+    let ns;
+    // Group 0 only: n multiple of 3. Disk-only 0..30, RAM-only 300..330,
+    // absent 3000..3030.
+    let key = |n: u64| id_ns_key(n);
+    {
+        let s = ChunkStore::open(config(dir.path())).unwrap();
+        ns = s.register_namespace(&record(0)).unwrap();
+        for n in (0..30).step_by(3) {
+            s.put(ChunkId::new(ns, key(n), 0), payload(n, 512)).unwrap();
+        }
+        s.flush().unwrap();
+    }
+    let s = ChunkStore::open(config(dir.path())).unwrap();
+    for n in (300..330).step_by(3) {
+        s.put(ChunkId::new(ns, key(n), 0), payload(n, 512)).unwrap();
+    }
+    // A disk hit is promoted: then it is found in RAM.
+    assert!(s.get(&ChunkId::new(ns, key(6), 0)).is_some());
+    let expect = |n: u64| match n {
+        6 => Some(Tier::Ram),
+        0..30 => Some(Tier::Disk),
+        300..330 => Some(Tier::Ram),
+        _ => None,
+    };
+    let mut order: Vec<u64> = (0..30)
+        .step_by(3)
+        .flat_map(|i| [i, 300 + i, 3000 + i])
+        .collect();
+    let mut tiers = Vec::new();
+    for round in 0..4 {
+        let keys: Vec<ChunkKey> = order.iter().map(|&n| key(n)).collect();
+        let prefix = s.lookup_prefix(ns, 0, &keys, &mut tiers);
+        let want: Vec<_> = order.iter().map(|&n| expect(n)).collect();
+        assert_eq!(tiers, want, "round {round}, order {order:?}");
+        assert_eq!(prefix, want.iter().take_while(|t| t.is_some()).count());
+        // Another interleaving: rotate and reverse.
+        order.rotate_left(7);
+        if round % 2 == 1 {
+            order.reverse();
+        }
+    }
+    // Present-only prefixes: disk then RAM keys, then a miss.
+    let keys: Vec<ChunkKey> = [0u64, 303, 9, 306, 3003].iter().map(|&n| key(n)).collect();
+    assert_eq!(s.lookup_prefix(ns, 0, &keys, &mut tiers), 4);
+    // Another group sees none of them.
+    assert_eq!(s.lookup_prefix(ns, 1, &keys, &mut tiers), 0);
+    assert!(tiers.iter().all(Option::is_none));
+}
+
+/// The key of `id(_, n)` (its group aside).
+fn id_ns_key(n: u64) -> ChunkKey {
+    let mut key = [0u8; 32];
+    key[..8].copy_from_slice(&n.wrapping_mul(0x9e37_79b9_7f4a_7c15).to_le_bytes());
+    key[8..16].copy_from_slice(&n.to_le_bytes());
+    ChunkKey(key)
 }
 
 #[test]
