@@ -23,7 +23,7 @@ use peer::{
     ChunkBytes, ChunkSource, FetchError, PeerChunkId, PeerConfig, PeerHandle, PeerNamespace,
     PeerStatus, SourceFuture, TransportTuning,
 };
-use tier::{ChunkId, ChunkKey, ChunkObserver, ChunkStore, Namespace};
+use tier::{ChunkId, ChunkKey, ChunkObserver, ChunkStore, GroupId, Namespace};
 
 use crate::error::NodeError;
 
@@ -61,11 +61,11 @@ impl ChunkSource for StoreSource {
         })
     }
 
-    fn snapshot(&self) -> Vec<(PeerChunkId, u64)> {
+    fn snapshot(&self) -> Vec<(PeerChunkId, u64, bool)> {
         self.store
-            .ids()
+            .ids_with_tier()
             .into_iter()
-            .map(|(id, len)| (to_peer(&id), len))
+            .map(|(id, len, ram)| (to_peer(&id), len, ram))
             .collect()
     }
 
@@ -90,6 +90,9 @@ impl ChunkObserver for AvailabilityFeed {
     }
     fn removed(&self, id: &ChunkId) {
         self.handle.local_removed(to_peer(id));
+    }
+    fn in_ram(&self, id: &ChunkId, in_ram: bool) {
+        self.handle.local_ram(to_peer(id), in_ram);
     }
 }
 
@@ -213,6 +216,17 @@ impl Cluster {
     pub fn available(&self, ids: &[ChunkId]) -> Vec<bool> {
         let p: Vec<PeerChunkId> = ids.iter().map(to_peer).collect();
         self.handle.available(&p)
+    }
+
+    /// How many of `keys` (in order, namespace `ns`, `group`) are in RAM on
+    /// the live peers whose engine registered `ns` (those that publish its
+    /// record): the longest such prefix. From the directory; no RPC.
+    pub fn ram_prefix(&self, ns: Namespace, group: GroupId, keys: &[ChunkKey]) -> usize {
+        let p: Vec<PeerChunkId> = keys
+            .iter()
+            .map(|k| to_peer(&ChunkId::new(ns, *k, group)))
+            .collect();
+        self.handle.ram_prefix(PeerNamespace(ns.0), &p)
     }
 
     /// Fetches `id` from a holder within the fetch timeout (verified by the

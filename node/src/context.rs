@@ -258,8 +258,10 @@ impl NodeContext {
     /// anywhere in the cluster and the RAM-resident prefix on the rank's node.
     /// Without peers, only this node's store is consulted. With peers, the
     /// prefix counts keys held by any up peer (from the in-RAM directory, no
-    /// RPC); `ram_prefix` is what this node holds in RAM (the directory does
-    /// not track where a peer keeps a chunk).
+    /// RPC), and the rank's node is any node whose engine registered the
+    /// rank's namespace: this one (its RAM) and the live peers publishing
+    /// the namespace's record (their RAM residency travels with the
+    /// availability sync); `ram_prefix` is the longest of those.
     pub fn cluster_lookup(
         &self,
         record: &NamespaceRecord,
@@ -272,8 +274,13 @@ impl NodeContext {
         for &rank in ranks {
             let ns = record.with_rank(rank).id();
             let mut prefix = self.store.lookup_prefix(ns, group, keys, &mut tiers);
-            let ram_prefix = tiers.iter().take_while(|t| **t == Some(Tier::Ram)).count();
-            if self.cluster.is_some() {
+            let mut ram_prefix = tiers.iter().take_while(|t| **t == Some(Tier::Ram)).count();
+            if let Some(c) = &self.cluster {
+                if self.store.namespace_record(&ns).is_none() {
+                    // Not this node's rank: its RAM says nothing about it.
+                    ram_prefix = 0;
+                }
+                ram_prefix = ram_prefix.max(c.ram_prefix(ns, group, keys));
                 let mut locs: Vec<Option<Location>> =
                     tiers.iter().map(|t| t.map(Location::from)).collect();
                 prefix = self.with_peers(ns, group, keys, &mut locs);

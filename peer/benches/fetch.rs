@@ -108,10 +108,10 @@ impl ChunkSource for Source {
             .map(|(_, c)| c.clone());
         Box::pin(async move { c })
     }
-    fn snapshot(&self) -> Vec<(PeerChunkId, u64)> {
+    fn snapshot(&self) -> Vec<(PeerChunkId, u64, bool)> {
         self.chunks
             .iter()
-            .map(|(k, c)| (*k, c.payload.len() as u64))
+            .map(|(k, c)| (*k, c.payload.len() as u64, true))
             .collect()
     }
     fn namespace_records(&self) -> Vec<(PeerNamespace, Vec<u8>)> {

@@ -5,14 +5,15 @@
 //!
 //! | field   | bytes | why |
 //! |---------|------:|-----|
-//! | fingerprint | 16 | 128-bit mix of (namespace, key, group) |
+//! | fingerprint | 12 | 96-bit mix of (namespace, key, group) |
 //! | holders | 4 | bitmask of peer slots (≤ [`MAX_SLOTS`]) |
+//! | ram     | 4 | bitmask of the holders whose copy is in their RAM |
 //! | len     | 4 | payload length, saturated at `u32::MAX` (stats only) |
 //!
 //! 24 bytes in a hashbrown table (+1 control byte, load factor ≤ 7/8, power
 //! of two buckets) is 27–55 bytes per entry depending on where the count
 //! falls between two table sizes; `directory_memory_per_entry` in the tests
-//! measures it for 1M entries. A fingerprint collision (≈ 2⁻⁶⁴ per pair)
+//! measures it for 1M entries. A fingerprint collision (≈ 2⁻⁹⁶ per pair)
 //! can only make a peer look like a holder of a chunk it lacks: the fetch
 //! then verifies the id and the payload CRC and turns it into a miss.
 
@@ -27,8 +28,17 @@ use crate::proto::msg::Op;
 /// Most peer slots one directory tracks.
 pub const MAX_SLOTS: usize = 32;
 
-/// A 128-bit fingerprint of a chunk id.
-pub type Fingerprint = [u64; 2];
+/// A 96-bit fingerprint of a chunk id (12 bytes, 4-byte aligned, so a
+/// table entry stays 24 bytes with the RAM mask).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Fingerprint([u32; 3]);
+
+impl std::hash::Hash for Fingerprint {
+    fn hash<H: Hasher>(&self, h: &mut H) {
+        // Uniform already: the first 64 bits are the hash.
+        h.write_u64(u64::from(self.0[0]) | u64::from(self.0[1]) << 32);
+    }
+}
 
 #[inline]
 fn fmix(mut k: u64) -> u64 {
@@ -61,7 +71,7 @@ pub fn fingerprint(id: &PeerChunkId) -> Fingerprint {
         a = fmix(a ^ x);
         b = fmix(b ^ x.rotate_left(17 + i as u32));
     }
-    [a, b]
+    Fingerprint([a as u32, (a >> 32) as u32, b as u32])
 }
 
 /// Hasher for fingerprints: they are uniform already, take the first word.
@@ -78,15 +88,15 @@ impl Hasher for FpHasher {
         }
     }
     fn write_u64(&mut self, v: u64) {
-        if self.0 == 0 {
-            self.0 = v;
-        }
+        self.0 = v;
     }
 }
 
 #[derive(Clone, Copy)]
 struct Entry {
     holders: u32,
+    /// Subset of `holders` whose copy is in their RAM.
+    ram: u32,
     len: u32,
 }
 
@@ -170,8 +180,11 @@ impl Directory {
                 Op::Add(id, len) => {
                     let e = map.entry(fingerprint(&id)).or_insert(Entry {
                         holders: 0,
+                        ram: 0,
                         len: u32::try_from(len).unwrap_or(u32::MAX),
                     });
+                    // A chunk arrives through RAM (see `Op::Add`).
+                    e.ram |= bit;
                     if e.holders & bit == 0 {
                         e.holders |= bit;
                         st.chunks += 1;
@@ -182,6 +195,7 @@ impl Directory {
                 Op::Remove(id) => {
                     let fp = fingerprint(&id);
                     if let Some(e) = map.get_mut(&fp) {
+                        e.ram &= !bit;
                         if e.holders & bit != 0 {
                             e.holders &= !bit;
                             st.chunks -= 1;
@@ -195,6 +209,17 @@ impl Directory {
                         }
                         if e.holders == 0 {
                             map.remove(&fp);
+                        }
+                    }
+                }
+                Op::Ram(id, in_ram) => {
+                    if let Some(e) = map.get_mut(&fingerprint(&id))
+                        && e.holders & bit != 0
+                    {
+                        if in_ram {
+                            e.ram |= bit;
+                        } else {
+                            e.ram &= !bit;
                         }
                     }
                 }
@@ -214,9 +239,27 @@ impl Directory {
         }
         g.map.retain(|_, e| {
             e.holders &= !bit;
+            e.ram &= !bit;
             e.holders != 0
         });
         g.slots[slot] = SlotStats::default();
+    }
+
+    /// How many of `ids`, in order, `slot` holds in its RAM (the length of
+    /// the leading run).
+    pub fn ram_prefix(&self, slot: usize, ids: &[PeerChunkId]) -> usize {
+        if slot >= MAX_SLOTS {
+            return 0;
+        }
+        let bit = 1u32 << slot;
+        let g = self.inner.read();
+        ids.iter()
+            .take_while(|id| {
+                g.map
+                    .get(&fingerprint(id))
+                    .is_some_and(|e| e.ram & bit != 0)
+            })
+            .count()
     }
 
     /// Totals for `slot`.
@@ -304,6 +347,38 @@ mod tests {
         // Out-of-range slot is ignored, never panics.
         d.add(MAX_SLOTS, &id(5, 1), 1);
         assert_eq!(d.holders(&id(5, 1)), 0);
+    }
+
+    #[test]
+    fn ram_bits_follow_adds_ram_ops_removes_and_clears() {
+        let d = Directory::new();
+        let ids: Vec<_> = (0..6).map(|i| id(i, 1)).collect();
+        for x in &ids {
+            d.add(2, x, 10);
+        }
+        assert_eq!(d.ram_prefix(2, &ids), 6, "an add is in RAM");
+        assert_eq!(d.ram_prefix(1, &ids), 0, "another slot holds nothing");
+        d.apply(2, [Op::Ram(ids[3], false)]);
+        assert_eq!(d.ram_prefix(2, &ids), 3);
+        // A RAM op for a chunk the slot does not hold changes nothing.
+        d.apply(1, [Op::Ram(ids[3], true)]);
+        assert_eq!(d.ram_prefix(2, &ids), 3);
+        assert_eq!(d.ram_prefix(1, &ids), 0);
+        d.apply(2, [Op::Ram(ids[3], true), Op::Ram(ids[0], false)]);
+        assert_eq!(d.ram_prefix(2, &ids), 0);
+        assert_eq!(d.ram_prefix(2, &ids[1..]), 5);
+        // Another holder of the same chunk keeps its own bit.
+        d.add(5, &ids[1], 10);
+        d.apply(2, [Op::Remove(ids[1])]);
+        assert_eq!(d.ram_prefix(2, &ids[1..]), 0);
+        assert_eq!(d.ram_prefix(5, &ids[1..]), 1);
+        // Re-adding is in RAM again; clearing the slot forgets the bits.
+        d.add(2, &ids[1], 10);
+        assert_eq!(d.ram_prefix(2, &ids[1..]), 5);
+        d.clear_slot(2);
+        assert_eq!(d.ram_prefix(2, &ids[1..]), 0);
+        assert_eq!(d.ram_prefix(5, &ids[1..]), 1);
+        assert_eq!(d.ram_prefix(MAX_SLOTS, &ids), 0);
     }
 
     #[test]

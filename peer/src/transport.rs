@@ -50,9 +50,10 @@ pub trait ChunkSource: Send + Sync + 'static {
     /// CRC32C (`None` if not held or unreadable). Must not block the
     /// calling task (disk reads belong on the tier's I/O threads).
     fn read(&self, id: &PeerChunkId) -> SourceFuture;
-    /// Every chunk held locally (RAM or disk) with its payload length.
-    /// Called on a blocking thread when a peer subscribes.
-    fn snapshot(&self) -> Vec<(PeerChunkId, u64)>;
+    /// Every chunk held locally (RAM or disk) with its payload length and
+    /// whether it is in RAM. Called on a blocking thread when a peer
+    /// subscribes.
+    fn snapshot(&self) -> Vec<(PeerChunkId, u64, bool)>;
     /// Namespace records (opaque JSON bytes) of the namespaces held here.
     fn namespace_records(&self) -> Vec<(PeerNamespace, Vec<u8>)>;
 }
@@ -620,30 +621,32 @@ impl PeerHandle {
         &self.shared.cluster
     }
 
-    /// Records that this node now holds `id` (cheap; batched into deltas).
+    /// Records that this node now holds `id`, in RAM (cheap; batched into
+    /// deltas).
     pub fn local_added(&self, id: PeerChunkId, len: u64) {
-        let full = {
-            let mut p = self.shared.publisher.lock();
-            p.added(id, len, Instant::now());
-            // Wake the flusher for the first change (it then sleeps until the
-            // batch deadline) and for a full batch.
-            p.batch_full() || p.pending() == 1
-        };
-        if full {
-            self.shared.flush_now.notify_one();
-        }
+        self.publish(|p, now| p.added(id, len, now));
     }
 
     /// Records that this node no longer holds `id`.
     pub fn local_removed(&self, id: PeerChunkId) {
-        let full = {
+        self.publish(|p, now| p.removed(id, now));
+    }
+
+    /// Records that this node's copy of `id` entered (`true`) or left its
+    /// RAM (for the per-rank RAM prefix of peers' cluster lookups).
+    pub fn local_ram(&self, id: PeerChunkId, in_ram: bool) {
+        self.publish(|p, now| p.ram(id, in_ram, now));
+    }
+
+    fn publish(&self, f: impl FnOnce(&mut Publisher, Instant)) {
+        let wake = {
             let mut p = self.shared.publisher.lock();
-            p.removed(id, Instant::now());
+            f(&mut p, Instant::now());
             // Wake the flusher for the first change (it then sleeps until the
             // batch deadline) and for a full batch.
             p.batch_full() || p.pending() == 1
         };
-        if full {
+        if wake {
             self.shared.flush_now.notify_one();
         }
     }
@@ -669,6 +672,24 @@ impl PeerHandle {
             .into_iter()
             .map(|m| m & live != 0)
             .collect()
+    }
+
+    /// How many of `ids` (in order, all of namespace `ns`) are in RAM on the
+    /// live peers that publish `ns`'s namespace record (the nodes whose
+    /// engine registered it): the longest such prefix over those peers.
+    /// 0 when no live peer publishes it. From the directory; no RPC.
+    pub fn ram_prefix(&self, ns: PeerNamespace, ids: &[PeerChunkId]) -> usize {
+        let now = Instant::now();
+        self.shared
+            .slots
+            .iter()
+            .filter(|s| {
+                s.health.lock().state(now) != PeerState::Down
+                    && s.namespaces.lock().iter().any(|(n, _)| *n == ns)
+            })
+            .map(|s| self.shared.directory.ram_prefix(s.index, ids))
+            .max()
+            .unwrap_or(0)
     }
 
     fn live_mask(&self) -> u32 {
@@ -1470,7 +1491,12 @@ async fn run_link(
                             SyncAction::Clear => shared.directory.clear_slot(slot.index),
                             SyncAction::Add(entries) => shared.directory.apply(
                                 slot.index,
-                                entries.into_iter().map(|(id, len)| crate::proto::Op::Add(id, len)),
+                                entries.into_iter().flat_map(|(id, len, ram)| {
+                                    // An add means "in RAM"; a snapshot says so per entry.
+                                    [Some(crate::proto::Op::Add(id, len)), (!ram).then_some(crate::proto::Op::Ram(id, false))]
+                                        .into_iter()
+                                        .flatten()
+                                }),
                             ),
                             SyncAction::Apply(ops) => shared.directory.apply(slot.index, ops),
                             SyncAction::RequestResync => {

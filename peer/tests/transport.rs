@@ -24,6 +24,8 @@ struct MemSource {
     corrupt: AtomicBool,
     /// Never answer reads (a stalled holder).
     stall: AtomicBool,
+    /// Held on "disk" only: the snapshot says not in RAM.
+    cold: Mutex<std::collections::HashSet<PeerChunkId>>,
 }
 
 impl MemSource {
@@ -52,11 +54,12 @@ impl ChunkSource for MemSource {
         })
     }
 
-    fn snapshot(&self) -> Vec<(PeerChunkId, u64)> {
+    fn snapshot(&self) -> Vec<(PeerChunkId, u64, bool)> {
+        let cold = self.cold.lock();
         self.chunks
             .lock()
             .iter()
-            .map(|(k, v)| (*k, v.len() as u64))
+            .map(|(k, v)| (*k, v.len() as u64, !cold.contains(k)))
             .collect()
     }
 
@@ -381,6 +384,51 @@ async fn fetches_spread_over_several_connections_byte_exact() {
     a.handle.shutdown(Duration::from_secs(2)).await;
     poll("no connection left at B", Duration::from_secs(10), || {
         (b.handle.peers()[0].connections == 0).then_some(())
+    })
+    .await;
+    b.handle.shutdown(Duration::from_secs(2)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ram_residency_travels_in_snapshots_and_deltas() {
+    let c = Cluster::new("prod");
+    let a_tls = c.node("node-a");
+    let a = start(a_tls.clone(), fast_cfg(vec![]));
+    let ids: Vec<PeerChunkId> = (0..8).map(id).collect();
+    // Before B subscribes: 0..4 in A's RAM, 4 only on A's disk.
+    for (i, x) in ids.iter().take(5).enumerate() {
+        a.source.insert(*x, payload(1000, i as u8));
+        a.handle.local_added(*x, 1000);
+    }
+    a.handle.local_ram(ids[4], false);
+    a.source.cold.lock().insert(ids[4]);
+    let b = start(c.node("node-b"), fast_cfg(vec![a.addr.to_string()]));
+    let ns = PeerNamespace([7; 16]);
+    // A publishes namespace [7; 16] (MemSource's record), so it is that
+    // namespace's node: B reads A's RAM prefix from its directory.
+    poll("snapshot at B", Duration::from_secs(10), || {
+        (b.handle.ram_prefix(ns, &ids) == 4).then_some(())
+    })
+    .await;
+    // Deltas: 4 enters RAM, 5 is added (in RAM), 2 leaves RAM.
+    a.handle.local_ram(ids[4], true);
+    a.source.insert(ids[5], payload(1000, 5));
+    a.handle.local_added(ids[5], 1000);
+    poll("4 and 5 in RAM at A", Duration::from_secs(5), || {
+        (b.handle.ram_prefix(ns, &ids) == 6).then_some(())
+    })
+    .await;
+    a.handle.local_ram(ids[2], false);
+    poll("2 left A's RAM", Duration::from_secs(5), || {
+        (b.handle.ram_prefix(ns, &ids) == 2).then_some(())
+    })
+    .await;
+    // Another namespace has no node among the peers: nothing in RAM there.
+    assert_eq!(b.handle.ram_prefix(PeerNamespace([8; 16]), &ids), 0);
+    // A down peer offers no RAM either.
+    a.handle.shutdown(Duration::from_secs(2)).await;
+    poll("A down at B", Duration::from_secs(10), || {
+        (b.handle.ram_prefix(ns, &ids) == 0).then_some(())
     })
     .await;
     b.handle.shutdown(Duration::from_secs(2)).await;

@@ -260,6 +260,71 @@ fn chunks_cross_nodes_and_dead_peers_become_fast_misses() {
 }
 
 #[test]
+fn cluster_lookup_reports_ram_on_each_ranks_own_node() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let ca = make_ca(dir.path(), "cluster", "test");
+    let ports = free_ports(2);
+    let a_tls = issue(dir.path(), &ca, "a");
+    let b_tls = issue(dir.path(), &ca, "b");
+    let a = start_node(dir.path(), "a", &a_tls, ports[0], &[ports[1]])
+        .unwrap_or_else(|e| panic!("{e}"));
+    let mut b = start_node(dir.path(), "b", &b_tls, ports[1], &[ports[0]])
+        .unwrap_or_else(|e| panic!("{e}"));
+    // Tensor parallelism, one rank per node: rank 0's engine on a, rank 1's
+    // on b, the same three keys each; a fourth key nobody has.
+    let (r0, r1) = (test_record(0), test_record(1));
+    let ns0 = a.client().hello(&r0).expect("HELLO");
+    let ns1 = b.client().hello(&r1).expect("HELLO");
+    let keys: Vec<ChunkKey> = (0..4).map(|i| chunk_bytes(40, i).0).collect();
+    for (i, k) in (0u32..).zip(&keys[..3]) {
+        put(&a, ns0, *k, &chunk_bytes(40, i).1);
+        put(&b, ns1, *k, &chunk_bytes(41, i).1);
+    }
+    // The scheduler on a asks for both ranks.
+    let ranks = |d: &Daemon| -> Vec<(u32, u32, u32)> {
+        let cl = d
+            .client()
+            .cluster_lookup(&r0, &[0, 1], 0, &keys)
+            .expect("CLUSTER_LOOKUP");
+        cl.ranks
+            .iter()
+            .map(|r| (r.rank, r.prefix, r.ram_prefix))
+            .collect()
+    };
+    let want = |w: Vec<(u32, u32, u32)>, what: &str| {
+        let mut last = Vec::new();
+        let t0 = Instant::now();
+        while t0.elapsed() < Duration::from_secs(15) {
+            last = ranks(&a);
+            if last == w {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        panic!("{what}: CLUSTER_LOOKUP on a says {last:?}, want {w:?}");
+    };
+    // Rank 1's three chunks are in b's RAM, which a knows from the sync.
+    want(vec![(0, 3, 3), (1, 3, 3)], "rank 1 in b's RAM");
+    // b restarts: its chunks are on its disk only, and its snapshot says so.
+    assert_eq!(b.client().flush().expect("FLUSH").failed, 0);
+    assert_eq!(b.stop_with(libc::SIGTERM).code(), Some(0), "{}", b.log());
+    b = start_node(dir.path(), "b", &b_tls, ports[1], &[ports[0]])
+        .unwrap_or_else(|e| panic!("restart b: {e}"));
+    want(vec![(0, 3, 3), (1, 3, 0)], "rank 1 on b's disk only");
+    // A read on b promotes the first chunk into its RAM; a hears of it.
+    let mut cb = b.client();
+    assert_eq!(cb.hello(&r1).expect("HELLO"), ns1);
+    assert_eq!(
+        cb.get_bytes(ns1, 0, keys[0]).expect("GET"),
+        Some(chunk_bytes(41, 0).1)
+    );
+    want(
+        vec![(0, 3, 3), (1, 3, 1)],
+        "rank 1's first chunk promoted on b",
+    );
+}
+
+#[test]
 fn a_node_from_another_ca_is_refused() {
     let dir = tempfile::tempdir().expect("temp dir");
     let ca = make_ca(dir.path(), "good", "test");

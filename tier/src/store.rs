@@ -179,10 +179,14 @@ pub struct GcReport {
 /// Receives availability changes (for the peer sync). Called synchronously
 /// on the mutating thread: implementations must be cheap and never block.
 pub trait ChunkObserver: Send + Sync {
-    /// A chunk became available on this node (RAM or disk).
+    /// A chunk became available on this node; it is in RAM (a chunk always
+    /// arrives through RAM).
     fn added(&self, id: &ChunkId, len: u64);
     /// A chunk is no longer available on this node.
     fn removed(&self, id: &ChunkId);
+    /// A chunk this node holds entered (`true`: a disk hit promoted) or
+    /// left (`false`: evicted, possibly on its way to disk) its RAM.
+    fn in_ram(&self, _id: &ChunkId, _in_ram: bool) {}
 }
 
 /// Live atomic groups: which chunks belong to which transaction.
@@ -718,21 +722,29 @@ impl ChunkStore {
     /// Every chunk id held (RAM or disk) with its payload length: the snapshot
     /// the peer sync publishes.
     pub fn ids(&self) -> Vec<(ChunkId, u64)> {
-        let mut out: HashMap<ChunkId, u64> = HashMap::new();
+        self.ids_with_tier()
+            .into_iter()
+            .map(|(id, len, _)| (id, len))
+            .collect()
+    }
+
+    /// [`ChunkStore::ids`] with whether each chunk is in RAM.
+    pub fn ids_with_tier(&self) -> Vec<(ChunkId, u64, bool)> {
+        let mut out: HashMap<ChunkId, (u64, bool)> = HashMap::new();
         if let Some(d) = &self.inner.disk {
             out.extend(
                 d.index
                     .read()
                     .iter()
-                    .map(|(id, l)| (*id, u64::from(l.payload_len))),
+                    .map(|(id, l)| (*id, (u64::from(l.payload_len), false))),
             );
         }
         for (id, _) in self.inner.ram.ids() {
             if let Some(e) = self.inner.ram.peek(&id) {
-                out.insert(id, e.data.len() as u64);
+                out.insert(id, (e.data.len() as u64, true));
             }
         }
-        out.into_iter().collect()
+        out.into_iter().map(|(id, (l, r))| (id, l, r)).collect()
     }
 
     /// Re-reads and checks every chunk on disk. `progress(done, total)` is
@@ -1070,8 +1082,17 @@ impl Inner {
     }
 
     fn handle_evicted(&self, evicted: Vec<Evicted>) {
+        let obs = if evicted.is_empty() {
+            None
+        } else {
+            self.observer()
+        };
         for e in evicted {
             self.counters.ram_evictions.fetch_add(1, Ordering::Relaxed);
+            // Before a possible `removed`: a peer applies both in order.
+            if let Some(o) = &obs {
+                o.in_ram(&e.id, false);
+            }
             if !e.entry.dirty {
                 self.lost(&e.id);
                 continue;
@@ -1150,6 +1171,9 @@ impl Inner {
                         .ram_insert(*id, stored_name, data.clone(), false, &mut ev)
                         .is_ok()
                     {
+                        if let Some(o) = self.observer() {
+                            o.in_ram(id, true);
+                        }
                         self.handle_evicted(ev);
                     }
                 }

@@ -20,7 +20,7 @@ use super::msg::Message;
 /// Frame magic.
 pub const MAGIC: [u8; 4] = *b"KVTP";
 /// Protocol version this build speaks.
-pub const VERSION: u8 = 1;
+pub const VERSION: u8 = 2;
 /// Frame header length.
 pub const HEADER_LEN: usize = 16;
 /// Largest frame body accepted (16 MiB); snapshots are split into parts
@@ -165,13 +165,18 @@ mod tests {
                 total: 3,
             },
             Message::SnapshotPart {
-                entries: vec![(sample_id(1), 10), (sample_id(2), 20)],
+                entries: vec![(sample_id(1), 10, true), (sample_id(2), 20, false)],
             },
             Message::SnapshotEnd { seq: 9 },
             Message::Delta {
                 epoch: 3,
                 seq: 4,
-                ops: vec![Op::Add(sample_id(3), 5), Op::Remove(sample_id(4))],
+                ops: vec![
+                    Op::Add(sample_id(3), 5),
+                    Op::Remove(sample_id(4)),
+                    Op::Ram(sample_id(5), false),
+                    Op::Ram(sample_id(6), true),
+                ],
             },
             Message::Resync,
             Message::Ping { nonce: 42 },
@@ -240,12 +245,15 @@ mod tests {
 
     #[test]
     fn wrong_version_and_magic() {
-        let mut f = encode(&Message::Resync);
-        f[4] = 2;
-        assert!(matches!(
-            decode(&f),
-            Err(DecodeError::Version { found: 2, .. })
-        ));
+        // Version 1 (no RAM residency) and a future version are refused.
+        for v in [1, VERSION + 1] {
+            let mut f = encode(&Message::Resync);
+            f[4] = v;
+            assert!(matches!(
+                decode(&f),
+                Err(DecodeError::Version { found, .. }) if found == v
+            ));
+        }
         let mut f = encode(&Message::Resync);
         f[0] = b'X';
         assert!(matches!(decode(&f), Err(DecodeError::BadMagic(_))));

@@ -7,10 +7,14 @@ use crate::id::{PeerChunkId, PeerNamespace};
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
 pub enum Op {
-    /// The sender now holds this chunk (payload length).
+    /// The sender now holds this chunk (payload length), in its RAM: a
+    /// chunk always arrives through RAM.
     Add(PeerChunkId, u64),
     /// The sender no longer holds this chunk.
     Remove(PeerChunkId),
+    /// The sender's copy of a chunk it holds entered (`true`) or left
+    /// (`false`) its RAM.
+    Ram(PeerChunkId, bool),
 }
 
 /// Outcome of a fetch as the holder reports it.
@@ -66,10 +70,10 @@ pub enum Message {
         /// Number of entries that follow in parts.
         total: u64,
     },
-    /// Some snapshot entries: (chunk id, payload length).
+    /// Some snapshot entries: (chunk id, payload length, in RAM).
     SnapshotPart {
         /// Entries.
-        entries: Vec<(PeerChunkId, u64)>,
+        entries: Vec<(PeerChunkId, u64, bool)>,
     },
     /// End of a snapshot.
     SnapshotEnd {
@@ -136,8 +140,21 @@ mod kind {
 
 const OP_ADD: u8 = 1;
 const OP_REMOVE: u8 = 2;
-/// Encoded size of one snapshot entry.
-pub const ENTRY_LEN: usize = PeerChunkId::WIRE_LEN + 8;
+const OP_RAM: u8 = 3;
+/// Encoded size of one snapshot entry (id, length, RAM flag).
+pub const ENTRY_LEN: usize = PeerChunkId::WIRE_LEN + 8 + 1;
+
+/// A boolean byte: 0 or 1, anything else is invalid.
+fn flag(v: u8, field: &'static str) -> Result<bool, DecodeError> {
+    match v {
+        0 => Ok(false),
+        1 => Ok(true),
+        _ => Err(DecodeError::Invalid {
+            field,
+            why: "not 0 or 1",
+        }),
+    }
+}
 
 impl Message {
     /// The kind byte of this message.
@@ -184,9 +201,10 @@ impl Message {
             }
             Self::SnapshotPart { entries } => {
                 out.put_u32_le(entries.len() as u32);
-                for (id, len) in entries {
+                for (id, len, ram) in entries {
                     out.put_chunk_id(id);
                     out.put_u64_le(*len);
+                    out.push(u8::from(*ram));
                 }
             }
             Self::SnapshotEnd { seq } => out.put_u64_le(*seq),
@@ -204,6 +222,11 @@ impl Message {
                         Op::Remove(id) => {
                             out.push(OP_REMOVE);
                             out.put_chunk_id(id);
+                        }
+                        Op::Ram(id, ram) => {
+                            out.push(OP_RAM);
+                            out.put_chunk_id(id);
+                            out.push(u8::from(*ram));
                         }
                     }
                 }
@@ -252,7 +275,8 @@ impl Message {
                 let mut entries = Vec::with_capacity(n);
                 for _ in 0..n {
                     let id = r.chunk_id()?;
-                    entries.push((id, r.u64()?));
+                    let len = r.u64()?;
+                    entries.push((id, len, flag(r.u8()?, "snapshot entry RAM flag")?));
                 }
                 Self::SnapshotPart { entries }
             }
@@ -269,6 +293,10 @@ impl Message {
                             ops.push(Op::Add(id, r.u64()?));
                         }
                         OP_REMOVE => ops.push(Op::Remove(r.chunk_id()?)),
+                        OP_RAM => {
+                            let id = r.chunk_id()?;
+                            ops.push(Op::Ram(id, flag(r.u8()?, "delta RAM flag")?));
+                        }
                         _ => {
                             return Err(DecodeError::Invalid {
                                 field: "delta op",

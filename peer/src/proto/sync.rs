@@ -66,6 +66,11 @@ impl Publisher {
         self.push(Op::Remove(id), now);
     }
 
+    /// Records that our copy of `id` entered (`true`) or left its RAM.
+    pub fn ram(&mut self, id: PeerChunkId, in_ram: bool, now: Instant) {
+        self.push(Op::Ram(id, in_ram), now);
+    }
+
     fn push(&mut self, op: Op, now: Instant) {
         self.first_pending.get_or_insert(now);
         self.pending.push(op);
@@ -119,7 +124,11 @@ impl Publisher {
 }
 
 /// Splits a snapshot taken at `(epoch, seq)` into frames: begin, parts, end.
-pub fn snapshot_messages(epoch: u64, seq: u64, entries: Vec<(PeerChunkId, u64)>) -> Vec<Message> {
+pub fn snapshot_messages(
+    epoch: u64,
+    seq: u64,
+    entries: Vec<(PeerChunkId, u64, bool)>,
+) -> Vec<Message> {
     let mut out = Vec::with_capacity(2 + entries.len() / SNAPSHOT_PART_ENTRIES + 1);
     out.push(Message::SnapshotBegin {
         epoch,
@@ -166,8 +175,8 @@ pub enum SyncAction {
     None,
     /// A snapshot begins: forget everything this peer was said to hold.
     Clear,
-    /// Insert these entries.
-    Add(Vec<(PeerChunkId, u64)>),
+    /// Insert these entries (id, length, in RAM).
+    Add(Vec<(PeerChunkId, u64, bool)>),
     /// Apply these ops in order.
     Apply(Vec<Op>),
     /// The snapshot is complete; the view is in sync.

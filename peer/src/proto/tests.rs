@@ -46,7 +46,7 @@ impl Pub {
         if let Some(d) = self.publisher.flush() {
             wire.send(&d);
         }
-        let entries = self.set.iter().map(|(k, v)| (*k, *v)).collect();
+        let entries = self.set.iter().map(|(k, v)| (*k, *v, true)).collect();
         for m in snapshot_messages(self.publisher.epoch(), self.publisher.seq(), entries) {
             wire.send(&m);
         }
@@ -85,7 +85,7 @@ impl View {
             assert_eq!(used, f.len());
             match self.sync.handle(m, now) {
                 SyncAction::Clear => self.set.clear(),
-                SyncAction::Add(e) => self.set.extend(e),
+                SyncAction::Add(e) => self.set.extend(e.into_iter().map(|(k, v, _)| (k, v))),
                 SyncAction::Apply(ops) => {
                     for op in ops {
                         match op {
@@ -95,6 +95,7 @@ impl View {
                             Op::Remove(k) => {
                                 self.set.remove(&k);
                             }
+                            Op::Ram(..) => {}
                         }
                     }
                 }
