@@ -2,19 +2,21 @@
 //!
 //! It is the truth for negatives: a chunk absent here is not on disk, so a
 //! miss costs no I/O. Keys are already uniform hashes, so the table hashes
-//! only 8 key bytes folded with the namespace and group (one multiply), and
+//! only 16 key bytes folded with the namespace and group (one multiply), and
 //! lookups of many keys go in batches with software prefetch of the slots and
 //! then of the entries, so the memory latency of a random probe overlaps with
 //! that of its neighbours.
 //!
-//! Layout: an open-addressing table of 8-byte slots (32-bit fingerprint from
-//! the hash's high half, 32-bit entry index; fingerprint 0 = empty; the home
-//! slot comes from the low bits) with linear probing and backward-shift
-//! deletion, at most half full; entries live densely in a `Vec`. Both are
-//! advised to use huge pages (fewer TLB misses). A presence test needs only
-//! the slot array ([`Index::contains_batch`]): 16 MiB for 1M entries, so
-//! more of it stays in the CPU caches than with wider slots.
+//! Layout: an `FpTable` (`fptable.rs`, the slot table shared with the
+//! RAM tier: 8-byte slots of a 32-bit fingerprint from the hash's high half
+//! and a 32-bit entry index, home slot from the low bits, linear probing,
+//! backward-shift deletion, at most half full) over a dense `Vec` of
+//! entries (a removal moves the last entry into the hole). Both are advised
+//! to use huge pages (fewer TLB misses). A presence test needs only the slot
+//! array ([`Index::contains_batch`]): 16 MiB for 1M entries, so more of it
+//! stays in the CPU caches than with wider slots.
 
+use crate::fptable::{FpTable, advise_huge, prefetch};
 use crate::types::{ChunkId, ChunkKey, GroupId, Namespace};
 
 /// Where a chunk's record lies on disk and what it must contain.
@@ -34,28 +36,19 @@ pub struct Location {
     pub txn: u64,
 }
 
-#[derive(Clone, Copy, Default)]
-#[repr(C)]
-struct Slot {
-    /// Fingerprint of the id: the high 32 bits of its hash with the lowest
-    /// bit set (never 0); 0 marks an empty slot.
-    fp: u32,
-    idx: u32,
-}
-
 /// The index table. Not synchronised: the store wraps it in a lock.
 pub struct Index {
-    slots: Vec<Slot>,
-    mask: usize,
+    /// `hash -> position in entries`.
+    table: FpTable,
     entries: Vec<(ChunkId, Location)>,
 }
 
 /// 64-bit hash of (namespace, key, group): 16 key bytes folded with the
 /// namespace and group, one multiply, one shift (keys are uniform hashes
 /// already). The low bits pick the home slot, the high 32 bits make the
-/// fingerprint ([`split`]).
+/// fingerprint (see [`crate::fptable`]). Shared with the RAM tier.
 #[inline]
-fn hash_parts(ns: &Namespace, key: &ChunkKey, group: GroupId) -> u64 {
+pub(crate) fn hash_parts(ns: &Namespace, key: &ChunkKey, group: GroupId) -> u64 {
     let w = |b: &[u8], o: usize| u64::from_le_bytes(b[o..o + 8].try_into().expect("8 bytes"));
     let k = w(&key.0, 0) ^ w(&key.0, 8).rotate_left(23);
     let n = w(&ns.0, 0) ^ w(&ns.0, 8).rotate_left(29);
@@ -63,49 +56,10 @@ fn hash_parts(ns: &Namespace, key: &ChunkKey, group: GroupId) -> u64 {
     h ^ (h >> 31)
 }
 
-/// Home position (before masking) and fingerprint of a hash.
+/// [`hash_parts`] of an id.
 #[inline]
-fn split(h: u64) -> (usize, u32) {
-    (h as usize, ((h >> 32) as u32) | 1)
-}
-
-/// A cache prefetch hint for `p` (no-op off x86_64); shared with the RAM
-/// table's batched probe.
-#[inline(always)]
-pub(crate) fn prefetch<T>(p: *const T) {
-    #[cfg(target_arch = "x86_64")]
-    // SAFETY: prefetch is a hint; it never faults, even on invalid addresses.
-    unsafe {
-        core::arch::x86_64::_mm_prefetch(p as *const i8, core::arch::x86_64::_MM_HINT_T0);
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = p;
-}
-
-/// A zeroed vector of `n` elements whose pages the kernel may back with
-/// huge pages (fewer TLB misses on random probes); advice only.
-fn huge_vec<T: Copy + Default>(n: usize) -> Vec<T> {
-    let mut v: Vec<T> = Vec::with_capacity(n);
-    advise_huge(v.as_ptr() as usize, n * std::mem::size_of::<T>());
-    v.resize(n, T::default());
-    v
-}
-
-fn advise_huge(addr: usize, len: usize) {
-    const HUGE: usize = 2 << 20;
-    if len < HUGE {
-        return;
-    }
-    let page = 4096;
-    let start = addr.next_multiple_of(page);
-    let end = (addr + len) / page * page;
-    if end > start {
-        // SAFETY: advice on memory this process owns (the vector's buffer);
-        // MADV_HUGEPAGE never changes contents.
-        unsafe {
-            libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE);
-        }
-    }
+pub(crate) fn hash_id(id: &ChunkId) -> u64 {
+    hash_parts(&id.ns, &id.key, id.group)
 }
 
 impl Default for Index {
@@ -117,15 +71,13 @@ impl Default for Index {
 impl Index {
     /// An empty index sized for `n` entries without growing.
     pub fn with_capacity(n: usize) -> Self {
-        let cap = (n.max(8) * 2).next_power_of_two();
         let entries = Vec::with_capacity(n);
         advise_huge(
             entries.as_ptr() as usize,
             n * std::mem::size_of::<(ChunkId, Location)>(),
         );
         Self {
-            slots: huge_vec(cap),
-            mask: cap - 1,
+            table: FpTable::with_capacity(n),
             entries,
         }
     }
@@ -142,33 +94,21 @@ impl Index {
 
     /// Bytes of RAM used by the table and entries.
     pub fn memory_bytes(&self) -> usize {
-        self.slots.len() * std::mem::size_of::<Slot>()
+        self.table.memory_bytes()
             + self.entries.capacity() * std::mem::size_of::<(ChunkId, Location)>()
     }
 
-    /// Slot index holding `id`, if present.
+    /// Table position of `id` (hash `h`), if present.
     #[inline]
-    fn find_slot(&self, id: &ChunkId, h: u64) -> Option<usize> {
-        let (mut pos, tag) = split(h);
-        loop {
-            pos &= self.mask;
-            let s = self.slots[pos];
-            if s.fp == 0 {
-                return None;
-            }
-            if s.fp == tag && self.entries[s.idx as usize].0 == *id {
-                return Some(pos);
-            }
-            pos += 1;
-        }
+    fn find_pos(&self, id: &ChunkId, h: u64) -> Option<usize> {
+        self.table.find(h, |i| self.entries[i as usize].0 == *id)
     }
 
     /// The location of `id`.
     #[inline]
     pub fn get(&self, id: &ChunkId) -> Option<Location> {
-        let h = hash_parts(&id.ns, &id.key, id.group);
-        self.find_slot(id, h)
-            .map(|s| self.entries[self.slots[s].idx as usize].1)
+        self.find_pos(id, hash_id(id))
+            .map(|p| self.entries[self.table.idx_at(p) as usize].1)
     }
 
     /// Whether `id` is present.
@@ -178,98 +118,34 @@ impl Index {
 
     /// Inserts or replaces; returns the previous location.
     pub fn insert(&mut self, id: ChunkId, loc: Location) -> Option<Location> {
-        let h = hash_parts(&id.ns, &id.key, id.group);
-        if let Some(s) = self.find_slot(&id, h) {
-            let e = &mut self.entries[self.slots[s].idx as usize].1;
+        let h = hash_id(&id);
+        if let Some(p) = self.find_pos(&id, h) {
+            let e = &mut self.entries[self.table.idx_at(p) as usize].1;
             return Some(std::mem::replace(e, loc));
-        }
-        if (self.entries.len() + 1) * 2 > self.slots.len() {
-            self.grow();
         }
         let idx = u32::try_from(self.entries.len()).expect("index holds < 2^32 entries");
         self.entries.push((id, loc));
-        let (mut pos, tag) = split(h);
-        loop {
-            pos &= self.mask;
-            if self.slots[pos].fp == 0 {
-                self.slots[pos] = Slot { fp: tag, idx };
-                return None;
-            }
-            pos += 1;
-        }
-    }
-
-    fn grow(&mut self) {
-        let cap = self.slots.len() * 2;
-        self.slots = huge_vec(cap);
-        self.mask = cap - 1;
-        for (i, (id, _)) in self.entries.iter().enumerate() {
-            let (mut pos, tag) = split(hash_parts(&id.ns, &id.key, id.group));
-            loop {
-                pos &= self.mask;
-                if self.slots[pos].fp == 0 {
-                    self.slots[pos] = Slot {
-                        fp: tag,
-                        idx: i as u32,
-                    };
-                    break;
-                }
-                pos += 1;
-            }
-        }
+        let entries = &self.entries;
+        self.table
+            .insert(h, idx, |i| hash_id(&entries[i as usize].0));
+        None
     }
 
     /// Removes `id`; returns its location.
     pub fn remove(&mut self, id: &ChunkId) -> Option<Location> {
-        let h = hash_parts(&id.ns, &id.key, id.group);
-        let slot = self.find_slot(id, h)?;
-        let idx = self.slots[slot].idx as usize;
-        // Backward-shift deletion keeps probe chains intact without tombstones.
-        let mut hole = slot;
-        let mut pos = slot;
-        loop {
-            pos = (pos + 1) & self.mask;
-            let s = self.slots[pos];
-            if s.fp == 0 {
-                break;
-            }
-            let e = &self.entries[s.idx as usize].0;
-            let home = hash_parts(&e.ns, &e.key, e.group) as usize & self.mask;
-            // Move s into the hole if its home is not in (hole, pos].
-            let dist_pos = pos.wrapping_sub(home) & self.mask;
-            let dist_hole = hole.wrapping_sub(home) & self.mask;
-            if dist_hole < dist_pos {
-                self.slots[hole] = s;
-                hole = pos;
-            }
-        }
-        self.slots[hole] = Slot::default();
+        let pos = self.find_pos(id, hash_id(id))?;
+        let idx = self.table.idx_at(pos);
+        let entries = &self.entries;
+        self.table
+            .remove_at(pos, |i| hash_id(&entries[i as usize].0));
         // Remove the entry densely: move the last entry into `idx`.
-        let (_, loc) = self.entries.swap_remove(idx);
-        if idx < self.entries.len() {
-            let moved = self.entries[idx].0;
-            let mh = hash_parts(&moved.ns, &moved.key, moved.group);
-            let ms = self
-                .find_slot_by_idx(mh, self.entries.len() as u32)
-                .expect("the moved entry has a slot");
-            self.slots[ms].idx = idx as u32;
+        let (_, loc) = self.entries.swap_remove(idx as usize);
+        if let Some((moved, _)) = self.entries.get(idx as usize) {
+            let last = self.entries.len() as u32;
+            let found = self.table.reindex(hash_id(moved), last, idx);
+            assert!(found, "the moved entry has a slot");
         }
         Some(loc)
-    }
-
-    fn find_slot_by_idx(&self, h: u64, idx: u32) -> Option<usize> {
-        let (mut pos, _) = split(h);
-        loop {
-            pos &= self.mask;
-            let s = self.slots[pos];
-            if s.fp == 0 {
-                return None;
-            }
-            if s.idx == idx {
-                return Some(pos);
-            }
-            pos += 1;
-        }
     }
 
     /// Removes every entry for which `f` returns false; returns the removed.
@@ -316,26 +192,20 @@ impl Index {
                 *h = hash_parts(ns, k, group);
             }
             let n = window.len();
-            for h in hashes.iter().take(D.min(n)) {
-                prefetch(&self.slots[*h as usize & self.mask]);
+            for &h in hashes.iter().take(D.min(n)) {
+                self.table.prefetch(h);
             }
             for i in 0..n {
                 if i + D < n {
-                    prefetch(&self.slots[hashes[i + D] as usize & self.mask]);
+                    self.table.prefetch(hashes[i + D]);
                 }
-                let (mut pos, fp) = split(hashes[i]);
-                cand[i] = loop {
-                    pos &= self.mask;
-                    let s = self.slots[pos];
-                    if s.fp == 0 {
-                        break u32::MAX;
-                    }
-                    if s.fp == fp {
+                cand[i] = match self.table.first_match(hashes[i]) {
+                    Some(idx) => {
                         // The entry is needed to confirm: start fetching it.
-                        prefetch(&self.entries[s.idx as usize]);
-                        break s.idx;
+                        prefetch(&self.entries[idx as usize]);
+                        idx
                     }
-                    pos += 1;
+                    None => u32::MAX,
                 };
             }
             out.extend(window.iter().zip(&cand[..n]).map(|(k, &c)| {
@@ -378,27 +248,15 @@ impl Index {
         for (i, k) in keys.iter().take(D).enumerate() {
             let h = hash_parts(ns, k, group);
             ring[i % RING] = h;
-            prefetch(&self.slots[h as usize & self.mask]);
+            self.table.prefetch(h);
         }
         for i in 0..keys.len() {
             if let Some(k) = keys.get(i + D) {
                 let h = hash_parts(ns, k, group);
                 ring[(i + D) % RING] = h;
-                prefetch(&self.slots[h as usize & self.mask]);
+                self.table.prefetch(h);
             }
-            let (mut pos, fp) = split(ring[i % RING]);
-            let found = loop {
-                pos &= self.mask;
-                let s = self.slots[pos];
-                if s.fp == 0 {
-                    break false;
-                }
-                if s.fp == fp {
-                    break true;
-                }
-                pos += 1;
-            };
-            out.push(found);
+            out.push(self.table.first_match(ring[i % RING]).is_some());
         }
     }
 }

@@ -17,6 +17,7 @@ pub mod config;
 pub mod device;
 mod error;
 pub mod format;
+mod fptable;
 pub mod index;
 pub mod layout;
 mod maintenance;

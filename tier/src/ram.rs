@@ -19,34 +19,44 @@
 //!
 //! # Concurrency and LRU order
 //! Entries are spread over shards (16 by default), each a `parking_lot`
-//! mutex over an index table plus an intrusive doubly-linked list in a slab
-//! (O(1) get / insert / remove / evict). Every access stamps the entry with a
+//! mutex over a slab of nodes threaded by an intrusive doubly-linked list
+//! (O(1) get / insert / remove / evict) and an index table over the slab. Every access stamps the entry with a
 //! global tick; each shard publishes the tick of its least-recently-used
 //! entry, and eviction takes the tail of the shard whose tail is oldest. With
 //! one thread this is exact global LRU; under concurrency it is LRU up to
 //! races between shards. No operation holds two shard locks at once.
 //!
-//! # Hashing
-//! Keys are already uniform hashes, so the index takes 8 key bytes folded
-//! with the namespace and group as the hash (no SipHash); the shard is picked
-//! from a multiplicative mix of the same value so that shard and bucket bits
-//! are independent.
+//! # Index layout and hashing
+//! Each shard's index is an `FpTable` (`fptable.rs`, the slot table of the
+//! disk index too): 8-byte slots of a 32-bit fingerprint and a 32-bit slab
+//! slot, linear probing, backward-shift deletion, at most half full. Ids
+//! hash as in the disk index (16 key bytes folded with the namespace and
+//! group, one multiply; keys are uniform hashes already). The hash's high
+//! half is the fingerprint; of its low half, the lowest bits pick the shard
+//! and the bits above them the home slot in the shard, so shard, home and
+//! fingerprint come from disjoint bits. A probe reads a node only on a
+//! fingerprint match (about 2^-31 of the other ids it meets) and confirms
+//! it by the full id, so every answer is exact. Batched probes
+//! ([`RamCache::contains_keys`], [`RamCache::contains_batch`]) prefetch the
+//! home slot of a key 16 ahead while probing one, prefetch the id of each
+//! match (a shard keeps a dense copy of its nodes' ids for this), and
+//! compare the ids in a second pass, so their cache misses overlap. Slabs
+//! and tables of 2 MiB and more are advised to use huge pages.
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use hashbrown::HashTable;
 use parking_lot::Mutex;
 
-use crate::index::prefetch;
+use crate::fptable::{FpTable, advise_huge, prefetch};
+use crate::index::{hash_id, hash_parts};
 use crate::types::{ChunkId, ChunkKey, GroupId, Namespace};
 
 /// Default number of shards of [`RamCache::new`].
 pub const DEFAULT_SHARDS: usize = 16;
 
 const NIL: u32 = u32::MAX;
-const GOLDEN: u64 = 0x9E37_79B9_7F4A_7C15;
 
 /// One cached chunk, as returned by reads (cloning it clones `Bytes` handles,
 /// not the bytes).
@@ -85,26 +95,14 @@ fn charge(data: &Bytes, name: Option<&Bytes>) -> u64 {
     (data.len() + name.map_or(0, |n| n.len())) as u64
 }
 
-/// The index hash of a chunk id: key bytes are uniform, so fold, don't hash.
-#[inline]
-fn hash_id(id: &ChunkId) -> u64 {
-    hash_parts(&id.ns, &id.key, id.group)
-}
-
-/// [`hash_id`] of the id `(ns, key, group)`, without building it.
-#[inline]
-fn hash_parts(ns: &Namespace, key: &ChunkKey, group: GroupId) -> u64 {
-    let word = |b: &[u8]| {
-        let mut w = [0u8; 8];
-        w.copy_from_slice(&b[..8]);
-        u64::from_le_bytes(w)
-    };
-    let n = word(&ns.0[..8]) ^ word(&ns.0[8..]).rotate_left(29);
-    word(&key.0[..8]) ^ n.rotate_left(17) ^ u64::from(group).wrapping_mul(GOLDEN)
+/// Advises huge pages for the whole buffer of `v` (see [`advise_huge`]).
+fn advise_vec_huge<T>(v: &Vec<T>) {
+    advise_huge(v.as_ptr() as usize, v.capacity() * size_of::<T>());
 }
 
 struct Node {
     id: ChunkId,
+    /// The id's hash as its shard's table uses it ([`RamCache::route`]).
     hash: u64,
     entry: RamEntry,
     /// Global access tick of the last insert or promotion.
@@ -113,22 +111,18 @@ struct Node {
     next: u32,
 }
 
-/// The tag of a hash kept next to the slot index in a shard's table: bits
-/// 16..48, clear of the bucket bits (low) and of hashbrown's 7-bit control
-/// byte (top 7) for tables under 64K buckets, so it filters ~2^-32 of the
-/// other ids a probe meets before their node is read.
-#[inline]
-fn tag(hash: u64) -> u32 {
-    (hash >> 16) as u32
-}
-
-/// One shard: an index table of slab slots and an LRU list through them.
+/// One shard: a slab of nodes, an LRU list through them and a table
+/// indexing them by hash.
 struct Shard {
-    /// `(tag(hash), slot)`: a probe compares the tag first and reads the
-    /// node (a likely cache miss) only when it matches, so a miss almost
-    /// never touches `slots`.
-    table: HashTable<(u32, u32)>,
+    /// `hash -> slab slot`: a probe compares fingerprints in the table and
+    /// reads a node (a likely cache miss) only when one matches, so a miss
+    /// almost never touches `slots`.
+    table: FpTable,
     slots: Vec<Option<Node>>,
+    /// The id of the node in each slab slot (stale for free slots), kept
+    /// densely beside `slots` for batched probes: confirming a match reads
+    /// one 50-byte id, not a node of three cache lines.
+    ids: Vec<ChunkId>,
     free: Vec<u32>,
     /// Most recently used.
     head: u32,
@@ -139,8 +133,9 @@ struct Shard {
 impl Shard {
     fn new() -> Self {
         Self {
-            table: HashTable::new(),
+            table: FpTable::with_capacity(0),
             slots: Vec::new(),
+            ids: Vec::new(),
             free: Vec::new(),
             head: NIL,
             tail: NIL,
@@ -159,35 +154,34 @@ impl Shard {
             .expect("linked slot is occupied")
     }
 
+    /// The slab slot of the node of `id` (table hash `hash`).
     fn find(&self, hash: u64, id: &ChunkId) -> Option<u32> {
-        let slots = &self.slots;
-        let t = tag(hash);
-        self.table
-            .find(hash, |&(et, i)| {
-                et == t && slots[i as usize].as_ref().is_some_and(|n| n.id == *id)
-            })
-            .map(|&(_, i)| i)
+        self.find_by(hash, |n| n.id == *id)
     }
 
-    fn contains_parts(&self, hash: u64, ns: &Namespace, key: &ChunkKey, group: GroupId) -> bool {
+    /// The slab slot of the node of table hash `hash` that `is` accepts.
+    #[inline]
+    fn find_by(&self, hash: u64, is: impl Fn(&Node) -> bool) -> Option<u32> {
         let slots = &self.slots;
-        let t = tag(hash);
         self.table
-            .find(hash, |&(et, i)| {
-                et == t
-                    && slots[i as usize]
-                        .as_ref()
-                        .is_some_and(|n| n.id.key == *key && n.id.ns == *ns && n.id.group == group)
-            })
-            .is_some()
+            .find(hash, |i| slots[i as usize].as_ref().is_some_and(&is))
+            .map(|p| self.table.idx_at(p))
     }
 
-    /// Starts loading slot `i` (every cache line of it) into the cache.
-    fn prefetch_slot(&self, i: u32) {
-        let p = self.slots.as_ptr().wrapping_add(i as usize).cast::<u8>();
-        for off in (0..size_of::<Option<Node>>()).step_by(64) {
-            prefetch(p.wrapping_add(off));
-        }
+    /// The table hash of the node in slab slot `i` (for the table's moves).
+    fn hash_at(slots: &[Option<Node>], i: u32) -> u64 {
+        slots[i as usize]
+            .as_ref()
+            .expect("indexed slot is occupied")
+            .hash
+    }
+
+    /// Starts loading the id of slab slot `i` (both cache lines it may
+    /// span) into the cache.
+    fn prefetch_id(&self, i: u32) {
+        let p = self.ids.as_ptr().wrapping_add(i as usize);
+        prefetch(p);
+        prefetch(p.cast::<u8>().wrapping_add(size_of::<ChunkId>() - 1));
     }
 
     fn tail_tick(&self) -> u64 {
@@ -242,34 +236,37 @@ impl Shard {
         let hash = node.hash;
         let i = match self.free.pop() {
             Some(i) => {
+                self.ids[i as usize] = node.id;
                 self.slots[i as usize] = Some(node);
                 i
             }
             None => {
                 let i = u32::try_from(self.slots.len()).expect("fewer than 2^32 entries per shard");
                 assert!(i != NIL, "fewer than 2^32 - 1 entries per shard");
+                let cap = self.slots.capacity();
+                self.ids.push(node.id);
                 self.slots.push(Some(node));
+                if self.slots.capacity() != cap {
+                    // Random node reads of a large shard miss the TLB less.
+                    advise_vec_huge(&self.slots);
+                    advise_vec_huge(&self.ids);
+                }
                 i
             }
         };
         let slots = &self.slots;
-        self.table.insert_unique(hash, (tag(hash), i), |&(_, j)| {
-            slots[j as usize]
-                .as_ref()
-                .expect("indexed slot is occupied")
-                .hash
-        });
+        self.table.insert(hash, i, |j| Self::hash_at(slots, j));
         self.push_front(i);
     }
 
     fn remove_at(&mut self, i: u32) -> Node {
         let hash = self.node(i).hash;
-        match self.table.find_entry(hash, |&(_, j)| j == i) {
-            Ok(e) => {
-                e.remove();
-            }
-            Err(_) => unreachable!("linked slot {i} is indexed"),
-        }
+        let pos = self
+            .table
+            .find(hash, |j| j == i)
+            .expect("linked slot is indexed");
+        let slots = &self.slots;
+        self.table.remove_at(pos, |j| Self::hash_at(slots, j));
         self.unlink(i);
         self.free.push(i);
         self.slots[i as usize]
@@ -300,6 +297,8 @@ struct ShardSlot {
 pub struct RamCache {
     shards: Box<[ShardSlot]>,
     shard_mask: usize,
+    /// `log2(shards.len())`.
+    shard_bits: u32,
     budget: u64,
     /// Bytes charged to entries plus reservations of inserts in flight.
     used: AtomicU64,
@@ -340,6 +339,7 @@ impl RamCache {
                 })
                 .collect(),
             shard_mask: n - 1,
+            shard_bits: n.trailing_zeros(),
             budget: budget_bytes,
             used: AtomicU64::new(0),
             dirty: AtomicU64::new(0),
@@ -349,14 +349,24 @@ impl RamCache {
         }
     }
 
-    /// The shard of a hash: a multiplicative mix, so that shard bits and the
-    /// table's bucket bits (the low bits of the hash) are independent.
-    fn shard_index(&self, hash: u64) -> usize {
-        (hash.wrapping_mul(GOLDEN) >> 32) as usize & self.shard_mask
+    /// Splits an id's hash into its shard (the lowest bits) and the hash
+    /// its shard's table uses: the high half (the fingerprint) kept, the
+    /// low half shifted past the shard bits (the home slot), so that shard,
+    /// home and fingerprint bits are disjoint.
+    #[inline]
+    fn route(&self, hash: u64) -> (usize, u64) {
+        let lo = hash as u32;
+        let home = lo.checked_shr(self.shard_bits).unwrap_or(0);
+        (
+            lo as usize & self.shard_mask,
+            (hash & !u64::from(u32::MAX)) | u64::from(home),
+        )
     }
 
-    fn slot(&self, hash: u64) -> &ShardSlot {
-        &self.shards[self.shard_index(hash)]
+    /// The shard of an id and its table hash there.
+    fn locate(&self, id: &ChunkId) -> (&ShardSlot, u64) {
+        let (s, hash) = self.route(hash_id(id));
+        (&self.shards[s], hash)
     }
 
     fn tick(&self) -> u64 {
@@ -437,8 +447,7 @@ impl RamCache {
                 limit: self.budget,
             });
         }
-        let hash = hash_id(&id);
-        let slot = self.slot(hash);
+        let (slot, hash) = self.locate(&id);
         let seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
         let mut node = Node {
             id,
@@ -489,8 +498,7 @@ impl RamCache {
     }
 
     fn lookup(&self, id: &ChunkId, promote: bool) -> Option<RamEntry> {
-        let hash = hash_id(id);
-        let slot = self.slot(hash);
+        let (slot, hash) = self.locate(id);
         let mut shard = slot.inner.lock();
         let i = shard.find(hash, id)?;
         if promote {
@@ -513,43 +521,22 @@ impl RamCache {
 
     /// Whether the chunk is cached (no promotion).
     pub fn contains(&self, id: &ChunkId) -> bool {
-        let hash = hash_id(id);
-        self.slot(hash).inner.lock().find(hash, id).is_some()
+        let (slot, hash) = self.locate(id);
+        slot.inner.lock().find(hash, id).is_some()
     }
 
     /// Which of `ids` are cached (no promotion): `out[i]` answers `ids[i]`.
     /// Takes each shard's lock once for the whole batch instead of once per
-    /// id (for LOOKUP of many keys).
+    /// id, and overlaps the cache misses of the probes (for LOOKUP of many
+    /// keys).
     pub fn contains_batch(&self, ids: &[ChunkId], out: &mut Vec<bool>) {
         out.clear();
         out.resize(ids.len(), false);
-        let n = self.shards.len();
+        if self.is_empty() {
+            return;
+        }
         let hashes: Vec<u64> = ids.iter().map(hash_id).collect();
-        // Counting sort of the ids by shard (O(len), no comparison sort).
-        let mut starts = vec![0usize; n + 1];
-        for &h in &hashes {
-            starts[self.shard_index(h) + 1] += 1;
-        }
-        for s in 0..n {
-            starts[s + 1] += starts[s];
-        }
-        let mut fill = starts.clone();
-        let mut order = vec![0usize; ids.len()];
-        for (i, &h) in hashes.iter().enumerate() {
-            let s = self.shard_index(h);
-            order[fill[s]] = i;
-            fill[s] += 1;
-        }
-        for s in 0..n {
-            let members = &order[starts[s]..starts[s + 1]];
-            if members.is_empty() {
-                continue;
-            }
-            let shard = self.shards[s].inner.lock();
-            for &i in members {
-                out[i] = shard.find(hashes[i], &ids[i]).is_some();
-            }
-        }
+        self.probe_batch(&hashes, out, |i, id| *id == ids[i]);
     }
 
     /// Which of the ids `(ns, keys[i], group)` are cached (no promotion):
@@ -567,51 +554,70 @@ impl RamCache {
         if self.is_empty() {
             return;
         }
-        let n = self.shards.len();
         let hashes: Vec<u64> = keys.iter().map(|k| hash_parts(ns, k, group)).collect();
-        // Counting sort of the keys by shard (O(len), no comparison sort).
+        self.probe_batch(&hashes, out, |i, id| {
+            id.key == keys[i] && id.ns == *ns && id.group == group
+        });
+    }
+
+    /// Sets `out[i]` (already `false`) for each key `i`, of id hash
+    /// `hashes[i]`, whose cached id `is(i, id)` accepts. Keys are grouped by
+    /// shard (one lock each); in a shard, pass 1 probes the table by
+    /// fingerprint only, prefetching the home slot of the key `D` ahead and
+    /// the node of each match, and pass 2 confirms the matches by full id,
+    /// when their nodes have arrived.
+    fn probe_batch(&self, hashes: &[u64], out: &mut [bool], is: impl Fn(usize, &ChunkId) -> bool) {
+        const D: usize = 16;
+        let n = self.shards.len();
+        // Counting sort of the keys by shard (O(len), no comparison sort):
+        // `order` holds the key numbers, `sorted` their table hashes.
         let mut starts = vec![0u32; n + 1];
-        for &h in &hashes {
-            starts[self.shard_index(h) + 1] += 1;
+        for &h in hashes {
+            starts[self.route(h).0 + 1] += 1;
         }
         for s in 0..n {
             starts[s + 1] += starts[s];
         }
         let mut fill = starts.clone();
-        let mut order = vec![0u32; keys.len()];
+        let mut order = vec![0u32; hashes.len()];
+        let mut sorted = vec![0u64; hashes.len()];
         for (i, &h) in hashes.iter().enumerate() {
-            let s = self.shard_index(h);
-            order[fill[s] as usize] = i as u32;
+            let (s, th) = self.route(h);
+            let at = fill[s] as usize;
+            order[at] = i as u32;
+            sorted[at] = th;
             fill[s] += 1;
         }
-        let mut cands: Vec<(u32, u32)> = Vec::with_capacity(keys.len());
+        let mut cands: Vec<(u32, u32)> = Vec::with_capacity(hashes.len());
         for s in 0..n {
-            let members = &order[starts[s] as usize..starts[s + 1] as usize];
-            if members.is_empty() {
+            let range = starts[s] as usize..starts[s + 1] as usize;
+            if range.is_empty() {
                 continue;
             }
+            let (members, ths) = (&order[range.clone()], &sorted[range]);
             let shard = self.shards[s].inner.lock();
-            // Two passes: probe the table by tag only (no node read, so the
-            // probes are independent) and prefetch the node of each match;
-            // then compare the full ids of the matches, whose loads now
-            // overlap instead of stalling one probe each.
             cands.clear();
-            for &i in members {
-                let h = hashes[i as usize];
-                let t = tag(h);
-                if let Some(&(_, slot)) = shard.table.find(h, |&(et, _)| et == t) {
-                    shard.prefetch_slot(slot);
+            for &th in ths.iter().take(D) {
+                shard.table.prefetch(th);
+            }
+            for (j, (&i, &th)) in members.iter().zip(ths).enumerate() {
+                if let Some(&ahead) = ths.get(j + D) {
+                    shard.table.prefetch(ahead);
+                }
+                if let Some(slot) = shard.table.first_match(th) {
+                    shard.prefetch_id(slot);
                     cands.push((i, slot));
                 }
             }
             for &(i, slot) in &cands {
                 let i = i as usize;
-                let k = &keys[i];
-                out[i] = match &shard.slots[slot as usize] {
-                    Some(n) if n.id.key == *k && n.id.ns == *ns && n.id.group == group => true,
-                    // The first tag match is another id (same tag, or the
-                    // same hash): the exact probe decides.
-                    _ => shard.contains_parts(hashes[i], ns, k, group),
+                out[i] = match shard.ids.get(slot as usize) {
+                    Some(id) if is(i, id) => true,
+                    // The first fingerprint match is another id (same
+                    // fingerprint, or the same hash): the exact probe decides.
+                    _ => shard
+                        .find_by(self.route(hashes[i]).1, |n| is(i, &n.id))
+                        .is_some(),
                 };
             }
         }
@@ -619,8 +625,7 @@ impl RamCache {
 
     /// Removes a chunk; returns it if it was cached.
     pub fn remove(&self, id: &ChunkId) -> Option<RamEntry> {
-        let hash = hash_id(id);
-        let slot = self.slot(hash);
+        let (slot, hash) = self.locate(id);
         let node = {
             let mut shard = slot.inner.lock();
             self.take(slot, &mut shard, hash, id)?
@@ -632,8 +637,8 @@ impl RamCache {
     /// `false` (and changes nothing) if the chunk is gone or was replaced
     /// since (its `seq` differs).
     pub fn mark_clean(&self, id: &ChunkId, seq: u64) -> bool {
-        let hash = hash_id(id);
-        let mut shard = self.slot(hash).inner.lock();
+        let (slot, hash) = self.locate(id);
+        let mut shard = slot.inner.lock();
         let Some(i) = shard.find(hash, id) else {
             return false;
         };
@@ -757,7 +762,10 @@ mod tests {
     use proptest::prelude::*;
 
     use super::*;
+    use crate::fptable::fingerprint;
     use crate::types::{ChunkKey, Namespace};
+
+    const GOLDEN: u64 = 0x9E37_79B9_7F4A_7C15;
 
     fn id(n: u64) -> ChunkId {
         let mut key = [0u8; 32];
@@ -787,7 +795,7 @@ mod tests {
         assert_eq!(c.used_bytes(), used);
         assert_eq!(c.dirty_bytes(), dirty);
         assert!(used <= c.budget());
-        for slot in c.shards.iter() {
+        for (s, slot) in c.shards.iter().enumerate() {
             let shard = slot.inner.lock();
             // List and table agree.
             let mut n = 0;
@@ -797,15 +805,19 @@ mod tests {
                 let node = shard.node(i);
                 assert_eq!(node.prev, prev);
                 assert_eq!(shard.find(node.hash, &node.id), Some(i));
+                assert_eq!(shard.ids[i as usize], node.id);
                 prev = i;
                 i = node.next;
                 n += 1;
             }
             assert_eq!(prev, shard.tail);
             assert_eq!(n, shard.table.len());
-            // Each table entry carries the tag of its node's hash.
-            for &(t, i) in shard.table.iter() {
-                assert_eq!(t, tag(shard.node(i).hash));
+            // Each table entry carries the fingerprint of its node's hash,
+            // and the node lies in this shard.
+            for (_, e) in shard.table.occupied() {
+                let node = shard.node(e.idx);
+                assert_eq!(e.fp, fingerprint(node.hash));
+                assert_eq!(c.route(hash_id(&node.id)), (s, node.hash));
             }
             assert_eq!(slot.tail_tick.load(Ordering::Relaxed), shard.tail_tick());
         }
@@ -987,7 +999,8 @@ mod tests {
 
     #[test]
     fn a_hash_collision_keeps_both_entries() {
-        // Same first 8 key bytes, namespace and group: same index hash.
+        // Same first 16 key bytes, namespace and group: same id hash, so
+        // same shard, home slot and fingerprint.
         let a = ChunkId::new(Namespace([0; 16]), ChunkKey([0; 32]), 0);
         let mut k = [0u8; 32];
         k[31] = 1;
@@ -998,19 +1011,58 @@ mod tests {
         c.insert(b, bytes(2, 2), None, false).unwrap();
         assert_eq!(c.get(&a).unwrap().data.len(), 1);
         assert_eq!(c.get(&b).unwrap().data.len(), 2);
-        // Same hash, so same tag: only the full id tells them apart, in
-        // the batched probe by key too.
-        assert_eq!(tag(hash_id(&a)), tag(hash_id(&b)));
+        // The first fingerprint match on b's probe is a's node: only the
+        // full id tells them apart, in the batched probes too.
+        {
+            let (slot, h) = c.locate(&b);
+            let shard = slot.inner.lock();
+            assert_eq!(shard.table.first_match(h), shard.find(h, &a));
+        }
         let mut out = Vec::new();
-        // Both present: for one of them the first tag match is the other.
         c.contains_keys(&a.ns, 0, &[a.key, b.key], &mut out);
+        assert_eq!(out, [true, true]);
+        c.contains_batch(&[b, a], &mut out);
         assert_eq!(out, [true, true]);
         c.remove(&a);
         assert!(c.contains(&b) && !c.contains(&a));
         c.contains_keys(&a.ns, 0, &[a.key, b.key], &mut out);
         assert_eq!(out, [false, true]);
+        c.contains_batch(&[a, b], &mut out);
+        assert_eq!(out, [false, true]);
         c.contains_keys(&a.ns, 1, &[a.key, b.key], &mut out);
         assert_eq!(out, [false, false], "other group");
+        check_accounting(&c);
+    }
+
+    #[test]
+    fn a_long_chain_of_one_hash_survives_removals() {
+        // 40 ids of one hash (they differ past the hashed key bytes) in one
+        // probe chain, among other ids; remove every third, in LRU order.
+        let same = |n: u8| {
+            let mut k = [7u8; 32];
+            k[20] = n;
+            ChunkId::new(Namespace([1; 16]), ChunkKey(k), 0)
+        };
+        let c = RamCache::new(10_000);
+        for n in 0..40 {
+            c.insert(same(n), bytes(1, n), None, n % 2 == 0).unwrap();
+            c.insert(id(u64::from(n)), bytes(1, n), None, false)
+                .unwrap();
+        }
+        check_accounting(&c);
+        for n in (0..40).step_by(3) {
+            assert_eq!(c.remove(&same(n)).unwrap().data[0], n);
+        }
+        check_accounting(&c);
+        let ids: Vec<ChunkId> = (0..40).map(same).collect();
+        let mut out = Vec::new();
+        c.contains_batch(&ids, &mut out);
+        for n in 0..40u8 {
+            let want = n % 3 != 0;
+            assert_eq!(out[usize::from(n)], want, "{n}");
+            assert_eq!(c.peek(&same(n)).map(|e| e.data[0]), want.then_some(n));
+            assert!(c.contains(&id(u64::from(n))));
+        }
     }
 
     /// A deliberately simple LRU: a Vec in recency order, LRU first.
