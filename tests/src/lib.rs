@@ -152,6 +152,10 @@ pub struct Daemon {
     log: PathBuf,
 }
 
+/// The size flags of a test daemon's store; offline commands (`verify`,
+/// `namespaces`, `gc`) on its data dir pass the same.
+pub const TEST_STORE: [&str; 4] = ["--disk-budget", "32MiB", "--region-size", "4MiB"];
+
 /// Arguments for a small test daemon: its data dir and socket under `dir`,
 /// 64 MiB RAM, 32 MiB disk in 4 MiB regions, ephemeral ports, JSON logs.
 pub fn test_args(dir: &Path) -> Vec<String> {
@@ -165,10 +169,6 @@ pub fn test_args(dir: &Path) -> Vec<String> {
         s(dir.join("kvtier.sock")),
         "--ram-budget".into(),
         "64MiB".into(),
-        "--disk-budget".into(),
-        "32MiB".into(),
-        "--region-size".into(),
-        "4MiB".into(),
         "--resp-listen".into(),
         "127.0.0.1:0".into(),
         "--http-listen".into(),
@@ -178,6 +178,9 @@ pub fn test_args(dir: &Path) -> Vec<String> {
         "--shutdown-deadline".into(),
         "30s".into(),
     ]
+    .into_iter()
+    .chain(TEST_STORE.map(String::from))
+    .collect()
 }
 
 /// Sets `flag`'s value in `args` (appending the flag if it is absent).

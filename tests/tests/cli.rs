@@ -1,7 +1,7 @@
 //! The `kvtier` client commands against a real daemon: put / get / lookup /
 //! delete / flush / stats / namespaces, their exit codes, and `config check`.
 
-use kvtier_tests::{Daemon, run_kvtier};
+use kvtier_tests::{Daemon, TEST_STORE, run_kvtier};
 
 fn text(b: &[u8]) -> String {
     String::from_utf8_lossy(b).into_owned()
@@ -107,19 +107,12 @@ fn client_commands_round_trip_and_use_documented_exit_codes() {
     );
 
     let data = d.data_dir.to_string_lossy().into_owned();
-    let out = run_kvtier(
-        &[
-            "namespaces",
-            "--json",
-            "--data-dir",
-            &data,
-            "--disk-budget",
-            "32MiB",
-            "--region-size",
-            "4MiB",
-        ],
-        &[],
-    );
+    let args = [
+        &["namespaces", "--json", "--data-dir", &data][..],
+        &TEST_STORE,
+    ]
+    .concat();
+    let out = run_kvtier(&args, &[]);
     assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("namespaces --json");
     assert!(
@@ -221,15 +214,10 @@ fn verify_and_gc_work_offline_and_report_bad_chunks() {
 
     let data = d.data_dir.to_string_lossy().into_owned();
     let store = [
-        "--data-dir",
-        data.as_str(),
-        "--disk-budget",
-        "32MiB",
-        "--region-size",
-        "4MiB",
-        "--ram-budget",
-        "64MiB",
-    ];
+        &["--data-dir", data.as_str(), "--ram-budget", "64MiB"][..],
+        &TEST_STORE,
+    ]
+    .concat();
     let out = run_kvtier(&[&["verify", "--json"][..], &store].concat(), &[]);
     assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("verify --json");

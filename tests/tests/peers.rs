@@ -97,6 +97,28 @@ fn start_node(
     Daemon::start(&nd, &extra, &ENV)
 }
 
+/// Two peered nodes, `a` and `b`, with certificates of one CA, in `dir`.
+struct Two {
+    a: Daemon,
+    b: Daemon,
+    /// b's TLS dir (to restart it).
+    b_tls: PathBuf,
+    /// a's and b's peer ports.
+    ports: Vec<u16>,
+}
+
+fn two_nodes(dir: &Path) -> Two {
+    let ca = make_ca(dir, "cluster", "test");
+    let ports = free_ports(2);
+    let a_tls = issue(dir, &ca, "a");
+    let b_tls = issue(dir, &ca, "b");
+    let a =
+        start_node(dir, "a", &a_tls, ports[0], &[ports[1]]).unwrap_or_else(|e| panic!("a: {e}"));
+    let b =
+        start_node(dir, "b", &b_tls, ports[1], &[ports[0]]).unwrap_or_else(|e| panic!("b: {e}"));
+    Two { a, b, b_tls, ports }
+}
+
 fn http_get(addr: std::net::SocketAddr, path: &str) -> String {
     use std::io::{Read, Write};
     let mut s = std::net::TcpStream::connect(addr).expect("connect http");
@@ -262,14 +284,12 @@ fn chunks_cross_nodes_and_dead_peers_become_fast_misses() {
 #[test]
 fn cluster_lookup_reports_ram_on_each_ranks_own_node() {
     let dir = tempfile::tempdir().expect("temp dir");
-    let ca = make_ca(dir.path(), "cluster", "test");
-    let ports = free_ports(2);
-    let a_tls = issue(dir.path(), &ca, "a");
-    let b_tls = issue(dir.path(), &ca, "b");
-    let a = start_node(dir.path(), "a", &a_tls, ports[0], &[ports[1]])
-        .unwrap_or_else(|e| panic!("{e}"));
-    let mut b = start_node(dir.path(), "b", &b_tls, ports[1], &[ports[0]])
-        .unwrap_or_else(|e| panic!("{e}"));
+    let Two {
+        a,
+        mut b,
+        b_tls,
+        ports,
+    } = two_nodes(dir.path());
     // Tensor parallelism, one rank per node: rank 0's engine on a, rank 1's
     // on b, the same three keys each; a fourth key nobody has.
     let (r0, r1) = (test_record(0), test_record(1));
@@ -532,14 +552,7 @@ fn resp(addr: std::net::SocketAddr, args: &[&[u8]]) -> Vec<u8> {
 #[test]
 fn resp_set_on_one_node_is_found_by_get_and_exists_on_another() {
     let dir = tempfile::tempdir().expect("temp dir");
-    let ca = make_ca(dir.path(), "cluster", "test");
-    let ports = free_ports(2);
-    let a_tls = issue(dir.path(), &ca, "a");
-    let b_tls = issue(dir.path(), &ca, "b");
-    let a = start_node(dir.path(), "a", &a_tls, ports[0], &[ports[1]])
-        .unwrap_or_else(|e| panic!("{e}"));
-    let b = start_node(dir.path(), "b", &b_tls, ports[1], &[ports[0]])
-        .unwrap_or_else(|e| panic!("{e}"));
+    let Two { a, b, .. } = two_nodes(dir.path());
     let (ra, rb) = (a.resp.expect("resp on a"), b.resp.expect("resp on b"));
     let value: Vec<u8> = (0..300_000u32).map(|i| (i * 13 % 251) as u8).collect();
     assert_eq!(resp(ra, &[b"SET", b"lmcache:key:1", &value]), b"+OK\r\n");
@@ -561,14 +574,7 @@ fn resp_set_on_one_node_is_found_by_get_and_exists_on_another() {
 #[test]
 fn a_stopped_peer_never_hangs_a_get_past_its_timeout() {
     let dir = tempfile::tempdir().expect("temp dir");
-    let ca = make_ca(dir.path(), "cluster", "test");
-    let ports = free_ports(2);
-    let a_tls = issue(dir.path(), &ca, "a");
-    let b_tls = issue(dir.path(), &ca, "b");
-    let a = start_node(dir.path(), "a", &a_tls, ports[0], &[ports[1]])
-        .unwrap_or_else(|e| panic!("{e}"));
-    let b = start_node(dir.path(), "b", &b_tls, ports[1], &[ports[0]])
-        .unwrap_or_else(|e| panic!("{e}"));
+    let Two { a, b, .. } = two_nodes(dir.path());
     let rec = test_record(0);
     let ns = a.client().hello(&rec).expect("HELLO");
     let mut cb = b.client();

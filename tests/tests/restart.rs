@@ -5,7 +5,7 @@
 
 use std::collections::BTreeMap;
 
-use kvtier_tests::{Daemon, chunk_bytes, run_kvtier, test_record};
+use kvtier_tests::{Daemon, TEST_STORE, chunk_bytes, run_kvtier, test_record};
 use node::tier::{ChunkKey, Namespace};
 
 /// Chunks known to be durable (flushed) and chunks that may or may not
@@ -207,10 +207,10 @@ fn a_second_daemon_on_the_same_data_dir_is_refused() {
             &data,
             "--socket",
             &sock,
-            "--disk-budget",
-            "32MiB",
-            "--region-size",
-            "4MiB",
+            TEST_STORE[0],
+            TEST_STORE[1],
+            TEST_STORE[2],
+            TEST_STORE[3],
             "--resp-listen",
             "off",
             "--http-listen",
@@ -226,18 +226,8 @@ fn a_second_daemon_on_the_same_data_dir_is_refused() {
     );
 
     // verify / gc need the store to themselves.
-    let out = run_kvtier(
-        &[
-            "verify",
-            "--data-dir",
-            &data,
-            "--disk-budget",
-            "32MiB",
-            "--region-size",
-            "4MiB",
-        ],
-        &[],
-    );
+    let args = [&["verify", "--data-dir", &data][..], &TEST_STORE].concat();
+    let out = run_kvtier(&args, &[]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(err.contains("stop the daemon first"), "{err}");
