@@ -67,6 +67,16 @@ fn concurrency() -> usize {
     *N.get_or_init(|| env_count("KVTIER_BENCH_STREAMS", 4))
 }
 
+/// The requester's fetch connections (`KVTIER_BENCH_PEER_CONNS`, default 1).
+fn peer_conns() -> u32 {
+    env_count("KVTIER_BENCH_PEER_CONNS", 1) as u32
+}
+
+/// Tokio workers shared by both nodes and the baselines.
+fn workers() -> usize {
+    env_count("KVTIER_BENCH_WORKERS", 2)
+}
+
 fn tuning() -> TransportTuning {
     match std::env::var("KVTIER_BENCH_TUNING").as_deref() {
         Ok("default") => TransportTuning::default(),
@@ -139,7 +149,7 @@ struct Setup {
 
 fn setup() -> Setup {
     let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(env_count("KVTIER_BENCH_WORKERS", 2))
+        .worker_threads(workers())
         .enable_all()
         .build()
         .expect("runtime");
@@ -169,7 +179,7 @@ fn setup() -> Setup {
         let b = PeerHandle::start(
             PeerConfig {
                 peers: vec![a.local_addr().expect("addr").to_string()],
-                fetch_connections: env_count("KVTIER_BENCH_PEER_CONNS", 1) as u32,
+                fetch_connections: peer_conns(),
                 max_fetches_per_peer: 16.max(concurrency() as u32),
                 ..cfg.clone()
             },
@@ -178,7 +188,7 @@ fn setup() -> Setup {
         )
         .expect("start b");
         let deadline = Instant::now() + Duration::from_secs(20);
-        let conns = env_count("KVTIER_BENCH_PEER_CONNS", 1) as u32;
+        let conns = peer_conns();
         while SIZES.iter().any(|&s| b.holders(&id(s)).is_empty())
             || b.peers().first().is_none_or(|p| p.connections < conns)
         {
@@ -539,8 +549,8 @@ fn bench(c: &mut Criterion) {
         "\npeer fetch summary ({} tuning, {} streams in flight, {} fetch connection(s), {} workers, {SUMMARY_ROUNDS} rounds of {} MiB per path, median; load average {} at start):",
         tuning_name(),
         concurrency(),
-        env_count("KVTIER_BENCH_PEER_CONNS", 1),
-        env_count("KVTIER_BENCH_WORKERS", 2),
+        peer_conns(),
+        workers(),
         SUMMARY_BYTES >> 20,
         loadavg()
     );
