@@ -12,6 +12,7 @@ use std::fmt;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
+use std::time::Duration;
 
 use figment::value::{Dict, Map, Value};
 use figment::{Figment, Metadata, Profile, Provider};
@@ -32,6 +33,8 @@ pub const ENV_CONFIG_FILE: &str = "KVTIER_CONFIG";
 pub const DEFAULT_RAM_BUDGET_CAP: ByteSize = ByteSize::gib(4);
 /// Upper bound of the automatic disk budget.
 pub const DEFAULT_DISK_BUDGET_CAP: ByteSize = ByteSize::gib(16);
+/// Longest `native-spin` accepted.
+pub const MAX_NATIVE_SPIN: Duration = Duration::from_millis(1);
 
 /// A TCP listen address, or `off`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -209,6 +212,12 @@ pub struct NodeConfig {
     pub socket: PathBuf,
     /// Permission bits of the socket. Default: `0660`.
     pub socket_mode: FileMode,
+    /// How long a native connection keeps polling for its client's next
+    /// request before its worker parks, at most 1ms. Polling saves a thread
+    /// wake-up per request (tens of µs on many virtual machines), and burns
+    /// a core per busy connection while it polls: worth it on an inference
+    /// host with idle cores, not on a small shared one. Default: `0s` (off).
+    pub native_spin: HumanDuration,
     /// RESP2 (Redis protocol) listen address, or `off`. A non-loopback
     /// address requires `resp-password`. Default: `127.0.0.1:6380`.
     pub resp_listen: Listen,
@@ -433,6 +442,7 @@ impl NodeConfig {
             gpu_kv_pool: None,
             socket: env.default_socket(),
             socket_mode: FileMode(0o660),
+            native_spin: HumanDuration(Duration::ZERO),
             resp_listen: Listen::Addr(SocketAddr::from(([127, 0, 0, 1], 6380))),
             resp_password: None,
             resp_max_value: ByteSize::mib(512),
@@ -558,6 +568,12 @@ impl NodeConfig {
                     "{} must give the owner read and write (0600 at least)",
                     self.socket_mode
                 ),
+            ));
+        }
+        if self.native_spin.0 > MAX_NATIVE_SPIN {
+            return Err(bad(
+                "native-spin",
+                format!("{} is longer than the 1ms limit", self.native_spin),
             ));
         }
         if let Some(p) = &self.resp_password
@@ -1356,6 +1372,15 @@ mod tests {
             e.contains("`log-level`") && e.contains("KVTIER_LOG_LEVEL"),
             "{e}"
         );
+        let e = err_of(load_with(
+            None,
+            &[("KVTIER_NATIVE_SPIN", "2ms")],
+            Overrides::default(),
+        ));
+        assert!(e.contains("native-spin") && e.contains("1ms"), "{e}");
+        let c = load_with(Some("native-spin = \"50us\"\n"), &[], Overrides::default())
+            .expect("50us is a valid spin");
+        assert_eq!(c.config.native_spin.0, Duration::from_micros(50));
     }
 
     #[test]

@@ -329,7 +329,10 @@ pub async fn start(config: NodeConfig) -> Result<NodeHandle> {
             let r = crate::native::serve(
                 listener,
                 ctx,
-                crate::native::NativeOptions::default(),
+                crate::native::NativeOptions {
+                    spin: config.native_spin.0,
+                    ..Default::default()
+                },
                 shutdown,
             )
             .await

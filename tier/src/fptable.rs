@@ -240,6 +240,35 @@ impl FpTable {
         }
     }
 
+    /// [`FpTable::first_match`] of `n` hashes, `hash(i)` the `i`th, handed
+    /// to `f(i, match)` in order. The home line of hash `i + D` is
+    /// prefetched while hash `i` is probed (a ring carries the hashes in
+    /// between, so each is computed once), so about `D` random line reads
+    /// are in flight at any time and their latencies overlap.
+    #[inline(always)]
+    pub(crate) fn probe_batch(
+        &self,
+        n: usize,
+        hash: impl Fn(usize) -> u64,
+        mut f: impl FnMut(usize, Option<u32>),
+    ) {
+        const D: usize = 16;
+        const RING: usize = 32;
+        let mut ring = [0u64; RING];
+        for (i, r) in ring.iter_mut().enumerate().take(D.min(n)) {
+            *r = hash(i);
+            self.prefetch(*r);
+        }
+        for i in 0..n {
+            if i + D < n {
+                let h = hash(i + D);
+                ring[(i + D) % RING] = h;
+                self.prefetch(h);
+            }
+            f(i, self.first_match(ring[i % RING]));
+        }
+    }
+
     /// The index stored at `pos` (from [`FpTable::find`]).
     #[inline]
     pub(crate) fn idx_at(&self, pos: usize) -> u32 {

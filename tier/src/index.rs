@@ -43,17 +43,38 @@ pub struct Index {
     entries: Vec<(ChunkId, Location)>,
 }
 
-/// 64-bit hash of (namespace, key, group): 16 key bytes folded with the
-/// namespace and group, one multiply, one shift (keys are uniform hashes
-/// already). The low bits pick the home slot, the high 32 bits make the
-/// fingerprint (see [`crate::fptable`]). Shared with the RAM tier.
+/// 64-bit hash of (namespace, key, group): [`key_hash`] of the key under the
+/// [`seed`] of the namespace and group.
 #[inline]
 pub(crate) fn hash_parts(ns: &Namespace, key: &ChunkKey, group: GroupId) -> u64 {
-    let w = |b: &[u8], o: usize| u64::from_le_bytes(b[o..o + 8].try_into().expect("8 bytes"));
-    let k = w(&key.0, 0) ^ w(&key.0, 8).rotate_left(23);
-    let n = w(&ns.0, 0) ^ w(&ns.0, 8).rotate_left(29);
-    let h = (k ^ n.rotate_left(11) ^ u64::from(group)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-    h ^ (h >> 31)
+    key_hash(seed(ns, group), key)
+}
+
+/// The part of [`hash_parts`] common to every key of a namespace and group
+/// (a batch computes it once): both namespace words and the group, mixed by
+/// multiplies, so that neither two groups nor two namespaces differ by a
+/// plain XOR a family of structured keys could cancel.
+#[inline]
+pub(crate) fn seed(ns: &Namespace, group: GroupId) -> u64 {
+    let w = |o: usize| u64::from_le_bytes(ns.0[o..o + 8].try_into().expect("8 bytes"));
+    let s = (w(0) ^ u64::from(group)).wrapping_mul(0xa076_1d64_78bd_642f) ^ w(8);
+    s.wrapping_mul(0xe703_7ed1_a0b4_28db)
+}
+
+/// A key's hash under `seed`: its first 16 bytes mixed in with two
+/// multiplies (keys are uniform hashes already, so 16 bytes tell them
+/// apart). Two rounds rather than one multiply of the folded words: a fold
+/// such as `a ^ rotl(b)` maps whole families of structured keys (a repeated
+/// byte `x` and its complement) to one hash, which a fingerprint-only
+/// presence test would then confuse. The low bits pick the home slot, the
+/// high 32 bits make the fingerprint (see [`crate::fptable`]). Shared with
+/// the RAM tier.
+#[inline]
+pub(crate) fn key_hash(seed: u64, key: &ChunkKey) -> u64 {
+    let w = |o: usize| u64::from_le_bytes(key.0[o..o + 8].try_into().expect("8 bytes"));
+    let h = (w(0) ^ seed).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    let h = (h ^ (h >> 29) ^ w(8)).wrapping_mul(0xd6e8_feb8_6659_fd93);
+    h ^ (h >> 32)
 }
 
 /// [`hash_parts`] of an id.
@@ -187,9 +208,10 @@ impl Index {
         out.reserve(keys.len());
         let mut hashes = [0u64; W];
         let mut cand = [u32::MAX; W];
+        let seed = seed(ns, group);
         for window in keys.chunks(W) {
             for (h, k) in hashes.iter_mut().zip(window) {
-                *h = hash_parts(ns, k, group);
+                *h = key_hash(seed, k);
             }
             let n = window.len();
             for &h in hashes.iter().take(D.min(n)) {
@@ -230,9 +252,7 @@ impl Index {
     /// match: about 1 in 10^9 absent keys. A read that follows checks the
     /// full id (a false positive becomes a miss, never wrong bytes).
     ///
-    /// One pass, no allocation: the slot of key `i + D` is hashed and
-    /// prefetched while key `i` is probed (a ring of hashes carries them),
-    /// so about `D` random slot reads are in flight at any time.
+    /// One pass, no allocation, about 16 random slot reads in flight at a time.
     pub fn contains_batch(
         &self,
         ns: &Namespace,
@@ -240,24 +260,24 @@ impl Index {
         keys: &[ChunkKey],
         out: &mut Vec<bool>,
     ) {
-        const D: usize = 16;
-        const RING: usize = 32;
+        let seed = seed(ns, group);
+        self.probe_fp(keys.len(), |i| key_hash(seed, &keys[i]), out);
+    }
+
+    /// [`Index::contains_batch`] for ids already hashed with
+    /// [`hash_parts`] (a caller probing the RAM tier first hashes once).
+    pub(crate) fn contains_hashes(&self, hashes: &[u64], out: &mut Vec<bool>) {
+        self.probe_fp(hashes.len(), |i| hashes[i], out);
+    }
+
+    /// Fingerprint probes of `n` hashes, `hash(i)` the `i`th, batched
+    /// ([`FpTable::probe_batch`]).
+    #[inline(always)]
+    fn probe_fp(&self, n: usize, hash: impl Fn(usize) -> u64, out: &mut Vec<bool>) {
         out.clear();
-        out.reserve(keys.len());
-        let mut ring = [0u64; RING];
-        for (i, k) in keys.iter().take(D).enumerate() {
-            let h = hash_parts(ns, k, group);
-            ring[i % RING] = h;
-            self.table.prefetch(h);
-        }
-        for i in 0..keys.len() {
-            if let Some(k) = keys.get(i + D) {
-                let h = hash_parts(ns, k, group);
-                ring[(i + D) % RING] = h;
-                self.table.prefetch(h);
-            }
-            out.push(self.table.first_match(ring[i % RING]).is_some());
-        }
+        out.reserve(n);
+        self.table
+            .probe_batch(n, hash, |_, m| out.push(m.is_some()));
     }
 }
 
@@ -282,6 +302,47 @@ mod tests {
             payload_len: n,
             crc: n,
             txn: 0,
+        }
+    }
+
+    #[test]
+    fn structured_keys_do_not_share_a_hash() {
+        // Repeated-byte keys (and their complements, which a one-round fold
+        // mapped to one hash) across groups and namespaces: all distinct.
+        let mut seen = std::collections::HashSet::new();
+        for x in 0..=255u8 {
+            for g in 0..4 {
+                for ns in [0u8, 1, 0xff] {
+                    let h = hash_parts(&Namespace([ns; 16]), &ChunkKey([x; 32]), g);
+                    assert!(seen.insert(h), "key [{x}; 32] group {g} ns {ns}");
+                }
+            }
+        }
+        // Little-endian counters across groups (a key XORed with the group
+        // once met another key of another group).
+        let mut seen = std::collections::HashSet::new();
+        for i in 0..4096u32 {
+            let mut k = [0u8; 32];
+            k[..4].copy_from_slice(&i.to_le_bytes());
+            for g in 0..8 {
+                let h = hash_parts(&Namespace([7; 16]), &ChunkKey(k), g);
+                assert!(seen.insert(h), "counter key {i} group {g}");
+            }
+        }
+        // Fingerprint-only presence of half of them in an index: no false
+        // positive for the other half.
+        let mut ix = Index::default();
+        for x in (0..=255u8).step_by(2) {
+            ix.insert(
+                ChunkId::new(Namespace([1; 16]), ChunkKey([x; 32]), 0),
+                loc(u32::from(x)),
+            );
+        }
+        let keys: Vec<ChunkKey> = (0..=255u8).map(|x| ChunkKey([x; 32])).collect();
+        let mut present = Vec::new();
+        ix.contains_batch(&Namespace([1; 16]), 0, &keys, &mut present);
+        for (x, p) in present.iter().enumerate() {
+            assert_eq!(*p, x % 2 == 0, "key [{x}; 32]");
         }
     }
 

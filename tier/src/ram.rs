@@ -36,11 +36,15 @@
 //! and the bits above them the home slot in the shard, so shard, home and
 //! fingerprint come from disjoint bits. A probe reads a node only on a
 //! fingerprint match (about 2^-31 of the other ids it meets) and confirms
-//! it by the full id, so every answer is exact. Batched probes
-//! ([`RamCache::contains_keys`], [`RamCache::contains_batch`]) prefetch the
-//! home slot of a key 16 ahead while probing one, prefetch the id of each
-//! match (a shard keeps a dense copy of its nodes' ids for this), and
-//! compare the ids in a second pass, so their cache misses overlap. Slabs
+//! it by the full id, so every answer is exact, except LOOKUP's presence
+//! test ([`RamCache::contains_keys`]), which stops at the fingerprint as
+//! the disk index does (a false positive for about 1 in 10^9 absent ids;
+//! the read that follows checks the full id). Batched probes group the keys
+//! by shard (one lock each) and prefetch the home slot of a key 16 ahead
+//! while probing one; the exact [`RamCache::contains_batch`] also prefetches
+//! the id of each match (a shard keeps a dense copy of its nodes' ids for
+//! this) and compares the ids in a second pass, so their cache misses
+//! overlap. Slabs
 //! and tables of 2 MiB and more are advised to use huge pages.
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -50,7 +54,7 @@ use bytes::Bytes;
 use parking_lot::Mutex;
 
 use crate::fptable::{FpTable, advise_huge, prefetch};
-use crate::index::{hash_id, hash_parts};
+use crate::index::{hash_id, key_hash, seed};
 use crate::types::{ChunkId, ChunkKey, GroupId, Namespace};
 
 /// Default number of shards of [`RamCache::new`].
@@ -539,9 +543,8 @@ impl RamCache {
         self.probe_batch(&hashes, out, |i, id| *id == ids[i]);
     }
 
-    /// Which of the ids `(ns, keys[i], group)` are cached (no promotion):
-    /// [`RamCache::contains_batch`] for one namespace and group, without
-    /// building the ids (for LOOKUP of many keys).
+    /// Which of the ids `(ns, keys[i], group)` are cached (no promotion), by
+    /// fingerprint: [`RamCache::contains_hashes`] of the ids' hashes.
     pub fn contains_keys(
         &self,
         ns: &Namespace,
@@ -549,66 +552,111 @@ impl RamCache {
         keys: &[ChunkKey],
         out: &mut Vec<bool>,
     ) {
+        let seed = seed(ns, group);
+        let hashes: Vec<u64> = keys.iter().map(|k| key_hash(seed, k)).collect();
+        self.contains_hashes(&hashes, out);
+    }
+
+    /// Which of the ids of hashes `hashes[i]` ([`hash_parts`]) are cached
+    /// (no promotion), by fingerprint only, as the disk index answers
+    /// LOOKUP: no node or id is read, so the probes' cache misses are those
+    /// of the slot tables alone. A negative is exact; a positive is wrong
+    /// for about 1 in 10^9 absent ids (a 31-bit fingerprint match on the
+    /// probe path), and the read that follows checks the full id.
+    pub(crate) fn contains_hashes(&self, hashes: &[u64], out: &mut Vec<bool>) {
         out.clear();
-        out.resize(keys.len(), false);
+        out.resize(hashes.len(), false);
         if self.is_empty() {
             return;
         }
-        let hashes: Vec<u64> = keys.iter().map(|k| hash_parts(ns, k, group)).collect();
-        self.probe_batch(&hashes, out, |i, id| {
-            id.key == keys[i] && id.ns == *ns && id.group == group
+        self.by_shard(hashes, |shard, range, order, sorted| {
+            shard.table.probe_batch(
+                range.len(),
+                |j| sorted[range.start + j],
+                |j, slot| {
+                    if slot.is_some() {
+                        out[order[range.start + j] as usize] = true;
+                    }
+                },
+            );
+        });
+    }
+
+    /// Groups `hashes` by shard (a counting sort into thread-local scratch,
+    /// no allocation once warm) and calls `f(shard, range, order, sorted)`
+    /// once per shard that has any, under its lock: `order[g]` is the key
+    /// number and `sorted[g]` its table hash at position `g`, and `range`
+    /// the shard's positions.
+    fn by_shard(
+        &self,
+        hashes: &[u64],
+        mut f: impl FnMut(&Shard, std::ops::Range<usize>, &[u32], &[u64]),
+    ) {
+        thread_local! {
+            static SCRATCH: std::cell::RefCell<(Vec<u32>, Vec<u32>, Vec<u64>)> =
+                const { std::cell::RefCell::new((Vec::new(), Vec::new(), Vec::new())) };
+        }
+        let n = self.shards.len();
+        SCRATCH.with_borrow_mut(|(starts, order, sorted)| {
+            starts.clear();
+            starts.resize(n + 1, 0);
+            for &h in hashes {
+                starts[self.route(h).0 + 1] += 1;
+            }
+            for s in 0..n {
+                starts[s + 1] += starts[s];
+            }
+            order.clear();
+            order.resize(hashes.len(), 0);
+            sorted.clear();
+            sorted.resize(hashes.len(), 0);
+            // `starts[s]` walks through shard `s`'s range as it fills, ending
+            // where shard `s + 1` begins: shard `s` then spans
+            // `starts[s - 1]..starts[s]`.
+            for (i, &h) in hashes.iter().enumerate() {
+                let (s, th) = self.route(h);
+                let at = starts[s] as usize;
+                order[at] = i as u32;
+                sorted[at] = th;
+                starts[s] += 1;
+            }
+            let mut begin = 0;
+            for (&end, slot) in starts.iter().zip(&self.shards) {
+                let range = begin..end as usize;
+                begin = range.end;
+                if range.is_empty() {
+                    continue;
+                }
+                let shard = slot.inner.lock();
+                f(&shard, range, order, sorted);
+            }
+            // Keep the scratch space of a huge batch from staying around.
+            const KEEP: usize = 1 << 16;
+            order.shrink_to(KEEP);
+            sorted.shrink_to(KEEP);
         });
     }
 
     /// Sets `out[i]` (already `false`) for each key `i`, of id hash
-    /// `hashes[i]`, whose cached id `is(i, id)` accepts. Keys are grouped by
-    /// shard (one lock each); in a shard, pass 1 probes the table by
-    /// fingerprint only, prefetching the home slot of the key `D` ahead and
-    /// the node of each match, and pass 2 confirms the matches by full id,
-    /// when their nodes have arrived.
+    /// `hashes[i]`, whose cached id `is(i, id)` accepts. Per shard, pass 1
+    /// probes the table by fingerprint only (prefetching ahead, and the id
+    /// of each match), pass 2 confirms the matches by full id when their
+    /// ids have arrived.
     fn probe_batch(&self, hashes: &[u64], out: &mut [bool], is: impl Fn(usize, &ChunkId) -> bool) {
-        const D: usize = 16;
-        let n = self.shards.len();
-        // Counting sort of the keys by shard (O(len), no comparison sort):
-        // `order` holds the key numbers, `sorted` their table hashes.
-        let mut starts = vec![0u32; n + 1];
-        for &h in hashes {
-            starts[self.route(h).0 + 1] += 1;
-        }
-        for s in 0..n {
-            starts[s + 1] += starts[s];
-        }
-        let mut fill = starts.clone();
-        let mut order = vec![0u32; hashes.len()];
-        let mut sorted = vec![0u64; hashes.len()];
-        for (i, &h) in hashes.iter().enumerate() {
-            let (s, th) = self.route(h);
-            let at = fill[s] as usize;
-            order[at] = i as u32;
-            sorted[at] = th;
-            fill[s] += 1;
-        }
         let mut cands: Vec<(u32, u32)> = Vec::with_capacity(hashes.len());
-        for s in 0..n {
-            let range = starts[s] as usize..starts[s + 1] as usize;
-            if range.is_empty() {
-                continue;
-            }
+        self.by_shard(hashes, |shard, range, order, sorted| {
             let (members, ths) = (&order[range.clone()], &sorted[range]);
-            let shard = self.shards[s].inner.lock();
             cands.clear();
-            for &th in ths.iter().take(D) {
-                shard.table.prefetch(th);
-            }
-            for (j, (&i, &th)) in members.iter().zip(ths).enumerate() {
-                if let Some(&ahead) = ths.get(j + D) {
-                    shard.table.prefetch(ahead);
-                }
-                if let Some(slot) = shard.table.first_match(th) {
-                    shard.prefetch_id(slot);
-                    cands.push((i, slot));
-                }
-            }
+            shard.table.probe_batch(
+                ths.len(),
+                |j| ths[j],
+                |j, slot| {
+                    if let Some(slot) = slot {
+                        shard.prefetch_id(slot);
+                        cands.push((members[j], slot));
+                    }
+                },
+            );
             for &(i, slot) in &cands {
                 let i = i as usize;
                 out[i] = match shard.ids.get(slot as usize) {
@@ -620,7 +668,7 @@ impl RamCache {
                         .is_some(),
                 };
             }
-        }
+        });
     }
 
     /// Removes a chunk; returns it if it was cached.
@@ -1025,8 +1073,12 @@ mod tests {
         assert_eq!(out, [true, true]);
         c.remove(&a);
         assert!(c.contains(&b) && !c.contains(&a));
+        // LOOKUP's presence test stops at the fingerprint: `a`, absent now,
+        // shares `b`'s hash, so it reads as present (the documented false
+        // positive; a GET of `a` misses). The exact batch tells them apart.
         c.contains_keys(&a.ns, 0, &[a.key, b.key], &mut out);
-        assert_eq!(out, [false, true]);
+        assert_eq!(out, [true, true]);
+        assert!(c.get(&a).is_none());
         c.contains_batch(&[a, b], &mut out);
         assert_eq!(out, [false, true]);
         c.contains_keys(&a.ns, 1, &[a.key, b.key], &mut out);

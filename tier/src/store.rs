@@ -30,7 +30,7 @@ use serde::Serialize;
 pub use crate::config::{TierConfig, WritePolicy};
 use crate::device::{Device, DirectMode, FileDevice};
 use crate::format::ChunkHeader;
-use crate::index::Location;
+use crate::index::{Location, key_hash, seed};
 use crate::manifest::{self, NsEntry};
 use crate::ram::{Evicted, RamCache};
 use crate::segment::{Disk, ReadMiss};
@@ -617,8 +617,11 @@ impl ChunkStore {
 
     /// For an ordered key list: fills `tiers` with where each key lives (or
     /// `None`) and returns the length of the longest present prefix. Touches
-    /// no disk: the disk index is probed in one prefetched batch, the RAM
-    /// tier with one lock per shard (not per key).
+    /// no disk and reads only the slot tables: each id is hashed once, the
+    /// RAM tier probed with one lock per shard (not per key), and the keys
+    /// it lacks in one prefetched batch of the disk index. Presence is by
+    /// fingerprint, as LOOKUP is a hint: a negative is exact, a positive is
+    /// wrong for about 1 in 10^9 absent keys, and a read checks the full id.
     pub fn lookup_prefix(
         &self,
         ns: Namespace,
@@ -626,28 +629,38 @@ impl ChunkStore {
         keys: &[ChunkKey],
         tiers: &mut Vec<Option<Tier>>,
     ) -> usize {
+        #[derive(Default)]
+        struct Scratch {
+            hashes: Vec<u64>,
+            in_ram: Vec<bool>,
+            rest: Vec<u64>,
+            on_disk: Vec<bool>,
+        }
         thread_local! {
-            static SCRATCH: std::cell::RefCell<(Vec<bool>, Vec<bool>, Vec<ChunkKey>)> =
-                const { std::cell::RefCell::new((Vec::new(), Vec::new(), Vec::new())) };
+            static SCRATCH: std::cell::RefCell<Scratch> =
+                std::cell::RefCell::new(Scratch::default());
         }
         let _g = self.inner.gate.read();
-        SCRATCH.with_borrow_mut(|(in_ram, on_disk, rest)| {
-            // RAM first: it is the smaller table, and a key found there
-            // needs no probe of the disk index.
-            self.inner.ram.contains_keys(&ns, group, keys, in_ram);
+        SCRATCH.with_borrow_mut(|s| {
+            s.hashes.clear();
+            let seed = seed(&ns, group);
+            s.hashes.extend(keys.iter().map(|k| key_hash(seed, k)));
+            // RAM first: a key found there needs no probe of the disk index.
+            self.inner.ram.contains_hashes(&s.hashes, &mut s.in_ram);
             tiers.clear();
-            tiers.extend(in_ram.iter().map(|&r| r.then_some(Tier::Ram)));
+            tiers.extend(s.in_ram.iter().map(|&r| r.then_some(Tier::Ram)));
             if let Some(d) = &self.inner.disk {
-                rest.clear();
-                rest.extend(
-                    keys.iter()
-                        .zip(in_ram.iter())
+                s.rest.clear();
+                s.rest.extend(
+                    s.hashes
+                        .iter()
+                        .zip(&s.in_ram)
                         .filter(|(_, r)| !**r)
-                        .map(|(k, _)| *k),
+                        .map(|(h, _)| *h),
                 );
-                if !rest.is_empty() {
-                    d.index.read().contains_batch(&ns, group, rest, on_disk);
-                    let mut found = on_disk.iter();
+                if !s.rest.is_empty() {
+                    d.index.read().contains_hashes(&s.rest, &mut s.on_disk);
+                    let mut found = s.on_disk.iter();
                     for t in tiers.iter_mut().filter(|t| t.is_none()) {
                         if found.next().copied().unwrap_or(false) {
                             *t = Some(Tier::Disk);
@@ -657,9 +670,10 @@ impl ChunkStore {
             }
             // Keep the scratch space of a huge batch from staying around.
             const KEEP: usize = 1 << 16;
-            on_disk.shrink_to(KEEP);
-            in_ram.shrink_to(KEEP);
-            rest.shrink_to(KEEP);
+            s.hashes.shrink_to(KEEP);
+            s.in_ram.shrink_to(KEEP);
+            s.rest.shrink_to(KEEP);
+            s.on_disk.shrink_to(KEEP);
         });
         tiers.iter().take_while(|t| t.is_some()).count()
     }

@@ -16,8 +16,8 @@ use tier::{ChunkKey, GroupId, Namespace, NamespaceRecord};
 
 use super::NativeError;
 use super::codec::{
-    self, Decoded, FlushReply, GetResult, HEADER_LEN, HelloReply, LookupLocation, RankPrefixReply,
-    RegionEntry, Reply, Request, Response,
+    self, Decoded, FlushReply, GetResult, HEADER_LEN, HelloReply, LookupLocation, Op,
+    RankPrefixReply, RegionEntry, Reply, Request, Response,
 };
 use super::region::{OwnedRegion, send_with_fd};
 
@@ -117,10 +117,19 @@ impl Client {
         req: &Request,
         fd: Option<BorrowedFd<'_>>,
     ) -> Result<u64, NativeError> {
+        self.send_encoded(|out, id| codec::encode_request(out, id, req), fd)
+    }
+
+    /// Sends the frame `encode(buf, id)` appends, with a fresh request id.
+    fn send_encoded(
+        &mut self,
+        encode: impl FnOnce(&mut Vec<u8>, u64),
+        fd: Option<BorrowedFd<'_>>,
+    ) -> Result<u64, NativeError> {
         let id = self.next_id;
         self.next_id += 1;
         self.wbuf.clear();
-        codec::encode_request(&mut self.wbuf, id, req);
+        encode(&mut self.wbuf, id);
         let r = match fd {
             Some(fd) => send_with_fd(self.stream.as_fd(), &self.wbuf, Some(fd)),
             None => self.stream.write_all(&self.wbuf),
@@ -274,11 +283,12 @@ impl Client {
         group: GroupId,
         keys: &[ChunkKey],
     ) -> Result<LookupResult, NativeError> {
-        match self.call(&Request::Lookup {
-            ns,
-            group,
-            keys: keys.to_vec(),
-        })? {
+        // Encoded from the borrowed keys (no copy into a `Request`).
+        let id = self.send_encoded(
+            |out, id| codec::encode_keys_request(out, id, Op::Lookup, &ns, group, keys),
+            None,
+        )?;
+        match self.wait(id)? {
             Response::Lookup { prefix, locations } => Ok(LookupResult { prefix, locations }),
             other => Err(unexpected("LOOKUP", &other)),
         }
@@ -412,11 +422,11 @@ impl Client {
         group: GroupId,
         keys: &[ChunkKey],
     ) -> Result<Vec<bool>, NativeError> {
-        match self.call(&Request::Delete {
-            ns,
-            group,
-            keys: keys.to_vec(),
-        })? {
+        let id = self.send_encoded(
+            |out, id| codec::encode_keys_request(out, id, Op::Delete, &ns, group, keys),
+            None,
+        )?;
+        match self.wait(id)? {
             Response::Delete { existed } => Ok(existed),
             other => Err(unexpected("DELETE", &other)),
         }

@@ -226,11 +226,20 @@ impl Connection {
             self.make_room(need);
             let partial = self.end > self.start;
             let received = if partial {
-                match tokio::time::timeout(self.opts.frame_timeout, self.read_some()).await {
-                    Ok(r) => r?,
-                    Err(_) => {
-                        debug!("native client stalled mid-frame; dropping it");
-                        return Ok(());
+                // The rest of a frame that arrived in pieces (a large
+                // request is queued as several socket buffers) is polled for
+                // too, or the worker would park between two pieces.
+                match self.poll_next_request().await? {
+                    Some(r) => r,
+                    None => {
+                        match tokio::time::timeout(self.opts.frame_timeout, self.read_some()).await
+                        {
+                            Ok(r) => r?,
+                            Err(_) => {
+                                debug!("native client stalled mid-frame; dropping it");
+                                return Ok(());
+                            }
+                        }
                     }
                 }
             } else {

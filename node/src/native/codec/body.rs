@@ -1,6 +1,6 @@
 //! Body encoders and decoders of every op (layouts in `node/PROTOCOL.md`).
 
-use tier::{GroupId, Namespace, NamespaceRecord};
+use tier::{ChunkKey, GroupId, Namespace, NamespaceRecord};
 
 use super::{
     CodecError, Cursor, ErrorCode, FLAG_ATOMIC, GET_RESULT_LEN, Header, Limits, Op,
@@ -153,6 +153,31 @@ fn wire_u32(n: usize) -> u32 {
     u32::try_from(n).expect("batch sizes are bounded far below 2^32")
 }
 
+/// Encodes a LOOKUP (`op` [`Op::Lookup`]) or DELETE (`op` [`Op::Delete`])
+/// of borrowed keys: the bytes [`encode_request`] writes for the
+/// `Request`, without copying the keys into one first.
+pub fn encode_keys_request(
+    out: &mut Vec<u8>,
+    id: u64,
+    op: Op,
+    ns: &Namespace,
+    group: GroupId,
+    keys: &[ChunkKey],
+) {
+    debug_assert!(matches!(op, Op::Lookup | Op::Delete));
+    encode_frame(out, op as u16, 0, 0, id, |out| {
+        put_keys(out, ns, group, keys)
+    });
+}
+
+fn put_keys(out: &mut Vec<u8>, ns: &Namespace, group: GroupId, keys: &[ChunkKey]) {
+    put_ns_group_count(out, ns, group, keys.len());
+    out.reserve(keys.len() * 32);
+    for k in keys {
+        out.extend_from_slice(&k.0);
+    }
+}
+
 /// Appends a request frame to `out`.
 pub fn encode_request(out: &mut Vec<u8>, id: u64, req: &Request) {
     let flags = match req {
@@ -166,10 +191,7 @@ pub fn encode_request(out: &mut Vec<u8>, id: u64, req: &Request) {
         }
         Request::RegisterRegion { len } => out.extend_from_slice(&len.to_le_bytes()),
         Request::Lookup { ns, group, keys } | Request::Delete { ns, group, keys } => {
-            put_ns_group_count(out, ns, *group, keys.len());
-            for k in keys {
-                out.extend_from_slice(&k.0);
-            }
+            put_keys(out, ns, *group, keys);
         }
         Request::ClusterLookup {
             record,

@@ -29,7 +29,10 @@ use tier::{ChunkKey, Namespace};
 mod body;
 mod messages;
 
-pub use body::{decode_reply, decode_request, encode_error, encode_request, encode_response};
+pub use body::{
+    decode_reply, decode_request, encode_error, encode_keys_request, encode_request,
+    encode_response,
+};
 pub use messages::{
     FlushReply, GetResult, GetStatus, HelloReply, LookupLocation, RankPrefixReply, RegionEntry,
     Reply, Request, Response,
@@ -586,6 +589,33 @@ mod tests {
 
     fn key(i: u8) -> ChunkKey {
         ChunkKey([i; 32])
+    }
+
+    #[test]
+    fn keys_requests_encode_as_their_request() {
+        let (ns, keys) = (Namespace([3; 16]), vec![key(1), key(2), key(3)]);
+        for (op, req) in [
+            (
+                Op::Lookup,
+                Request::Lookup {
+                    ns,
+                    group: 2,
+                    keys: keys.clone(),
+                },
+            ),
+            (
+                Op::Delete,
+                Request::Delete {
+                    ns,
+                    group: 2,
+                    keys: keys.clone(),
+                },
+            ),
+        ] {
+            let mut out = Vec::new();
+            encode_keys_request(&mut out, 7, op, &ns, 2, &keys);
+            assert_eq!(out, frame(&req), "{op:?}");
+        }
     }
 
     fn requests() -> Vec<Request> {
