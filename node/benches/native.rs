@@ -471,6 +471,27 @@ fn main() {
         us(percentile(&raw_spin, 0.99)),
     );
 
+    // LOOKUP of 1,024 keys in the still empty store: the index probes cost
+    // next to nothing, so this is the request's transport and codec cost
+    // (a 32 KiB request frame, a 1 KiB reply) next to PING's.
+    {
+        let keys: Vec<ChunkKey> = (0..1024u64).map(|i| key(i * 7919 + 1)).collect();
+        let mut empty = Vec::with_capacity(iters);
+        for _ in 0..iters {
+            let t = Instant::now();
+            let r = c.lookup(ns, 1, black_box(&keys)).expect("lookup");
+            empty.push(t.elapsed());
+            assert_eq!(r.prefix, 0);
+        }
+        empty.sort();
+        println!(
+            "RESULT LOOKUP 1,024 keys in an empty store (transport and codec), end to end: p50 {:.1} us p99 {:.1} us (PING p50 {:.1} us)",
+            us(percentile(&empty, 0.5)),
+            us(percentile(&empty, 0.99)),
+            us(ping50),
+        );
+    }
+
     let cells = cells();
     if !cells.is_empty() {
         let src = vec![0xA5u8; ROTATE];

@@ -84,7 +84,7 @@ pub fn decode_request(
             c.reserved16()?;
             let n = c.u32("count")?;
             let n = c.count(n, 32, Some(limits), "keys")?;
-            let keys = (0..n).map(|_| c.key()).collect::<Result<Vec<_>, _>>()?;
+            let keys = c.keys(n)?;
             if op == Op::Lookup {
                 Request::Lookup { ns, group, keys }
             } else {
@@ -102,7 +102,7 @@ pub fn decode_request(
                 .map(|_| c.u32("rank"))
                 .collect::<Result<Vec<_>, _>>()?;
             let nkeys = c.count(nkeys, 32, Some(limits), "keys")?;
-            let keys = (0..nkeys).map(|_| c.key()).collect::<Result<Vec<_>, _>>()?;
+            let keys = c.keys(nkeys)?;
             let record = decode_record(c.take(rec_len as usize, "record")?, op.name())?;
             Request::ClusterLookup {
                 record,
@@ -375,11 +375,20 @@ pub fn decode_reply(header: &Header, body: &[u8]) -> Result<Reply, CodecError> {
             let prefix = c.u32("prefix")?;
             let n = c.u32("count")?;
             let n = c.count(n, 1, None, "locations")?;
-            let locations = c
-                .take(n, "locations")?
+            let raw = c.take(n, "locations")?;
+            // Checked in one scan, then mapped without a fallible step each.
+            if let Some(&b) = raw.iter().find(|b| **b > 3) {
+                location(b, &c)?;
+            }
+            let locations = raw
                 .iter()
-                .map(|b| location(*b, &c))
-                .collect::<Result<Vec<_>, _>>()?;
+                .map(|b| match b {
+                    0 => LookupLocation::Miss,
+                    1 => LookupLocation::Ram,
+                    2 => LookupLocation::Disk,
+                    _ => LookupLocation::Peer,
+                })
+                .collect();
             Response::Lookup { prefix, locations }
         }
         Op::ClusterLookup => {

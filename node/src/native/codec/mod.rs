@@ -536,6 +536,18 @@ impl<'a> Cursor<'a> {
         a.copy_from_slice(self.take(32, "key")?);
         Ok(ChunkKey(a))
     }
+    /// `n` keys in a row, taken in one bounds check (a LOOKUP of 1,024 keys
+    /// decodes as one copy, not 1,024 fallible steps).
+    fn keys(&mut self, n: usize) -> Result<Vec<ChunkKey>, CodecError> {
+        let len = n
+            .checked_mul(32)
+            .ok_or_else(|| self.bad(format!("{n} keys overflow the body")))?;
+        let raw = self.take(len, "keys")?;
+        Ok(raw
+            .chunks_exact(32)
+            .map(|k| ChunkKey(k.try_into().expect("chunks of 32 bytes")))
+            .collect())
+    }
     /// Checks that `count` items of `size` bytes fit in what is left, and the
     /// batch limit, before anything is allocated for them.
     fn count(
