@@ -17,6 +17,7 @@ VERSION = 1
 HEADER_LEN = 32
 REPLY_BIT = 0x8000
 FLAG_ATOMIC = 0x0001
+FLAG_KEYS_IN_REGION = 0x0002
 
 OP_PING = 1
 OP_HELLO = 2
@@ -238,6 +239,12 @@ def register_region(req_id: int, length: int) -> bytes:
 
 def lookup(req_id: int, ns: bytes, group: int, keys: Sequence[bytes]) -> bytes:
     return encode_frame(OP_LOOKUP, 0, 0, req_id, _NSG.pack(_ns(ns), group, 0, len(keys)) + _keys(keys))
+
+
+def lookup_in_region(req_id: int, ns: bytes, group: int, offset: int, count: int) -> bytes:
+    """LOOKUP of ``count`` 32-byte keys at ``offset`` in the connection's region."""
+    body = _NSG.pack(_ns(ns), group, 0, count) + struct.pack("<Q", offset)
+    return encode_frame(OP_LOOKUP, FLAG_KEYS_IN_REGION, 0, req_id, body)
 
 
 def delete(req_id: int, ns: bytes, group: int, keys: Sequence[bytes]) -> bytes:

@@ -46,6 +46,7 @@ GOLDEN_REQUESTS = {
     "hello_request": lambda: fr.hello(2, GOLDEN_RECORD),
     "register_region_request": lambda: fr.register_region(3, 1 << 26),
     "lookup_request": lambda: fr.lookup(4, NS, 1, [key(1), key(2), key(3)]),
+    "lookup_in_region_request": lambda: fr.lookup_in_region(11, NS, 1, 4096, 3),
     "cluster_lookup_request": lambda: fr.cluster_lookup(5, GOLDEN_RECORD, [0, 1], 0, [key(1), key(2)]),
     "put_request": lambda: fr.put(6, NS, 0, [(key(1), 0, 262_144), (key(2), 262_144, 1_048_576)], atomic=True),
     "get_request": lambda: fr.get(7, NS, 0, [(key(1), 4096, 262_144), (key(9), 1 << 20, 1 << 22)]),
@@ -208,6 +209,15 @@ def test_put_lookup_get_round_trip(client: KvtierClient) -> None:
     assert client.get_bytes(ns, key(99)) is None
     assert client.delete(ns, [key(1), key(99)]) == [True, False]
     assert client.lookup(ns, [key(0), key(1)]).prefix == 1
+    # The same LOOKUP with the keys written into the region instead of the frame.
+    keys = [key(0), key(1), key(2), key(99)]
+    client.region.buffer[7 << 20 : (7 << 20) + 32 * len(keys)] = b"".join(keys)
+    r = client.lookup_in_region(ns, 7 << 20, len(keys))
+    assert r == client.lookup(ns, keys)
+    assert r.prefix == 1 and r.locations == ["ram", "miss", "ram", "miss"]
+    with pytest.raises(KvtierError) as e:
+        client.lookup_in_region(ns, (8 << 20) - 16, 1)
+    assert e.value.code == "out-of-range"
 
 
 def test_zero_copy_put_and_get_with_numpy(client: KvtierClient) -> None:

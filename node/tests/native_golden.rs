@@ -77,6 +77,18 @@ fn fixtures() -> Vec<(&'static str, Fixture)> {
             ),
         ),
         (
+            "lookup_in_region_request",
+            Fixture::Req(
+                11,
+                Request::LookupInRegion {
+                    ns: ns(),
+                    group: 1,
+                    offset: 4096,
+                    count: 3,
+                },
+            ),
+        ),
+        (
             "cluster_lookup_request",
             Fixture::Req(
                 5,

@@ -402,3 +402,45 @@ fn get_serves_disk_hits_concurrently_and_byte_exact() {
         );
     }
 }
+
+#[test]
+fn a_lookup_can_carry_its_keys_in_the_region() {
+    let server = TestServer::start();
+    let mut c = server.client();
+    let ns = c.hello(&record(0)).unwrap();
+    // Without a region the keys have nowhere to be.
+    match c.lookup_in_region(ns, 0, 0, 1) {
+        Err(NativeError::Remote { code, .. }) => assert_eq!(code, ErrorCode::NoRegion),
+        other => panic!("expected NoRegion, got {other:?}"),
+    }
+    let items: Vec<(ChunkKey, &[u8])> = (0..3).map(|i| (key(i), &b"abc"[..])).collect();
+    c.put_bytes(ns, 0, &items).unwrap();
+    let keys = vec![key(0), key(1), key(77), key(2)];
+    let framed = c.lookup(ns, 0, &keys).unwrap();
+    let off = 4096 + 3; // any offset, no alignment needed
+    let via = c.lookup_via_region(ns, 0, &keys, off).unwrap();
+    assert_eq!(via.prefix, 2);
+    assert_eq!(via.locations, framed.locations);
+    assert_eq!(
+        via.locations,
+        [
+            LookupLocation::Ram,
+            LookupLocation::Ram,
+            LookupLocation::Miss,
+            LookupLocation::Ram
+        ]
+    );
+    // Keys already in the region: a second LOOKUP reads them again.
+    let again = c.lookup_in_region(ns, 0, off, 4).unwrap();
+    assert_eq!(again.locations, framed.locations);
+    assert_eq!(c.lookup_in_region(ns, 0, off, 0).unwrap().prefix, 0);
+    // A range past the region's end is refused, and the connection stays usable.
+    let len = c.region().unwrap().len();
+    for (offset, count) in [(len - 31, 1), (len, 1), (u64::MAX - 10, 2)] {
+        match c.lookup_in_region(ns, 0, offset, count) {
+            Err(NativeError::Remote { code, .. }) => assert_eq!(code, ErrorCode::OutOfRange),
+            other => panic!("offset {offset}: expected OutOfRange, got {other:?}"),
+        }
+    }
+    assert_eq!(c.lookup(ns, 0, &keys).unwrap().prefix, 2);
+}

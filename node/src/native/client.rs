@@ -294,6 +294,55 @@ impl Client {
         }
     }
 
+    /// LOOKUP of `count` keys that the caller wrote, 32 bytes each, at
+    /// `offset` in the region ([`Client::region_mut`]): the keys travel in
+    /// shared memory instead of the request frame (fewer copies and no
+    /// CRC over them), the answer is [`Client::lookup`]'s.
+    pub fn lookup_in_region(
+        &mut self,
+        ns: Namespace,
+        group: GroupId,
+        offset: u64,
+        count: u32,
+    ) -> Result<LookupResult, NativeError> {
+        match self.call(&Request::LookupInRegion {
+            ns,
+            group,
+            offset,
+            count,
+        })? {
+            Response::Lookup { prefix, locations } => Ok(LookupResult { prefix, locations }),
+            other => Err(unexpected("LOOKUP", &other)),
+        }
+    }
+
+    /// [`Client::lookup`] with the keys carried in the region: copies them
+    /// to `offset` in it (creating one if there is none) and calls
+    /// [`Client::lookup_in_region`].
+    pub fn lookup_via_region(
+        &mut self,
+        ns: Namespace,
+        group: GroupId,
+        keys: &[ChunkKey],
+        offset: u64,
+    ) -> Result<LookupResult, NativeError> {
+        let len = keys.len() as u64 * 32;
+        let end = offset
+            .checked_add(len)
+            .ok_or_else(|| NativeError::Protocol("key range overflows".into()))?;
+        self.ensure_region(end)?;
+        let region = self.region.as_mut().expect("ensured above").as_mut_slice();
+        for (dst, k) in region[offset as usize..end as usize]
+            .chunks_exact_mut(32)
+            .zip(keys)
+        {
+            dst.copy_from_slice(&k.0);
+        }
+        let count = u32::try_from(keys.len())
+            .map_err(|_| NativeError::Protocol(format!("{} keys in one LOOKUP", keys.len())))?;
+        self.lookup_in_region(ns, group, offset, count)
+    }
+
     /// CLUSTER_LOOKUP for the family of `record` over `ranks`.
     pub fn cluster_lookup(
         &mut self,

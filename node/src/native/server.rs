@@ -405,15 +405,30 @@ impl Connection {
                 self.region = Some(region);
                 Ok(Response::RegionRegistered { len })
             }
-            Request::Lookup { ns, group, keys } => {
-                let mut locations = Vec::with_capacity(keys.len());
-                let prefix = self.ctx.lookup_with(ns, group, &keys, |l| {
-                    locations.push(wire_location(l));
-                });
-                Ok(Response::Lookup {
-                    prefix: prefix as u32,
-                    locations,
-                })
+            Request::Lookup { ns, group, keys } => Ok(self.lookup(ns, group, &keys)),
+            Request::LookupInRegion {
+                ns,
+                group,
+                offset,
+                count,
+            } => {
+                let len = u64::from(count) * 32;
+                let region = self.checked_region(
+                    "LOOKUP",
+                    &[RegionEntry {
+                        key: tier::ChunkKey([0; 32]),
+                        offset,
+                        len,
+                    }],
+                )?;
+                let bytes = region
+                    .copy_out(offset, len)
+                    .expect("range checked against the region");
+                let keys: Vec<tier::ChunkKey> = bytes
+                    .chunks_exact(32)
+                    .map(|k| tier::ChunkKey(k.try_into().expect("chunks of 32 bytes")))
+                    .collect();
+                Ok(self.lookup(ns, group, &keys))
             }
             Request::ClusterLookup {
                 record,
@@ -469,6 +484,23 @@ impl Connection {
                     json: serde_json::to_vec(&json).expect("stats serialise"),
                 })
             }
+        }
+    }
+
+    /// LOOKUP's reply for `keys`.
+    fn lookup(
+        &self,
+        ns: tier::Namespace,
+        group: tier::GroupId,
+        keys: &[tier::ChunkKey],
+    ) -> Response {
+        let mut locations = Vec::with_capacity(keys.len());
+        let prefix = self.ctx.lookup_with(ns, group, keys, |l| {
+            locations.push(wire_location(l));
+        });
+        Response::Lookup {
+            prefix: prefix as u32,
+            locations,
         }
     }
 

@@ -3,8 +3,8 @@
 use tier::{ChunkKey, GroupId, Namespace, NamespaceRecord};
 
 use super::{
-    CodecError, Cursor, ErrorCode, FLAG_ATOMIC, GET_RESULT_LEN, Header, Limits, Op,
-    REGION_ENTRY_LEN, REPLY_BIT, encode_frame, messages::*,
+    CodecError, Cursor, ErrorCode, FLAG_ATOMIC, FLAG_KEYS_IN_REGION, GET_RESULT_LEN, Header,
+    Limits, Op, REGION_ENTRY_LEN, REPLY_BIT, encode_frame, messages::*,
 };
 
 fn decode_record(json: &[u8], op: &'static str) -> Result<NamespaceRecord, CodecError> {
@@ -56,7 +56,11 @@ pub fn decode_request(
     check_flags(
         op,
         header.flags,
-        if op == Op::Put { FLAG_ATOMIC } else { 0 },
+        match op {
+            Op::Put => FLAG_ATOMIC,
+            Op::Lookup => FLAG_KEYS_IN_REGION,
+            _ => 0,
+        },
     )?;
     if header.status != 0 {
         return Err(CodecError::BadBody {
@@ -78,6 +82,26 @@ pub fn decode_request(
         Op::RegisterRegion => Request::RegisterRegion {
             len: c.u64("region length")?,
         },
+        Op::Lookup if header.flags & FLAG_KEYS_IN_REGION != 0 => {
+            let ns = c.ns()?;
+            let group = c.u16("group")?;
+            c.reserved16()?;
+            let count = c.u32("count")?;
+            if count > limits.max_batch {
+                return Err(CodecError::BatchTooLarge {
+                    op: op.name(),
+                    count: u64::from(count),
+                    max: limits.max_batch,
+                });
+            }
+            let offset = c.u64("keys offset")?;
+            Request::LookupInRegion {
+                ns,
+                group,
+                offset,
+                count,
+            }
+        }
         Op::Lookup | Op::Delete => {
             let ns = c.ns()?;
             let group = c.u16("group")?;
@@ -182,6 +206,7 @@ fn put_keys(out: &mut Vec<u8>, ns: &Namespace, group: GroupId, keys: &[ChunkKey]
 pub fn encode_request(out: &mut Vec<u8>, id: u64, req: &Request) {
     let flags = match req {
         Request::Put { atomic: true, .. } => FLAG_ATOMIC,
+        Request::LookupInRegion { .. } => FLAG_KEYS_IN_REGION,
         _ => 0,
     };
     encode_frame(out, req.op() as u16, flags, 0, id, |out| match req {
@@ -192,6 +217,15 @@ pub fn encode_request(out: &mut Vec<u8>, id: u64, req: &Request) {
         Request::RegisterRegion { len } => out.extend_from_slice(&len.to_le_bytes()),
         Request::Lookup { ns, group, keys } | Request::Delete { ns, group, keys } => {
             put_keys(out, ns, *group, keys);
+        }
+        Request::LookupInRegion {
+            ns,
+            group,
+            offset,
+            count,
+        } => {
+            put_ns_group_count(out, ns, *group, *count as usize);
+            out.extend_from_slice(&offset.to_le_bytes());
         }
         Request::ClusterLookup {
             record,

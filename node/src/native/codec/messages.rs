@@ -127,6 +127,19 @@ pub enum Request {
         /// Ordered keys.
         keys: Vec<ChunkKey>,
     },
+    /// LOOKUP of `count` keys of 32 bytes stored at `offset` in the
+    /// connection's region (op LOOKUP with [`super::FLAG_KEYS_IN_REGION`]):
+    /// the same answer as [`Request::Lookup`] without the keys in the frame.
+    LookupInRegion {
+        /// Namespace.
+        ns: Namespace,
+        /// Group.
+        group: GroupId,
+        /// Offset of the first key in the region.
+        offset: u64,
+        /// Number of keys.
+        count: u32,
+    },
     /// CLUSTER_LOOKUP.
     ClusterLookup {
         /// Record of the family (its rank is ignored).
@@ -180,7 +193,7 @@ impl Request {
             Request::Ping => Op::Ping,
             Request::Hello { .. } => Op::Hello,
             Request::RegisterRegion { .. } => Op::RegisterRegion,
-            Request::Lookup { .. } => Op::Lookup,
+            Request::Lookup { .. } | Request::LookupInRegion { .. } => Op::Lookup,
             Request::ClusterLookup { .. } => Op::ClusterLookup,
             Request::Put { .. } => Op::Put,
             Request::Get { .. } => Op::Get,

@@ -12,7 +12,7 @@
 //! |      0 |    4 | magic `KVTN`                                          |
 //! |      4 |    2 | protocol version (1)                                  |
 //! |      6 |    2 | op; replies set bit 15 ([`REPLY_BIT`])                |
-//! |      8 |    2 | flags ([`FLAG_ATOMIC`] on PUT; otherwise 0)            |
+//! |      8 |    2 | flags ([`FLAG_ATOMIC`] on PUT, [`FLAG_KEYS_IN_REGION`] on LOOKUP; otherwise 0) |
 //! |     10 |    2 | status: 0 in requests; 0 or an [`ErrorCode`] in replies |
 //! |     12 |    4 | body length                                           |
 //! |     16 |    8 | request id (echoed by the reply)                      |
@@ -48,6 +48,9 @@ pub const HEADER_LEN: usize = 32;
 pub const REPLY_BIT: u16 = 0x8000;
 /// PUT flag: store all chunks of the request atomically (all or none).
 pub const FLAG_ATOMIC: u16 = 0x0001;
+/// LOOKUP flag: the keys are in the connection's shared-memory region (at
+/// an offset the body gives) instead of the frame.
+pub const FLAG_KEYS_IN_REGION: u16 = 0x0002;
 
 const OFF_VERSION: usize = 4;
 const OFF_OP: usize = 6;
@@ -604,6 +607,40 @@ mod tests {
     }
 
     #[test]
+    fn a_region_lookup_over_the_batch_limit_is_refused() {
+        let req = Request::LookupInRegion {
+            ns: Namespace([1; 16]),
+            group: 0,
+            offset: 0,
+            count: LIMITS.max_batch + 1,
+        };
+        let buf = frame(&req);
+        let Ok(Decoded::Frame { header, body, .. }) = decode_frame(&buf, 1 << 20) else {
+            panic!("frame")
+        };
+        assert!(matches!(
+            decode_request(&header, body, &LIMITS),
+            Err(CodecError::BatchTooLarge { .. })
+        ));
+        // The flag is LOOKUP's only: on DELETE it is an unknown flag.
+        let mut del = frame(&Request::Delete {
+            ns: Namespace([1; 16]),
+            group: 0,
+            keys: vec![],
+        });
+        del[8] |= FLAG_KEYS_IN_REGION as u8;
+        let hcrc = crc32c::crc32c(&del[..28]);
+        del[28..32].copy_from_slice(&hcrc.to_le_bytes());
+        let Ok(Decoded::Frame { header, body, .. }) = decode_frame(&del, 1 << 20) else {
+            panic!("frame")
+        };
+        assert!(matches!(
+            decode_request(&header, body, &LIMITS),
+            Err(CodecError::UnknownFlags { .. })
+        ));
+    }
+
+    #[test]
     fn keys_requests_encode_as_their_request() {
         let (ns, keys) = (Namespace([3; 16]), vec![key(1), key(2), key(3)]);
         for (op, req) in [
@@ -646,6 +683,12 @@ mod tests {
                 ns: Namespace([3; 16]),
                 group: 2,
                 keys: vec![key(1), key(2)],
+            },
+            Request::LookupInRegion {
+                ns: Namespace([3; 16]),
+                group: 2,
+                offset: 1 << 40,
+                count: 1024,
             },
             Request::ClusterLookup {
                 record,
@@ -932,6 +975,14 @@ mod tests {
                         group,
                         keys
                     }),
+                (ns.clone(), any::<u16>(), any::<u64>(), 0u32..=1024).prop_map(
+                    |(ns, group, offset, count)| Request::LookupInRegion {
+                        ns,
+                        group,
+                        offset,
+                        count
+                    }
+                ),
                 (
                     ns.clone(),
                     any::<u16>(),
