@@ -11,6 +11,7 @@
 //!
 //! Data lives under the target dir (not /tmp, which may be tmpfs); at most
 //! ~1.5 GiB on disk. Run: `cargo bench -p kvtier-tier --bench disk`
+//! (`KVTIER_BENCH_REGION_MIB=N` for regions of N MiB instead of 64).
 
 use std::fs::OpenOptions;
 use std::hint::black_box;
@@ -69,6 +70,15 @@ fn raw_read(path: &Path, block: usize, count: u64, stride: u64) -> f64 {
     (count * block as u64) as f64 / t.elapsed().as_secs_f64() / 1e9
 }
 
+/// Region size of the bench stores: `KVTIER_BENCH_REGION_MIB`, else 64
+/// (the node's default). Each full region costs a seal (summary + fdatasync)
+/// and the tail that no whole record fits.
+fn region_mib() -> u64 {
+    std::env::var("KVTIER_BENCH_REGION_MIB").map_or(64, |v| {
+        v.parse().expect("KVTIER_BENCH_REGION_MIB: a size in MiB")
+    })
+}
+
 fn bench(_c: &mut Criterion) {
     let root = Path::new(env!("CARGO_TARGET_TMPDIR")).join("kvtier-disk-bench");
     let _ = std::fs::remove_dir_all(&root);
@@ -79,7 +89,7 @@ fn bench(_c: &mut Criterion) {
             data_dir: root.join(format!("store-{chunk}")),
             ram_budget: 64 * MIB,
             disk_budget: TOTAL + 256 * MIB,
-            region_size: 64 * MIB,
+            region_size: region_mib() * MIB,
             write_policy: WritePolicy::Backpressure,
             promote_on_read: false,
             idle_flush_after: Duration::from_secs(3600),
@@ -135,9 +145,10 @@ fn bench(_c: &mut Criterion) {
             median(rd_store),
         );
         println!(
-            "RESULT disk write {} MiB chunks: store {ws:.2} GB/s vs raw O_DIRECT 4 MiB qd1 {wr:.2} GB/s = {:.2}x (direct_io={direct})",
+            "RESULT disk write {} MiB chunks: store {ws:.2} GB/s vs raw O_DIRECT 4 MiB qd1 {wr:.2} GB/s = {:.2}x (direct_io={direct}, {} MiB regions)",
             chunk >> 20,
-            ws / wr
+            ws / wr,
+            region_mib()
         );
         println!(
             "RESULT disk read  {} MiB chunks: store {rs:.2} GB/s vs raw O_DIRECT {} KiB qd1 {rr:.2} GB/s = {:.2}x",
