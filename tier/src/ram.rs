@@ -44,8 +44,8 @@
 //! while probing one; the exact [`RamCache::contains_batch`] also prefetches
 //! the id of each match (a shard keeps a dense copy of its nodes' ids for
 //! this) and compares the ids in a second pass, so their cache misses
-//! overlap. Slabs
-//! and tables of 2 MiB and more are advised to use huge pages.
+//! overlap. Slabs and tables of 2 MiB and more are advised to use huge
+//! pages.
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};

@@ -68,6 +68,14 @@ fn unexpected(want: &str, got: &Response) -> NativeError {
     NativeError::Protocol(format!("expected a {want} reply, got {:?}", got.op()))
 }
 
+/// The result of a LOOKUP reply (keys in the frame or in the region).
+fn lookup_result(r: Response) -> Result<LookupResult, NativeError> {
+    match r {
+        Response::Lookup { prefix, locations } => Ok(LookupResult { prefix, locations }),
+        other => Err(unexpected("LOOKUP", &other)),
+    }
+}
+
 impl Client {
     /// Connects to the daemon at `path`. Default timeout: 60 s per reply.
     pub fn connect(path: impl AsRef<Path>) -> Result<Self, NativeError> {
@@ -288,10 +296,7 @@ impl Client {
             |out, id| codec::encode_keys_request(out, id, Op::Lookup, &ns, group, keys),
             None,
         )?;
-        match self.wait(id)? {
-            Response::Lookup { prefix, locations } => Ok(LookupResult { prefix, locations }),
-            other => Err(unexpected("LOOKUP", &other)),
-        }
+        lookup_result(self.wait(id)?)
     }
 
     /// LOOKUP of `count` keys that the caller wrote, 32 bytes each, at
@@ -305,15 +310,12 @@ impl Client {
         offset: u64,
         count: u32,
     ) -> Result<LookupResult, NativeError> {
-        match self.call(&Request::LookupInRegion {
+        lookup_result(self.call(&Request::LookupInRegion {
             ns,
             group,
             offset,
             count,
-        })? {
-            Response::Lookup { prefix, locations } => Ok(LookupResult { prefix, locations }),
-            other => Err(unexpected("LOOKUP", &other)),
-        }
+        })?)
     }
 
     /// [`Client::lookup`] with the keys carried in the region: copies them

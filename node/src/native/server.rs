@@ -413,22 +413,11 @@ impl Connection {
                 count,
             } => {
                 let len = u64::from(count) * 32;
-                let region = self.checked_region(
-                    "LOOKUP",
-                    &[RegionEntry {
-                        key: tier::ChunkKey([0; 32]),
-                        offset,
-                        len,
-                    }],
-                )?;
+                let region = self.registered_region("LOOKUP")?;
                 let bytes = region
                     .copy_out(offset, len)
-                    .expect("range checked against the region");
-                let keys: Vec<tier::ChunkKey> = bytes
-                    .chunks_exact(32)
-                    .map(|k| tier::ChunkKey(k.try_into().expect("chunks of 32 bytes")))
-                    .collect();
-                Ok(self.lookup(ns, group, &keys))
+                    .ok_or_else(|| out_of_range("LOOKUP keys".into(), offset, len, region.len()))?;
+                Ok(self.lookup(ns, group, &codec::keys_from(&bytes)))
             }
             Request::ClusterLookup {
                 record,
@@ -504,26 +493,28 @@ impl Connection {
         }
     }
 
+    /// The registered region, or the error of an `op` sent before one.
+    fn registered_region(&self, op: &str) -> Result<&MappedRegion, (ErrorCode, String)> {
+        self.region.as_ref().ok_or((
+            ErrorCode::NoRegion,
+            format!("{op} before REGISTER_REGION: register a shared-memory region first"),
+        ))
+    }
+
     /// The registered region, after checking every entry's range against it.
     fn checked_region(
         &self,
         op: &str,
         entries: &[RegionEntry],
     ) -> Result<&MappedRegion, (ErrorCode, String)> {
-        let region = self.region.as_ref().ok_or((
-            ErrorCode::NoRegion,
-            format!("{op} before REGISTER_REGION: register a shared-memory region first"),
-        ))?;
+        let region = self.registered_region(op)?;
         for (i, e) in entries.iter().enumerate() {
             if !region.check(e.offset, e.len) {
-                return Err((
-                    ErrorCode::OutOfRange,
-                    format!(
-                        "{op} entry {i}: range offset {} length {} is outside the region of {} bytes",
-                        e.offset,
-                        e.len,
-                        region.len()
-                    ),
+                return Err(out_of_range(
+                    format!("{op} entry {i}"),
+                    e.offset,
+                    e.len,
+                    region.len(),
                 ));
             }
         }
@@ -668,6 +659,16 @@ fn place(region: &MappedRegion, e: &RegionEntry, hit: Option<(Bytes, Location)>)
         },
         len,
     }
+}
+
+/// The `out-of-range` error of `what`'s range in a region of `region_len` bytes.
+fn out_of_range(what: String, offset: u64, len: u64, region_len: u64) -> (ErrorCode, String) {
+    (
+        ErrorCode::OutOfRange,
+        format!(
+            "{what}: range offset {offset} length {len} is outside the region of {region_len} bytes"
+        ),
+    )
 }
 
 fn wire_location(l: Option<Location>) -> LookupLocation {

@@ -345,13 +345,14 @@ pub fn encode_error(out: &mut Vec<u8>, id: u64, op: u16, code: ErrorCode, messag
     );
 }
 
-fn location(b: u8, c: &Cursor<'_>) -> Result<LookupLocation, CodecError> {
-    Ok(match b {
+/// The location of wire code `b`, `None` for an unknown code.
+fn location(b: u8) -> Option<LookupLocation> {
+    Some(match b {
         0 => LookupLocation::Miss,
         1 => LookupLocation::Ram,
         2 => LookupLocation::Disk,
         3 => LookupLocation::Peer,
-        _ => return Err(c.bad(format!("unknown location code {b}"))),
+        _ => return None,
     })
 }
 
@@ -410,19 +411,10 @@ pub fn decode_reply(header: &Header, body: &[u8]) -> Result<Reply, CodecError> {
             let n = c.u32("count")?;
             let n = c.count(n, 1, None, "locations")?;
             let raw = c.take(n, "locations")?;
-            // Checked in one scan, then mapped without a fallible step each.
-            if let Some(&b) = raw.iter().find(|b| **b > 3) {
-                location(b, &c)?;
-            }
-            let locations = raw
-                .iter()
-                .map(|b| match b {
-                    0 => LookupLocation::Miss,
-                    1 => LookupLocation::Ram,
-                    2 => LookupLocation::Disk,
-                    _ => LookupLocation::Peer,
-                })
-                .collect();
+            let Some(locations) = raw.iter().map(|&b| location(b)).collect() else {
+                let b = raw.iter().find(|&&b| location(b).is_none());
+                return Err(c.bad(format!("unknown location code {}", b.copied().unwrap_or(0))));
+            };
             Response::Lookup { prefix, locations }
         }
         Op::ClusterLookup => {

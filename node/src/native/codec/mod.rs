@@ -545,11 +545,7 @@ impl<'a> Cursor<'a> {
         let len = n
             .checked_mul(32)
             .ok_or_else(|| self.bad(format!("{n} keys overflow the body")))?;
-        let raw = self.take(len, "keys")?;
-        Ok(raw
-            .chunks_exact(32)
-            .map(|k| ChunkKey(k.try_into().expect("chunks of 32 bytes")))
-            .collect())
+        Ok(keys_from(self.take(len, "keys")?))
     }
     /// Checks that `count` items of `size` bytes fit in what is left, and the
     /// batch limit, before anything is allocated for them.
@@ -589,6 +585,14 @@ impl<'a> Cursor<'a> {
     }
 }
 
+/// The 32-byte keys laid back to back in `raw` (a trailing partial key is
+/// ignored; callers pass whole multiples of 32 bytes).
+pub(crate) fn keys_from(raw: &[u8]) -> Vec<ChunkKey> {
+    raw.chunks_exact(32)
+        .map(|k| ChunkKey(k.try_into().expect("chunks of 32 bytes")))
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -604,6 +608,38 @@ mod tests {
 
     fn key(i: u8) -> ChunkKey {
         ChunkKey([i; 32])
+    }
+
+    #[test]
+    fn a_lookup_reply_with_an_unknown_location_is_refused() {
+        let reply = |codes: &[u8]| {
+            let mut out = Vec::new();
+            encode_frame(&mut out, Op::Lookup as u16 | REPLY_BIT, 0, 0, 9, |out| {
+                out.extend_from_slice(&0u32.to_le_bytes());
+                out.extend_from_slice(&(codes.len() as u32).to_le_bytes());
+                out.extend_from_slice(codes);
+            });
+            let Ok(Decoded::Frame { header, body, .. }) = decode_frame(&out, 1 << 20) else {
+                panic!("frame")
+            };
+            decode_reply(&header, body)
+        };
+        match reply(&[0, 1, 2, 3]) {
+            Ok(Reply::Ok(Response::Lookup { locations, .. })) => assert_eq!(
+                locations,
+                [
+                    LookupLocation::Miss,
+                    LookupLocation::Ram,
+                    LookupLocation::Disk,
+                    LookupLocation::Peer
+                ]
+            ),
+            other => panic!("{other:?}"),
+        }
+        let e = reply(&[1, 2, 7, 9])
+            .expect_err("code 7 is unknown")
+            .to_string();
+        assert!(e.contains("unknown location code 7"), "{e}");
     }
 
     #[test]
