@@ -309,11 +309,11 @@ impl std::fmt::Debug for NodeCollector {
     }
 }
 
-fn counter(
+fn counter<N: prometheus_client::encoding::EncodeCounterValue>(
     enc: &mut DescriptorEncoder,
     name: &str,
     help: &str,
-    v: u64,
+    v: N,
 ) -> Result<(), std::fmt::Error> {
     let m = ConstCounter::new(v);
     let me = enc.encode_descriptor(name, help, None, m.metric_type())?;
@@ -400,6 +400,24 @@ impl Collector for NodeCollector {
             s.disk_write_bytes,
         )?;
         counter(&mut enc, "disk_reads", "Disk read operations", s.disk_reads)?;
+        counter(
+            &mut enc,
+            "disk_write_seconds",
+            "Time the disk writer spent writing batches",
+            s.disk_write_micros as f64 / 1e6,
+        )?;
+        counter(
+            &mut enc,
+            "disk_syncs",
+            "fdatasyncs of the store file (flushes, region seals and opens)",
+            s.disk_syncs,
+        )?;
+        counter(
+            &mut enc,
+            "disk_sync_seconds",
+            "Time spent in those fdatasyncs",
+            s.disk_sync_micros as f64 / 1e6,
+        )?;
         gauge(&mut enc, "ram_chunks", "Chunks in RAM", s.ram_chunks as i64)?;
         gauge(
             &mut enc,

@@ -4,17 +4,23 @@
 //!
 //! - write: `put` N chunks + `flush()` (durable) vs `pwrite` of the same
 //!   bytes with the store's write size (4 MiB batches), queue depth 1, then
-//!   `fdatasync`;
+//!   `fdatasync`; twice, in the two states a store's file is in: its first
+//!   fill (a new store vs a new file preallocated with `fallocate`, whose
+//!   extents the filesystem converts from "unwritten" on each first write)
+//!   and its steady state (a store that has filled its budget once, writing
+//!   into reclaimed regions, vs overwriting the same file);
 //! - read: `get` of every chunk from disk (RAM holds none of them,
 //!   `promote-on-read` off) vs `pread` of chunk-record-sized blocks (payload
 //!   + header, block aligned), queue depth 1.
 //!
 //! Data lives under the target dir (not /tmp, which may be tmpfs); at most
 //! ~1.5 GiB on disk. Run: `cargo bench -p kvtier-tier --bench disk`
-//! (`KVTIER_BENCH_REGION_MIB=N` for regions of N MiB instead of 64).
+//! (`KVTIER_BENCH_REGION_MIB=N` for regions of N MiB instead of 64,
+//! `KVTIER_BENCH_PACK_THREADS=N` for N CRC/copy helper threads).
 
 use std::fs::OpenOptions;
 use std::hint::black_box;
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -33,16 +39,29 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-fn raw_write(path: &Path, block: usize, total: u64) -> f64 {
+/// Raw `O_DIRECT` writes of `total` bytes in `block`-sized writes, then
+/// `fdatasync`: GB/s. `fresh`: into a new file preallocated with
+/// `fallocate`, as a new store's file is (on ext4 and XFS its extents are
+/// "unwritten" until first written, and each first write converts them);
+/// else over the bytes of the existing file, as a store that has filled its
+/// budget once writes (reclaimed regions).
+fn raw_write(path: &Path, block: usize, total: u64, fresh: bool) -> f64 {
+    if fresh {
+        let _ = std::fs::remove_file(path);
+    }
     let f = OpenOptions::new()
         .read(true)
         .write(true)
-        .create(true)
+        .create(fresh)
         .truncate(false)
         .custom_flags(libc::O_DIRECT)
         .open(path)
         .expect("O_DIRECT open (the bench needs a filesystem that supports it)");
-    f.set_len(total + 64 * MIB).expect("size");
+    if fresh {
+        // SAFETY: plain syscall on a valid fd.
+        let rc = unsafe { libc::fallocate(f.as_raw_fd(), 0, 0, (total + 64 * MIB) as i64) };
+        assert_eq!(rc, 0, "fallocate: {}", std::io::Error::last_os_error());
+    }
     let mut buf = AlignedBuf::zeroed(block);
     buf.iter_mut().enumerate().for_each(|(i, b)| *b = i as u8);
     let t = Instant::now();
@@ -53,6 +72,63 @@ fn raw_write(path: &Path, block: usize, total: u64) -> f64 {
     }
     f.sync_data().expect("sync");
     total as f64 / t.elapsed().as_secs_f64() / 1e9
+}
+
+/// One timed write phase of the store: `put` + `flush`, and where the time
+/// went (from the store's own counters).
+struct StoreWrite {
+    gbps: f64,
+    /// Share of the time the I/O thread spent in batch writes ...
+    in_writes: f64,
+    /// ... at this speed.
+    write_gbps: f64,
+    /// Share of the time in fdatasyncs, and how many.
+    in_syncs: f64,
+    syncs: f64,
+}
+
+fn store_write(s: &ChunkStore, ids: &[ChunkId], payloads: &[Bytes]) -> StoreWrite {
+    let before = s.stats();
+    let t = Instant::now();
+    let mut bytes = 0;
+    for (i, id) in ids.iter().enumerate() {
+        let p = &payloads[i % payloads.len()];
+        bytes += p.len();
+        s.put(*id, p.clone()).expect("put");
+    }
+    s.flush().expect("flush");
+    let secs = t.elapsed().as_secs_f64();
+    let after = s.stats();
+    let write_us = (after.disk_write_micros - before.disk_write_micros) as f64;
+    StoreWrite {
+        gbps: bytes as f64 / secs / 1e9,
+        in_writes: write_us / 1e6 / secs,
+        write_gbps: (after.disk_write_bytes - before.disk_write_bytes) as f64 / write_us / 1e3,
+        in_syncs: (after.disk_sync_micros - before.disk_sync_micros) as f64 / 1e6 / secs,
+        syncs: (after.disk_syncs - before.disk_syncs) as f64,
+    }
+}
+
+/// Prints one write comparison (medians over the reps).
+fn report_write(what: &str, chunk: usize, raw: Vec<f64>, store: &[StoreWrite], direct: bool) {
+    let pick = |f: fn(&StoreWrite) -> f64| median(store.iter().map(f).collect());
+    let (wr, ws) = (median(raw), pick(|w| w.gbps));
+    println!(
+        "RESULT disk write {} MiB chunks, {what}: store {ws:.2} GB/s vs raw O_DIRECT 4 MiB qd1 {wr:.2} GB/s = {:.2}x (direct_io={direct}, {} MiB regions, pack threads {})",
+        chunk >> 20,
+        ws / wr,
+        region_mib(),
+        pack_threads().map_or("default".to_string(), |n| n.to_string()),
+    );
+    let (tw, ts) = (pick(|w| w.in_writes), pick(|w| w.in_syncs));
+    println!(
+        "  store time: {:.0}% in batch writes (at {:.2} GB/s), {:.0}% in {} fdatasyncs, {:.0}% with the device idle",
+        tw * 100.0,
+        pick(|w| w.write_gbps),
+        ts * 100.0,
+        pick(|w| w.syncs),
+        (1.0 - tw - ts) * 100.0,
+    );
 }
 
 fn raw_read(path: &Path, block: usize, count: u64, stride: u64) -> f64 {
@@ -79,6 +155,15 @@ fn region_mib() -> u64 {
     })
 }
 
+/// `KVTIER_BENCH_PACK_THREADS=N`: CRC/copy helper threads (default: the
+/// store's, a quarter of the cores, at most 3).
+fn pack_threads() -> Option<usize> {
+    std::env::var("KVTIER_BENCH_PACK_THREADS").ok().map(|v| {
+        v.parse()
+            .expect("KVTIER_BENCH_PACK_THREADS: a thread count")
+    })
+}
+
 fn bench(_c: &mut Criterion) {
     let root = Path::new(env!("CARGO_TARGET_TMPDIR")).join("kvtier-disk-bench");
     let _ = std::fs::remove_dir_all(&root);
@@ -93,16 +178,19 @@ fn bench(_c: &mut Criterion) {
             write_policy: WritePolicy::Backpressure,
             promote_on_read: false,
             idle_flush_after: Duration::from_secs(3600),
+            pack_threads: pack_threads(),
             ..TierConfig::default()
         };
         let payloads: Vec<Bytes> = (0..8u8)
             .map(|i| Bytes::from(vec![i.wrapping_mul(31) | 1; chunk]))
             .collect();
         let raw = root.join(format!("raw-{chunk}"));
-        let (mut wr_raw, mut wr_store, mut rd_raw, mut rd_store) = (vec![], vec![], vec![], vec![]);
+        let (mut raw_fresh, mut raw_over, mut rd_raw, mut rd_store) =
+            (vec![], vec![], vec![], vec![]);
+        let (mut fresh, mut steady) = (vec![], vec![]);
         let mut direct = false;
         for rep in 0..REPS {
-            wr_raw.push(raw_write(&raw, 4 * MIB as usize, TOTAL));
+            let _ = std::fs::remove_dir_all(&cfg.data_dir);
             let s = ChunkStore::open(cfg.clone()).expect("open");
             direct = s.stats().direct_io;
             let ns = s
@@ -111,20 +199,25 @@ fn bench(_c: &mut Criterion) {
                     ..Default::default()
                 })
                 .expect("ns");
-            let ids: Vec<ChunkId> = (0..n)
-                .map(|i| {
-                    let mut k = [0u8; 32];
-                    k[..8].copy_from_slice(&(i + rep as u64 * n).to_le_bytes());
-                    k[8] = 1;
-                    ChunkId::new(ns, ChunkKey(k), 0)
-                })
-                .collect();
-            let t = Instant::now();
-            for (i, id) in ids.iter().enumerate() {
-                s.put(*id, payloads[i % 8].clone()).expect("put");
-            }
-            s.flush().expect("flush");
-            wr_store.push(TOTAL as f64 / t.elapsed().as_secs_f64() / 1e9);
+            let ids = |phase: u64| -> Vec<ChunkId> {
+                (0..n)
+                    .map(|i| {
+                        let mut k = [0u8; 32];
+                        k[..8].copy_from_slice(&(i + (rep as u64 * 3 + phase) * n).to_le_bytes());
+                        k[8] = 1;
+                        ChunkId::new(ns, ChunkKey(k), 0)
+                    })
+                    .collect()
+            };
+            // First fill: a new store, a new preallocated raw file.
+            raw_fresh.push(raw_write(&raw, 4 * MIB as usize, TOTAL, true));
+            fresh.push(store_write(&s, &ids(0), &payloads));
+            // Fill the rest of the budget (untimed), so the timed writes
+            // that follow all land in reclaimed regions.
+            store_write(&s, &ids(1), &payloads);
+            raw_over.push(raw_write(&raw, 4 * MIB as usize, TOTAL, false));
+            let last = ids(2);
+            steady.push(store_write(&s, &last, &payloads));
             // Reads: drop RAM by reopening (promote off keeps RAM empty).
             drop(s);
             let s = ChunkStore::open(cfg.clone()).expect("reopen");
@@ -132,24 +225,27 @@ fn bench(_c: &mut Criterion) {
             rd_raw.push(raw_read(&raw, record as usize, n - 1, record));
             let t = Instant::now();
             let mut bytes = 0;
-            for id in &ids {
+            for id in &last {
                 bytes += s.get(id).expect("disk hit").data.len();
             }
             rd_store.push(bytes as f64 / t.elapsed().as_secs_f64() / 1e9);
             assert_eq!(s.stats().verify_failures, 0);
         }
-        let (wr, ws, rr, rs) = (
-            median(wr_raw),
-            median(wr_store),
-            median(rd_raw),
-            median(rd_store),
+        report_write(
+            "first fill (vs a new fallocated file)",
+            chunk,
+            raw_fresh,
+            &fresh,
+            direct,
         );
-        println!(
-            "RESULT disk write {} MiB chunks: store {ws:.2} GB/s vs raw O_DIRECT 4 MiB qd1 {wr:.2} GB/s = {:.2}x (direct_io={direct}, {} MiB regions)",
-            chunk >> 20,
-            ws / wr,
-            region_mib()
+        report_write(
+            "steady state (reclaimed regions, vs overwriting a file)",
+            chunk,
+            raw_over,
+            &steady,
+            direct,
         );
+        let (rr, rs) = (median(rd_raw), median(rd_store));
         println!(
             "RESULT disk read  {} MiB chunks: store {rs:.2} GB/s vs raw O_DIRECT {} KiB qd1 {rr:.2} GB/s = {:.2}x",
             chunk >> 20,

@@ -9,6 +9,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Instant;
 
 use bytes::Bytes;
 use parking_lot::{Mutex, RwLock};
@@ -33,6 +34,19 @@ pub(crate) struct DiskCounters {
     pub region_evictions: AtomicU64,
     pub verify_failures: AtomicU64,
     pub write_failures: AtomicU64,
+    /// fdatasyncs issued (flushes, region seals and opens).
+    pub syncs: AtomicU64,
+    /// Time spent in those fdatasyncs, in microseconds.
+    pub sync_micros: AtomicU64,
+    /// Time the I/O thread spent writing batches, in microseconds.
+    pub write_micros: AtomicU64,
+}
+
+impl DiskCounters {
+    /// Adds the time since `t` to `micros`.
+    pub fn add_time(micros: &AtomicU64, t: Instant) {
+        micros.fetch_add(t.elapsed().as_micros() as u64, Ordering::Relaxed);
+    }
 }
 
 /// The disk tier shared by readers and the writer thread.
@@ -191,6 +205,15 @@ pub(crate) struct Scan {
 }
 
 impl Disk {
+    /// fdatasync of the device, counted and timed.
+    pub fn sync(&self) -> std::io::Result<()> {
+        let t = Instant::now();
+        let res = self.dev.sync();
+        self.counters.syncs.fetch_add(1, Ordering::Relaxed);
+        DiskCounters::add_time(&self.counters.sync_micros, t);
+        res
+    }
+
     /// Byte offset of region `r`.
     pub fn region_base(&self, r: u32) -> u64 {
         u64::from(r) * self.region_size

@@ -121,6 +121,15 @@ pub struct StoreStats {
     pub disk_regions: u64,
     /// Bytes of RAM used by the disk index.
     pub index_bytes: u64,
+    /// fdatasyncs issued by the disk writer (flushes, region seals and
+    /// opens).
+    pub disk_syncs: u64,
+    /// Time spent in those fdatasyncs, in microseconds.
+    pub disk_sync_micros: u64,
+    /// Time the disk writer's I/O thread spent writing batches, in
+    /// microseconds (`disk_write_bytes` over this is the device's write
+    /// speed as the store sees it).
+    pub disk_write_micros: u64,
 }
 
 /// Result of [`ChunkStore::flush`].
@@ -724,6 +733,9 @@ impl ChunkStore {
             s.disk_reads = dc.disk_reads.load(Ordering::Relaxed);
             s.verify_failures = dc.verify_failures.load(Ordering::Relaxed);
             s.disk_write_failures = dc.write_failures.load(Ordering::Relaxed);
+            s.disk_syncs = dc.syncs.load(Ordering::Relaxed);
+            s.disk_sync_micros = dc.sync_micros.load(Ordering::Relaxed);
+            s.disk_write_micros = dc.write_micros.load(Ordering::Relaxed);
             s.writer_paused_nospace = d.paused_nospace.load(Ordering::Relaxed);
             s.direct_io = d.dev.direct_io();
             s.disk_poisoned = d.poisoned().is_some();

@@ -26,7 +26,7 @@ use crate::layout::{
     SEAL_SLOT, SealSlot, decode_entries, encode_entries, encode_open_slot, entries_len_bound,
 };
 use crate::pack::{Packer, Part};
-use crate::segment::{Disk, Recovered, Unsealed};
+use crate::segment::{Disk, DiskCounters, Recovered, Unsealed};
 use crate::types::ChunkId;
 use crate::{Error, Result};
 
@@ -104,6 +104,9 @@ pub(crate) struct Writer {
     /// Per region: generation (0 = free) and whether sealed.
     regions: Vec<(u64, bool)>,
     open: Option<OpenRegion>,
+    /// Bumped at each failed batch: the I/O thread skips the batches packed
+    /// before the writer saw the failure.
+    epoch: u64,
     next_generation: u64,
     batch_bytes: usize,
     /// Spare batch buffers (reused: fresh ones pay page faults).
@@ -125,7 +128,8 @@ const IO_DEPTH: usize = 3;
 /// Channels to the I/O thread (`kvtier-io`): it writes batches in order
 /// while the writer packs the next, so copying and CRCs overlap the I/O.
 struct IoLink {
-    req: Sender<(AlignedBuf, u64)>,
+    /// A batch, its offset, and the writer's epoch when it was packed.
+    req: Sender<(AlignedBuf, u64, u64)>,
     done: Receiver<(AlignedBuf, std::io::Result<()>)>,
 }
 
@@ -171,12 +175,44 @@ fn write_batch(dev: &dyn Device, buf: &[u8], off: u64) -> std::io::Result<()> {
 
 /// The fdatasync of a flush. Failpoint `tier::writer::flush_sync` (feature
 /// `failpoints`): fails it with EIO.
-fn flush_sync(dev: &dyn Device) -> std::io::Result<()> {
+fn flush_sync(disk: &Disk) -> std::io::Result<()> {
     #[cfg(feature = "failpoints")]
     fail::fail_point!("tier::writer::flush_sync", |arg| Err(
         crate::segment::failpoint_error(arg)
     ));
-    dev.sync()
+    disk.sync()
+}
+
+/// The I/O thread (`kvtier-io`): writes the batches in order and answers
+/// each. After a failed write, the batches queued behind it (packed in the
+/// same epoch, before the writer saw the failure) are answered with an
+/// error unwritten: nothing lands behind the hole, not even in the next
+/// region.
+fn io_loop(
+    dev: &dyn Device,
+    counters: &DiskCounters,
+    req: Receiver<(AlignedBuf, u64, u64)>,
+    done: Sender<(AlignedBuf, std::io::Result<()>)>,
+) {
+    let mut failed_epoch = None;
+    for (buf, off, epoch) in req {
+        let res = if failed_epoch == Some(epoch) {
+            Err(std::io::Error::other(
+                "not written: an earlier batch failed",
+            ))
+        } else {
+            let t = Instant::now();
+            let res = write_batch(dev, &buf, off);
+            DiskCounters::add_time(&counters.write_micros, t);
+            res
+        };
+        if res.is_err() {
+            failed_epoch = Some(epoch);
+        }
+        if done.send((buf, res)).is_err() {
+            return;
+        }
+    }
 }
 
 impl Writer {
@@ -208,6 +244,7 @@ impl Writer {
             hooks,
             regions: rec.regions,
             open,
+            epoch: 0,
             next_generation: rec.max_generation + 1,
             batch_bytes,
             spare: Vec::new(),
@@ -221,21 +258,14 @@ impl Writer {
 
     /// The thread body: starts the I/O thread, then serves messages.
     pub fn run(mut self, rx: Receiver<Msg>) {
-        let dev = self.disk.dev.clone();
+        let disk = self.disk.clone();
         // Never more than `depth` batches are outstanding, so neither
         // channel ever blocks its sender.
-        let (req_tx, req_rx) = bounded::<(AlignedBuf, u64)>(self.depth);
+        let (req_tx, req_rx) = bounded::<(AlignedBuf, u64, u64)>(self.depth);
         let (done_tx, done_rx) = bounded(self.depth);
         let io = std::thread::Builder::new()
             .name("kvtier-io".into())
-            .spawn(move || {
-                for (buf, off) in req_rx {
-                    let res = write_batch(&*dev, &buf, off);
-                    if done_tx.send((buf, res)).is_err() {
-                        return;
-                    }
-                }
-            });
+            .spawn(move || io_loop(&*disk.dev, &disk.counters, req_rx, done_tx));
         match io {
             Ok(_) => {
                 self.io = Some(IoLink {
@@ -348,7 +378,7 @@ impl Writer {
 
     fn sync(&mut self) -> Result<()> {
         self.check_poison()?;
-        if let Err(e) = flush_sync(&*self.disk.dev) {
+        if let Err(e) = flush_sync(&self.disk) {
             self.poison(format!("fdatasync failed: {e}"));
             return Err(Error::Io {
                 op: "sync",
@@ -433,12 +463,7 @@ impl Writer {
                     );
                     self.fail_all(&[it]);
                 } else {
-                    self.drain();
-                    if self.open.is_some() {
-                        if let Err(e) = self.seal_open() {
-                            tracing::error!(error = %e, "sealing a region failed");
-                        }
-                    }
+                    self.switch_region();
                 }
                 continue;
             }
@@ -580,7 +605,7 @@ impl Writer {
         o.entries.extend_from_slice(&f.entries);
         match &self.io {
             Some(io) => {
-                if let Err(e) = io.req.send((buf, off)) {
+                if let Err(e) = io.req.send((buf, off, self.epoch)) {
                     // The I/O thread is gone: nothing can be written.
                     self.poison("the kvtier-io thread is gone".into());
                     self.recycle(e.into_inner().0);
@@ -593,7 +618,9 @@ impl Writer {
                 self.inflight.push_back(f);
             }
             None => {
+                let t = Instant::now();
                 let res = write_batch(&*self.disk.dev, &buf, off);
+                DiskCounters::add_time(&self.disk.counters.write_micros, t);
                 self.recycle(buf);
                 self.finish(f, res);
             }
@@ -639,7 +666,7 @@ impl Writer {
             );
             block.fill(0);
             self.disk.dev.write_at(&block, off)?;
-            self.disk.dev.sync()?;
+            self.disk.sync()?;
         }
         Ok(())
     }
@@ -689,10 +716,29 @@ impl Writer {
                 if let Some((buf, _)) = self.io.as_ref().and_then(|io| io.done.recv().ok()) {
                     self.recycle(buf);
                 }
+                self.roll_back(l.r, l.start, l.entries_before);
                 self.fail_all(&l.items);
             }
         }
+        if res.is_err() {
+            // Batches packed from now on are written again.
+            self.epoch += 1;
+        }
         self.finish(f, res);
+    }
+
+    /// Forgets a failed batch of region `r` (and everything after it in that
+    /// region): its data end goes back to `start`.
+    fn roll_back(&mut self, r: u32, start: u64, entries_before: usize) {
+        if let Some(o) = self.open.as_mut().filter(|o| o.r == r) {
+            if start < o.data_end {
+                o.data_end = start;
+                o.entries.truncate(entries_before);
+            }
+            // What failed writes left past the data end may include batch
+            // records of this generation.
+            o.reused = true;
+        }
     }
 
     /// Applies a written batch (index, hooks) or rolls back a failed one
@@ -707,13 +753,7 @@ impl Writer {
             entries,
         } = f;
         if let Err(e) = res {
-            if let Some(o) = self.open.as_mut().filter(|o| o.r == r) {
-                o.data_end = start;
-                o.entries.truncate(entries_before);
-                // What the failed (or later) writes left past the data end
-                // may include batch records of this generation.
-                o.reused = true;
-            }
+            self.roll_back(r, start, entries_before);
             if e.raw_os_error() == Some(libc::ENOSPC) {
                 if !self.disk.paused_nospace.swap(true, Ordering::Relaxed) {
                     tracing::warn!(
@@ -793,13 +833,48 @@ impl Writer {
         true
     }
 
-    fn seal_open(&mut self) -> Result<()> {
-        let mut o = self.open.take().expect("a region is open");
-        self.seal(&mut o)
+    /// The open region is full: seals it and opens the next one. Choosing
+    /// the next region and reclaiming it (reading its summary, dropping its
+    /// index entries) happen while the full region's last batches are still
+    /// being written. Then, with them done: one fdatasync makes them durable;
+    /// the full region's summary and seal slot and the next region's open
+    /// slot are written; a second fdatasync makes those durable before any
+    /// batch lands in the next region (two syncs for the switch, not one per
+    /// seal and one per open). The syncs run on an idle device: a flush that
+    /// overlapped the next batches' writes slowed them by as much as it saved.
+    fn switch_region(&mut self) {
+        let next = self.pick_next_region();
+        self.drain();
+        let mut full = self.open.take().expect("a full region is open");
+        let generation = self.next_generation;
+        self.next_generation += 1;
+        let mut open_slot = AlignedBuf::zeroed(BLOCK as usize);
+        encode_open_slot(&mut open_slot, next, generation);
+        let open_at = self.disk.region_base(next) + OPEN_SLOT;
+        let res = self.seal_with(&mut full, Some((&open_slot, open_at)));
+        if let Err(e) = res {
+            tracing::error!(error = %e, "sealing a region failed");
+            return;
+        }
+        self.regions[next as usize] = (generation, false);
+        self.open = Some(OpenRegion {
+            r: next,
+            generation,
+            data_end: DATA_START,
+            entries: Vec::new(),
+            reused: false,
+        });
     }
 
     /// Writes the summary and the seal slot, then fdatasync.
     fn seal(&mut self, o: &mut OpenRegion) -> Result<()> {
+        self.seal_with(o, None)
+    }
+
+    /// fdatasync (the region's batches first, so a durable summary never
+    /// lists a chunk whose bytes could still be lost), the summary and the
+    /// seal slot, then `also` (another region's open slot), then fdatasync.
+    fn seal_with(&mut self, o: &mut OpenRegion, also: Option<(&AlignedBuf, u64)>) -> Result<()> {
         let base = self.disk.region_base(o.r);
         let ents = encode_entries(&o.entries);
         let slen = block_up(ents.len() as u64);
@@ -816,15 +891,16 @@ impl Writer {
         };
         let mut slot = AlignedBuf::zeroed(BLOCK as usize);
         seal.encode_into(&mut slot);
-        // The batches first, so a durable summary never lists a chunk whose
-        // bytes could still be lost.
         let res = self
             .disk
-            .dev
             .sync()
             .and_then(|()| self.disk.dev.write_at(&buf, base + o.data_end))
             .and_then(|()| self.disk.dev.write_at(&slot, base + SEAL_SLOT))
-            .and_then(|()| self.disk.dev.sync());
+            .and_then(|()| match also {
+                Some((b, at)) => self.disk.dev.write_at(b, at),
+                None => Ok(()),
+            })
+            .and_then(|()| self.disk.sync());
         if let Err(e) = res {
             self.poison(format!("sealing region {} failed: {e}", o.r));
             return Err(Error::Io {
@@ -837,9 +913,9 @@ impl Writer {
         Ok(())
     }
 
-    /// Opens a free region, or reclaims the oldest sealed one first.
-    fn open_next_region(&mut self) -> Result<()> {
-        let r = match self.regions.iter().position(|&(g, _)| g == 0) {
+    /// A free region, or the oldest sealed one, reclaimed.
+    fn pick_next_region(&mut self) -> u32 {
+        match self.regions.iter().position(|&(g, _)| g == 0) {
             Some(r) => r as u32,
             None => {
                 let (r, _) = self
@@ -853,7 +929,12 @@ impl Writer {
                 self.reclaim(r);
                 r
             }
-        };
+        }
+    }
+
+    /// Opens a free region, or reclaims the oldest sealed one first.
+    fn open_next_region(&mut self) -> Result<()> {
+        let r = self.pick_next_region();
         let generation = self.next_generation;
         self.next_generation += 1;
         let mut slot = AlignedBuf::zeroed(BLOCK as usize);
@@ -864,7 +945,7 @@ impl Writer {
         self.disk
             .dev
             .write_at(&slot, base + OPEN_SLOT)
-            .and_then(|()| self.disk.dev.sync())
+            .and_then(|()| self.disk.sync())
             .map_err(|e| Error::Io {
                 op: "open a region of",
                 path: self.disk.dev.path().to_path_buf(),
@@ -920,5 +1001,64 @@ impl Writer {
             .fetch_add(1, Ordering::Relaxed);
         self.regions[r as usize] = (0, false);
         self.hooks.reclaimed(removed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use parking_lot::Mutex;
+
+    /// Fails its first write; records the offsets of the others.
+    #[derive(Default)]
+    struct FailFirst {
+        calls: Mutex<Vec<u64>>,
+    }
+
+    impl Device for FailFirst {
+        fn read_at(&self, _: &mut [u8], _: u64) -> std::io::Result<()> {
+            Ok(())
+        }
+        fn write_at(&self, _: &[u8], off: u64) -> std::io::Result<()> {
+            let mut c = self.calls.lock();
+            c.push(off);
+            if c.len() == 1 {
+                return Err(std::io::Error::from_raw_os_error(libc::ENOSPC));
+            }
+            Ok(())
+        }
+        fn sync(&self) -> std::io::Result<()> {
+            Ok(())
+        }
+        fn len(&self) -> u64 {
+            1 << 30
+        }
+        fn direct_io(&self) -> bool {
+            false
+        }
+        fn path(&self) -> &std::path::Path {
+            std::path::Path::new("<fail-first>")
+        }
+    }
+
+    #[test]
+    fn batches_queued_behind_a_failed_write_are_not_written() {
+        let dev = FailFirst::default();
+        let (req_tx, req_rx) = bounded(8);
+        let (done_tx, done_rx) = bounded(8);
+        // Three batches packed before the writer saw the failure (epoch 0),
+        // then one packed after (epoch 1).
+        for (off, epoch) in [(0, 0), (4096, 0), (8192, 0), (0, 1)] {
+            req_tx.send((AlignedBuf::zeroed(4096), off, epoch)).unwrap();
+        }
+        drop(req_tx);
+        io_loop(&dev, &DiskCounters::default(), req_rx, done_tx);
+        let res: Vec<bool> = done_rx.iter().map(|(_, r)| r.is_ok()).collect();
+        assert_eq!(res, [false, false, false, true]);
+        assert_eq!(
+            *dev.calls.lock(),
+            [0, 0],
+            "only the failed write and the retry"
+        );
     }
 }
