@@ -188,7 +188,9 @@ pub struct NodeConfig {
     /// filesystem, at most 1 GiB.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub disk_reserve: Option<ByteSize>,
-    /// Size of one region of the disk store. Default: 64 MiB.
+    /// Size of one region of the disk store. Default: 256 MiB for a new
+    /// store; an existing store keeps the size it was created with unless
+    /// one is set explicitly (then a different size is refused at start).
     pub region_size: ByteSize,
     /// Use O_DIRECT on the disk store when the filesystem supports it.
     /// Default: true.
@@ -435,7 +437,7 @@ impl NodeConfig {
             ram_budget: env.default_ram_budget(),
             disk_budget: None,
             disk_reserve: None,
-            region_size: ByteSize::mib(64),
+            region_size: ByteSize::mib(256),
             direct_io: true,
             idle_flush_after: HumanDuration::secs(30),
             write_policy: WritePolicy::NoTax,
@@ -712,6 +714,13 @@ impl NodeConfig {
     /// [`NodeConfig::resolve`] against a given filesystem size.
     fn resolve_with(&mut self, loaded: &Loaded, space: DiskSpace) -> Result<Vec<String>> {
         let mut warnings = Vec::new();
+        if loaded.sources.is_default("region-size") {
+            // A store created with another default (64 MiB before
+            // 2026-12) keeps its region size.
+            if let Some(size) = tier::store::existing_region_size(&self.data_dir) {
+                self.region_size = ByteSize(size);
+            }
+        }
         let margin = self
             .disk_reserve
             .map_or((space.total / 20).min(1 << 30), |r| r.0);
@@ -984,6 +993,14 @@ impl Sources {
             .find_metadata(key)
             .map(|m| m.interpolate(&Profile::Default, &[key]))
             .unwrap_or_else(|| "built-in default".into())
+    }
+
+    /// Whether `key` has its built-in default (no file, variable or flag
+    /// set it).
+    pub fn is_default(&self, key: &str) -> bool {
+        self.figment
+            .find_metadata(key)
+            .is_none_or(|m| m.interpolate(&Profile::Default, &[key]) == "built-in default")
     }
 }
 
@@ -1525,6 +1542,37 @@ mod tests {
         let mut c2 = l.config.clone();
         c2.resolve_with(&l, tight()).unwrap();
         assert_eq!(c2.disk_budget, Some(ByteSize(3 * c.region_size.0)));
+
+        // A store created with 64 MiB regions keeps them when region-size is
+        // not set; an explicit region-size stays as set (the store then
+        // refuses to open, naming both).
+        let mut sb = [0u8; 4096];
+        tier::layout::Superblock {
+            version: tier::layout::STORE_VERSION,
+            region_size: 64 << 20,
+            region_count: 48,
+            created_ms: 1,
+        }
+        .encode_into(&mut sb);
+        std::fs::write(dir.path().join("data").join(STORE_FILE), sb).unwrap();
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(dir.path().join("data").join(STORE_FILE))
+            .unwrap();
+        f.set_len(48 << 26).unwrap();
+        l = load_with(None, &[], flags.clone()).unwrap();
+        let mut c3 = l.config.clone();
+        c3.resolve_with(&l, tight()).unwrap();
+        assert_eq!(c3.region_size, ByteSize::mib(64));
+        assert_eq!(c3.disk_budget, Some(ByteSize(48 << 26)));
+        let explicit = Overrides {
+            region_size: Some(ByteSize::mib(128)),
+            ..flags.clone()
+        };
+        l = load_with(None, &[], explicit).unwrap();
+        let mut c4 = l.config.clone();
+        c4.resolve_with(&l, tight()).unwrap();
+        assert_eq!(c4.region_size, ByteSize::mib(128));
 
         let ram_only = Overrides {
             disk_budget: Some(ByteSize(0)),

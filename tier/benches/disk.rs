@@ -15,7 +15,7 @@
 //!
 //! Data lives under the target dir (not /tmp, which may be tmpfs); at most
 //! ~1.5 GiB on disk. Run: `cargo bench -p kvtier-tier --bench disk`
-//! (`KVTIER_BENCH_REGION_MIB=N` for regions of N MiB instead of 64,
+//! (`KVTIER_BENCH_REGION_MIB=N` for regions of N MiB instead of the default,
 //! `KVTIER_BENCH_PACK_THREADS=N` for N CRC/copy helper threads).
 
 use std::fs::OpenOptions;
@@ -146,11 +146,11 @@ fn raw_read(path: &Path, block: usize, count: u64, stride: u64) -> f64 {
     (count * block as u64) as f64 / t.elapsed().as_secs_f64() / 1e9
 }
 
-/// Region size of the bench stores: `KVTIER_BENCH_REGION_MIB`, else 64
-/// (the node's default). Each full region costs a seal (summary + fdatasync)
+/// Region size of the bench stores: `KVTIER_BENCH_REGION_MIB`, else the
+/// store's default. Each full region costs a seal (summary + fdatasyncs)
 /// and the tail that no whole record fits.
 fn region_mib() -> u64 {
-    std::env::var("KVTIER_BENCH_REGION_MIB").map_or(64, |v| {
+    std::env::var("KVTIER_BENCH_REGION_MIB").map_or(TierConfig::default().region_size >> 20, |v| {
         v.parse().expect("KVTIER_BENCH_REGION_MIB: a size in MiB")
     })
 }

@@ -40,6 +40,20 @@ use crate::{ChunkId, ChunkKey, Error, GroupId, Namespace, NamespaceRecord, Resul
 /// Name of the store file inside the data dir.
 pub const STORE_FILE: &str = "store.kvt";
 
+/// The region size of the store in `data_dir`, from its superblock; `None`
+/// when there is no store file or it holds no valid superblock (a fresh or
+/// foreign file: opening it says which).
+pub fn existing_region_size(data_dir: &std::path::Path) -> Option<u64> {
+    use std::io::Read;
+    let mut block = [0u8; 64];
+    std::fs::File::open(data_dir.join(STORE_FILE))
+        .and_then(|mut f| f.read_exact(&mut block))
+        .ok()?;
+    crate::layout::Superblock::decode(&block)
+        .ok()
+        .map(|sb| sb.region_size)
+}
+
 /// A successful read.
 #[derive(Clone, Debug)]
 pub struct Hit {
