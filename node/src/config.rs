@@ -714,13 +714,6 @@ impl NodeConfig {
     /// [`NodeConfig::resolve`] against a given filesystem size.
     fn resolve_with(&mut self, loaded: &Loaded, space: DiskSpace) -> Result<Vec<String>> {
         let mut warnings = Vec::new();
-        if loaded.sources.is_default("region-size") {
-            // A store created with another default (64 MiB before
-            // 2026-12) keeps its region size.
-            if let Some(size) = tier::store::existing_region_size(&self.data_dir) {
-                self.region_size = ByteSize(size);
-            }
-        }
         let margin = self
             .disk_reserve
             .map_or((space.total / 20).min(1 << 30), |r| r.0);
@@ -1133,10 +1126,17 @@ pub fn load(sources: &ConfigSources, env: &Environment) -> Result<Loaded> {
     for layer in &layers {
         figment = figment.merge(layer);
     }
-    let config: NodeConfig = figment
+    let mut config: NodeConfig = figment
         .extract()
         .map_err(|e| describe_error(e, &SourceKind::Defaults))?;
     let sources = Sources { figment };
+    if sources.is_default("region-size") {
+        // A store created with another default (64 MiB before 2026-12)
+        // keeps its region size; an explicit one is checked at open.
+        if let Some(size) = tier::store::existing_region_size(&config.data_dir) {
+            config.region_size = ByteSize(size);
+        }
+    }
     let warnings = config.check_static(&sources)?;
     Ok(Loaded {
         config,
@@ -1565,6 +1565,13 @@ mod tests {
         c3.resolve_with(&l, tight()).unwrap();
         assert_eq!(c3.region_size, ByteSize::mib(64));
         assert_eq!(c3.disk_budget, Some(ByteSize(48 << 26)));
+        // The budget check counts the store's regions, not the default's.
+        let small = Overrides {
+            disk_budget: Some(ByteSize::mib(192)),
+            ..flags.clone()
+        };
+        l = load_with(None, &[], small).unwrap();
+        assert_eq!(l.config.region_size, ByteSize::mib(64));
         let explicit = Overrides {
             region_size: Some(ByteSize::mib(128)),
             ..flags.clone()

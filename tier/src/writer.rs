@@ -833,18 +833,23 @@ impl Writer {
         true
     }
 
-    /// The open region is full: seals it and opens the next one. Choosing
-    /// the next region and reclaiming it (reading its summary, dropping its
-    /// index entries) happen while the full region's last batches are still
-    /// being written. Then, with them done: one fdatasync makes them durable;
-    /// the full region's summary and seal slot and the next region's open
-    /// slot are written; a second fdatasync makes those durable before any
-    /// batch lands in the next region (two syncs for the switch, not one per
-    /// seal and one per open). The syncs run on an idle device: a flush that
-    /// overlapped the next batches' writes slowed them by as much as it saved.
+    /// The open region is full: seals it and opens the next one. Once its
+    /// batches are done, the next region is chosen (and reclaimed: its index
+    /// entries dropped only now, so an older copy of a chunk whose newer one
+    /// was still in flight is not reported gone); one fdatasync makes the
+    /// full region's batches durable; its summary and seal slot and the next
+    /// region's open slot are written; a second fdatasync makes those
+    /// durable before any batch lands in the next region (two syncs for the
+    /// switch, not one per seal and one per open). The syncs run on an idle
+    /// device: a flush that overlapped the next batches' writes slowed them
+    /// by as much as it saved.
     fn switch_region(&mut self) {
-        let next = self.pick_next_region();
         self.drain();
+        if self.check_poison().is_err() {
+            // A batch failed for good: nothing more is written.
+            return;
+        }
+        let next = self.pick_next_region();
         let mut full = self.open.take().expect("a full region is open");
         let generation = self.next_generation;
         self.next_generation += 1;
