@@ -935,7 +935,7 @@ enum SourceKind {
 impl SourceKind {
     fn describe(&self, key: &str) -> String {
         match self {
-            SourceKind::Defaults => "built-in default".into(),
+            SourceKind::Defaults => DEFAULT_SOURCE.into(),
             SourceKind::File(p) => format!("from config file {}", p.display()),
             SourceKind::Env => format!(
                 "from environment variable {ENV_PREFIX}{}",
@@ -971,6 +971,9 @@ impl Provider for Layer {
     }
 }
 
+/// How [`Sources::of`] names the built-in defaults.
+const DEFAULT_SOURCE: &str = "built-in default";
+
 /// Which source set each key of a loaded configuration.
 #[derive(Debug)]
 pub struct Sources {
@@ -985,15 +988,13 @@ impl Sources {
         self.figment
             .find_metadata(key)
             .map(|m| m.interpolate(&Profile::Default, &[key]))
-            .unwrap_or_else(|| "built-in default".into())
+            .unwrap_or_else(|| DEFAULT_SOURCE.into())
     }
 
     /// Whether `key` has its built-in default (no file, variable or flag
     /// set it).
     pub fn is_default(&self, key: &str) -> bool {
-        self.figment
-            .find_metadata(key)
-            .is_none_or(|m| m.interpolate(&Profile::Default, &[key]) == "built-in default")
+        self.of(key) == DEFAULT_SOURCE
     }
 }
 

@@ -165,12 +165,21 @@ impl Item {
 
 /// Writes one batch. Failpoint `tier::writer::batch_write` (feature
 /// `failpoints`): fails it with ENOSPC when its argument is `enospc`, else EIO.
-fn write_batch(dev: &dyn Device, buf: &[u8], off: u64) -> std::io::Result<()> {
+/// Its time goes into `counters.write_micros`.
+fn write_batch(
+    dev: &dyn Device,
+    counters: &DiskCounters,
+    buf: &[u8],
+    off: u64,
+) -> std::io::Result<()> {
     #[cfg(feature = "failpoints")]
     fail::fail_point!("tier::writer::batch_write", |arg| Err(
         crate::segment::failpoint_error(arg)
     ));
-    dev.write_at(buf, off)
+    let t = Instant::now();
+    let res = dev.write_at(buf, off);
+    DiskCounters::add_time(&counters.write_micros, t);
+    res
 }
 
 /// The fdatasync of a flush. Failpoint `tier::writer::flush_sync` (feature
@@ -201,10 +210,7 @@ fn io_loop(
                 "not written: an earlier batch failed",
             ))
         } else {
-            let t = Instant::now();
-            let res = write_batch(dev, &buf, off);
-            DiskCounters::add_time(&counters.write_micros, t);
-            res
+            write_batch(dev, counters, &buf, off)
         };
         if res.is_err() {
             failed_epoch = Some(epoch);
@@ -618,9 +624,7 @@ impl Writer {
                 self.inflight.push_back(f);
             }
             None => {
-                let t = Instant::now();
-                let res = write_batch(&*self.disk.dev, &buf, off);
-                DiskCounters::add_time(&self.disk.counters.write_micros, t);
+                let res = write_batch(&*self.disk.dev, &self.disk.counters, &buf, off);
                 self.recycle(buf);
                 self.finish(f, res);
             }
@@ -849,26 +853,14 @@ impl Writer {
             // A batch failed for good: nothing more is written.
             return;
         }
-        let next = self.pick_next_region();
+        let (next, generation, open_slot, open_at) = self.next_open_slot();
         let mut full = self.open.take().expect("a full region is open");
-        let generation = self.next_generation;
-        self.next_generation += 1;
-        let mut open_slot = AlignedBuf::zeroed(BLOCK as usize);
-        encode_open_slot(&mut open_slot, next, generation);
-        let open_at = self.disk.region_base(next) + OPEN_SLOT;
         let res = self.seal_with(&mut full, Some((&open_slot, open_at)));
         if let Err(e) = res {
             tracing::error!(error = %e, "sealing a region failed");
             return;
         }
-        self.regions[next as usize] = (generation, false);
-        self.open = Some(OpenRegion {
-            r: next,
-            generation,
-            data_end: DATA_START,
-            entries: Vec::new(),
-            reused: false,
-        });
+        self.opened(next, generation);
     }
 
     /// Writes the summary and the seal slot, then fdatasync.
@@ -937,25 +929,20 @@ impl Writer {
         }
     }
 
-    /// Opens a free region, or reclaims the oldest sealed one first.
-    fn open_next_region(&mut self) -> Result<()> {
+    /// Picks the next region (reclaiming it if it was sealed) and a new
+    /// generation for it: its open slot and where that goes. The region is
+    /// open once the slot is durable ([`opened`](Self::opened)).
+    fn next_open_slot(&mut self) -> (u32, u64, AlignedBuf, u64) {
         let r = self.pick_next_region();
         let generation = self.next_generation;
         self.next_generation += 1;
         let mut slot = AlignedBuf::zeroed(BLOCK as usize);
         encode_open_slot(&mut slot, r, generation);
-        let base = self.disk.region_base(r);
-        // The open slot is durable before any batch lands in the region, so
-        // a crash can never pair the old summary with new data.
-        self.disk
-            .dev
-            .write_at(&slot, base + OPEN_SLOT)
-            .and_then(|()| self.disk.sync())
-            .map_err(|e| Error::Io {
-                op: "open a region of",
-                path: self.disk.dev.path().to_path_buf(),
-                source: e,
-            })?;
+        (r, generation, slot, self.disk.region_base(r) + OPEN_SLOT)
+    }
+
+    /// Region `r`'s open slot with `generation` is durable: batches go there.
+    fn opened(&mut self, r: u32, generation: u64) {
         self.regions[r as usize] = (generation, false);
         self.open = Some(OpenRegion {
             r,
@@ -964,6 +951,23 @@ impl Writer {
             entries: Vec::new(),
             reused: false,
         });
+    }
+
+    /// Opens a free region, or reclaims the oldest sealed one first.
+    fn open_next_region(&mut self) -> Result<()> {
+        let (r, generation, slot, at) = self.next_open_slot();
+        // The open slot is durable before any batch lands in the region, so
+        // a crash can never pair the old summary with new data.
+        self.disk
+            .dev
+            .write_at(&slot, at)
+            .and_then(|()| self.disk.sync())
+            .map_err(|e| Error::Io {
+                op: "open a region of",
+                path: self.disk.dev.path().to_path_buf(),
+                source: e,
+            })?;
+        self.opened(r, generation);
         Ok(())
     }
 
