@@ -402,6 +402,18 @@ impl Collector for NodeCollector {
         counter(&mut enc, "disk_reads", "Disk read operations", s.disk_reads)?;
         counter(
             &mut enc,
+            "disk_read_bytes",
+            "Bytes chunk reads took from disk, headers and block padding included",
+            s.disk_read_bytes,
+        )?;
+        counter(
+            &mut enc,
+            "disk_read_seconds",
+            "Time chunk reads spent in disk reads",
+            s.disk_read_micros as f64 / 1e6,
+        )?;
+        counter(
+            &mut enc,
             "disk_write_seconds",
             "Time the disk writer spent writing batches",
             s.disk_write_micros as f64 / 1e6,

@@ -183,6 +183,31 @@ pub fn test_args(dir: &Path) -> Vec<String> {
     .collect()
 }
 
+/// `GET path` from a daemon's HTTP listener: the whole response, headers
+/// included.
+pub fn http_get(addr: std::net::SocketAddr, path: &str) -> String {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).expect("connect http");
+    s.set_read_timeout(Some(Duration::from_secs(5)))
+        .expect("timeout");
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    )
+    .expect("write");
+    let mut out = String::new();
+    s.read_to_string(&mut out).expect("read");
+    out
+}
+
+/// The value of the unlabelled Prometheus sample `name` in `metrics`.
+pub fn metric(metrics: &str, name: &str) -> Option<f64> {
+    metrics.lines().find_map(|l| {
+        let (n, v) = l.split_once(' ')?;
+        (n == name).then(|| v.trim().parse().ok())?
+    })
+}
+
 /// Sets `flag`'s value in `args` (appending the flag if it is absent).
 pub fn set_flag(args: &mut Vec<String>, flag: &str, value: &str) {
     match args.iter().position(|a| a == flag) {

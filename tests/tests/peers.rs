@@ -8,7 +8,9 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use kvtier_tests::{Daemon, chunk_bytes, peer_state, poll, run_kvtier, test_record, wait_present};
+use kvtier_tests::{
+    Daemon, chunk_bytes, http_get, peer_state, poll, run_kvtier, test_record, wait_present,
+};
 use node::native::LookupLocation;
 use node::tier::{ChunkKey, Namespace};
 
@@ -117,21 +119,6 @@ fn two_nodes(dir: &Path) -> Two {
     let b =
         start_node(dir, "b", &b_tls, ports[1], &[ports[0]]).unwrap_or_else(|e| panic!("b: {e}"));
     Two { a, b, b_tls, ports }
-}
-
-fn http_get(addr: std::net::SocketAddr, path: &str) -> String {
-    use std::io::{Read, Write};
-    let mut s = std::net::TcpStream::connect(addr).expect("connect http");
-    s.set_read_timeout(Some(Duration::from_secs(5)))
-        .expect("timeout");
-    write!(
-        s,
-        "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
-    )
-    .expect("write");
-    let mut out = String::new();
-    s.read_to_string(&mut out).expect("read");
-    out
 }
 
 fn put(d: &Daemon, ns: Namespace, key: ChunkKey, data: &[u8]) {

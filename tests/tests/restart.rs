@@ -5,7 +5,7 @@
 
 use std::collections::BTreeMap;
 
-use kvtier_tests::{Daemon, TEST_STORE, chunk_bytes, run_kvtier, test_record};
+use kvtier_tests::{Daemon, TEST_STORE, chunk_bytes, http_get, metric, run_kvtier, test_record};
 use node::tier::{ChunkKey, Namespace};
 
 /// Chunks known to be durable (flushed) and chunks that may or may not
@@ -119,6 +119,57 @@ fn sigterm_flushes_dirty_chunks_and_exits_0() {
         ns,
         &Model {
             durable: chunks,
+            maybe: BTreeMap::new(),
+        },
+    );
+}
+
+#[test]
+fn a_restart_without_region_size_keeps_the_stores_regions_and_metrics_count_disk_time() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    // The first daemon's store has 4 MiB regions (TEST_STORE).
+    let mut d = Daemon::start(dir.path(), &[], &[]).unwrap_or_else(|e| panic!("{e}"));
+    let ns = d.client().hello(&test_record(0)).expect("HELLO");
+    let chunks = put_round(&d, ns, 300, 32);
+    assert_eq!(d.client().flush().expect("FLUSH").failed, 0);
+    let metrics = http_get(d.http.expect("http listener"), "/metrics");
+    let m = |name: &str| metric(&metrics, name).unwrap_or_else(|| panic!("{name} in:\n{metrics}"));
+    assert!(m("kvtier_disk_syncs_total") >= 1.0, "the flush synced");
+    assert!(m("kvtier_disk_write_seconds_total") > 0.0);
+    assert!(m("kvtier_disk_sync_seconds_total") > 0.0);
+    assert!(m("kvtier_disk_write_bytes_total") >= 32.0 * 4096.0);
+    assert_eq!(d.stop_with(libc::SIGTERM).code(), Some(0), "{}", d.log());
+    // Without --region-size the default (256 MiB) would not fit the 32 MiB
+    // budget twice: the daemon must adopt the store's 4 MiB to start.
+    let mut args = kvtier_tests::test_args(dir.path());
+    let at = args
+        .iter()
+        .position(|a| a == "--region-size")
+        .expect("flag");
+    args.drain(at..at + 2);
+    let d = Daemon::start_args(dir.path(), &args, &[]).unwrap_or_else(|e| panic!("{e}"));
+    let bytes: usize = chunks.values().map(Vec::len).sum();
+    check(
+        &d,
+        ns,
+        &Model {
+            durable: chunks,
+            maybe: BTreeMap::new(),
+        },
+    );
+    // RAM starts empty: every chunk above came from disk.
+    let metrics = http_get(d.http.expect("http listener"), "/metrics");
+    let m = |name: &str| metric(&metrics, name).unwrap_or_else(|| panic!("{name} in:\n{metrics}"));
+    assert!(m("kvtier_disk_reads_total") >= 32.0);
+    assert!(m("kvtier_disk_read_bytes_total") >= bytes as f64);
+    assert!(m("kvtier_disk_read_seconds_total") > 0.0);
+    let more = put_round(&d, ns, 301, 32);
+    assert_eq!(d.client().flush().expect("FLUSH").failed, 0);
+    check(
+        &d,
+        ns,
+        &Model {
+            durable: more,
             maybe: BTreeMap::new(),
         },
     );

@@ -11,7 +11,12 @@
 //!   into reclaimed regions, vs overwriting the same file);
 //! - read: `get` of every chunk from disk (RAM holds none of them,
 //!   `promote-on-read` off) vs `pread` of chunk-record-sized blocks (payload
-//!   + header, block aligned), queue depth 1.
+//!   and header, block aligned), queue depth 1. Under it, diagnostics: the
+//!   share of the store's read time spent in disk reads (and their speed),
+//!   raw `pread`s at the store's own record offsets (is the layout slower
+//!   to read?), and the read strategies interleaved on one file: plain
+//!   `pread`, `pread` then CRC32C (the store before split reads), and the
+//!   split read with the CRC of each piece as it lands (the store now).
 //!
 //! Data lives under the target dir (not /tmp, which may be tmpfs); at most
 //! ~1.5 GiB on disk. Run: `cargo bench -p kvtier-tier --bench disk`
@@ -27,7 +32,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use criterion::Criterion;
-use tier::device::AlignedBuf;
+use tier::device::{AlignedBuf, Device, DirectMode, FileDevice};
 use tier::{ChunkId, ChunkKey, ChunkStore, NamespaceRecord, TierConfig, WritePolicy};
 
 const MIB: u64 = 1 << 20;
@@ -131,6 +136,70 @@ fn report_write(what: &str, chunk: usize, raw: Vec<f64>, store: &[StoreWrite], d
     );
 }
 
+/// `pread` of the blocks covering each `(offset, length)` record in the
+/// store file, in the order given (the store's reads, without the store):
+/// GB/s of those blocks.
+fn raw_read_at(path: &Path, records: &[(u64, u64)]) -> f64 {
+    let f = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(path)
+        .expect("open");
+    let span = |&(off, len): &(u64, u64)| {
+        let first = off / 4096 * 4096;
+        (first, (off + len).next_multiple_of(4096) - first)
+    };
+    let most = records.iter().map(|r| span(r).1).max().unwrap_or(0);
+    let mut buf = AlignedBuf::zeroed(most as usize);
+    let (t, mut bytes) = (Instant::now(), 0);
+    for r in records {
+        let (first, len) = span(r);
+        f.read_exact_at(&mut buf[..len as usize], first)
+            .expect("read");
+        black_box(&buf[..8]);
+        bytes += len;
+    }
+    bytes as f64 / t.elapsed().as_secs_f64() / 1e9
+}
+
+/// The read strategies side by side on the same file, interleaved in
+/// groups of 8 consecutive records (so drift of the device's speed hits
+/// all alike): plain `pread`; `pread` then CRC32C of the whole record (the
+/// store before split reads); the device's split read with the CRC of each
+/// piece as it lands (the store now). GB/s of each.
+fn read_strategies(path: &Path, block: usize, count: u64, stride: u64) -> [f64; 3] {
+    let len = std::fs::metadata(path).expect("raw file").len();
+    let dev = FileDevice::open(path, len, DirectMode::Auto).expect("open raw");
+    let mut buf = AlignedBuf::zeroed(block);
+    let mut secs = [0f64; 3];
+    let mut bytes = [0u64; 3];
+    for g in 0..count / 8 {
+        let mode = (g % 3) as usize;
+        let t = Instant::now();
+        for i in g * 8..g * 8 + 8 {
+            let off = i * stride;
+            match mode {
+                0 => dev.read_at(&mut buf, off).expect("read"),
+                1 => {
+                    dev.read_at(&mut buf, off).expect("read");
+                    black_box(tier::format::crc32c(&buf));
+                }
+                _ => {
+                    let mut crc = 0;
+                    dev.read_at_in_order(&mut buf, off, &mut |p: &[u8]| {
+                        crc = crc32c::crc32c_append(crc, p);
+                    })
+                    .expect("read");
+                    black_box(crc);
+                }
+            }
+        }
+        secs[mode] += t.elapsed().as_secs_f64();
+        bytes[mode] += 8 * block as u64;
+    }
+    [0, 1, 2].map(|m| bytes[m] as f64 / secs[m] / 1e9)
+}
+
 fn raw_read(path: &Path, block: usize, count: u64, stride: u64) -> f64 {
     let f = OpenOptions::new()
         .read(true)
@@ -187,7 +256,9 @@ fn bench(_c: &mut Criterion) {
         let raw = root.join(format!("raw-{chunk}"));
         let (mut raw_fresh, mut raw_over, mut rd_raw, mut rd_store) =
             (vec![], vec![], vec![], vec![]);
-        let (mut fresh, mut steady) = (vec![], vec![]);
+        let (mut fresh, mut steady, mut rd_split_time, mut rd_at_store) =
+            (vec![], vec![], vec![], vec![]);
+        let mut strategies = vec![];
         let mut direct = false;
         for rep in 0..REPS {
             let _ = std::fs::remove_dir_all(&cfg.data_dir);
@@ -223,13 +294,31 @@ fn bench(_c: &mut Criterion) {
             let s = ChunkStore::open(cfg.clone()).expect("reopen");
             let record = (chunk as u64 + 128).next_multiple_of(4096);
             rd_raw.push(raw_read(&raw, record as usize, n - 1, record));
+            strategies.push(read_strategies(&raw, record as usize, n - 1, record));
+            let before = s.stats();
             let t = Instant::now();
             let mut bytes = 0;
             for id in &last {
                 bytes += s.get(id).expect("disk hit").data.len();
             }
-            rd_store.push(bytes as f64 / t.elapsed().as_secs_f64() / 1e9);
-            assert_eq!(s.stats().verify_failures, 0);
+            let secs = t.elapsed().as_secs_f64();
+            rd_store.push(bytes as f64 / secs / 1e9);
+            let after = s.stats();
+            let records: Vec<(u64, u64)> = last
+                .iter()
+                .map(|id| {
+                    let (_, off, len) = s.disk_location(id).expect("on disk");
+                    (off, len)
+                })
+                .collect();
+            drop(s);
+            rd_at_store.push(raw_read_at(&cfg.data_dir.join("store.kvt"), &records));
+            let read_us = (after.disk_read_micros - before.disk_read_micros) as f64;
+            rd_split_time.push((
+                read_us / 1e6 / secs,
+                (after.disk_read_bytes - before.disk_read_bytes) as f64 / read_us / 1e3,
+            ));
+            assert_eq!(after.verify_failures, 0);
         }
         report_write(
             "first fill (vs a new fallocated file)",
@@ -251,6 +340,27 @@ fn bench(_c: &mut Criterion) {
             chunk >> 20,
             (chunk as u64 + 128).next_multiple_of(4096) >> 10,
             rs / rr
+        );
+        let ra = median(rd_at_store);
+        println!(
+            "  raw pread of the store file at the store's record offsets: {ra:.2} GB/s = {:.2}x of raw qd1",
+            ra / rr
+        );
+        let st = |m: usize| median(strategies.iter().map(|s| s[m]).collect());
+        println!(
+            "  read strategies interleaved on the raw file: pread {:.2} GB/s; pread then CRC {:.2} GB/s = {:.2}x; split read, CRC per piece {:.2} GB/s = {:.2}x",
+            st(0),
+            st(1),
+            st(1) / st(0),
+            st(2),
+            st(2) / st(0)
+        );
+        rd_split_time.sort_by(|a, b| a.0.partial_cmp(&b.0).expect("no NaN"));
+        let (share, gbps) = rd_split_time[rd_split_time.len() / 2];
+        println!(
+            "  store time (median run): {:.0}% in disk reads (at {gbps:.2} GB/s), {:.0}% elsewhere",
+            share * 100.0,
+            (1.0 - share) * 100.0
         );
     }
     let _ = std::fs::remove_dir_all(&root);

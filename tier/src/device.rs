@@ -17,6 +17,8 @@ use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::ptr::NonNull;
 
+use crate::aio::{SPLIT_FROM, SplitReader};
+
 /// Alignment and granularity of every store I/O (bytes).
 pub const BLOCK: u64 = 4096;
 
@@ -28,6 +30,23 @@ pub const BLOCK: u64 = 4096;
 pub trait Device: Send + Sync {
     /// Reads exactly `buf.len()` bytes at `offset`.
     fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()>;
+    /// Reads exactly `buf.len()` bytes at `offset` like [`Device::read_at`],
+    /// handing them to `arrived` in order: consecutive slices that together
+    /// cover `buf`, each once it has landed. A device that keeps reading
+    /// while `arrived` works on the bytes before ([`FileDevice`] with
+    /// `O_DIRECT`, for large reads) overlaps the two; this default reads
+    /// everything, then hands it over at once. After an error, `arrived`
+    /// may have seen a prefix.
+    fn read_at_in_order(
+        &self,
+        buf: &mut [u8],
+        offset: u64,
+        arrived: &mut dyn FnMut(&[u8]),
+    ) -> io::Result<()> {
+        self.read_at(buf, offset)?;
+        arrived(buf);
+        Ok(())
+    }
     /// Writes all of `buf` at `offset`. Not durable until [`Device::sync`].
     fn write_at(&self, buf: &[u8], offset: u64) -> io::Result<()>;
     /// Makes every completed write durable (fdatasync).
@@ -131,6 +150,7 @@ pub struct FileDevice {
     path: PathBuf,
     len: u64,
     direct: bool,
+    split: SplitReader,
 }
 
 fn is_direct_refusal(e: &io::Error) -> bool {
@@ -167,6 +187,7 @@ impl FileDevice {
             path: path.to_path_buf(),
             len,
             direct: false,
+            split: SplitReader::default(),
         };
         match mode {
             DirectMode::Off => {}
@@ -220,6 +241,22 @@ impl Device for FileDevice {
     fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
         self.file.read_exact_at(buf, offset)
     }
+    fn read_at_in_order(
+        &self,
+        buf: &mut [u8],
+        offset: u64,
+        arrived: &mut dyn FnMut(&[u8]),
+    ) -> io::Result<()> {
+        use std::os::fd::AsRawFd;
+        if self.direct && buf.len() >= SPLIT_FROM && self.split.available() {
+            if let Some(res) = self.split.read(self.file.as_raw_fd(), buf, offset, arrived) {
+                return res;
+            }
+        }
+        self.read_at(buf, offset)?;
+        arrived(buf);
+        Ok(())
+    }
     fn write_at(&self, buf: &[u8], offset: u64) -> io::Result<()> {
         self.file.write_all_at(buf, offset)
     }
@@ -248,6 +285,65 @@ mod tests {
         assert_eq!(b.len(), 5000);
         assert_eq!(b.capacity(), 8192);
         assert!(b.iter().all(|&x| x == 0));
+    }
+
+    /// Reads `len` bytes at `off` through `read_at_in_order`: the pieces
+    /// handed over, and the result.
+    fn read_in_order(dev: &FileDevice, off: u64, len: usize) -> (Vec<Vec<u8>>, io::Result<()>) {
+        let mut buf = AlignedBuf::zeroed(len);
+        let mut parts = vec![];
+        let res = dev.read_at_in_order(&mut buf, off, &mut |p: &[u8]| parts.push(p.to_vec()));
+        if res.is_ok() {
+            assert_eq!(parts.concat(), &buf[..], "pieces are the buffer, in order");
+        }
+        (parts, res)
+    }
+
+    #[test]
+    fn large_reads_arrive_in_order_split_or_not() {
+        // Where /tmp refuses O_DIRECT (tmpfs) this checks the plain path only.
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("d");
+        let len = 8 << 20;
+        let dev = FileDevice::open(&p, len, DirectMode::Auto).unwrap();
+        let mut w = AlignedBuf::zeroed(len as usize);
+        w.iter_mut()
+            .enumerate()
+            .for_each(|(i, b)| *b = (i * 7 + i / 4093) as u8);
+        dev.write_at(&w, 0).unwrap();
+        dev.sync().unwrap();
+        for (off, n) in [(0, 4 << 20), (12288, (1 << 20) + 8192), (4096, 256 << 10)] {
+            let (parts, res) = read_in_order(&dev, off, n);
+            res.unwrap();
+            assert_eq!(parts.concat(), &w[off as usize..off as usize + n]);
+            if dev.direct_io() && dev.split.available() && n >= SPLIT_FROM {
+                assert!(parts.len() > 1, "a {n}-byte read is split: {}", parts.len());
+                assert!(parts.len() <= crate::aio::MAX_PIECES);
+            } else {
+                assert_eq!(parts.len(), 1);
+            }
+        }
+        dev.split.disable();
+        let (parts, res) = read_in_order(&dev, 4096, 4 << 20);
+        res.unwrap();
+        assert_eq!(parts.len(), 1, "the plain path hands over once");
+        assert_eq!(parts[0], &w[4096..4096 + (4 << 20)]);
+    }
+
+    #[test]
+    fn a_read_past_the_end_is_an_error_split_or_not() {
+        let dir = tempfile::tempdir().unwrap();
+        let dev = FileDevice::open(&dir.path().join("d"), 2 << 20, DirectMode::Auto).unwrap();
+        for _ in 0..2 {
+            // 1 MiB from 1.5 MiB: the second half is past the end.
+            let (parts, res) = read_in_order(&dev, 3 << 19, 1 << 20);
+            assert!(res.is_err(), "short read reported");
+            assert!(parts.concat().len() < 1 << 20, "no full read handed over");
+            // The device still reads afterwards (the AIO context was reused).
+            let (_, res) = read_in_order(&dev, 0, 1 << 20);
+            res.unwrap();
+            dev.split.disable();
+        }
     }
 
     #[test]

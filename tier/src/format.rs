@@ -456,7 +456,12 @@ impl ChunkHeader {
                 actual: payload.len() as u64,
             });
         }
-        let computed = crc32c(payload);
+        self.check_payload_crc(crc32c(payload))
+    }
+
+    /// Checks a payload CRC32C computed elsewhere (e.g. piece by piece as a
+    /// read lands) against the header's; the length is the caller's check.
+    pub fn check_payload_crc(&self, computed: u32) -> Result<(), FormatError> {
         if computed != self.payload_crc {
             return Err(FormatError::PayloadCrc {
                 stored: self.payload_crc,

@@ -13,6 +13,7 @@
 //! synchronous and may block on disk reads; async callers use
 //! `spawn_blocking` (a `get` that hits RAM never touches the disk).
 
+mod aio;
 pub mod config;
 pub mod device;
 mod error;

@@ -144,6 +144,13 @@ pub struct StoreStats {
     /// microseconds (`disk_write_bytes` over this is the device's write
     /// speed as the store sees it).
     pub disk_write_micros: u64,
+    /// Bytes chunk reads took from disk (whole blocks, headers included).
+    pub disk_read_bytes: u64,
+    /// Time chunk reads spent in disk reads, in microseconds: the device,
+    /// plus the checksum of the pieces of a split read that landed before
+    /// the last one (`disk_read_bytes` over this is the read speed as the
+    /// store sees it).
+    pub disk_read_micros: u64,
 }
 
 /// Result of [`ChunkStore::flush`].
@@ -750,6 +757,8 @@ impl ChunkStore {
             s.disk_syncs = dc.syncs.load(Ordering::Relaxed);
             s.disk_sync_micros = dc.sync_micros.load(Ordering::Relaxed);
             s.disk_write_micros = dc.write_micros.load(Ordering::Relaxed);
+            s.disk_read_bytes = dc.read_bytes.load(Ordering::Relaxed);
+            s.disk_read_micros = dc.read_micros.load(Ordering::Relaxed);
             s.writer_paused_nospace = d.paused_nospace.load(Ordering::Relaxed);
             s.direct_io = d.dev.direct_io();
             s.disk_poisoned = d.poisoned().is_some();

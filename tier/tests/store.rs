@@ -516,6 +516,44 @@ fn bit_flips_in_payload_or_header_are_misses_never_wrong_bytes() {
 }
 
 #[test]
+fn bit_flips_anywhere_in_a_large_split_read_are_misses() {
+    // Records of 1.5 MiB: with O_DIRECT the device reads them as pieces and
+    // the store checksums each piece as it lands.
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = config(dir.path());
+    cfg.region_size = 4 * MIB;
+    cfg.disk_budget = 16 * MIB;
+    let len = 3 * MIB as usize / 2;
+    let (ns, locs, heads) = {
+        let s = ChunkStore::open(cfg.clone()).unwrap();
+        let ns = s.register_namespace(&record(0)).unwrap();
+        for n in 0..4 {
+            s.put(id(ns, n), payload(n, len)).unwrap();
+        }
+        s.flush().unwrap();
+        let locs: Vec<_> = (0..4)
+            .map(|n| s.disk_location(&id(ns, n)).unwrap())
+            .collect();
+        let heads: Vec<_> = (0..4)
+            .map(|n| u64::from(s.disk_header_len(&id(ns, n)).unwrap()))
+            .collect();
+        s.close(Duration::from_secs(5)).unwrap();
+        (ns, locs, heads)
+    };
+    let file = dir.path().join("store.kvt");
+    let payload_at = |n: usize, at: u64| locs[n].1 + heads[n] + at;
+    flip_byte(&file, payload_at(0, 0)); // first byte: first piece
+    flip_byte(&file, payload_at(1, len as u64 / 2 + 4097)); // a middle piece
+    flip_byte(&file, payload_at(2, len as u64 - 1)); // last byte: last piece
+    let s = ChunkStore::open(cfg).unwrap();
+    for n in 0..3 {
+        assert!(s.get(&id(ns, n)).is_none(), "chunk {n}");
+    }
+    assert_eq!(s.get(&id(ns, 3)).unwrap().data, payload(3, len));
+    assert_eq!(s.stats().verify_failures, 3);
+}
+
+#[test]
 fn another_store_version_or_region_size_is_refused() {
     let dir = tempfile::tempdir().unwrap();
     ChunkStore::open(config(dir.path())).unwrap();
