@@ -7,11 +7,13 @@
 //! least 256 KiB, two in flight at a time, and hands each piece to the
 //! caller (which checksums it) as soon as it and every piece before it has
 //! landed: the device reads the next piece meanwhile, and only the last
-//! piece's checksum is not overlapped. Submitting all pieces at once
-//! would not overlap anything: the device shares its bandwidth among them
-//! and they all land at about the same time. Measured in the disk bench
-//! (docs/benchmarks.md): 4 MiB reads gain 7–15 points of raw `pread`
-//! speed, 1 MiB reads 2–3.
+//! pieces' checksums are not overlapped. Measured in the disk bench
+//! (docs/benchmarks.md, interleaved with `pread` then CRC on one file):
+//! 4 MiB reads gain 2–13 points of raw `pread` speed (median 6), 1 MiB
+//! reads −2 to +6 (median 2). Submitting all pieces at once gained
+//! nothing (the device shares its bandwidth among them and they land
+//! together); three in flight or a half-size first piece (to stagger the
+//! landings) were no better than two equal pieces in flight.
 //!
 //! Native AIO is only asynchronous with `O_DIRECT`; some sandboxes block its
 //! syscalls. Where `io_setup` fails, the reader logs it once and reports
@@ -282,5 +284,29 @@ fn short_or_os(got: isize) -> io::Error {
             io::ErrorKind::UnexpectedEof,
             format!("short read: {got} bytes"),
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pieces_are_aligned_few_and_cover_the_read() {
+        for len in [
+            SPLIT_FROM,
+            1 << 20,
+            (1 << 20) + 8192,
+            4 << 20,
+            (4 << 20) + 4096,
+            64 << 20,
+        ] {
+            let piece = piece_len(len);
+            let n = len.div_ceil(piece);
+            assert_eq!(piece % 4096, 0);
+            assert!(piece >= MIN_PIECE, "{len}: {piece}");
+            assert!((2..=MAX_PIECES).contains(&n), "{len}: {n} pieces");
+            assert!((n - 1) * piece < len, "{len}: no empty piece");
+        }
     }
 }
