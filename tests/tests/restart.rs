@@ -64,6 +64,15 @@ fn check(d: &Daemon, ns: Namespace, model: &Model) {
     );
 }
 
+/// [`check`] of chunks that are all durable.
+fn check_durable(d: &Daemon, ns: Namespace, chunks: BTreeMap<ChunkKey, Vec<u8>>) {
+    let model = Model {
+        durable: chunks,
+        maybe: BTreeMap::new(),
+    };
+    check(d, ns, &model);
+}
+
 #[test]
 fn sigkill_keeps_every_flushed_chunk_byte_exact() {
     let dir = tempfile::tempdir().expect("temp dir");
@@ -114,14 +123,7 @@ fn sigterm_flushes_dirty_chunks_and_exits_0() {
     );
     assert!(!d.socket.exists(), "the socket file is removed at shutdown");
     let d = Daemon::start(dir.path(), &[], &[]).unwrap_or_else(|e| panic!("{e}"));
-    check(
-        &d,
-        ns,
-        &Model {
-            durable: chunks,
-            maybe: BTreeMap::new(),
-        },
-    );
+    check_durable(&d, ns, chunks);
 }
 
 #[test]
@@ -149,14 +151,7 @@ fn a_restart_without_region_size_keeps_the_stores_regions_and_metrics_count_disk
     args.drain(at..at + 2);
     let d = Daemon::start_args(dir.path(), &args, &[]).unwrap_or_else(|e| panic!("{e}"));
     let bytes: usize = chunks.values().map(Vec::len).sum();
-    check(
-        &d,
-        ns,
-        &Model {
-            durable: chunks,
-            maybe: BTreeMap::new(),
-        },
-    );
+    check_durable(&d, ns, chunks);
     // RAM starts empty: every chunk above came from disk.
     let metrics = http_get(d.http.expect("http listener"), "/metrics");
     let m = |name: &str| metric(&metrics, name).unwrap_or_else(|| panic!("{name} in:\n{metrics}"));
@@ -165,14 +160,7 @@ fn a_restart_without_region_size_keeps_the_stores_regions_and_metrics_count_disk
     assert!(m("kvtier_disk_read_seconds_total") > 0.0);
     let more = put_round(&d, ns, 301, 32);
     assert_eq!(d.client().flush().expect("FLUSH").failed, 0);
-    check(
-        &d,
-        ns,
-        &Model {
-            durable: more,
-            maybe: BTreeMap::new(),
-        },
-    );
+    check_durable(&d, ns, more);
 }
 
 #[test]

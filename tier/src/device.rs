@@ -43,9 +43,7 @@ pub trait Device: Send + Sync {
         offset: u64,
         arrived: &mut dyn FnMut(&[u8]),
     ) -> io::Result<()> {
-        self.read_at(buf, offset)?;
-        arrived(buf);
-        Ok(())
+        read_then_hand_over(self, buf, offset, arrived)
     }
     /// Writes all of `buf` at `offset`. Not durable until [`Device::sync`].
     fn write_at(&self, buf: &[u8], offset: u64) -> io::Result<()>;
@@ -61,6 +59,19 @@ pub trait Device: Send + Sync {
     fn direct_io(&self) -> bool;
     /// The path (or a description) for error messages.
     fn path(&self) -> &Path;
+}
+
+/// [`Device::read_at_in_order`] without splitting: the whole read, then
+/// one hand-over.
+fn read_then_hand_over<D: Device + ?Sized>(
+    dev: &D,
+    buf: &mut [u8],
+    offset: u64,
+    arrived: &mut dyn FnMut(&[u8]),
+) -> io::Result<()> {
+    dev.read_at(buf, offset)?;
+    arrived(buf);
+    Ok(())
 }
 
 /// A heap buffer aligned to [`BLOCK`], zero-initialised, for `O_DIRECT` I/O.
@@ -253,9 +264,7 @@ impl Device for FileDevice {
                 return res;
             }
         }
-        self.read_at(buf, offset)?;
-        arrived(buf);
-        Ok(())
+        read_then_hand_over(self, buf, offset, arrived)
     }
     fn write_at(&self, buf: &[u8], offset: u64) -> io::Result<()> {
         self.file.write_all_at(buf, offset)
