@@ -16,13 +16,22 @@
 //! landings) were no better than two equal pieces in flight.
 //!
 //! Native AIO is only asynchronous with `O_DIRECT`; some sandboxes block its
-//! syscalls. Where `io_setup` fails, the reader logs it once and reports
-//! itself unavailable, and the device reads the plain way; a piece the
-//! kernel will not take is read with `pread`.
+//! syscalls. Where the kernel refuses AIO for good (ENOSYS, EPERM, EACCES,
+//! EINVAL) the reader logs it once and turns splitting off, and the device
+//! reads the plain way; where it is only short of contexts (EAGAIN:
+//! `fs.aio-max-nr`) that one read is not split. A piece the kernel will not
+//! take, that fails or that comes back short is read again with
+//! `read_exact_at` (EINTR and short reads retried, as the plain path does).
+//! At most [`MAX_CTXS`] contexts exist per device; reads beyond that many
+//! at once are not split. Whatever happens (an error, a panic in the
+//! caller's callback), the reader waits for every submitted piece before
+//! the buffer goes back to the caller.
 
+use std::fs::File;
 use std::io;
-use std::os::fd::RawFd;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::FileExt;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use parking_lot::Mutex;
 
@@ -66,8 +75,14 @@ struct IoEvent {
     res2: i64,
 }
 
-/// One AIO context. Dropping it destroys the context, which waits for any
-/// I/O still in flight on it.
+// The kernel's layouts (same on x86_64 and aarch64).
+const _: () = assert!(size_of::<Iocb>() == 64 && std::mem::offset_of!(Iocb, buf) == 24);
+const _: () = assert!(size_of::<IoEvent>() == 32 && std::mem::offset_of!(IoEvent, res) == 16);
+
+/// One AIO context. Dropping it destroys the context (about 30 ms), which
+/// waits for any I/O still in flight on it (Linux 3.19 and later); the
+/// reader drains its own pieces first and relies on that only when
+/// `io_getevents` itself fails.
 struct Ctx(libc::c_ulong);
 
 impl Ctx {
@@ -95,12 +110,32 @@ impl Drop for Ctx {
     }
 }
 
+/// Most AIO contexts a reader keeps (one per concurrent split read; reads
+/// beyond that many at once are not split). Each costs `fs.aio-nr` slots.
+pub(crate) const MAX_CTXS: usize = 16;
+
 /// Split reads over a pool of AIO contexts (one per concurrent reader,
-/// created on demand, kept for reuse).
+/// created on demand up to [`MAX_CTXS`], kept for reuse).
 #[derive(Default)]
 pub(crate) struct SplitReader {
+    // parking_lot Mutex: a push or pop, never held across a syscall.
     ctxs: Mutex<Vec<Ctx>>,
+    /// Contexts in existence (pooled or in use).
+    live: AtomicUsize,
     unavailable: AtomicBool,
+    warned_busy: AtomicBool,
+}
+
+impl Drop for SplitReader {
+    fn drop(&mut self) {
+        // Destroying a context takes ~30 ms: off the dropping thread.
+        let ctxs = std::mem::take(self.ctxs.get_mut());
+        if !ctxs.is_empty() {
+            let _ = std::thread::Builder::new()
+                .name("kvtier-aio-free".into())
+                .spawn(move || drop(ctxs));
+        }
+    }
 }
 
 /// Piece boundaries for a read of `len` bytes: `len` split into at most
@@ -111,7 +146,8 @@ pub(crate) fn piece_len(len: usize) -> usize {
 }
 
 impl SplitReader {
-    /// Whether split reads work here (false after `io_setup` failed once).
+    /// Whether split reads work here (false once the kernel refused AIO
+    /// for good: ENOSYS, EPERM, EACCES, EINVAL).
     pub(crate) fn available(&self) -> bool {
         !self.unavailable.load(Ordering::Relaxed)
     }
@@ -122,48 +158,96 @@ impl SplitReader {
         self.unavailable.store(true, Ordering::Relaxed);
     }
 
+    /// Contexts in existence (tests).
+    #[cfg(test)]
+    pub(crate) fn contexts(&self) -> usize {
+        self.live.load(Ordering::Relaxed)
+    }
+
+    /// Notes that the kernel refused `what` with `e`: refusals for good
+    /// turn splitting off (logged once); others (EAGAIN: `fs.aio-max-nr`
+    /// used up, ENOMEM) only skip it for this read (logged once).
+    fn refused(&self, what: &str, e: &io::Error) {
+        let for_good = matches!(
+            e.raw_os_error(),
+            Some(libc::ENOSYS | libc::EPERM | libc::EACCES | libc::EINVAL)
+        );
+        if for_good {
+            if !self.unavailable.swap(true, Ordering::Relaxed) {
+                tracing::warn!(error = %e,
+                    "Linux AIO unavailable ({what} failed); large disk reads are not split");
+            }
+        } else if !self.warned_busy.swap(true, Ordering::Relaxed) {
+            tracing::warn!(error = %e,
+                "Linux AIO busy ({what} failed); this read and others like it are not split");
+        }
+    }
+
     fn take_ctx(&self) -> Option<Ctx> {
         if let Some(c) = self.ctxs.lock().pop() {
             return Some(c);
         }
+        if self.live.fetch_add(1, Ordering::Relaxed) >= MAX_CTXS {
+            self.live.fetch_sub(1, Ordering::Relaxed);
+            return None;
+        }
         match Ctx::new() {
             Ok(c) => Some(c),
             Err(e) => {
-                if !self.unavailable.swap(true, Ordering::Relaxed) {
-                    tracing::warn!(error = %e,
-                        "Linux AIO unavailable (io_setup failed); large disk reads are not split");
-                }
+                self.live.fetch_sub(1, Ordering::Relaxed);
+                self.refused("io_setup", &e);
                 None
             }
         }
     }
 
-    /// Reads `buf.len()` bytes at `offset` of `fd` as pieces, [`WINDOW`]
+    /// Drops a context that is not going back to the pool.
+    fn discard(&self, ctx: Ctx) {
+        self.live.fetch_sub(1, Ordering::Relaxed);
+        drop(ctx);
+    }
+
+    /// Reads `buf.len()` bytes at `offset` of `file` as pieces, [`WINDOW`]
     /// in flight at a time, calling `arrived` with each piece in order once
-    /// it and all before it have landed. `None`: AIO is unavailable,
-    /// nothing was read.
+    /// it and all before it have landed. A piece that fails or comes back
+    /// short is read again the plain way (as `read_exact_at` would) before
+    /// the read counts as failed; after a failure nothing more is
+    /// submitted. `None`: not split (AIO unavailable or busy, or a short
+    /// read), nothing was read.
     ///
-    /// Never returns while the kernel may still write into `buf`.
+    /// Never returns, nor unwinds from a panic in `arrived`, while the
+    /// kernel may still write into `buf`.
     pub(crate) fn read(
         &self,
-        fd: RawFd,
+        file: &File,
         buf: &mut [u8],
         offset: u64,
         arrived: &mut dyn FnMut(&[u8]),
     ) -> Option<io::Result<()>> {
+        let len = buf.len();
+        if len < SPLIT_FROM {
+            return None;
+        }
         let ctx = self.take_ctx()?;
-        let piece = piece_len(buf.len());
-        let n = buf.len().div_ceil(piece);
+        let piece = piece_len(len);
+        let n = len.div_ceil(piece);
         let base = buf.as_mut_ptr();
-        let range = |i: usize| (i * piece, ((i + 1) * piece).min(buf.len()));
+        let range = |i: usize| (i * piece, ((i + 1) * piece).min(len));
+        // Piece i as a slice; only for pieces not in flight.
+        let part = |i: usize| {
+            let (lo, hi) = range(i);
+            // SAFETY: piece i lies inside `buf`, is disjoint from every
+            // other piece, and no I/O writes it when this is called.
+            unsafe { std::slice::from_raw_parts_mut(base.add(lo), hi - lo) }
+        };
         let mut iocbs: Vec<Iocb> = (0..n)
             .map(|i| {
                 let (lo, hi) = range(i);
                 Iocb {
                     data: i as u64,
                     lio_opcode: IOCB_CMD_PREAD,
-                    fildes: fd as u32,
-                    // SAFETY: lo < buf.len(), inside the allocation.
+                    fildes: file.as_raw_fd() as u32,
+                    // SAFETY: lo < len, inside the allocation.
                     buf: unsafe { base.add(lo) } as u64,
                     nbytes: (hi - lo) as u64,
                     offset: (offset + lo as u64) as i64,
@@ -173,17 +257,27 @@ impl SplitReader {
             .collect();
         let mut done = [false; MAX_PIECES];
         let mut first_err: Option<io::Error> = None;
+        let mut panicked = None;
         let (mut submitted, mut in_flight, mut next) = (0usize, 0usize, 0usize);
         let mut events = [IoEvent::default(); MAX_PIECES];
+        // A piece that failed or came back short (`got` bytes, or a negated
+        // errno) is read again the plain way.
+        let redo = |i: usize, got: i64, first_err: &mut Option<io::Error>| {
+            let from = usize::try_from(got).unwrap_or(0);
+            let (lo, _) = range(i);
+            if let Err(e) = file.read_exact_at(&mut part(i)[from..], offset + (lo + from) as u64) {
+                first_err.get_or_insert(e);
+            }
+        };
         loop {
             // Keep WINDOW pieces queued: the device works on the next one
             // while this thread checks the last one to land.
-            while submitted < n && in_flight < WINDOW {
+            while submitted < n && in_flight < WINDOW && first_err.is_none() && panicked.is_none() {
                 let mut one = &mut iocbs[submitted] as *mut Iocb;
                 // SAFETY: `one` points at a live iocb whose buffer is a
                 // piece of `buf` disjoint from every other piece; `buf`
-                // outlives it (this function waits for every submitted
-                // piece before returning).
+                // outlives it (every submitted piece is waited for below,
+                // also when `arrived` panics).
                 let rc = unsafe {
                     libc::syscall(
                         libc::SYS_io_submit,
@@ -202,38 +296,26 @@ impl SplitReader {
                     continue;
                 }
                 // The kernel did not take it: read this piece the plain way.
-                let (lo, hi) = range(submitted);
-                // SAFETY: a positional read into piece `submitted`, which
-                // is not in flight and is disjoint from those that are.
-                let got = unsafe {
-                    libc::pread(
-                        fd,
-                        base.add(lo).cast(),
-                        hi - lo,
-                        (offset + lo as u64) as libc::off_t,
-                    )
-                };
-                if got != (hi - lo) as isize && first_err.is_none() {
-                    first_err = Some(if got < 0 {
-                        io::Error::last_os_error()
-                    } else {
-                        short_or_os(got)
-                    });
+                if rc < 0 {
+                    self.refused("io_submit", &e);
                 }
+                redo(submitted, 0, &mut first_err);
                 done[submitted] = true;
                 submitted += 1;
             }
             // Hand over every piece that has landed, in order.
-            while next < n && done[next] {
-                if first_err.is_none() {
-                    let (lo, hi) = range(next);
-                    // SAFETY: piece `next` has completed and no I/O writes it.
-                    arrived(unsafe { std::slice::from_raw_parts(base.add(lo), hi - lo) });
+            while next < n && done[next] && first_err.is_none() && panicked.is_none() {
+                let (lo, hi) = range(next);
+                // SAFETY: piece `next` has completed and no I/O writes it.
+                let landed = unsafe { std::slice::from_raw_parts(base.add(lo), hi - lo) };
+                let call = std::panic::AssertUnwindSafe(|| arrived(landed));
+                if let Err(p) = std::panic::catch_unwind(call) {
+                    panicked = Some(p);
                 }
                 next += 1;
             }
             if in_flight == 0 {
-                if submitted == n {
+                if submitted == n || first_err.is_some() || panicked.is_some() {
                     break;
                 }
                 continue;
@@ -254,36 +336,27 @@ impl SplitReader {
                 if e.raw_os_error() == Some(libc::EINTR) {
                     continue;
                 }
-                // Cannot tell what is still in flight: dropping the context
-                // waits for all of it before `buf` is released.
-                drop(ctx);
+                // Cannot tell what is still in flight: destroying the
+                // context waits for all of it before `buf` is released.
+                self.discard(ctx);
                 return Some(Err(e));
             }
             for ev in &events[..got as usize] {
                 let i = ev.data as usize;
                 let (lo, hi) = range(i);
                 if ev.res != (hi - lo) as i64 && first_err.is_none() {
-                    first_err = Some(short_or_os(ev.res as isize));
+                    redo(i, ev.res, &mut first_err);
                 }
                 done[i] = true;
             }
             in_flight -= got as usize;
         }
+        // Every piece has landed: the context is clean for the next read.
         self.ctxs.lock().push(ctx);
+        if let Some(p) = panicked {
+            std::panic::resume_unwind(p);
+        }
         Some(first_err.map_or(Ok(()), Err))
-    }
-}
-
-/// The error for a read that returned `got` (a byte count, or a negated
-/// errno as AIO completions carry it) instead of the full length.
-fn short_or_os(got: isize) -> io::Error {
-    if got < 0 {
-        io::Error::from_raw_os_error((-got) as i32)
-    } else {
-        io::Error::new(
-            io::ErrorKind::UnexpectedEof,
-            format!("short read: {got} bytes"),
-        )
     }
 }
 

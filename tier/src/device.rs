@@ -258,9 +258,8 @@ impl Device for FileDevice {
         offset: u64,
         arrived: &mut dyn FnMut(&[u8]),
     ) -> io::Result<()> {
-        use std::os::fd::AsRawFd;
         if self.direct && buf.len() >= SPLIT_FROM && self.split.available() {
-            if let Some(res) = self.split.read(self.file.as_raw_fd(), buf, offset, arrived) {
+            if let Some(res) = self.split.read(&self.file, buf, offset, arrived) {
                 return res;
             }
         }
@@ -337,6 +336,62 @@ mod tests {
         res.unwrap();
         assert_eq!(parts.len(), 1, "the plain path hands over once");
         assert_eq!(parts[0], &w[4096..4096 + (4 << 20)]);
+    }
+
+    /// A 16 MiB device with a known pattern on it.
+    fn patterned(dir: &Path) -> (FileDevice, AlignedBuf) {
+        let len = 16 << 20;
+        let dev = FileDevice::open(&dir.join("d"), len, DirectMode::Auto).unwrap();
+        let mut w = AlignedBuf::zeroed(len as usize);
+        w.iter_mut()
+            .enumerate()
+            .for_each(|(i, b)| *b = (i * 13 + i / 4091) as u8);
+        dev.write_at(&w, 0).unwrap();
+        dev.sync().unwrap();
+        (dev, w)
+    }
+
+    #[test]
+    fn a_panic_while_pieces_are_in_flight_waits_for_them_and_leaves_the_reader_usable() {
+        let dir = tempfile::tempdir().unwrap();
+        let (dev, w) = patterned(dir.path());
+        let mut buf = AlignedBuf::zeroed(8 << 20);
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            dev.read_at_in_order(&mut buf, 0, &mut |_: &[u8]| panic!("checker failed"))
+        }));
+        assert!(r.is_err(), "the panic reaches the caller");
+        // Nothing writes into `buf` any more: it is freed and reused here.
+        drop(buf);
+        let (parts, res) = read_in_order(&dev, 4096, 8 << 20);
+        res.unwrap();
+        assert_eq!(parts.concat(), &w[4096..4096 + (8 << 20)]);
+        assert!(
+            dev.split.contexts() <= 1,
+            "the context went back to the pool"
+        );
+    }
+
+    #[test]
+    fn many_concurrent_split_reads_are_exact_and_bounded_in_contexts() {
+        let dir = tempfile::tempdir().unwrap();
+        let (dev, w) = patterned(dir.path());
+        std::thread::scope(|s| {
+            for t in 0..24usize {
+                let (dev, w) = (&dev, &w);
+                s.spawn(move || {
+                    for k in 0..4usize {
+                        let off = ((t * 5 + k * 3) % 14) << 20;
+                        let (parts, res) = read_in_order(dev, off as u64, 1 << 20);
+                        res.unwrap();
+                        assert!(
+                            parts.concat() == w[off..off + (1 << 20)],
+                            "thread {t} read {k}"
+                        );
+                    }
+                });
+            }
+        });
+        assert!(dev.split.contexts() <= crate::aio::MAX_CTXS);
     }
 
     #[test]

@@ -305,10 +305,10 @@ impl Disk {
             },
         );
         DiskCounters::add_time(&self.counters.read_micros, t);
+        read.map_err(|e| format!("I/O error: {e}"))?;
         self.counters
             .read_bytes
             .fetch_add(whole.len() as u64, Ordering::Relaxed);
-        read.map_err(|e| format!("I/O error: {e}"))?;
         let buf = &whole[skip..skip + hl + pl];
         let head = ChunkHeader::decode(&buf[..hl]).map_err(|e| e.to_string())?;
         if head.encoded_len() != hl {

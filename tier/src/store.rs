@@ -146,9 +146,9 @@ pub struct StoreStats {
     pub disk_write_micros: u64,
     /// Bytes chunk reads took from disk (whole blocks, headers included).
     pub disk_read_bytes: u64,
-    /// Time chunk reads spent in disk reads, in microseconds: the device,
-    /// plus the checksum of the pieces of a split read that landed before
-    /// the last one (`disk_read_bytes` over this is the read speed as the
+    /// Time chunk reads spent in disk reads (failed ones included), in
+    /// microseconds: the device, plus the checksum of the pieces of a
+    /// split read that landed before the last one (`disk_read_bytes` over this is the read speed as the
     /// store sees it).
     pub disk_read_micros: u64,
 }

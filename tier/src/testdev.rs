@@ -62,6 +62,15 @@ impl Device for CountingDevice {
         self.reads.fetch_add(1, Ordering::SeqCst);
         self.inner.read_at(buf, offset)
     }
+    fn read_at_in_order(
+        &self,
+        buf: &mut [u8],
+        offset: u64,
+        arrived: &mut dyn FnMut(&[u8]),
+    ) -> io::Result<()> {
+        self.reads.fetch_add(1, Ordering::SeqCst);
+        self.inner.read_at_in_order(buf, offset, arrived)
+    }
     fn write_at(&self, buf: &[u8], offset: u64) -> io::Result<()> {
         self.writes.fetch_add(1, Ordering::SeqCst);
         self.write_bytes
@@ -290,6 +299,14 @@ impl FaultyDevice {
 impl Device for FaultyDevice {
     fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
         self.inner.read_at(buf, offset)
+    }
+    fn read_at_in_order(
+        &self,
+        buf: &mut [u8],
+        offset: u64,
+        arrived: &mut dyn FnMut(&[u8]),
+    ) -> io::Result<()> {
+        self.inner.read_at_in_order(buf, offset, arrived)
     }
     fn write_at(&self, buf: &[u8], offset: u64) -> io::Result<()> {
         let left = self.writes_left.load(Ordering::SeqCst);
