@@ -331,3 +331,54 @@ fn verify_exits_5_on_corrupt_chunks_and_repair_drops_them() {
         text(&out.stdout)
     );
 }
+
+/// Every metric the Grafana dashboard (`docs/grafana/kvtier.json`) queries
+/// is one a running daemon exports, so the dashboard cannot drift from
+/// the daemon silently.
+#[test]
+fn the_dashboard_queries_only_metrics_the_daemon_exports() {
+    let dashboard = include_str!("../../docs/grafana/kvtier.json");
+    let doc: serde_json::Value = serde_json::from_str(dashboard).expect("dashboard JSON");
+    let mut wanted = std::collections::BTreeSet::new();
+    for panel in doc["panels"].as_array().expect("panels") {
+        for target in panel["targets"].as_array().into_iter().flatten() {
+            let expr = target["expr"].as_str().expect("expr");
+            let mut rest = expr;
+            while let Some(at) = rest.find("kvtier_") {
+                let name: String = rest[at..]
+                    .chars()
+                    .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                    .collect();
+                rest = &rest[at + name.len()..];
+                wanted.insert(name);
+            }
+        }
+    }
+    assert!(wanted.len() >= 20, "the dashboard's metrics: {wanted:?}");
+    let dir = tempfile::tempdir().expect("temp dir");
+    let d = Daemon::start(dir.path(), &[], &[]).unwrap_or_else(|e| panic!("{e}"));
+    // Some labelled series appear once something happened: a put, a hit,
+    // a miss, a flush.
+    let mut c = d.client();
+    let ns = c.hello(&kvtier_tests::test_record(0)).expect("HELLO");
+    let (key, data) = kvtier_tests::chunk_bytes(7, 0);
+    c.put_bytes(ns, 0, &[(key, &data)]).expect("PUT");
+    assert!(c.get_bytes(ns, 0, key).expect("GET").is_some());
+    let (absent, _) = kvtier_tests::chunk_bytes(7, 1);
+    assert!(c.get_bytes(ns, 0, absent).expect("GET").is_none());
+    c.flush().expect("FLUSH");
+    let metrics = kvtier_tests::http_get(d.http.expect("http listener"), "/metrics");
+    let exported: std::collections::BTreeSet<&str> = metrics
+        .lines()
+        .filter(|l| l.starts_with("kvtier_"))
+        .filter_map(|l| l.split(['{', ' ']).next())
+        .collect();
+    let missing: Vec<_> = wanted
+        .iter()
+        .filter(|w| !exported.contains(w.as_str()))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "dashboard metrics the daemon does not export: {missing:?}\nexported: {exported:?}"
+    );
+}
