@@ -87,6 +87,8 @@ struct Ctx(libc::c_ulong);
 
 impl Ctx {
     fn new() -> io::Result<Self> {
+        #[cfg(feature = "failpoints")]
+        fail::fail_point!("tier::aio::setup", |arg| Err(failpoint_errno(arg)));
         let mut id: libc::c_ulong = 0;
         // SAFETY: io_setup writes one aio_context_t through a valid pointer.
         let rc = unsafe {
@@ -344,6 +346,11 @@ impl SplitReader {
             for ev in &events[..got as usize] {
                 let i = ev.data as usize;
                 let (lo, hi) = range(i);
+                #[cfg(feature = "failpoints")]
+                let ev = &IoEvent {
+                    res: failpoint_piece(ev.res),
+                    ..*ev
+                };
                 if ev.res != (hi - lo) as i64 && first_err.is_none() {
                     redo(i, ev.res, &mut first_err);
                 }
@@ -358,6 +365,29 @@ impl SplitReader {
         }
         Some(first_err.map_or(Ok(()), Err))
     }
+}
+
+/// Failpoint `tier::aio::setup` (feature `failpoints`): `io_setup` fails
+/// with the errno named by the argument (`eagain`, `eperm`, else EIO).
+#[cfg(feature = "failpoints")]
+fn failpoint_errno(arg: Option<String>) -> io::Error {
+    io::Error::from_raw_os_error(match arg.as_deref() {
+        Some("eagain") => libc::EAGAIN,
+        Some("eperm") => libc::EPERM,
+        _ => libc::EIO,
+    })
+}
+
+/// Failpoint `tier::aio::piece` (feature `failpoints`): a completed piece
+/// reports `short` (half its bytes), `eintr`, or else EIO, instead of `res`.
+#[cfg(feature = "failpoints")]
+fn failpoint_piece(res: i64) -> i64 {
+    fail::eval("tier::aio::piece", |arg| match arg.as_deref() {
+        Some("short") => res / 2 / 4096 * 4096,
+        Some("eintr") => -i64::from(libc::EINTR),
+        _ => -i64::from(libc::EIO),
+    })
+    .unwrap_or(res)
 }
 
 #[cfg(test)]

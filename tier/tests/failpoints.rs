@@ -16,7 +16,12 @@
 //! - `tier::recovery::scan_read=return`: a read error while walking the open
 //!   region's batches at open: the chunks read so far are served, nothing is
 //!   written to that region (neither re-opened nor sealed: what lies past the
-//!   error is unknown), and a later clean open finds all of it.
+//!   error is unknown), and a later clean open finds all of it;
+//! - `tier::aio::piece=return(short|eintr|eio)` and
+//!   `tier::aio::setup=return(eagain|eperm)`: a split read whose pieces come
+//!   back short or failed reads them again plainly, and a store whose AIO
+//!   contexts are refused reads unsplit; every read stays byte-exact, none
+//!   counts as a verification failure.
 
 use std::time::Duration;
 
@@ -63,6 +68,7 @@ fn failpoints() {
     eio_poisons_until_reopen();
     failed_fdatasync_fails_the_flush();
     a_read_error_in_the_recovery_walk_leaves_the_region_untouched();
+    split_reads_recover_from_failed_pieces_and_refused_contexts();
     scenario.teardown();
 }
 
@@ -190,5 +196,43 @@ fn a_read_error_in_the_recovery_walk_leaves_the_region_untouched() {
     let s = ChunkStore::open(cfg(dir.path())).unwrap();
     for n in 1..=3 {
         assert_eq!(s.get(&id(ns, n)).unwrap().data, payload(n), "chunk {n}");
+    }
+}
+
+fn split_reads_recover_from_failed_pieces_and_refused_contexts() {
+    let big = |i: u64| Bytes::from(vec![(i as u8) ^ 0x5a; 1_500_000 + i as usize * 4096]);
+    let cases = [
+        ("tier::aio::piece", "3*return(short)->off"),
+        ("tier::aio::piece", "2*return(eintr)->off"),
+        ("tier::aio::piece", "return(eio)"),
+        ("tier::aio::setup", "return(eagain)"),
+        ("tier::aio::setup", "return(eperm)"),
+    ];
+    for (point, actions) in cases {
+        let dir = tempfile::tempdir().unwrap();
+        let c = TierConfig {
+            region_size: 4 * MIB,
+            disk_budget: 16 * MIB,
+            ..cfg(dir.path())
+        };
+        let s = ChunkStore::open(c.clone()).unwrap();
+        let ns = s.register_namespace(&record()).unwrap();
+        for i in 0..3 {
+            s.put(id(ns, i), big(i)).unwrap();
+        }
+        assert_eq!(s.flush().unwrap().failed, 0);
+        drop(s);
+        // A fresh store: no AIO context pooled yet, RAM empty.
+        let s = ChunkStore::open(c).unwrap();
+        fail::cfg(point, actions).unwrap();
+        for i in 0..3 {
+            let hit = s
+                .get(&id(ns, i))
+                .unwrap_or_else(|| panic!("{point}={actions}: chunk {i}"));
+            assert!(hit.data == big(i), "{point}={actions}: chunk {i} bytes");
+            assert_eq!(hit.tier, Tier::Disk);
+        }
+        fail::remove(point);
+        assert_eq!(s.stats().verify_failures, 0, "{point}={actions}");
     }
 }
