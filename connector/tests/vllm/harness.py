@@ -347,7 +347,13 @@ class Engine:
         raise AssertionError(f"condition not met after {max_steps} steps / {timeout_s}s")
 
     def totals(self) -> dict[str, int]:
-        """Counters summed over the scheduler and every worker since start."""
+        """Counters summed over the scheduler and every worker since start,
+        once the workers' queued and in-flight saves and loads have settled
+        (a save of evicted blocks runs on after the step that gathered it;
+        its counters land when its PUTs return)."""
+        for w in self.workers:
+            if w.worker is not None:
+                w.worker.wait_idle(30)
         out: dict[str, int] = {}
         for c in [self.connector, *self.workers]:
             for k, v in c.stats.totals().items():

@@ -79,7 +79,7 @@ def test_pressure_saves_before_reuse_and_restores_byte_exact(daemon: Daemon):
         for i in range(2, 6):
             run_one(e, f"f{i}", prompt(i))
         t = e.totals()
-        assert t["evict_chunks"] >= 2 and t["evict_lost_chunks"] == 0, t
+        assert t["evict_chunks"] >= 2 and t["evict_lost_chunks"] == 0, str(t)
         assert t["save_chunks"] == t["evict_chunks"] and t["save_failed_chunks"] == 0
         assert present(daemon, e, chunk_keys(prompt(1))) == [True, True]
         # Revisit in the same engine: nothing left in the GPU pool, both chunks from kvtier.
@@ -111,8 +111,8 @@ def test_pressure_every_rank_and_group(daemon: Daemon, kw):
         for i in range(2, 6 if "groups" not in kw else 8):
             run_one(e, f"f{i}", prompt(i))
         t = e.totals()
-        assert t["evict_lost_chunks"] == 0, t
-        assert t["save_chunks"] == t["evict_chunks"] * n and t["save_failed_chunks"] == 0, t
+        assert t["evict_lost_chunks"] == 0, str(t)
+        assert t["save_chunks"] == t["evict_chunks"] * n and t["save_failed_chunks"] == 0, str(t)
         assert present(daemon, e, chunk_keys(prompt(1))) == [True, True]
     finally:
         e.shutdown()
@@ -196,7 +196,7 @@ def test_local_prefix_hit_is_not_looked_up(daemon: Daemon):
         t = e.totals()
         # 256 tokens from vLLM's prefix cache, 256 from kvtier, all checked byte for byte.
         assert e.verified["a2"] == 512
-        assert t["hit_tokens"] - before["hit_tokens"] == 256, t
+        assert t["hit_tokens"] - before["hit_tokens"] == 256, str(t)
         assert t["load_chunks"] - before["load_chunks"] == 1
     finally:
         e.shutdown()
@@ -222,7 +222,7 @@ def test_restore_waits_a_step_for_chunks_it_would_take(daemon: Daemon):
         run_one(e, "x2", x)
         t = e.totals()
         assert e.verified["x2"] == 512 and t["hit_tokens"] - before["hit_tokens"] == 512
-        assert t["evict_lost_chunks"] == 0, t
+        assert t["evict_lost_chunks"] == 0, str(t)
         # b's chunk 1 (freed first, so nearer the head) was within reach: saved;
         # its chunk 0 is saved too, or still in vLLM's prefix cache.
         got = present(daemon, e, chunk_keys(prompt(9)))
@@ -277,7 +277,7 @@ def test_tiny_look_ahead_loses_chunks_but_stores_only_exact_bytes(daemon: Daemon
         record = e.workers[0].worker.record
     finally:
         e.shutdown()
-    assert t["evict_lost_chunks"] > 0, t
+    assert t["evict_lost_chunks"] > 0, str(t)
     assert t["save_chunks"] == t["evict_chunks"] and t["save_failed_chunks"] == 0
     checked = 0
     with KvtierClient(daemon.socket, region_size=1 << 20) as c:
@@ -367,7 +367,7 @@ def test_gather_not_done_in_the_step_is_dropped(daemon: Daemon):
         assert time.monotonic() - t0 < 0.9
         assert w.wait_idle(30)
         t = stats.totals()
-        assert t["save_chunks"] == 1 and t["save_dropped_chunks"] == 1, t
+        assert t["save_chunks"] == 1 and t["save_dropped_chunks"] == 1, str(t)
         with KvtierClient(daemon.socket, region_size=1 << 20) as c:
             ns = c.hello(w.record)
             assert c.lookup(ns, [b"\x22" * 32]).prefix == 0
