@@ -214,8 +214,8 @@ impl SplitReader {
     /// it and all before it have landed. A piece that fails or comes back
     /// short is read again the plain way (as `read_exact_at` would) before
     /// the read counts as failed; after a failure nothing more is
-    /// submitted. `None`: not split (AIO unavailable or busy, or a short
-    /// read), nothing was read.
+    /// submitted. `None`: not split (AIO unavailable or busy, or a read
+    /// under [`SPLIT_FROM`]), nothing was read.
     ///
     /// Never returns, nor unwinds from a panic in `arrived`, while the
     /// kernel may still write into `buf`.
