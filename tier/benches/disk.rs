@@ -32,7 +32,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use criterion::Criterion;
-use tier::device::{AlignedBuf, Device, DirectMode, FileDevice};
+use tier::device::{AlignedBuf, BLOCK, Device, DirectMode, FileDevice, block_up};
 use tier::{ChunkId, ChunkKey, ChunkStore, NamespaceRecord, TierConfig, WritePolicy};
 
 const MIB: u64 = 1 << 20;
@@ -136,9 +136,9 @@ fn report_write(what: &str, chunk: usize, raw: Vec<f64>, store: &[StoreWrite], d
     );
 }
 
-/// `pread` of the blocks covering each `(offset, length)` record in the
-/// store file, in the order given (the store's reads, without the store):
-/// GB/s of those blocks.
+/// `O_DIRECT` `pread` of the blocks covering each `(offset, length)`
+/// record, in the order given (at the store's record offsets: the store's
+/// reads without the store), queue depth 1: GB/s of those blocks.
 fn raw_read_at(path: &Path, records: &[(u64, u64)]) -> f64 {
     let f = OpenOptions::new()
         .read(true)
@@ -146,8 +146,8 @@ fn raw_read_at(path: &Path, records: &[(u64, u64)]) -> f64 {
         .open(path)
         .expect("open");
     let span = |&(off, len): &(u64, u64)| {
-        let first = off / 4096 * 4096;
-        (first, (off + len).next_multiple_of(4096) - first)
+        let first = off / BLOCK * BLOCK;
+        (first, block_up(off + len) - first)
     };
     let most = records.iter().map(|r| span(r).1).max().unwrap_or(0);
     let mut buf = AlignedBuf::zeroed(most as usize);
@@ -200,19 +200,10 @@ fn read_strategies(path: &Path, block: usize, count: u64, stride: u64) -> [f64; 
     [0, 1, 2].map(|m| bytes[m] as f64 / secs[m] / 1e9)
 }
 
+/// `pread` of `count` blocks of `block` bytes, `stride` apart: GB/s.
 fn raw_read(path: &Path, block: usize, count: u64, stride: u64) -> f64 {
-    let f = OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_DIRECT)
-        .open(path)
-        .expect("open");
-    let mut buf = AlignedBuf::zeroed(block);
-    let t = Instant::now();
-    for i in 0..count {
-        f.read_exact_at(&mut buf, i * stride).expect("read");
-        black_box(&buf[..8]);
-    }
-    (count * block as u64) as f64 / t.elapsed().as_secs_f64() / 1e9
+    let records: Vec<(u64, u64)> = (0..count).map(|i| (i * stride, block as u64)).collect();
+    raw_read_at(path, &records)
 }
 
 /// Region size of the bench stores: `KVTIER_BENCH_REGION_MIB`, else the

@@ -35,6 +35,8 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use parking_lot::Mutex;
 
+use crate::device::BLOCK;
+
 /// Most pieces one read is split into (also the events of a context).
 pub(crate) const MAX_PIECES: usize = 8;
 /// Pieces in flight at once.
@@ -144,7 +146,7 @@ impl Drop for SplitReader {
 /// [`MAX_PIECES`] block-aligned pieces of at least [`MIN_PIECE`].
 pub(crate) fn piece_len(len: usize) -> usize {
     let pieces = (len / MIN_PIECE).clamp(1, MAX_PIECES);
-    len.div_ceil(pieces).next_multiple_of(4096)
+    len.div_ceil(pieces).next_multiple_of(BLOCK as usize)
 }
 
 impl SplitReader {
@@ -215,7 +217,7 @@ impl SplitReader {
     /// short is read again the plain way (as `read_exact_at` would) before
     /// the read counts as failed; after a failure nothing more is
     /// submitted. `None`: not split (AIO unavailable or busy, or a read
-    /// under [`SPLIT_FROM`]), nothing was read.
+    /// under [`SPLIT_FROM`]), nothing was read: the caller reads plainly.
     ///
     /// Never returns, nor unwinds from a panic in `arrived`, while the
     /// kernel may still write into `buf`.
@@ -227,7 +229,7 @@ impl SplitReader {
         arrived: &mut dyn FnMut(&[u8]),
     ) -> Option<io::Result<()>> {
         let len = buf.len();
-        if len < SPLIT_FROM {
+        if len < SPLIT_FROM || !self.available() {
             return None;
         }
         let ctx = self.take_ctx()?;

@@ -17,7 +17,7 @@ use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::ptr::NonNull;
 
-use crate::aio::{SPLIT_FROM, SplitReader};
+use crate::aio::SplitReader;
 
 /// Alignment and granularity of every store I/O (bytes).
 pub const BLOCK: u64 = 4096;
@@ -258,7 +258,7 @@ impl Device for FileDevice {
         offset: u64,
         arrived: &mut dyn FnMut(&[u8]),
     ) -> io::Result<()> {
-        if self.direct && buf.len() >= SPLIT_FROM && self.split.available() {
+        if self.direct {
             if let Some(res) = self.split.read(&self.file, buf, offset, arrived) {
                 return res;
             }
@@ -307,37 +307,6 @@ mod tests {
         (parts, res)
     }
 
-    #[test]
-    fn large_reads_arrive_in_order_split_or_not() {
-        // Where /tmp refuses O_DIRECT (tmpfs) this checks the plain path only.
-        let dir = tempfile::tempdir().unwrap();
-        let p = dir.path().join("d");
-        let len = 8 << 20;
-        let dev = FileDevice::open(&p, len, DirectMode::Auto).unwrap();
-        let mut w = AlignedBuf::zeroed(len as usize);
-        w.iter_mut()
-            .enumerate()
-            .for_each(|(i, b)| *b = (i * 7 + i / 4093) as u8);
-        dev.write_at(&w, 0).unwrap();
-        dev.sync().unwrap();
-        for (off, n) in [(0, 4 << 20), (12288, (1 << 20) + 8192), (4096, 256 << 10)] {
-            let (parts, res) = read_in_order(&dev, off, n);
-            res.unwrap();
-            assert_eq!(parts.concat(), &w[off as usize..off as usize + n]);
-            if dev.direct_io() && dev.split.available() && n >= SPLIT_FROM {
-                assert!(parts.len() > 1, "a {n}-byte read is split: {}", parts.len());
-                assert!(parts.len() <= crate::aio::MAX_PIECES);
-            } else {
-                assert_eq!(parts.len(), 1);
-            }
-        }
-        dev.split.disable();
-        let (parts, res) = read_in_order(&dev, 4096, 4 << 20);
-        res.unwrap();
-        assert_eq!(parts.len(), 1, "the plain path hands over once");
-        assert_eq!(parts[0], &w[4096..4096 + (4 << 20)]);
-    }
-
     /// A 16 MiB device with a known pattern on it.
     fn patterned(dir: &Path) -> (FileDevice, AlignedBuf) {
         let len = 16 << 20;
@@ -349,6 +318,29 @@ mod tests {
         dev.write_at(&w, 0).unwrap();
         dev.sync().unwrap();
         (dev, w)
+    }
+
+    #[test]
+    fn large_reads_arrive_in_order_split_or_not() {
+        // Where /tmp refuses O_DIRECT (tmpfs) this checks the plain path only.
+        let dir = tempfile::tempdir().unwrap();
+        let (dev, w) = patterned(dir.path());
+        for (off, n) in [(0, 4 << 20), (12288, (1 << 20) + 8192), (4096, 256 << 10)] {
+            let (parts, res) = read_in_order(&dev, off, n);
+            res.unwrap();
+            assert_eq!(parts.concat(), &w[off as usize..off as usize + n]);
+            if dev.direct_io() && dev.split.available() && n >= crate::aio::SPLIT_FROM {
+                assert!(parts.len() > 1, "a {n}-byte read is split: {}", parts.len());
+                assert!(parts.len() <= crate::aio::MAX_PIECES);
+            } else {
+                assert_eq!(parts.len(), 1);
+            }
+        }
+        dev.split.disable();
+        let (parts, res) = read_in_order(&dev, 4096, 4 << 20);
+        res.unwrap();
+        assert_eq!(parts.len(), 1, "the plain path hands over once");
+        assert_eq!(parts[0], &w[4096..4096 + (4 << 20)]);
     }
 
     #[test]

@@ -148,8 +148,8 @@ pub struct StoreStats {
     pub disk_read_bytes: u64,
     /// Time chunk reads spent in disk reads (failed ones included), in
     /// microseconds: the device, plus the checksum of the pieces of a
-    /// split read that landed before the last one (`disk_read_bytes` over this is the read speed as the
-    /// store sees it).
+    /// split read that landed before the last one (`disk_read_bytes` over
+    /// this is the read speed as the store sees it).
     pub disk_read_micros: u64,
 }
 
