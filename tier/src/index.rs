@@ -264,10 +264,18 @@ impl Index {
         self.probe_fp(keys.len(), |i| key_hash(seed, &keys[i]), out);
     }
 
-    /// [`Index::contains_batch`] for ids already hashed with
-    /// [`hash_parts`] (a caller probing the RAM tier first hashes once).
-    pub(crate) fn contains_hashes(&self, hashes: &[u64], out: &mut Vec<bool>) {
-        self.probe_fp(hashes.len(), |i| hashes[i], out);
+    /// Starts loading the home slot of hash `h` ([`hash_parts`]) into the
+    /// cache.
+    #[inline(always)]
+    pub(crate) fn prefetch_hash(&self, h: u64) {
+        self.table.prefetch(h);
+    }
+
+    /// Whether an id of hash `h` is present, by fingerprint (see
+    /// [`Index::contains_batch`]).
+    #[inline(always)]
+    pub(crate) fn contains_hash(&self, h: u64) -> bool {
+        self.table.first_match(h).is_some()
     }
 
     /// Fingerprint probes of `n` hashes, `hash(i)` the `i`th, batched

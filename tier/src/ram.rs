@@ -24,7 +24,8 @@
 //! global tick; each shard publishes the tick of its least-recently-used
 //! entry, and eviction takes the tail of the shard whose tail is oldest. With
 //! one thread this is exact global LRU; under concurrency it is LRU up to
-//! races between shards. No operation holds two shard locks at once.
+//! races between shards. No operation holds two shard locks at once, except
+//! LOOKUP's presence test, which takes all of them in shard order.
 //!
 //! # Index layout and hashing
 //! Each shard's index is an `FpTable` (`fptable.rs`, the slot table of the
@@ -39,9 +40,10 @@
 //! it by the full id, so every answer is exact, except LOOKUP's presence
 //! test ([`RamCache::contains_keys`]), which stops at the fingerprint as
 //! the disk index does (a false positive for about 1 in 10^9 absent ids;
-//! the read that follows checks the full id). Batched probes group the keys
-//! by shard (one lock each) and prefetch the home slot of a key 16 ahead
-//! while probing one; the exact [`RamCache::contains_batch`] also prefetches
+//! the read that follows checks the full id). Batched probes prefetch the
+//! home slot of a key 16 ahead while probing one: LOOKUP's in key order
+//! under every shard's lock, the exact [`RamCache::contains_batch`] grouped
+//! by shard (one lock at a time); the latter also prefetches
 //! the id of each match (a shard keeps a dense copy of its nodes' ids for
 //! this) and compares the ids in a second pass, so their cache misses
 //! overlap. Slabs and tables of 2 MiB and more are advised to use huge
@@ -56,6 +58,49 @@ use parking_lot::Mutex;
 use crate::fptable::{FpTable, advise_huge, prefetch};
 use crate::index::{hash_id, key_hash, seed};
 use crate::types::{ChunkId, ChunkKey, GroupId, Namespace};
+
+/// Keys probed per [`RamCache::lock_all`] (a writer waits at most for one
+/// block: about 10 us for 2,048 keys in 1M entries).
+pub(crate) const PRESENCE_BLOCK: usize = 2048;
+
+/// Calls `probe(i, hashes[i])` for each hash in order, `prefetch` having
+/// been called for the hash 16 ahead, so about 16 random slot reads are in
+/// flight at a time and their latencies overlap.
+#[inline(always)]
+pub(crate) fn pipelined(hashes: &[u64], prefetch: impl Fn(u64), mut probe: impl FnMut(usize, u64)) {
+    const D: usize = 16;
+    hashes.iter().take(D).for_each(|&h| prefetch(h));
+    for (i, &h) in hashes.iter().enumerate() {
+        if let Some(&ahead) = hashes.get(i + D) {
+            prefetch(ahead);
+        }
+        probe(i, h);
+    }
+}
+
+/// Every shard of a [`RamCache`] locked ([`RamCache::lock_all`]): presence
+/// probes by id hash ([`hash_parts`]), by fingerprint only.
+pub(crate) struct AllShards<'a> {
+    cache: &'a RamCache,
+    shards: Vec<parking_lot::MutexGuard<'a, Shard>>,
+}
+
+impl AllShards<'_> {
+    /// Starts loading the home slot of hash `h` into the cache.
+    #[inline(always)]
+    pub(crate) fn prefetch(&self, h: u64) {
+        let (s, th) = self.cache.route(h);
+        self.shards[s].table.prefetch(th);
+    }
+
+    /// Whether an id of hash `h` is cached, by fingerprint (see
+    /// [`RamCache::contains_hashes`]).
+    #[inline(always)]
+    pub(crate) fn contains(&self, h: u64) -> bool {
+        let (s, th) = self.cache.route(h);
+        self.shards[s].table.first_match(th).is_some()
+    }
+}
 
 /// Default number of shards of [`RamCache::new`].
 pub const DEFAULT_SHARDS: usize = 16;
@@ -563,23 +608,43 @@ impl RamCache {
     /// of the slot tables alone. A negative is exact; a positive is wrong
     /// for about 1 in 10^9 absent ids (a 31-bit fingerprint match on the
     /// probe path), and the read that follows checks the full id.
+    ///
+    /// Probes blocks of up to [`PRESENCE_BLOCK`] keys in key order under
+    /// [`RamCache::lock_all`], the home slot of the key 16 ahead prefetched
+    /// whatever its shard. Grouping the keys by shard instead (one lock held
+    /// at a time) costs a counting sort and restarts the prefetch pipeline at
+    /// every shard: 1.2-1.8x the time (docs/benchmarks.md, session 7).
     pub(crate) fn contains_hashes(&self, hashes: &[u64], out: &mut Vec<bool>) {
         out.clear();
         out.resize(hashes.len(), false);
         if self.is_empty() {
             return;
         }
-        self.by_shard(hashes, |shard, range, order, sorted| {
-            shard.table.probe_batch(
-                range.len(),
-                |j| sorted[range.start + j],
-                |j, slot| {
-                    if slot.is_some() {
-                        out[order[range.start + j] as usize] = true;
-                    }
+        for (block, out) in hashes
+            .chunks(PRESENCE_BLOCK)
+            .zip(out.chunks_mut(PRESENCE_BLOCK))
+        {
+            let shards = self.lock_all();
+            pipelined(
+                block,
+                |h| shards.prefetch(h),
+                |i, h| {
+                    out[i] = shards.contains(h);
                 },
             );
-        });
+        }
+    }
+
+    /// Every shard locked, in shard order, for a batch of presence probes by
+    /// hash ([`AllShards`]). The only operation that holds more than one
+    /// shard lock; nothing takes another lock while holding a shard's, so
+    /// callers may hold other locks (the disk index's) across it. Keep the
+    /// batch short ([`PRESENCE_BLOCK`] keys): every writer waits for it.
+    pub(crate) fn lock_all(&self) -> AllShards<'_> {
+        AllShards {
+            cache: self,
+            shards: self.shards.iter().map(|s| s.inner.lock()).collect(),
+        }
     }
 
     /// Groups `hashes` by shard (a counting sort into thread-local scratch,
@@ -1323,6 +1388,13 @@ mod tests {
                             _ => {
                                 if x % 97 == 0 {
                                     c.retain(|i| i.key.0[8] % 5 != 0);
+                                } else if x % 3 == 0 {
+                                    // LOOKUP's presence test holds every
+                                    // shard lock at once.
+                                    let keys: Vec<ChunkKey> = (0..64).map(|n| id(n).key).collect();
+                                    let mut out = Vec::new();
+                                    c.contains_keys(&i.ns, i.group, &keys, &mut out);
+                                    assert_eq!(out.len(), 64);
                                 } else {
                                     c.peek(&i);
                                 }

@@ -32,7 +32,7 @@ use crate::device::{Device, DirectMode, FileDevice};
 use crate::format::ChunkHeader;
 use crate::index::{Location, key_hash, seed};
 use crate::manifest::{self, NsEntry};
-use crate::ram::{Evicted, RamCache};
+use crate::ram::{Evicted, RamCache, pipelined};
 use crate::segment::{Disk, ReadMiss};
 use crate::writer::{Hooks, Job, Msg, Ticket, Writer};
 use crate::{ChunkId, ChunkKey, Error, GroupId, Namespace, NamespaceRecord, Result, Tier};
@@ -647,11 +647,14 @@ impl ChunkStore {
 
     /// For an ordered key list: fills `tiers` with where each key lives (or
     /// `None`) and returns the length of the longest present prefix. Touches
-    /// no disk and reads only the slot tables: each id is hashed once, the
-    /// RAM tier probed with one lock per shard (not per key), and the keys
-    /// it lacks in one prefetched batch of the disk index. Presence is by
-    /// fingerprint, as LOOKUP is a hint: a negative is exact, a positive is
-    /// wrong for about 1 in 10^9 absent keys, and a read checks the full id.
+    /// no disk and reads only the slot tables: each id is hashed once, and
+    /// the RAM tier and the disk index are probed in one pipeline, in key
+    /// order, the home slots of the key 16 ahead in both prefetched, under
+    /// the index's read lock and every RAM shard's lock (taken per block of
+    /// keys), so the RAM probes overlap the index's cache misses. Presence
+    /// is by fingerprint, as LOOKUP is a hint: a negative is exact, a
+    /// positive is wrong for about 1 in 10^9 absent keys, and a read checks
+    /// the full id.
     pub fn lookup_prefix(
         &self,
         ns: Namespace,
@@ -659,51 +662,54 @@ impl ChunkStore {
         keys: &[ChunkKey],
         tiers: &mut Vec<Option<Tier>>,
     ) -> usize {
-        #[derive(Default)]
-        struct Scratch {
-            hashes: Vec<u64>,
-            in_ram: Vec<bool>,
-            rest: Vec<u64>,
-            on_disk: Vec<bool>,
-        }
         thread_local! {
-            static SCRATCH: std::cell::RefCell<Scratch> =
-                std::cell::RefCell::new(Scratch::default());
+            static HASHES: std::cell::RefCell<Vec<u64>> = const { std::cell::RefCell::new(Vec::new()) };
         }
         let _g = self.inner.gate.read();
-        SCRATCH.with_borrow_mut(|s| {
-            s.hashes.clear();
+        let index = self.inner.disk.as_ref().map(|d| d.index.read());
+        let index = index.as_deref();
+        let ram = &self.inner.ram;
+        tiers.clear();
+        tiers.resize(keys.len(), None);
+        HASHES.with_borrow_mut(|hashes| {
+            hashes.clear();
             let seed = seed(&ns, group);
-            s.hashes.extend(keys.iter().map(|k| key_hash(seed, k)));
-            // RAM first: a key found there needs no probe of the disk index.
-            self.inner.ram.contains_hashes(&s.hashes, &mut s.in_ram);
-            tiers.clear();
-            tiers.extend(s.in_ram.iter().map(|&r| r.then_some(Tier::Ram)));
-            if let Some(d) = &self.inner.disk {
-                s.rest.clear();
-                s.rest.extend(
-                    s.hashes
-                        .iter()
-                        .zip(&s.in_ram)
-                        .filter(|(_, r)| !**r)
-                        .map(|(h, _)| *h),
-                );
-                if !s.rest.is_empty() {
-                    d.index.read().contains_hashes(&s.rest, &mut s.on_disk);
-                    let mut found = s.on_disk.iter();
-                    for t in tiers.iter_mut().filter(|t| t.is_none()) {
-                        if found.next().copied().unwrap_or(false) {
-                            *t = Some(Tier::Disk);
-                        }
+            hashes.extend(keys.iter().map(|k| key_hash(seed, k)));
+            for (block, tiers) in hashes
+                .chunks(crate::ram::PRESENCE_BLOCK)
+                .zip(tiers.chunks_mut(crate::ram::PRESENCE_BLOCK))
+            {
+                // RAM first: a key found there needs no answer from the index.
+                match (ram.is_empty(), index) {
+                    (true, None) => {}
+                    (true, Some(ix)) => pipelined(
+                        block,
+                        |h| ix.prefetch_hash(h),
+                        |i, h| {
+                            tiers[i] = ix.contains_hash(h).then_some(Tier::Disk);
+                        },
+                    ),
+                    (false, ix) => {
+                        let shards = ram.lock_all();
+                        let prefetch = |h| {
+                            shards.prefetch(h);
+                            if let Some(ix) = ix {
+                                ix.prefetch_hash(h);
+                            }
+                        };
+                        pipelined(block, prefetch, |i, h| {
+                            tiers[i] = if shards.contains(h) {
+                                Some(Tier::Ram)
+                            } else {
+                                ix.is_some_and(|ix| ix.contains_hash(h))
+                                    .then_some(Tier::Disk)
+                            };
+                        });
                     }
                 }
             }
             // Keep the scratch space of a huge batch from staying around.
-            const KEEP: usize = 1 << 16;
-            s.hashes.shrink_to(KEEP);
-            s.in_ram.shrink_to(KEEP);
-            s.rest.shrink_to(KEEP);
-            s.on_disk.shrink_to(KEEP);
+            hashes.shrink_to(1 << 16);
         });
         tiers.iter().take_while(|t| t.is_some()).count()
     }

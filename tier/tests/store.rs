@@ -200,6 +200,73 @@ fn lookup_prefix_reports_each_keys_tier_in_any_interleaving() {
 }
 
 /// The key of `id(_, n)` (its group aside).
+/// `lookup_prefix` over batches longer than one lock-all block (2,048
+/// keys), in each combination of an empty or filled RAM tier with or
+/// without a disk index, agrees key by key with `locate`.
+#[test]
+fn lookup_prefix_agrees_with_locate_across_blocks() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = TierConfig {
+        ram_budget: MIB,
+        disk_budget: 16 * MIB,
+        write_policy: WritePolicy::Backpressure,
+        ..config(dir.path())
+    };
+    let ns;
+    let keys: Vec<ChunkKey> = (0..5_000).map(id_ns_key).collect();
+    let check = |s: &ChunkStore, ns: tier::Namespace, what: &str| {
+        let mut tiers = Vec::new();
+        for batch in [&keys[2_047..2_050], &keys[1..4_500], &keys[..]] {
+            let prefix = s.lookup_prefix(ns, 0, batch, &mut tiers);
+            let want: Vec<Option<Tier>> = batch
+                .iter()
+                .map(|k| s.locate(&ChunkId::new(ns, *k, 0)))
+                .collect();
+            assert_eq!(tiers, want, "{what}");
+            assert_eq!(prefix, want.iter().take_while(|t| t.is_some()).count());
+        }
+        tiers
+    };
+    {
+        // RAM and disk: every third key stored, 1 MiB of RAM keeps the
+        // newest ones there, the rest go to disk.
+        let s = ChunkStore::open(cfg.clone()).unwrap();
+        ns = s.register_namespace(&record(0)).unwrap();
+        for (n, k) in keys.iter().enumerate().step_by(3) {
+            s.put(ChunkId::new(ns, *k, 0), payload(n as u64, 4096))
+                .unwrap();
+        }
+        s.flush().unwrap();
+        let tiers = check(&s, ns, "RAM and disk");
+        assert!(tiers.contains(&Some(Tier::Ram)) && tiers.contains(&Some(Tier::Disk)));
+        assert_eq!(tiers.iter().filter(|t| t.is_some()).count(), 1_667);
+    }
+    // Empty RAM over a disk index: a reopened store.
+    let s = ChunkStore::open(cfg.clone()).unwrap();
+    let tiers = check(&s, ns, "disk only");
+    assert!(tiers.iter().all(|t| *t != Some(Tier::Ram)));
+    drop(s);
+    // No disk at all: RAM empty, then filled.
+    let dir = tempfile::tempdir().unwrap();
+    let s = ChunkStore::open(TierConfig {
+        disk_budget: 0,
+        ram_budget: 16 * MIB,
+        ..config(dir.path())
+    })
+    .unwrap();
+    let ns = s.register_namespace(&record(0)).unwrap();
+    assert!(check(&s, ns, "nothing").iter().all(Option::is_none));
+    for (n, k) in keys.iter().enumerate().skip(1).step_by(2) {
+        s.put(ChunkId::new(ns, *k, 0), payload(n as u64, 64))
+            .unwrap();
+    }
+    let tiers = check(&s, ns, "RAM only");
+    assert_eq!(
+        tiers.iter().filter(|t| **t == Some(Tier::Ram)).count(),
+        2_500
+    );
+}
+
 fn id_ns_key(n: u64) -> ChunkKey {
     let mut key = [0u8; 32];
     key[..8].copy_from_slice(&n.wrapping_mul(0x9e37_79b9_7f4a_7c15).to_le_bytes());
