@@ -111,7 +111,9 @@ pub struct ConfigArgs {
     #[arg(long, value_name = "SIZE")]
     pub disk_reserve: Option<ByteSize>,
     /// Size of one region of the disk store (the unit of eviction), e.g.
-    /// 64MiB. Default: 64MiB. An existing store keeps the size it was made with.
+    /// 64MiB. Default for a new store: 256MiB, or with a disk budget under
+    /// 2GiB the power of two below an eighth of it (at least 1MiB). Unset,
+    /// an existing store keeps the size it was made with.
     #[arg(long, value_name = "SIZE")]
     pub region_size: Option<ByteSize>,
     /// Native protocol Unix socket. Default: /run/kvtier/kvtier.sock as root,

@@ -437,7 +437,7 @@ impl NodeConfig {
             ram_budget: env.default_ram_budget(),
             disk_budget: None,
             disk_reserve: None,
-            region_size: ByteSize::mib(256),
+            region_size: ByteSize(DEFAULT_REGION_SIZE),
             direct_io: true,
             idle_flush_after: HumanDuration::secs(30),
             write_policy: WritePolicy::NoTax,
@@ -1136,6 +1136,8 @@ pub fn load(sources: &ConfigSources, env: &Environment) -> Result<Loaded> {
         // keeps its region size; an explicit one is checked at open.
         if let Some(size) = tier::store::existing_region_size(&config.data_dir) {
             config.region_size = ByteSize(size);
+        } else if let Some(budget) = config.disk_budget.filter(|b| b.0 != 0) {
+            config.region_size = default_region_size(budget);
         }
     }
     let warnings = config.check_static(&sources)?;
@@ -1145,6 +1147,24 @@ pub fn load(sources: &ConfigSources, env: &Environment) -> Result<Loaded> {
         sources,
         warnings,
     })
+}
+
+/// `region-size` of a new store with a disk budget of 2 GiB or more.
+const DEFAULT_REGION_SIZE: u64 = 256 << 20;
+
+/// The region size of a new store when `region-size` is unset: 256 MiB, or
+/// for a disk budget under 2 GiB the power of two nearest below an eighth
+/// of it (at least 1 MiB), so that a small store still has several regions
+/// to evict one at a time instead of refusing to start.
+fn default_region_size(disk_budget: ByteSize) -> ByteSize {
+    const MIN: u64 = 1 << 20;
+    let eighth = disk_budget.0 / 8;
+    let pow2 = if eighth == 0 {
+        0
+    } else {
+        1 << (63 - eighth.leading_zeros())
+    };
+    ByteSize(pow2.clamp(MIN, DEFAULT_REGION_SIZE))
 }
 
 #[cfg(test)]
@@ -1258,6 +1278,53 @@ mod tests {
             "from command-line flag --log-level"
         );
         assert_eq!(l.sources.of("socket"), "built-in default");
+    }
+
+    /// A new store with a small disk budget and no `region-size` gets
+    /// smaller regions instead of a refusal; an explicit size stays (and
+    /// is checked against the budget).
+    #[test]
+    fn a_small_disk_budget_gets_smaller_default_regions() {
+        let dir = tempfile::tempdir().unwrap();
+        let with = |budget: ByteSize, region: Option<ByteSize>| {
+            load_with(
+                None,
+                &[],
+                Overrides {
+                    data_dir: Some(dir.path().join("data")),
+                    disk_budget: Some(budget),
+                    region_size: region,
+                    ..Default::default()
+                },
+            )
+        };
+        for (budget, region) in [
+            (ByteSize::mib(256), ByteSize::mib(32)),
+            (ByteSize::mib(300), ByteSize::mib(32)),
+            (ByteSize::mib(3), ByteSize::mib(1)),
+            (ByteSize::gib(1), ByteSize::mib(128)),
+            (ByteSize::gib(2), ByteSize::mib(256)),
+            (ByteSize::gib(500), ByteSize::mib(256)),
+        ] {
+            let l = with(budget, None).unwrap();
+            assert_eq!(l.config.region_size, region, "disk-budget {budget}");
+        }
+        // RAM only: the default stays.
+        assert_eq!(
+            with(ByteSize(0), None).unwrap().config.region_size,
+            ByteSize::mib(256)
+        );
+        // Too small for two regions of even 1 MiB.
+        let e = err_of(with(ByteSize::kib(1536), None));
+        assert!(
+            e.contains("disk-budget") && e.contains("two regions"),
+            "{e}"
+        );
+        // Explicit: kept, and refused when the budget cannot hold two.
+        let e = err_of(with(ByteSize::mib(256), Some(ByteSize::mib(256))));
+        assert!(e.contains("two regions of region-size (256MiB)"), "{e}");
+        let l = with(ByteSize::mib(256), Some(ByteSize::mib(64))).unwrap();
+        assert_eq!(l.config.region_size, ByteSize::mib(64));
     }
 
     #[test]
@@ -1428,7 +1495,7 @@ mod tests {
         );
         assert!(ok.is_ok());
         let e = err_of(load_with(
-            Some("disk-budget = \"64MiB\"\n"),
+            Some("disk-budget = \"64MiB\"\nregion-size = \"64MiB\"\n"),
             &[],
             Overrides::default(),
         ));
