@@ -65,12 +65,12 @@ def fixtures_dir() -> Path:
     return FIXTURES
 
 
-@pytest.fixture(scope="module")
-def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+def _start(tmp: Path, resp_listen: str = "off") -> Iterator[Daemon]:
+    """Starts `kvtier node start` with a store under `tmp` and RESP on
+    `resp_listen`; stops it with SIGTERM."""
     binary = _binary()
     if not binary.exists():
         _unavailable(f"{binary} does not exist (build it with `cargo build -p kvtier-cli`)")
-    tmp = tmp_path_factory.mktemp("kvtier")
     sock = tmp / "s.sock"
     log = tmp / "daemon.log"
     cmd = [
@@ -82,7 +82,7 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
         "--socket",
         str(sock),
         "--resp-listen",
-        "off",
+        resp_listen,
         "--http-listen",
         "127.0.0.1:0",
         "--ram-budget",
@@ -117,3 +117,26 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    yield from _start(tmp_path_factory.mktemp("kvtier"))
+
+
+def free_port() -> int:
+    """A loopback TCP port that was free a moment ago."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+    finally:
+        s.close()
+
+
+@pytest.fixture(scope="module")
+def resp_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Daemon, int]]:
+    """A daemon with its RESP endpoint on a free loopback port: (daemon, port)."""
+    port = free_port()
+    for d in _start(tmp_path_factory.mktemp("kvtier-resp"), f"127.0.0.1:{port}"):
+        yield d, port

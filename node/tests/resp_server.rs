@@ -191,12 +191,6 @@ async fn basic_commands_reply_like_redis() {
     .await;
     rt(
         &mut c,
-        b"HELLO 3\r\n",
-        b"-NOPROTO unsupported protocol version\r\n",
-    )
-    .await;
-    rt(
-        &mut c,
         b"HELLO 4\r\n",
         b"-NOPROTO unsupported protocol version\r\n",
     )
@@ -211,6 +205,12 @@ async fn basic_commands_reply_like_redis() {
         &mut c,
         b"HELLO 2 BOGUS\r\n",
         b"-ERR Syntax error in HELLO option 'BOGUS'\r\n",
+    )
+    .await;
+    rt(
+        &mut c,
+        b"HELLO 2 SETNAME \"a b\"\r\n",
+        b"-ERR Client names cannot contain spaces, newlines or special characters.\r\n",
     )
     .await;
     rt(
@@ -286,6 +286,54 @@ async fn basic_commands_reply_like_redis() {
         .resp_errors
         .load(std::sync::atomic::Ordering::Relaxed);
     assert!(errors >= 20, "errors are counted: {errors}");
+    s.stop().await;
+}
+
+/// After `HELLO 3` replies are RESP3 as Redis 7 sends them (redis-py 5+
+/// asks for RESP3 by default): HELLO's map, `_` nulls, CONFIG GET's map,
+/// INFO as a verbatim string; `HELLO 2` switches back, and a failed HELLO
+/// leaves the protocol as it was.
+#[tokio::test]
+async fn hello_3_switches_the_connection_to_resp3() {
+    let s = Server::start(RespOptions::default()).await;
+    let mut c = s.connect().await;
+    let hello = |proto: u8| {
+        format!(
+            "{}\r\n$6\r\nserver\r\n$5\r\nredis\r\n$7\r\nversion\r\n$5\r\n7.2.0\r\n$5\r\nproto\r\n:{proto}\r\n$2\r\nid\r\n:1\r\n$4\r\nmode\r\n$10\r\nstandalone\r\n$4\r\nrole\r\n$6\r\nmaster\r\n$7\r\nmodules\r\n*0\r\n",
+            if proto == 3 { "%7" } else { "*14" }
+        )
+        .into_bytes()
+    };
+    rt(&mut c, b"HELLO 3\r\n", &hello(3)).await;
+    rt(
+        &mut c,
+        b"GET nope\r\nSET k v\r\nSET k w NX\r\nGET k\r\nCLIENT GETNAME\r\nDEL k\r\nSET k v XX GET\r\n",
+        b"_\r\n+OK\r\n_\r\n$1\r\nv\r\n_\r\n:1\r\n_\r\n",
+    )
+    .await;
+    rt(
+        &mut c,
+        b"CONFIG GET databases\r\nCOMMAND DOCS\r\nCOMMAND INFO get\r\n",
+        b"%1\r\n$9\r\ndatabases\r\n$1\r\n1\r\n%0\r\n*1\r\n_\r\n",
+    )
+    .await;
+    c.write_all(b"INFO keyspace\r\n").await.expect("write");
+    expect(&mut c, b"=16\r\ntxt:# Keyspace\r\n\r\n").await;
+    // A HELLO that fails changes nothing; one without a version neither.
+    rt(
+        &mut c,
+        b"HELLO 4\r\nGET nope\r\n",
+        b"-NOPROTO unsupported protocol version\r\n_\r\n",
+    )
+    .await;
+    rt(&mut c, b"HELLO\r\n", &hello(3)).await;
+    rt(&mut c, b"HELLO 2\r\n", &hello(2)).await;
+    rt(
+        &mut c,
+        b"GET nope\r\nCONFIG GET databases\r\nINFO keyspace\r\n",
+        b"$-1\r\n*2\r\n$9\r\ndatabases\r\n$1\r\n1\r\n$12\r\n# Keyspace\r\n\r\n",
+    )
+    .await;
     s.stop().await;
 }
 

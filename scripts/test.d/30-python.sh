@@ -12,9 +12,12 @@ if [ ! -x "$VENV/bin/python" ]; then
   python3 -m venv "$VENV"
 fi
 # Idempotent: pip skips what is installed; the stamp avoids even that.
-STAMP="$VENV/.kvtier-deps-$(sha256sum connector/pyproject.toml | cut -c1-16)"
+# redis: redis-py, a RESP client the endpoint must serve (tests/test_resp.py).
+DEPS="pytest numpy redis"
+STAMP="$VENV/.kvtier-deps-$( (cat connector/pyproject.toml; echo "$DEPS") | sha256sum | cut -c1-16)"
 if [ ! -e "$STAMP" ]; then
-  "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check pytest numpy
+  # shellcheck disable=SC2086
+  "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check $DEPS
   "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -e connector
   touch "$STAMP"
 fi
@@ -26,7 +29,7 @@ fi
 # The daemon is required here: a missing or failing binary fails the run.
 export REQUIRE_KVTIER_DAEMON=1
 set +e
-(cd connector && "$VENV/bin/python" -m pytest -q tests/test_client.py)
+(cd connector && "$VENV/bin/python" -m pytest -q tests/test_client.py tests/test_resp.py)
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then

@@ -104,6 +104,8 @@ pub struct Session {
     pub name: Option<Bytes>,
     /// Set by QUIT: close after the reply.
     pub close: bool,
+    /// Replies in RESP3 (after `HELLO 3`).
+    pub resp3: bool,
     pins: VecDeque<Pin>,
 }
 
@@ -124,6 +126,7 @@ impl Session {
             authenticated: shared.opts.password.is_none(),
             name: None,
             close: false,
+            resp3: false,
             pins: VecDeque::new(),
         }
     }
@@ -311,7 +314,7 @@ async fn dispatch(shared: &Shared, s: &mut Session, args: &[Bytes], out: &mut Ou
         "get" => get(shared, s, &args[1], out).await,
         "hello" => hello(shared, s, args, out),
         "info" => {
-            out.bulk(super::info::info_text(shared, &args[1..]).as_bytes());
+            out.verbatim_text(super::info::info_text(shared, &args[1..]).as_bytes());
             Ok(())
         }
         "ping" => match args.len() {
@@ -384,11 +387,12 @@ fn auth(shared: &Shared, s: &mut Session, args: &[Bytes], out: &mut Output) -> R
 }
 
 fn hello(shared: &Shared, s: &mut Session, args: &[Bytes], out: &mut Output) -> Res {
+    // Without a version the protocol stays as it is.
+    let mut proto = None;
     if args.len() >= 2 {
         match super::parser::string_to_i64(&args[1]) {
             None => return err("Protocol version is not an integer or out of range"),
-            // kvtier speaks RESP2 only.
-            Some(2) => {}
+            Some(v @ (2 | 3)) => proto = Some(v),
             Some(_) => return err(NOPROTO),
         }
     }
@@ -421,15 +425,20 @@ fn hello(shared: &Shared, s: &mut Session, args: &[Bytes], out: &mut Output) -> 
         );
     }
     if let Some(n) = setname {
-        s.name = Some(n.clone());
+        check_client_name(n)?;
+        s.name = (!n.is_empty()).then(|| n.clone());
     }
-    out.array_header(14);
+    if let Some(v) = proto {
+        s.resp3 = v == 3;
+        out.set_resp3(s.resp3);
+    }
+    out.map_header(7);
     out.bulk(b"server");
     out.bulk(b"redis");
     out.bulk(b"version");
     out.bulk(REDIS_COMPAT_VERSION.as_bytes());
     out.bulk(b"proto");
-    out.integer(2);
+    out.integer(if s.resp3 { 3 } else { 2 });
     out.bulk(b"id");
     out.integer(s.id as i64);
     out.bulk(b"mode");
@@ -438,6 +447,14 @@ fn hello(shared: &Shared, s: &mut Session, args: &[Bytes], out: &mut Output) -> 
     out.bulk(b"master");
     out.bulk(b"modules");
     out.array_header(0);
+    Ok(())
+}
+
+/// Redis's rule for CLIENT SETNAME and HELLO SETNAME.
+fn check_client_name(name: &[u8]) -> Res {
+    if name.iter().any(|&b| b <= b' ' || b > b'~') {
+        return err("Client names cannot contain spaces, newlines or special characters.");
+    }
     Ok(())
 }
 
@@ -452,9 +469,7 @@ fn client(s: &mut Session, args: &[Bytes], out: &mut Output) -> Res {
         },
         b"getname" => return Err(wrong_args("client|getname")),
         b"setname" if args.len() == 3 => {
-            if args[2].iter().any(|&b| b <= b' ' || b > b'~') {
-                return err("Client names cannot contain spaces, newlines or special characters.");
-            }
+            check_client_name(&args[2])?;
             s.name = (!args[2].is_empty()).then(|| args[2].clone());
             out.ok();
         }
@@ -473,7 +488,8 @@ fn command(args: &[Bytes], out: &mut Output) -> Res {
     let sub = args[1].to_ascii_lowercase();
     match sub.as_slice() {
         b"count" => out.integer(COMMANDS.len() as i64),
-        b"docs" | b"list" => out.array_header(0),
+        b"docs" => out.map_header(0),
+        b"list" => out.array_header(0),
         b"info" => {
             out.array_header(args.len() - 2);
             for _ in 2..args.len() {
@@ -509,7 +525,7 @@ fn config(shared: &Shared, args: &[Bytes], out: &mut Output) -> Res {
                     found.push((*k, v.clone()));
                 }
             }
-            out.array_header(found.len() * 2);
+            out.map_header(found.len());
             for (k, v) in found {
                 out.bulk(k.as_bytes());
                 out.bulk(v.as_bytes());

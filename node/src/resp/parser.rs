@@ -65,7 +65,9 @@ pub enum ProtocolError {
     /// A bulk header line longer than [`INLINE_MAX`].
     #[error("too big bulk count string")]
     TooBigBulkCount,
-    /// A bulk payload not followed by CRLF.
+    /// A bulk payload not followed by CRLF. Stricter than Redis 7, which
+    /// skips the two bytes unchecked: a length that disagrees with the
+    /// payload would otherwise shift every later request.
     #[error("bulk string not terminated by CRLF")]
     MissingCrlf,
     /// An inline request longer than [`INLINE_MAX`].
@@ -548,6 +550,8 @@ mod tests {
         }
     }
 
+    /// Redis's messages, except where kvtier is stricter (a bulk payload not
+    /// followed by CRLF, which Redis does not check).
     #[test]
     fn protocol_errors_match_redis() {
         let e = |i: &[u8]| parse_all(i, 1000).unwrap_err().to_string();

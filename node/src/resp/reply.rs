@@ -1,4 +1,5 @@
-//! Reply encoding, byte for byte as Redis 7 writes RESP2, into an output
+//! Reply encoding, byte for byte as Redis 7 writes RESP2 (or RESP3, after
+//! `HELLO 3`: nulls, maps and verbatim strings differ), into an output
 //! queue that keeps large values as separate `Bytes` segments so a GET reply
 //! is written with one vectored write and no copy of the value.
 
@@ -17,9 +18,16 @@ pub struct Output {
     small: BytesMut,
     segs: VecDeque<Bytes>,
     queued: usize,
+    /// The connection switched to RESP3 (`HELLO 3`).
+    resp3: bool,
 }
 
 impl Output {
+    /// Encodes later replies as RESP3 (`true`) or RESP2.
+    pub fn set_resp3(&mut self, on: bool) {
+        self.resp3 = on;
+    }
+
     /// Bytes queued and not yet written.
     pub fn pending(&self) -> usize {
         self.queued + self.small.len()
@@ -88,14 +96,40 @@ impl Output {
         self.raw(b"\r\n");
     }
 
-    /// `*-1\r\n`
+    /// `*-1\r\n` (RESP3: `_\r\n`)
     pub fn null_array(&mut self) {
-        self.raw(b"*-1\r\n");
+        self.raw(if self.resp3 { b"_\r\n" } else { b"*-1\r\n" });
     }
 
-    /// `$-1\r\n`
+    /// `$-1\r\n` (RESP3: `_\r\n`)
     pub fn null(&mut self) {
-        self.raw(b"$-1\r\n");
+        self.raw(if self.resp3 { b"_\r\n" } else { b"$-1\r\n" });
+    }
+
+    /// A map of `pairs` key-value pairs follows: `%<pairs>\r\n`, or in
+    /// RESP2 a flat array `*<2 pairs>\r\n`.
+    pub fn map_header(&mut self, pairs: usize) {
+        if self.resp3 {
+            self.raw(b"%");
+            self.raw(pairs.to_string().as_bytes());
+            self.raw(b"\r\n");
+        } else {
+            self.array_header(2 * pairs);
+        }
+    }
+
+    /// Text as Redis sends INFO: a bulk string, or in RESP3 a verbatim
+    /// string of format `txt` (`=<len + 4>\r\ntxt:<text>\r\n`).
+    pub fn verbatim_text(&mut self, text: &[u8]) {
+        if !self.resp3 {
+            self.bulk(text);
+            return;
+        }
+        self.raw(b"=");
+        self.raw((text.len() + 4).to_string().as_bytes());
+        self.raw(b"\r\ntxt:");
+        self.raw(text);
+        self.raw(b"\r\n");
     }
 
     /// `$<len>\r\n<bytes>\r\n`, copying the bytes.
