@@ -150,7 +150,8 @@ pub struct ConfigArgs {
     /// Log format: human or json. Default: human.
     #[arg(long, value_name = "FORMAT")]
     pub log_format: Option<LogFormat>,
-    /// Log level or filter, e.g. info, debug, info,node=debug. Default: info.
+    /// Log level (trace, debug, info, warn, error, off) or filter, e.g.
+    /// info,node=debug. Default: info.
     #[arg(long, value_name = "LEVEL")]
     pub log_level: Option<String>,
     /// This node's name; with peers it must equal the name in its

@@ -66,7 +66,7 @@ pub fn run(cmd: &CertCommand) -> Result<u8> {
             let ca = cert::init_ca(&a.cluster, Validity::days(a.days)).context("create the CA")?;
             ca.write_to(&a.out)
                 .with_context(|| format!("write the CA into {}", a.out.display()))?;
-            println!(
+            outln!(
                 "cluster {}: wrote {} and {} (keep the key offline)",
                 a.cluster,
                 a.out.join(cert::CA_CERT_FILE).display(),
@@ -81,7 +81,7 @@ pub fn run(cmd: &CertCommand) -> Result<u8> {
             let out = a.out.clone().unwrap_or_else(|| PathBuf::from(&a.node));
             node.write_to(&out)
                 .with_context(|| format!("write the node files into {}", out.display()))?;
-            println!(
+            outln!(
                 "node {} (cluster {}): wrote {}, {}, {}",
                 a.node,
                 ca.cluster,

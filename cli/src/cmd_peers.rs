@@ -41,12 +41,12 @@ pub fn run(args: &PeersArgs) -> Result<u8> {
             .cloned()
             .unwrap_or(Value::Array(Vec::new()));
         if args.json {
-            println!("{}", serde_json::to_string_pretty(&peers)?);
+            outln!("{}", serde_json::to_string_pretty(&peers)?);
         } else {
             if args.watch && std::io::stdout().is_terminal() {
-                print!("\x1b[2J\x1b[H");
+                out!("\x1b[2J\x1b[H");
             }
-            print!("{}", render(&doc, &peers));
+            out!("{}", render(&doc, &peers));
         }
         if !args.watch {
             return Ok(EXIT_OK);

@@ -60,11 +60,11 @@ fn node_start(args: &ConfigArgs) -> Result<u8> {
     for w in &warnings {
         tracing::warn!("{w}");
         if human && w.contains("GPU KV pool") {
-            eprintln!(
-                "\n{}\n!! WARNING: {w}\n{}\n",
+            node::logging::eprint_lossy(&format!(
+                "\n{}\n!! WARNING: {w}\n{}\n\n",
                 "!".repeat(78),
                 "!".repeat(78)
-            );
+            ));
         }
     }
     // Before any thread starts: see node::memory (one arena, no page
@@ -121,7 +121,9 @@ impl Signals {
                 _ = self.term.recv() => "SIGTERM",
                 _ = self.int.recv() => "SIGINT",
             };
-            eprintln!("kvtier: second signal ({name}): exiting now without finishing the flush");
+            node::logging::eprint_lossy(&format!(
+                "kvtier: second signal ({name}): exiting now without finishing the flush\n"
+            ));
             std::process::exit(130);
         });
     }
@@ -140,21 +142,21 @@ fn config_check(args: &ConfigCheckArgs) -> Result<u8> {
             "config": cfg,
             "warnings": warnings,
         });
-        println!("{}", serde_json::to_string_pretty(&doc)?);
+        outln!("{}", serde_json::to_string_pretty(&doc)?);
     } else {
         match &loaded.file {
-            Some(f) => println!("# configuration OK: {} + environment + flags", f.display()),
+            Some(f) => outln!("# configuration OK: {} + environment + flags", f.display()),
             None => {
-                println!("# configuration OK: built-in defaults + environment + flags (no file)")
+                outln!("# configuration OK: built-in defaults + environment + flags (no file)")
             }
         }
         for w in &warnings {
-            println!("# WARNING: {w}");
+            outln!("# WARNING: {w}");
         }
         if cfg.gpu_kv_pool.is_none() {
-            println!("# gpu-kv-pool is unset: set it to get a warning when the tier is too small");
+            outln!("# gpu-kv-pool is unset: set it to get a warning when the tier is too small");
         }
-        print!("{}", cfg.to_toml());
+        out!("{}", cfg.to_toml());
     }
     Ok(EXIT_OK)
 }
@@ -181,9 +183,9 @@ fn stats(args: &StatsArgs) -> Result<u8> {
     let mut client = connect(&args.client)?;
     let doc = client.stats().context("read the daemon's stats")?;
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&doc)?);
+        outln!("{}", serde_json::to_string_pretty(&doc)?);
     } else {
-        print!("{}", render_table(&doc));
+        out!("{}", render_table(&doc));
     }
     Ok(EXIT_OK)
 }
@@ -246,26 +248,71 @@ fn lookup(args: &LookupArgs) -> Result<u8> {
             .zip(&r.locations)
             .map(|(k, l)| serde_json::json!({"key": k.to_string(), "location": location_name(*l)}))
             .collect();
-        println!("{}", serde_json::json!({"prefix": r.prefix, "keys": keys}));
+        outln!("{}", serde_json::json!({"prefix": r.prefix, "keys": keys}));
     } else {
         for (k, l) in args.keys.iter().zip(&r.locations) {
-            println!("{k}  {}", location_name(*l));
+            outln!("{k}  {}", location_name(*l));
         }
-        println!("prefix {} of {}", r.prefix, args.keys.len());
+        outln!("prefix {} of {}", r.prefix, args.keys.len());
     }
     let all = r.locations.iter().all(|l| *l != LookupLocation::Miss);
     Ok(if all { EXIT_OK } else { EXIT_MISS })
 }
 
+/// Reads a namespace record file (TOML, or JSON when it starts with `{`).
+/// Strict, unlike the wire format: a misspelt field (`tp_size` for
+/// `tp-size`) would otherwise be ignored and give a different namespace id
+/// without a word, so unknown fields and a missing `model` are errors.
 fn read_record(path: &Path) -> Result<NamespaceRecord> {
     let text = std::fs::read_to_string(path)
         .with_context(|| format!("read namespace record {}", path.display()))?;
-    let record = if text.trim_start().starts_with('{') {
+    let value: serde_json::Value = if text.trim_start().starts_with('{') {
         serde_json::from_str(&text).map_err(anyhow::Error::from)
     } else {
-        toml::from_str(&text).map_err(anyhow::Error::from)
+        toml::from_str::<toml::Value>(&text)
+            .map_err(anyhow::Error::from)
+            .and_then(|v| serde_json::to_value(v).map_err(anyhow::Error::from))
+    }
+    .with_context(|| format!("parse namespace record {}", path.display()))?;
+    let known = serde_json::to_value(NamespaceRecord::default())?;
+    let known: Vec<&String> = known
+        .as_object()
+        .map(|o| o.keys().collect())
+        .unwrap_or_default();
+    let Some(fields) = value.as_object() else {
+        bail!(
+            "namespace record {} is not a table of fields",
+            path.display()
+        );
     };
-    record.with_context(|| format!("parse namespace record {}", path.display()))
+    for k in fields.keys() {
+        if !known.contains(&k) {
+            let kebab = k.replace('_', "-");
+            let hint = if known.contains(&&kebab) {
+                format!(" (did you mean `{kebab}`?)")
+            } else {
+                String::new()
+            };
+            bail!(
+                "unknown field `{k}` in namespace record {}{hint}; the fields are: {}",
+                path.display(),
+                known
+                    .iter()
+                    .map(|k| k.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            );
+        }
+    }
+    let record: NamespaceRecord = serde_json::from_value(value)
+        .with_context(|| format!("parse namespace record {}", path.display()))?;
+    if record.model.trim().is_empty() {
+        bail!(
+            "namespace record {} has no `model`: name the model whose KV cache this is",
+            path.display()
+        );
+    }
+    Ok(record)
 }
 
 fn status_error(code: u16) -> anyhow::Error {
@@ -290,7 +337,7 @@ fn put(args: &PutArgs) -> Result<u8> {
             let ns = client
                 .hello(&read_record(path)?)
                 .context("register the namespace")?;
-            eprintln!("namespace {ns}");
+            errln!("namespace {ns}");
             ns
         }
         (None, None) => bail!("give --namespace ID or --namespace-record FILE"),
@@ -301,7 +348,7 @@ fn put(args: &PutArgs) -> Result<u8> {
         .context("put the chunk")?;
     match statuses.first() {
         Some(0) => {
-            println!("stored {key} ({} bytes) in namespace {ns}", data.len());
+            outln!("stored {key} ({} bytes) in namespace {ns}", data.len());
             Ok(EXIT_OK)
         }
         Some(code) => Err(status_error(*code)),
@@ -321,18 +368,18 @@ fn get(args: &GetArgs) -> Result<u8> {
         .context("get the chunk")?
     {
         None => {
-            eprintln!("miss: {key} is not in namespace {}", args.ns.namespace);
+            errln!("miss: {key} is not in namespace {}", args.ns.namespace);
             Ok(EXIT_MISS)
         }
         Some(bytes) => {
             if args.output.as_os_str() == "-" {
                 let mut out = std::io::stdout().lock();
-                out.write_all(&bytes).context("write stdout")?;
-                out.flush().context("write stdout")?;
+                out.write_all(&bytes).map_err(crate::StdoutClosed::wrap)?;
+                out.flush().map_err(crate::StdoutClosed::wrap)?;
             } else {
                 std::fs::write(&args.output, &bytes)
                     .with_context(|| format!("write {}", args.output.display()))?;
-                eprintln!("wrote {} bytes to {}", bytes.len(), args.output.display());
+                errln!("wrote {} bytes to {}", bytes.len(), args.output.display());
             }
             Ok(EXIT_OK)
         }
@@ -351,10 +398,10 @@ fn delete(args: &DeleteArgs) -> Result<u8> {
             .zip(&existed)
             .map(|(k, e)| serde_json::json!({"key": k.to_string(), "existed": e}))
             .collect();
-        println!("{}", serde_json::json!({ "keys": keys }));
+        outln!("{}", serde_json::json!({ "keys": keys }));
     } else {
         for (k, e) in args.keys.iter().zip(&existed) {
-            println!("{k}  {}", if *e { "deleted" } else { "not found" });
+            outln!("{k}  {}", if *e { "deleted" } else { "not found" });
         }
     }
     Ok(if existed.iter().all(|e| *e) {
@@ -370,9 +417,9 @@ fn flush(args: &FlushArgs) -> Result<u8> {
     client.set_timeout(None)?;
     let r = client.flush().context("flush")?;
     if args.json {
-        println!("{}", serde_json::to_string(&r)?);
+        outln!("{}", serde_json::to_string(&r)?);
     } else {
-        println!(
+        outln!(
             "flushed {} chunk(s), {}; {} failed",
             r.chunks,
             ByteSize(r.bytes).approx(),
@@ -475,7 +522,7 @@ fn namespaces(args: &NamespacesArgs) -> Result<u8> {
             info.pid
         ),
         None if !cfg.data_dir.join(config::STORE_FILE).exists() => {
-            eprintln!("no chunk store in {} yet", cfg.data_dir.display());
+            errln!("no chunk store in {} yet", cfg.data_dir.display());
             serde_json::Value::Array(vec![])
         }
         None => {
@@ -486,22 +533,24 @@ fn namespaces(args: &NamespacesArgs) -> Result<u8> {
         }
     };
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&list)?);
+        outln!("{}", serde_json::to_string_pretty(&list)?);
         return Ok(EXIT_OK);
     }
     let items = list.as_array().cloned().unwrap_or_default();
     if items.is_empty() {
-        println!("no namespaces (a client registers one with HELLO, e.g. the vLLM connector)");
+        outln!("no namespaces (a client registers one with HELLO, e.g. the vLLM connector)");
         return Ok(EXIT_OK);
     }
-    println!(
+    outln!(
         "{:<32}  {:>10}  {:>10}  MODEL / ENGINE / TP / RANK / DTYPE",
-        "ID", "CHUNKS", "BYTES"
+        "ID",
+        "CHUNKS",
+        "BYTES"
     );
     for ns in items {
         let r = &ns["record"];
         let s = |k: &str| r[k].as_str().unwrap_or("").to_string();
-        println!(
+        outln!(
             "{:<32}  {:>10}  {:>10}  {} / {} {} / tp{} / rank {} / {}",
             ns["id"].as_str().unwrap_or("?"),
             ns["chunks"].as_u64().unwrap_or(0),
@@ -534,7 +583,13 @@ fn progress(what: &str) -> Option<indicatif::ProgressBar> {
 
 fn verify(args: &VerifyArgs) -> Result<u8> {
     let (cfg, _) = load_resolved(&args.config)?;
+    // Recovery's own findings (a torn or corrupt chunk in the region that was
+    // open at the last shutdown) are logged as the store opens.
+    let _ = node::logging::init(node::logging::LogFormat::Human, "warn");
     let (store, lock) = open_offline(&cfg, "verify")?;
+    // Chunks that failed their checks while the store opened: recovery has
+    // already left them out, so the walk below never sees them.
+    let at_open = store.stats().verify_failures;
     let pb = progress("verifying");
     let mut cb = |done: u64, total: u64| {
         if let Some(pb) = &pb {
@@ -554,12 +609,20 @@ fn verify(args: &VerifyArgs) -> Result<u8> {
     let report = report.context("verify the store")?;
     close_offline(store, lock)?;
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
+        let mut doc = serde_json::to_value(&report)?;
+        doc["dropped_at_open"] = at_open.into();
+        outln!("{}", serde_json::to_string_pretty(&doc)?);
     } else {
         for p in &report.problems {
-            println!("bad: {p}");
+            outln!("bad: {p}");
         }
-        println!(
+        if at_open > 0 {
+            outln!(
+                "dropped at open: {at_open} chunk(s) torn or corrupt in the region open at the last shutdown \
+                 (never served; see the warnings above; counted at every open until that region is sealed)"
+            );
+        }
+        outln!(
             "checked {} chunk(s): {} bad, {} dropped{}",
             report.checked,
             report.bad,
@@ -571,7 +634,7 @@ fn verify(args: &VerifyArgs) -> Result<u8> {
             }
         );
     }
-    Ok(if report.bad > 0 {
+    Ok(if report.bad > 0 || at_open > 0 {
         EXIT_VERIFY_FAILED
     } else {
         EXIT_OK
@@ -580,14 +643,37 @@ fn verify(args: &VerifyArgs) -> Result<u8> {
 
 fn gc(args: &GcArgs) -> Result<u8> {
     if args.namespaces.is_empty() && args.older_than.is_none() {
-        bail!(
+        return Err(crate::UsageError(
             "give --namespace ID (repeatable) and/or --older-than DURATION to select what to drop"
-        );
+                .into(),
+        )
+        .into());
     }
     let (cfg, _) = load_resolved(&args.config)?;
     let (store, lock) = open_offline(&cfg, "gc")?;
+    // An id that is not in this store (a typo, another node's store) is said,
+    // not reported as "dropped: 1 namespace(s), 0 chunk(s)".
+    let known: Vec<Namespace> = store.namespaces().iter().map(|n| n.id).collect();
+    let unknown: Vec<String> = args
+        .namespaces
+        .iter()
+        .filter(|ns| !known.contains(ns))
+        .map(Namespace::to_string)
+        .collect();
+    if !unknown.is_empty() {
+        errln!(
+            "kvtier: warning: not in the store at {}: {} (`kvtier namespaces --data-dir ...` lists its namespaces)",
+            cfg.data_dir.display(),
+            unknown.join(", ")
+        );
+    }
     let opts = GcOptions {
-        namespaces: args.namespaces.clone(),
+        namespaces: args
+            .namespaces
+            .iter()
+            .filter(|ns| known.contains(ns))
+            .copied()
+            .collect(),
         older_than: args.older_than.map(|d| d.0),
         dry_run: !args.apply,
     };
@@ -596,7 +682,7 @@ fn gc(args: &GcArgs) -> Result<u8> {
     let report = report?;
     if args.json {
         let doc = serde_json::json!({ "dry-run": !args.apply, "report": report });
-        println!("{}", serde_json::to_string_pretty(&doc)?);
+        outln!("{}", serde_json::to_string_pretty(&doc)?);
     } else {
         let verb = if args.apply {
             "dropped"
@@ -604,14 +690,14 @@ fn gc(args: &GcArgs) -> Result<u8> {
             "would drop (dry run; add --apply)"
         };
         let ids: Vec<String> = report.namespaces.iter().map(Namespace::to_string).collect();
-        println!(
+        outln!(
             "{verb}: {} namespace(s), {} chunk(s), {}",
             ids.len(),
             report.chunks,
             ByteSize(report.bytes).approx()
         );
         for id in ids {
-            println!("  {id}");
+            outln!("  {id}");
         }
     }
     Ok(EXIT_OK)

@@ -4,6 +4,31 @@
 //! Exit codes (documented in `docs/cli.md`): 0 ok, 1 error, 2 usage,
 //! 3 daemon unreachable, 4 not found / miss, 5 verification failures found.
 
+/// Writes a line to stdout like `println!`, but returns the error instead
+/// of panicking: a reader that went away (`kvtier stats | head -1`) ends the
+/// command quietly ([`StdoutClosed`]), any other failure is an error.
+macro_rules! outln {
+    ($($t:tt)*) => {{
+        use std::io::Write as _;
+        writeln!(std::io::stdout().lock(), $($t)*).map_err($crate::StdoutClosed::wrap)?
+    }};
+}
+
+/// `eprintln!` that never panics (a closed stderr drops the line).
+macro_rules! errln {
+    ($($t:tt)*) => {
+        node::logging::eprint_lossy(&format!("{}\n", format_args!($($t)*)))
+    };
+}
+
+/// `print!` counterpart of [`outln!`].
+macro_rules! out {
+    ($($t:tt)*) => {{
+        use std::io::Write as _;
+        write!(std::io::stdout().lock(), $($t)*).map_err($crate::StdoutClosed::wrap)?
+    }};
+}
+
 mod args;
 mod bench;
 mod cmd_cert;
@@ -27,6 +52,51 @@ pub const EXIT_MISS: u8 = 4;
 /// Exit code: `verify` found bad chunks.
 pub const EXIT_VERIFY_FAILED: u8 = 5;
 
+/// A write to stdout failed. When the reader closed the pipe the command
+/// ends quietly with exit code 0, as other Unix tools do; otherwise it is
+/// an error like any other.
+#[derive(Debug)]
+pub struct StdoutClosed(pub std::io::Error);
+
+impl std::fmt::Display for StdoutClosed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("write to stdout")
+    }
+}
+
+impl std::error::Error for StdoutClosed {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&self.0)
+    }
+}
+
+impl StdoutClosed {
+    /// Wraps a stdout write error (for `map_err`).
+    pub fn wrap(e: std::io::Error) -> anyhow::Error {
+        anyhow::Error::new(StdoutClosed(e))
+    }
+
+    /// Whether `err` is a stdout write whose reader went away.
+    fn is_broken_pipe(err: &anyhow::Error) -> bool {
+        err.chain().any(|c| {
+            c.downcast_ref::<StdoutClosed>()
+                .is_some_and(|s| s.0.kind() == std::io::ErrorKind::BrokenPipe)
+        })
+    }
+}
+
+/// A command used wrongly in a way clap cannot check (exit code 2).
+#[derive(Debug)]
+pub struct UsageError(pub String);
+
+impl std::fmt::Display for UsageError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for UsageError {}
+
 /// Parses `std::env::args`, runs the command, prints errors (the chain,
 /// no backtrace) and returns the exit code. `bin` names the program in
 /// messages ("kvtier" or "tier").
@@ -47,19 +117,31 @@ pub fn main_with(bin: &'static str) -> ExitCode {
     };
     match commands::run(cli) {
         Ok(code) => ExitCode::from(code),
+        Err(err) if StdoutClosed::is_broken_pipe(&err) => ExitCode::from(EXIT_OK),
         Err(err) => {
-            eprintln!("{bin}: error: {err}");
+            errln!("{bin}: error: {err}");
+            // Causes a message already quotes (many errors end with their
+            // source's text) are not repeated.
+            let mut said = err.to_string();
             for cause in err.chain().skip(1) {
-                eprintln!("  caused by: {cause}");
+                let cause = cause.to_string();
+                if !said.contains(&cause) {
+                    errln!("  caused by: {cause}");
+                }
+                said.push_str(&cause);
             }
             ExitCode::from(exit_code_of(&err))
         }
     }
 }
 
-/// The exit code for an error: 3 when the daemon is unreachable, else 1.
+/// The exit code for an error: 2 for a usage error, 3 when the daemon is
+/// unreachable, else 1.
 fn exit_code_of(err: &anyhow::Error) -> u8 {
     for cause in err.chain() {
+        if cause.downcast_ref::<UsageError>().is_some() {
+            return EXIT_USAGE;
+        }
         if let Some(node::native::NativeError::Unavailable { .. }) = cause.downcast_ref() {
             return EXIT_UNREACHABLE;
         }

@@ -594,7 +594,7 @@ pub async fn run(config: NodeConfig, shutdown: impl Future<Output = ()>) -> Resu
     let mut node = start(config).await?;
     let st = node.startup();
     if human {
-        eprint!("{}", st.render());
+        crate::logging::eprint_lossy(&st.render());
     } else {
         tracing::info!(
             version = st.version,

@@ -32,22 +32,61 @@ impl std::str::FromStr for LogFormat {
 
 /// Parses a log filter: a level (`info`) or tracing directives
 /// (`info,node=debug`).
+///
+/// A bare word must be a level: tracing would read `warning` as a target
+/// name and silently log nothing else, warnings included.
 pub fn parse_filter(level: &str) -> Result<EnvFilter, String> {
     if level.trim().is_empty() {
         return Err("must not be empty (e.g. \"info\")".into());
+    }
+    const LEVELS: [&str; 6] = ["trace", "debug", "info", "warn", "error", "off"];
+    for d in level.split(',').map(str::trim) {
+        let bare = !d.contains(['=', '[', ':']);
+        if bare && !LEVELS.iter().any(|l| l.eq_ignore_ascii_case(d)) {
+            return Err(format!(
+                "{d:?} is not a log level: use one of {} or target=level directives (e.g. \"info,node=debug\")",
+                LEVELS.join(", ")
+            ));
+        }
     }
     EnvFilter::builder()
         .parse(level)
         .map_err(|e| format!("{level:?} is not a log level or filter ({e}); use e.g. \"info\", \"debug\" or \"info,node=debug\""))
 }
 
-/// Installs the global subscriber writing to stderr. Fails if one is
-/// already installed or the filter is invalid.
+/// Stderr that never fails: bytes that cannot be written (the reader of a
+/// log pipe went away, a full disk behind a redirect) are dropped. A failed
+/// log write must never stop the daemon, least of all the flush at
+/// shutdown (`eprintln!`, and tracing's own error report, panic on it).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct LossyStderr;
+
+impl std::io::Write for LossyStderr {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let _ = std::io::stderr().lock().write_all(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        let _ = std::io::stderr().flush();
+        Ok(())
+    }
+}
+
+/// `eprint!` through [`LossyStderr`]: never fails, never panics.
+pub fn eprint_lossy(text: &str) {
+    use std::io::Write as _;
+    let _ = LossyStderr.write_all(text.as_bytes());
+}
+
+/// Installs the global subscriber writing to stderr (lossily, see
+/// [`LossyStderr`]). Fails if one is already installed or the filter is
+/// invalid.
 pub fn init(format: LogFormat, level: &str) -> Result<()> {
     let filter = parse_filter(level).map_err(NodeError::Logging)?;
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr);
+        .with_writer(|| LossyStderr);
     let res = match format {
         LogFormat::Human => builder
             .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
@@ -68,5 +107,13 @@ mod tests {
         assert!(parse_filter("").is_err());
         let e = parse_filter("loud=!!").unwrap_err();
         assert!(e.contains("not a log level"), "{e}");
+        // A mistyped level would otherwise be a target name: no logs at all.
+        for typo in ["warning", "info,verbose", "INF"] {
+            let e = parse_filter(typo).unwrap_err();
+            assert!(e.contains("is not a log level: use one of"), "{e}");
+        }
+        assert!(parse_filter("WARN").is_ok());
+        assert!(parse_filter("off").is_ok());
+        assert!(parse_filter("warn,tier::segment=debug").is_ok());
     }
 }

@@ -43,6 +43,38 @@ fn client_commands_round_trip_and_use_documented_exit_codes() {
         .expect("put prints the registered namespace id");
     assert_eq!(ns.len(), 32);
 
+    // A record file with a misspelt field, an empty one, and one in JSON
+    // with a field that does not exist: refused, naming the problem.
+    for (body, want) in [
+        ("model = \"m\"\ntp_size = 2\n", "unknown field `tp_size`"),
+        ("model = \"m\"\ntp_size = 2\n", "did you mean `tp-size`?"),
+        ("", "has no `model`"),
+        ("{\"model\": \"m\", \"ranks\": 2}", "unknown field `ranks`"),
+    ] {
+        let bad = dir.path().join("bad-record");
+        std::fs::write(&bad, body).expect("write record");
+        let b = bad.to_string_lossy().into_owned();
+        let out = run_kvtier(
+            &[
+                &["put", &p, "--namespace-record", &b, "--name", "x"][..],
+                &s,
+            ]
+            .concat(),
+            &[],
+        );
+        assert_eq!(
+            out.status.code(),
+            Some(1),
+            "{body:?}: {}",
+            text(&out.stderr)
+        );
+        assert!(
+            text(&out.stderr).contains(want),
+            "{body:?}: {}",
+            text(&out.stderr)
+        );
+    }
+
     let got = dir.path().join("got.bin");
     let g = got.to_string_lossy().into_owned();
     let out = run_kvtier(
@@ -58,6 +90,25 @@ fn client_commands_round_trip_and_use_documented_exit_codes() {
         std::fs::read(&got).expect("read output") == bytes,
         "get returns the bytes put"
     );
+
+    // `get -o - | head -c 10`: the reader goes away mid-value; the command
+    // ends quietly, as Unix tools do, instead of an error or a panic.
+    let mut child = kvtier_tests::kvtier_command()
+        .args(
+            [
+                &["get", "--name", "hello", "--namespace", &ns, "-o", "-"][..],
+                &s,
+            ]
+            .concat(),
+        )
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawn kvtier get");
+    drop(child.stdout.take());
+    let out = child.wait_with_output().expect("kvtier get");
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    assert_eq!(text(&out.stderr), "", "no error for a closed stdout");
 
     let key = node::tier::ChunkKey::from_name(b"hello").to_string();
     let other = "ab".repeat(32);
@@ -233,6 +284,23 @@ fn verify_and_gc_work_offline_and_report_bad_chunks() {
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("gc --json");
     assert_eq!(v["dry-run"], true);
     assert_eq!(v["report"]["chunks"], 12, "{v}");
+    // An id this store does not hold is said, not counted as dropped.
+    let out = run_kvtier(
+        &[
+            &["gc", "--namespace", &"12".repeat(16), "--json", "--apply"][..],
+            &store,
+        ]
+        .concat(),
+        &[],
+    );
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stderr).contains("not in the store"),
+        "{}",
+        text(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("gc --json");
+    assert_eq!(v["report"]["namespaces"], serde_json::json!([]), "{v}");
     // A dry run dropped nothing.
     let out = run_kvtier(&[&["verify", "--json"][..], &store].concat(), &[]);
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("verify --json");
@@ -254,8 +322,8 @@ fn verify_and_gc_work_offline_and_report_bad_chunks() {
     let out = run_kvtier(&[&["gc"][..], &store].concat(), &[]);
     assert_eq!(
         out.status.code(),
-        Some(1),
-        "gc without a selection is refused"
+        Some(2),
+        "gc without a selection is refused as a usage error"
     );
 }
 
@@ -328,6 +396,76 @@ fn verify_exits_5_on_corrupt_chunks_and_repair_drops_them() {
         out.status.code(),
         Some(0),
         "clean after repair: {}",
+        text(&out.stdout)
+    );
+}
+
+/// A chunk torn or corrupt in the region that was open at the last
+/// shutdown is left out by recovery when the store opens, before verify's
+/// walk: verify still reports it (exit 5, `dropped_at_open`) instead of a
+/// clean store.
+#[test]
+fn verify_reports_chunks_recovery_dropped_in_the_open_region() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    // 16 MiB regions: every chunk below stays in the first, still open, one.
+    let mut args = kvtier_tests::test_args(dir.path());
+    kvtier_tests::set_flag(&mut args, "--region-size", "16MiB");
+    let mut d = Daemon::start_args(dir.path(), &args, &[]).unwrap_or_else(|e| panic!("{e}"));
+    let mut c = d.client();
+    let ns = c.hello(&kvtier_tests::test_record(0)).expect("HELLO");
+    for i in 0..8 {
+        let (key, data) = kvtier_tests::chunk_bytes(401, i);
+        assert_eq!(c.put_bytes(ns, 0, &[(key, &data)]).expect("PUT"), vec![0]);
+    }
+    assert_eq!(c.flush().expect("FLUSH").failed, 0);
+    d.kill9();
+    {
+        use std::os::unix::fs::FileExt;
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(d.data_dir.join("store.kvt"))
+            .expect("open store");
+        let mut buf = vec![0u8; 8 << 20];
+        f.read_exact_at(&mut buf, 0).expect("read store");
+        let written = buf.iter().rposition(|b| *b != 0).expect("data written");
+        let off = written / 2;
+        f.write_all_at(&[buf[off] ^ 0xff], off as u64)
+            .expect("flip");
+        f.sync_all().expect("sync");
+    }
+    let data = d.data_dir.to_string_lossy().into_owned();
+    let store = [
+        "--data-dir",
+        data.as_str(),
+        "--disk-budget",
+        "32MiB",
+        "--region-size",
+        "16MiB",
+        "--ram-budget",
+        "64MiB",
+    ];
+    let out = run_kvtier(&[&["verify", "--json"][..], &store].concat(), &[]);
+    assert_eq!(
+        out.status.code(),
+        Some(5),
+        "{}{}",
+        text(&out.stdout),
+        text(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("verify --json");
+    assert_eq!(v["dropped_at_open"], 1, "{v}");
+    assert_eq!(v["checked"], 7, "{v}");
+    assert!(
+        text(&out.stderr).contains("dropped at recovery"),
+        "{}",
+        text(&out.stderr)
+    );
+    let out = run_kvtier(&[&["verify"][..], &store].concat(), &[]);
+    assert_eq!(out.status.code(), Some(5));
+    assert!(
+        text(&out.stdout).contains("dropped at open: 1 chunk(s)"),
+        "{}",
         text(&out.stdout)
     );
 }

@@ -152,3 +152,55 @@ fn a_second_sigterm_during_the_shutdown_flush_exits_at_once_with_130() {
 fn a_sigint_after_a_sigterm_during_the_shutdown_flush_exits_at_once_with_130() {
     second_signal_during_the_flush_exits_at_once_with_130(libc::SIGTERM, libc::SIGINT);
 }
+
+/// A daemon whose stderr is a pipe nobody reads any more (a `| head` or a
+/// log shipper that died) still starts, serves, and on SIGTERM flushes its
+/// dirty chunks and exits 0: a log line it cannot write is dropped, never a
+/// panic that loses the flush.
+#[test]
+fn a_closed_log_pipe_never_stops_the_shutdown_flush() {
+    use std::process::Stdio;
+    let dir = tempfile::tempdir().expect("temp dir");
+    let mut args = kvtier_tests::test_args(dir.path());
+    kvtier_tests::set_flag(&mut args, "--log-format", "human");
+    kvtier_tests::set_flag(&mut args, "--resp-listen", "off");
+    kvtier_tests::set_flag(&mut args, "--http-listen", "off");
+    let mut child = kvtier_tests::kvtier_command()
+        .args(&args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn kvtier");
+    // Close the read ends: every write to stdout or stderr now fails (EPIPE).
+    drop(child.stdout.take());
+    drop(child.stderr.take());
+    let socket = dir.path().join("kvtier.sock");
+    let mut c = kvtier_tests::poll("the daemon's socket", DEADLINE, || {
+        if let Ok(Some(status)) = child.try_wait() {
+            panic!("the daemon exited at start: {status}");
+        }
+        node::native::Client::connect(&socket).ok()
+    });
+    let ns = c.hello(&test_record(0)).expect("HELLO");
+    let (k, v) = kvtier_tests::chunk_bytes(7, 1);
+    assert_eq!(c.put_bytes(ns, 0, &[(k, &v)]).expect("PUT"), vec![0]);
+    drop(c);
+    kvtier_tests::signal(child.id(), libc::SIGTERM);
+    let t = Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().expect("wait") {
+            break s;
+        }
+        assert!(t.elapsed() < DEADLINE, "no exit after SIGTERM");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert_eq!(status.code(), Some(0), "exit after SIGTERM: {status}");
+    // The chunk was dirty at the signal: the shutdown flush kept it.
+    let d = Daemon::start_args(dir.path(), &kvtier_tests::test_args(dir.path()), &[])
+        .unwrap_or_else(|e| panic!("{e}"));
+    let mut c = d.client();
+    let ns2 = c.hello(&test_record(0)).expect("HELLO");
+    assert_eq!(ns2, ns);
+    assert_eq!(c.get_bytes(ns, 0, k).expect("GET"), Some(v));
+}
