@@ -549,6 +549,12 @@ impl NodeConfig {
         if self.data_dir.as_os_str().is_empty() {
             return Err(bad("data-dir", "must not be empty".into()));
         }
+        if self.data_dir.exists() && !self.data_dir.is_dir() {
+            return Err(bad(
+                "data-dir",
+                format!("{} exists and is not a directory", self.data_dir.display()),
+            ));
+        }
         if self.socket.as_os_str().is_empty() {
             return Err(bad("socket", "must not be empty".into()));
         }
@@ -1140,7 +1146,16 @@ pub fn load(sources: &ConfigSources, env: &Environment) -> Result<Loaded> {
             config.region_size = default_region_size(budget);
         }
     }
-    let warnings = config.check_static(&sources)?;
+    let mut warnings = config.check_static(&sources)?;
+    if let Some(total) = env.mem_total
+        && config.ram_budget.0 > total
+    {
+        warnings.push(format!(
+            "ram-budget ({}) is more than this machine's memory ({}): the kernel will swap or kill the daemon before the cache fills",
+            config.ram_budget,
+            ByteSize(total).approx()
+        ));
+    }
     Ok(Loaded {
         config,
         file,
@@ -1325,6 +1340,46 @@ mod tests {
         assert!(e.contains("two regions of region-size (256MiB)"), "{e}");
         let l = with(ByteSize::mib(256), Some(ByteSize::mib(64))).unwrap();
         assert_eq!(l.config.region_size, ByteSize::mib(64));
+    }
+
+    /// A data dir that is a file is refused by `config check` as by
+    /// `node start`; a RAM budget beyond the machine's memory is a warning.
+    #[test]
+    fn a_file_as_data_dir_and_an_oversized_ram_budget_are_reported() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("afile");
+        std::fs::write(&file, b"x").unwrap();
+        let e = err_of(load_with(
+            None,
+            &[],
+            Overrides {
+                data_dir: Some(file),
+                ..Default::default()
+            },
+        ));
+        assert!(
+            e.contains("`data-dir`") && e.contains("is not a directory"),
+            "{e}"
+        );
+        // The test environment has 64 GiB.
+        let l = load_with(
+            None,
+            &[],
+            Overrides {
+                ram_budget: Some(ByteSize::gib(100)),
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        assert!(
+            l.warnings
+                .iter()
+                .any(|w| w.contains("more than this machine's memory")),
+            "{:?}",
+            l.warnings
+        );
+        let l = load_with(None, &[], Overrides::default()).unwrap();
+        assert!(!l.warnings.iter().any(|w| w.contains("machine's memory")));
     }
 
     #[test]

@@ -1,0 +1,196 @@
+#!/usr/bin/env python3
+"""PUT / GET throughput through the Python client (``kvtier.KvtierClient``:
+Unix socket + memfd shared memory) against a cold memcpy of the same sizes
+measured in the same run (issue 3's benchmark "from the Python client").
+
+A real daemon is started (RAM only, so the figure is the protocol's and the
+copies', not the disk's). The region is 256 MiB and requests rotate through
+it, and the baseline copies rotate through two 256 MiB numpy arrays, so
+neither side runs from the CPU caches. PUT sends chunks already in the
+region (the zero-copy path an engine uses: its tensors are staged there);
+GET scatters them back into the region. Cells alternate with the baseline
+(median of ``--reps`` passes), every GET is checked against what was PUT
+(outside the timed loop, on a sample), and each result is printed as a
+``RESULT`` line with its ratio.
+
+    python3 scripts/python-client-bench.py --kvtier target/release/kvtier
+    python3 scripts/python-client-bench.py --quick     # CI smoke, small
+
+Needs numpy and the connector package on the path (``PYTHONPATH=connector``
+or the test venv, where ``pip install -e connector`` put it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "connector"))
+from kvtier import KvtierClient, Region  # noqa: E402
+
+ROTATE = 256 << 20
+
+
+def parse_size(s: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    return int(s[:-1]) * units[s[-1].upper()] if s[-1].upper() in units else int(s)
+
+
+def start_daemon(binary: str, tmp: Path, ram: str) -> tuple[subprocess.Popen[bytes], Path]:
+    sock = tmp / "bench.sock"
+    cmd = [
+        binary, "node", "start",
+        "--data-dir", str(tmp / "data"),
+        "--socket", str(sock),
+        "--resp-listen", "off",
+        "--http-listen", "off",
+        "--ram-budget", ram,
+        "--disk-budget", "0",
+        "--log-level", "warn",
+    ]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+    log = open(tmp / "daemon.log", "wb")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+    deadline = time.monotonic() + 30
+    while True:
+        if proc.poll() is not None:
+            sys.exit(f"the daemon exited with {proc.returncode}: {(tmp / 'daemon.log').read_text()[-2000:]}")
+        s = socket.socket(socket.AF_UNIX)
+        try:
+            s.connect(str(sock))
+            return proc, sock
+        except OSError:
+            if time.monotonic() > deadline:
+                proc.kill()
+                sys.exit("the daemon's socket did not appear within 30 s")
+            time.sleep(0.02)
+        finally:
+            s.close()
+
+
+def memcpy_cold(src: np.ndarray, dst: np.ndarray, size: int, total: int) -> float:
+    """GB/s of `total` bytes in `size` copies, rotating through both arrays."""
+    slots = ROTATE // size
+    n = total // size
+    t = time.perf_counter()
+    for i in range(n):
+        s = (i % slots) * size
+        d = ((i * 7 + 3) % slots) * size
+        np.copyto(dst[d : d + size], src[s : s + size])
+    return total / (time.perf_counter() - t) / 1e9
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(8, "little") * 4
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--kvtier", default=str(ROOT / "target" / "release" / "kvtier"), help="daemon binary")
+    ap.add_argument("--cells", default="256K/1,256K/16,1M/1,1M/16,4M/1,4M/4", help="SIZE/BATCH list")
+    ap.add_argument("--mib", type=int, default=512, help="MiB moved per measurement")
+    ap.add_argument("--reps", type=int, default=5, help="interleaved passes per cell (median)")
+    ap.add_argument("--quick", action="store_true", help="small and fast (CI smoke)")
+    args = ap.parse_args()
+    if args.quick:
+        args.mib, args.reps, args.cells = 32, 1, "256K/1,1M/4"
+    if not Path(args.kvtier).exists():
+        debug = ROOT / "target" / "debug" / "kvtier"
+        if args.kvtier.endswith("release/kvtier") and debug.exists():
+            args.kvtier = str(debug)
+        else:
+            sys.exit(f"{args.kvtier} does not exist: cargo build --release -p kvtier-cli")
+    total = args.mib << 20
+    cells = [(parse_size(c.split("/")[0]), int(c.split("/")[1])) for c in args.cells.split(",")]
+
+    rng = np.random.default_rng(7)
+    src = rng.integers(0, 256, ROTATE, dtype=np.uint8)
+    dst = np.zeros(ROTATE, dtype=np.uint8)
+    dst[:] = 1  # touch every page
+    with tempfile.TemporaryDirectory() as tmpdir:
+        tmp = Path(tmpdir)
+        # RAM for one measurement's chunks and then some: PUTs replace
+        # nothing (fresh keys) and evict the oldest once the budget is full.
+        proc, sock = start_daemon(args.kvtier, tmp, f"{2 * args.mib + 64}MiB")
+        try:
+            c = KvtierClient(sock, region_size=0, timeout=60)
+            region = Region(ROTATE)
+            c.set_region(region)
+            r = region.numpy()
+            r[:] = src  # payload bytes, and every page touched
+            ns = c.hello({"model": "python-client-bench", "engine": "bench", "tp-size": 1})
+            print(
+                f"python client vs cold memcpy ({args.mib} MiB per measurement, median of {args.reps}; "
+                f"daemon {args.kvtier}; Python {sys.version.split()[0]}, numpy {np.__version__})"
+            )
+            print(f"{'cell':>10} {'PUT GB/s':>9} {'GET GB/s':>9} {'memcpy':>8} {'PUT':>6} {'GET':>6}")
+            next_key = 0
+            for size, batch in cells:
+                slots = ROTATE // size
+                per_req = size * batch
+                n_req = max(1, total // per_req)
+                puts, gets, bases = [], [], []
+                for _ in range(args.reps):
+                    bases.append(memcpy_cold(src, dst, size, n_req * per_req))
+                    keys = [key(next_key + i) for i in range(n_req * batch)]
+                    next_key += n_req * batch
+                    # PUT: chunk j of the pass comes from region slot j % slots.
+                    t = time.perf_counter()
+                    for q in range(n_req):
+                        items = []
+                        for b in range(batch):
+                            j = q * batch + b
+                            items.append((keys[j], ((j % slots) * size, size)))
+                        codes = c.put(ns, items)
+                        if codes != ["ok"] * batch:
+                            sys.exit(f"PUT failed: {codes}")
+                    puts.append(n_req * per_req / (time.perf_counter() - t) / 1e9)
+                    # GET: chunk j lands in slot (7j + 3) % slots.
+                    t = time.perf_counter()
+                    for q in range(n_req):
+                        ks, into = [], []
+                        for b in range(batch):
+                            j = q * batch + b
+                            ks.append(keys[j])
+                            into.append((((j * 7 + 3) % slots) * size, size))
+                        res = c.get(ns, ks, into=into)
+                        if not all(x.hit for x in res):
+                            sys.exit(f"GET missed: {[x.status for x in res]}")
+                    gets.append(n_req * per_req / (time.perf_counter() - t) / 1e9)
+                    # Check a sample: the last request's chunks came back
+                    # byte-exact (GET rewrote region slots; restore them).
+                    for b in range(batch):
+                        j = (n_req - 1) * batch + b
+                        got = r[((j * 7 + 3) % slots) * size :][:size]
+                        want = src[(j % slots) * size :][:size]
+                        if not np.array_equal(got, want):
+                            sys.exit(f"GET of chunk {j} returned other bytes")
+                    r[:] = src
+                put, get, base = statistics.median(puts), statistics.median(gets), statistics.median(bases)
+                cell = f"{size >> 10}K x{batch}"
+                print(f"{cell:>10} {put:9.2f} {get:9.2f} {base:8.2f} {put / base:5.2f}x {get / base:5.2f}x")
+                print(f"RESULT python PUT {cell}: {put:.2f} GB/s vs cold memcpy {base:.2f} GB/s = {put / base:.2f}x")
+                print(f"RESULT python GET {cell}: {get:.2f} GB/s vs cold memcpy {base:.2f} GB/s = {get / base:.2f}x")
+            c.close()
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
