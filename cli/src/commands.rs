@@ -714,6 +714,19 @@ fn completions(args: &CompletionsArgs) -> Result<u8> {
         Shell::Powershell => S::PowerShell,
     };
     let mut cmd = Cli::command();
-    clap_complete::generate(shell, &mut cmd, "kvtier", &mut std::io::stdout());
+    // Into a buffer first: clap_complete panics on a failed write.
+    let mut script = Vec::new();
+    clap_complete::generate(shell, &mut cmd, "kvtier", &mut script);
+    let mut script = String::from_utf8(script).context("completion script")?;
+    // The `tier` alias completes like `kvtier`.
+    match args.shell {
+        Shell::Bash => script.push_str("complete -F _kvtier -o bashdefault -o default tier\n"),
+        Shell::Zsh => {
+            script = script.replacen("#compdef kvtier\n", "#compdef kvtier tier\n", 1);
+        }
+        Shell::Fish => script.push_str("complete -c tier -w kvtier\n"),
+        Shell::Elvish | Shell::Powershell => {}
+    }
+    out!("{script}");
     Ok(EXIT_OK)
 }

@@ -36,4 +36,6 @@ if [ "$rc" -eq 5 ]; then
   echo "pytest collected no tests" >&2
   exit 1
 fi
-exit "$rc"
+[ "$rc" -eq 0 ] || exit "$rc"
+# The Python client benchmark, small: it keeps working (figures: docs/benchmarks.md).
+"$VENV/bin/python" scripts/python-client-bench.py --quick --kvtier "$ROOT/target/debug/kvtier"

@@ -520,3 +520,43 @@ fn the_dashboard_queries_only_metrics_the_daemon_exports() {
         "dashboard metrics the daemon does not export: {missing:?}\nexported: {exported:?}"
     );
 }
+
+/// Completion scripts for every shell; `tier` (the alias) completes too; a
+/// reader that closes early (`| head`) is not an error.
+#[test]
+fn completions_cover_the_tier_alias() {
+    for (shell, want) in [
+        (
+            "bash",
+            "complete -F _kvtier -o bashdefault -o default tier\n",
+        ),
+        ("zsh", "#compdef kvtier tier\n"),
+        ("fish", "complete -c tier -w kvtier\n"),
+        ("elvish", "kvtier"),
+        ("powershell", "kvtier"),
+    ] {
+        let out = run_kvtier(&["completions", shell], &[]);
+        assert_eq!(out.status.code(), Some(0), "{shell}: {}", text(&out.stderr));
+        assert!(text(&out.stdout).contains(want), "{shell}: no {want:?}");
+    }
+    // The bash script parses.
+    let out = run_kvtier(&["completions", "bash"], &[]);
+    let script = tempfile::NamedTempFile::new().expect("temp file");
+    std::fs::write(script.path(), &out.stdout).expect("write script");
+    if let Ok(st) = std::process::Command::new("bash")
+        .arg("-n")
+        .arg(script.path())
+        .status()
+    {
+        assert!(st.success(), "bash -n rejects the completion script");
+    }
+    let mut child = kvtier_tests::kvtier_command()
+        .args(["completions", "zsh"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawn");
+    drop(child.stdout.take());
+    let out = child.wait_with_output().expect("wait");
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+}
