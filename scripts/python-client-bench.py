@@ -30,6 +30,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -91,6 +92,30 @@ def memcpy_cold(src: np.ndarray, dst: np.ndarray, size: int, total: int) -> floa
     return total / (time.perf_counter() - t) / 1e9
 
 
+def run_links(share, links: int) -> float:
+    """Runs `share(link)` for every link on its own thread (the first on
+    this one); returns the wall time. A failure in any share fails the run."""
+    errors: list[BaseException] = []
+
+    def guarded(link: int) -> None:
+        try:
+            share(link)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=guarded, args=(i,)) for i in range(1, links)]
+    t = time.perf_counter()
+    for th in threads:
+        th.start()
+    guarded(0)
+    for th in threads:
+        th.join()
+    elapsed = time.perf_counter() - t
+    if errors:
+        sys.exit(f"a connection failed: {errors[0]}")
+    return elapsed
+
+
 def key(i: int) -> bytes:
     return i.to_bytes(8, "little") * 4
 
@@ -101,6 +126,13 @@ def main() -> int:
     ap.add_argument("--cells", default="256K/1,256K/16,1M/1,1M/16,4M/1,4M/4", help="SIZE/BATCH list")
     ap.add_argument("--mib", type=int, default=512, help="MiB moved per measurement")
     ap.add_argument("--reps", type=int, default=5, help="interleaved passes per cell (median)")
+    ap.add_argument(
+        "--links",
+        type=int,
+        default=1,
+        help="connections, each with its own region and thread, sharing the requests "
+        "(as the vLLM connector's save_links / load_links); 1: one request in flight",
+    )
     ap.add_argument("--quick", action="store_true", help="small and fast (CI smoke)")
     args = ap.parse_args()
     if args.quick:
@@ -124,65 +156,79 @@ def main() -> int:
         # nothing (fresh keys) and evict the oldest once the budget is full.
         proc, sock = start_daemon(args.kvtier, tmp, f"{2 * args.mib + 64}MiB")
         try:
-            c = KvtierClient(sock, region_size=0, timeout=60)
-            region = Region(ROTATE)
-            c.set_region(region)
-            r = region.numpy()
-            r[:] = src  # payload bytes, and every page touched
-            ns = c.hello({"model": "python-client-bench", "engine": "bench", "tp-size": 1})
+            links = []
+            for _ in range(args.links):
+                c = KvtierClient(sock, region_size=0, timeout=60)
+                region = Region(ROTATE)
+                c.set_region(region)
+                r = region.numpy()
+                r[:] = src  # payload bytes, and every page touched
+                ns = c.hello({"model": "python-client-bench", "engine": "bench", "tp-size": 1})
+                links.append((c, r))
             print(
-                f"python client vs cold memcpy ({args.mib} MiB per measurement, median of {args.reps}; "
-                f"daemon {args.kvtier}; Python {sys.version.split()[0]}, numpy {np.__version__})"
+                f"python client vs cold memcpy ({args.mib} MiB per measurement, median of {args.reps}, "
+                f"{args.links} connection(s); daemon {args.kvtier}; Python {sys.version.split()[0]}, "
+                f"numpy {np.__version__})"
             )
             print(f"{'cell':>10} {'PUT GB/s':>9} {'GET GB/s':>9} {'memcpy':>8} {'PUT':>6} {'GET':>6}")
             next_key = 0
             for size, batch in cells:
                 slots = ROTATE // size
                 per_req = size * batch
-                n_req = max(1, total // per_req)
+                n_req = max(args.links, total // per_req)
                 puts, gets, bases = [], [], []
                 for _ in range(args.reps):
                     bases.append(memcpy_cold(src, dst, size, n_req * per_req))
                     keys = [key(next_key + i) for i in range(n_req * batch)]
                     next_key += n_req * batch
-                    # PUT: chunk j of the pass comes from region slot j % slots.
-                    t = time.perf_counter()
-                    for q in range(n_req):
-                        items = []
-                        for b in range(batch):
-                            j = q * batch + b
-                            items.append((keys[j], ((j % slots) * size, size)))
-                        codes = c.put(ns, items)
-                        if codes != ["ok"] * batch:
-                            sys.exit(f"PUT failed: {codes}")
-                    puts.append(n_req * per_req / (time.perf_counter() - t) / 1e9)
-                    # GET: chunk j lands in slot (7j + 3) % slots.
-                    t = time.perf_counter()
-                    for q in range(n_req):
-                        ks, into = [], []
-                        for b in range(batch):
-                            j = q * batch + b
-                            ks.append(keys[j])
-                            into.append((((j * 7 + 3) % slots) * size, size))
-                        res = c.get(ns, ks, into=into)
-                        if not all(x.hit for x in res):
-                            sys.exit(f"GET missed: {[x.status for x in res]}")
-                    gets.append(n_req * per_req / (time.perf_counter() - t) / 1e9)
-                    # Check a sample: the last request's chunks came back
+
+                    def put_share(link: int) -> None:
+                        # Requests link, link + links, ...; chunk j of the
+                        # pass comes from region slot j % slots.
+                        c, _ = links[link]
+                        for q in range(link, n_req, args.links):
+                            items = []
+                            for b in range(batch):
+                                j = q * batch + b
+                                items.append((keys[j], ((j % slots) * size, size)))
+                            codes = c.put(ns, items)
+                            if codes != ["ok"] * batch:
+                                raise RuntimeError(f"PUT failed: {codes}")
+
+                    def get_share(link: int) -> None:
+                        # Chunk j lands in slot (7j + 3) % slots.
+                        c, _ = links[link]
+                        for q in range(link, n_req, args.links):
+                            ks, into = [], []
+                            for b in range(batch):
+                                j = q * batch + b
+                                ks.append(keys[j])
+                                into.append((((j * 7 + 3) % slots) * size, size))
+                            res = c.get(ns, ks, into=into)
+                            if not all(x.hit for x in res):
+                                raise RuntimeError(f"GET missed: {[x.status for x in res]}")
+
+                    puts.append(n_req * per_req / run_links(put_share, args.links) / 1e9)
+                    gets.append(n_req * per_req / run_links(get_share, args.links) / 1e9)
+                    # Check a sample: the last request of each link came back
                     # byte-exact (GET rewrote region slots; restore them).
-                    for b in range(batch):
-                        j = (n_req - 1) * batch + b
-                        got = r[((j * 7 + 3) % slots) * size :][:size]
-                        want = src[(j % slots) * size :][:size]
-                        if not np.array_equal(got, want):
-                            sys.exit(f"GET of chunk {j} returned other bytes")
-                    r[:] = src
+                    for link, (_, r) in enumerate(links):
+                        q = max(q for q in range(link, n_req, args.links))
+                        for b in range(batch):
+                            j = q * batch + b
+                            got = r[((j * 7 + 3) % slots) * size :][:size]
+                            want = src[(j % slots) * size :][:size]
+                            if not np.array_equal(got, want):
+                                sys.exit(f"GET of chunk {j} returned other bytes")
+                        r[:] = src
                 put, get, base = statistics.median(puts), statistics.median(gets), statistics.median(bases)
                 cell = f"{size >> 10}K x{batch}"
+                tag = f"{cell} ({args.links} conn)"
                 print(f"{cell:>10} {put:9.2f} {get:9.2f} {base:8.2f} {put / base:5.2f}x {get / base:5.2f}x")
-                print(f"RESULT python PUT {cell}: {put:.2f} GB/s vs cold memcpy {base:.2f} GB/s = {put / base:.2f}x")
-                print(f"RESULT python GET {cell}: {get:.2f} GB/s vs cold memcpy {base:.2f} GB/s = {get / base:.2f}x")
-            c.close()
+                print(f"RESULT python PUT {tag}: {put:.2f} GB/s vs cold memcpy {base:.2f} GB/s = {put / base:.2f}x")
+                print(f"RESULT python GET {tag}: {get:.2f} GB/s vs cold memcpy {base:.2f} GB/s = {get / base:.2f}x")
+            for c, _ in links:
+                c.close()
         finally:
             proc.send_signal(signal.SIGTERM)
             try:
