@@ -274,6 +274,36 @@ pub async fn start(config: NodeConfig) -> Result<NodeHandle> {
             })??
     };
 
+    // The TCP ports first: one already in use fails the start before the
+    // store file is created (and preallocated to the disk budget).
+    let bind = |what: &'static str, addr: std::net::SocketAddr| async move {
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .map_err(|source| NodeError::Bind {
+                what,
+                addr: addr.to_string(),
+                source,
+            })?;
+        let local = listener.local_addr().map_err(|source| NodeError::Bind {
+            what,
+            addr: addr.to_string(),
+            source,
+        })?;
+        Ok::<_, NodeError>((listener, local))
+    };
+    let resp_listener = match config.resp_listen.addr() {
+        Some(addr) => {
+            crate::resp::check_bind(&addr, config.resp_password.as_deref())
+                .map_err(|e| NodeError::Config(format!("invalid `resp-listen`: {e}")))?;
+            Some(bind("RESP", addr).await?)
+        }
+        None => None,
+    };
+    let http_listener = match config.http_listen.addr() {
+        Some(addr) => Some(bind("HTTP", addr).await?),
+        None => None,
+    };
+
     // Opening rebuilds the index from disk: blocking, off the runtime workers.
     let tier_config = config.tier_config();
     let t0 = Instant::now();
@@ -346,23 +376,8 @@ pub async fn start(config: NodeConfig) -> Result<NodeHandle> {
 
     // RESP.
     let mut resp_addr = None;
-    if let Some(addr) = config.resp_listen.addr() {
-        crate::resp::check_bind(&addr, config.resp_password.as_deref())
-            .map_err(|e| fail(NodeError::Config(format!("invalid `resp-listen`: {e}"))))?;
-        let listener = tokio::net::TcpListener::bind(addr).await.map_err(|e| {
-            fail(NodeError::Bind {
-                what: "RESP",
-                addr: addr.to_string(),
-                source: e,
-            })
-        })?;
-        resp_addr = Some(listener.local_addr().map_err(|e| {
-            fail(NodeError::Bind {
-                what: "RESP",
-                addr: addr.to_string(),
-                source: e,
-            })
-        })?);
+    if let Some((listener, local)) = resp_listener {
+        resp_addr = Some(local);
         let opts = crate::resp::RespOptions {
             password: config.resp_password.clone(),
             max_value: config.resp_max_value.0,
@@ -383,18 +398,8 @@ pub async fn start(config: NodeConfig) -> Result<NodeHandle> {
 
     // HTTP metrics / status.
     let mut http_addr = None;
-    if let Some(addr) = config.http_listen.addr() {
-        let bind_err = |e| {
-            fail(NodeError::Bind {
-                what: "HTTP",
-                addr: addr.to_string(),
-                source: e,
-            })
-        };
-        let listener = tokio::net::TcpListener::bind(addr)
-            .await
-            .map_err(bind_err)?;
-        http_addr = Some(listener.local_addr().map_err(bind_err)?);
+    if let Some((listener, local)) = http_listener {
+        http_addr = Some(local);
         let ctx = Arc::clone(&ctx);
         let shutdown = stopped(stop_rx.clone());
         tasks.spawn(async move {

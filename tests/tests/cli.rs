@@ -327,39 +327,50 @@ fn verify_and_gc_work_offline_and_report_bad_chunks() {
     );
 }
 
+/// A daemon's store with `chunks` chunks of `chunk_bytes(round, i)` in
+/// regions of `region`, flushed, the daemon killed (-9), then one byte
+/// flipped halfway through the data written in the first `scan` bytes of
+/// the store file. Returns the stopped daemon (for its data dir).
+fn store_with_a_flipped_byte(
+    dir: &std::path::Path,
+    region: &str,
+    chunks: u32,
+    round: u32,
+    scan: usize,
+) -> Daemon {
+    let mut args = kvtier_tests::test_args(dir);
+    kvtier_tests::set_flag(&mut args, "--region-size", region);
+    let mut d = Daemon::start_args(dir, &args, &[]).unwrap_or_else(|e| panic!("{e}"));
+    let mut c = d.client();
+    let ns = c.hello(&kvtier_tests::test_record(0)).expect("HELLO");
+    for i in 0..chunks {
+        let (key, data) = kvtier_tests::chunk_bytes(round, i);
+        assert_eq!(c.put_bytes(ns, 0, &[(key, &data)]).expect("PUT"), vec![0]);
+    }
+    assert_eq!(c.flush().expect("FLUSH").failed, 0);
+    d.kill9();
+    use std::os::unix::fs::FileExt;
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(d.data_dir.join("store.kvt"))
+        .expect("open store");
+    let mut buf = vec![0u8; scan];
+    f.read_exact_at(&mut buf, 0).expect("read store");
+    let written = buf.iter().rposition(|b| *b != 0).expect("data written");
+    let off = written / 2;
+    f.write_all_at(&[buf[off] ^ 0xff], off as u64)
+        .expect("flip");
+    f.sync_all().expect("sync");
+    d
+}
+
 #[test]
 fn verify_exits_5_on_corrupt_chunks_and_repair_drops_them() {
     let dir = tempfile::tempdir().expect("temp dir");
     // 1 MiB regions: the chunks below fill several, so most are in sealed
     // regions, which reopen from their summaries without re-reading payloads.
-    let mut args = kvtier_tests::test_args(dir.path());
-    kvtier_tests::set_flag(&mut args, "--region-size", "1MiB");
-    let mut d = Daemon::start_args(dir.path(), &args, &[]).unwrap_or_else(|e| panic!("{e}"));
-    let mut c = d.client();
-    let ns = c.hello(&kvtier_tests::test_record(0)).expect("HELLO");
-    for i in 0..24 {
-        let (key, data) = kvtier_tests::chunk_bytes(400, i);
-        assert_eq!(c.put_bytes(ns, 0, &[(key, &data)]).expect("PUT"), vec![0]);
-    }
-    assert_eq!(c.flush().expect("FLUSH").failed, 0);
-    d.kill9();
-    // Flip a byte well inside the written data of the store file.
-    let path = d.data_dir.join("store.kvt");
-    {
-        use std::os::unix::fs::FileExt;
-        let f = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(&path)
-            .expect("open store");
-        let mut buf = vec![0u8; 1 << 20];
-        f.read_exact_at(&mut buf, 0).expect("read store");
-        let written = buf.iter().rposition(|b| *b != 0).expect("data written");
-        let off = written / 2;
-        buf[off] ^= 0xff;
-        f.write_all_at(&buf[off..=off], off as u64).expect("flip");
-        f.sync_all().expect("sync");
-    }
+    let d = store_with_a_flipped_byte(dir.path(), "1MiB", 24, 400, 1 << 20);
     let data = d.data_dir.to_string_lossy().into_owned();
     let store = [
         "--data-dir",
@@ -408,32 +419,7 @@ fn verify_exits_5_on_corrupt_chunks_and_repair_drops_them() {
 fn verify_reports_chunks_recovery_dropped_in_the_open_region() {
     let dir = tempfile::tempdir().expect("temp dir");
     // 16 MiB regions: every chunk below stays in the first, still open, one.
-    let mut args = kvtier_tests::test_args(dir.path());
-    kvtier_tests::set_flag(&mut args, "--region-size", "16MiB");
-    let mut d = Daemon::start_args(dir.path(), &args, &[]).unwrap_or_else(|e| panic!("{e}"));
-    let mut c = d.client();
-    let ns = c.hello(&kvtier_tests::test_record(0)).expect("HELLO");
-    for i in 0..8 {
-        let (key, data) = kvtier_tests::chunk_bytes(401, i);
-        assert_eq!(c.put_bytes(ns, 0, &[(key, &data)]).expect("PUT"), vec![0]);
-    }
-    assert_eq!(c.flush().expect("FLUSH").failed, 0);
-    d.kill9();
-    {
-        use std::os::unix::fs::FileExt;
-        let f = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(d.data_dir.join("store.kvt"))
-            .expect("open store");
-        let mut buf = vec![0u8; 8 << 20];
-        f.read_exact_at(&mut buf, 0).expect("read store");
-        let written = buf.iter().rposition(|b| *b != 0).expect("data written");
-        let off = written / 2;
-        f.write_all_at(&[buf[off] ^ 0xff], off as u64)
-            .expect("flip");
-        f.sync_all().expect("sync");
-    }
+    let d = store_with_a_flipped_byte(dir.path(), "16MiB", 8, 401, 8 << 20);
     let data = d.data_dir.to_string_lossy().into_owned();
     let store = [
         "--data-dir",
@@ -559,4 +545,29 @@ fn completions_cover_the_tier_alias() {
     drop(child.stdout.take());
     let out = child.wait_with_output().expect("wait");
     assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+}
+
+/// A port already in use fails the start with a message naming it, before
+/// the store file is created: nothing is left preallocated on disk.
+#[test]
+fn a_port_in_use_fails_the_start_before_the_store_is_created() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let port = taken.local_addr().expect("addr").to_string();
+    for flag in ["--http-listen", "--resp-listen"] {
+        let mut args = kvtier_tests::test_args(dir.path());
+        kvtier_tests::set_flag(&mut args, flag, &port);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let out = run_kvtier(&args, &[]);
+        assert_eq!(out.status.code(), Some(1), "{flag}: {}", text(&out.stderr));
+        let err = text(&out.stderr);
+        assert!(
+            err.contains(&port) && err.contains("in use"),
+            "{flag}: {err}"
+        );
+        assert!(
+            !dir.path().join("data").join("store.kvt").exists(),
+            "{flag}: the store file was created"
+        );
+    }
 }
