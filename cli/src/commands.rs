@@ -514,6 +514,14 @@ fn close_offline(store: ChunkStore, lock: DataDirLock) -> Result<()> {
 fn namespaces(args: &NamespacesArgs) -> Result<u8> {
     let (cfg, _) = load_resolved(&args.config)?;
     let list: serde_json::Value = match DataDirLock::holder(&cfg.data_dir) {
+        // An explicit --socket names the daemon to ask (its STATS lists them).
+        _ if args.config.socket.is_some() => {
+            let mut client = Client::connect(&cfg.socket)?;
+            let doc = client.stats().context("read the daemon's stats")?;
+            doc.get("namespaces")
+                .cloned()
+                .ok_or_else(|| anyhow!("the daemon's STATS has no namespaces (an older daemon?)"))?
+        }
         Some(info) if info.role == "daemon" => namespaces_from_daemon(&info)?,
         Some(info) => bail!(
             "data dir {} is in use by `kvtier {}` (pid {}); try again when it is done",

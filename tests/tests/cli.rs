@@ -173,6 +173,12 @@ fn client_commands_round_trip_and_use_documented_exit_codes() {
             .any(|n| n["id"] == ns.as_str()),
         "{v}"
     );
+    // Through the socket alone: the same list (the data dir is not given).
+    let out = run_kvtier(&[&["namespaces", "--json"][..], &s].concat(), &[]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let via_socket: serde_json::Value =
+        serde_json::from_slice(&out.stdout).expect("namespaces --json");
+    assert_eq!(via_socket, v);
 
     let out = run_kvtier(
         &[&["delete", "--namespace", &ns, &key, &other][..], &s].concat(),
