@@ -514,13 +514,15 @@ fn close_offline(store: ChunkStore, lock: DataDirLock) -> Result<()> {
 fn namespaces(args: &NamespacesArgs) -> Result<u8> {
     let (cfg, _) = load_resolved(&args.config)?;
     let list: serde_json::Value = match DataDirLock::holder(&cfg.data_dir) {
-        // An explicit --socket names the daemon to ask (its STATS lists them).
+        // Counting every namespace's chunks walks the whole index: the
+        // daemon does it for HTTP /status (found through the data dir's
+        // LOCK file), not for native STATS, so a socket alone cannot tell.
         _ if args.config.socket.is_some() => {
-            let mut client = Client::connect(&cfg.socket)?;
-            let doc = client.stats().context("read the daemon's stats")?;
-            doc.get("namespaces")
-                .cloned()
-                .ok_or_else(|| anyhow!("the daemon's STATS has no namespaces (an older daemon?)"))?
+            return Err(crate::UsageError(
+                "`kvtier namespaces` finds the daemon through its data dir (--data-dir or --config), not --socket"
+                    .into(),
+            )
+            .into());
         }
         Some(info) if info.role == "daemon" => namespaces_from_daemon(&info)?,
         Some(info) => bail!(
@@ -676,12 +678,9 @@ fn gc(args: &GcArgs) -> Result<u8> {
         );
     }
     let opts = GcOptions {
-        namespaces: args
-            .namespaces
-            .iter()
-            .filter(|ns| known.contains(ns))
-            .copied()
-            .collect(),
+        // Unknown ids too: chunks of a namespace missing from the manifest
+        // can only be dropped by id.
+        namespaces: args.namespaces.clone(),
         older_than: args.older_than.map(|d| d.0),
         dry_run: !args.apply,
     };
@@ -728,7 +727,11 @@ fn completions(args: &CompletionsArgs) -> Result<u8> {
     let mut script = String::from_utf8(script).context("completion script")?;
     // The `tier` alias completes like `kvtier`.
     match args.shell {
-        Shell::Bash => script.push_str("complete -F _kvtier -o bashdefault -o default tier\n"),
+        Shell::Bash => script.push_str(
+            "if [[ \"${BASH_VERSINFO[0]}\" -eq 4 && \"${BASH_VERSINFO[1]}\" -ge 4 || \"${BASH_VERSINFO[0]}\" -gt 4 ]]; then\n    \
+             complete -F _kvtier -o nosort -o bashdefault -o default tier\n\
+             else\n    complete -F _kvtier -o bashdefault -o default tier\nfi\n",
+        ),
         Shell::Zsh => {
             script = script.replacen("#compdef kvtier\n", "#compdef kvtier tier\n", 1);
         }

@@ -2,7 +2,8 @@
 //! and exit codes. Both binaries call [`main_with`].
 //!
 //! Exit codes (documented in `docs/cli.md`): 0 ok, 1 error, 2 usage,
-//! 3 daemon unreachable, 4 not found / miss, 5 verification failures found.
+//! 3 daemon unreachable, 4 not found / miss, 5 verification failures found,
+//! 141 stdout closed early.
 
 /// Writes a line to stdout like `println!`, but returns the error instead
 /// of panicking: a reader that went away (`kvtier stats | head -1`) ends the
@@ -51,10 +52,14 @@ pub const EXIT_UNREACHABLE: u8 = 3;
 pub const EXIT_MISS: u8 = 4;
 /// Exit code: `verify` found bad chunks.
 pub const EXIT_VERIFY_FAILED: u8 = 5;
+/// Exit code: stdout was closed before all output was written (a `| head`).
+pub const EXIT_STDOUT_CLOSED: u8 = 141;
 
 /// A write to stdout failed. When the reader closed the pipe the command
-/// ends quietly with exit code 0, as other Unix tools do; otherwise it is
-/// an error like any other.
+/// ends quietly with [`EXIT_STDOUT_CLOSED`] (141, the status a shell shows
+/// for a tool killed by SIGPIPE: not 0, so `set -o pipefail` scripts never
+/// mistake a cut-off `verify` for a clean one); otherwise it is an error
+/// like any other.
 #[derive(Debug)]
 pub struct StdoutClosed(pub std::io::Error);
 
@@ -117,7 +122,7 @@ pub fn main_with(bin: &'static str) -> ExitCode {
     };
     match commands::run(cli) {
         Ok(code) => ExitCode::from(code),
-        Err(err) if StdoutClosed::is_broken_pipe(&err) => ExitCode::from(EXIT_OK),
+        Err(err) if StdoutClosed::is_broken_pipe(&err) => ExitCode::from(EXIT_STDOUT_CLOSED),
         Err(err) => {
             errln!("{bin}: error: {err}");
             // Causes a message already quotes (many errors end with their

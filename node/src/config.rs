@@ -733,6 +733,13 @@ impl NodeConfig {
             }
             None => {
                 let auto = DEFAULT_DISK_BUDGET_CAP.0.min(usable / 2);
+                // A new store on a small automatic budget gets smaller
+                // regions, as an explicit small budget does (see `load`).
+                if loaded.sources.is_default("region-size")
+                    && tier::store::existing_region_size(&self.data_dir).is_none()
+                {
+                    self.region_size = default_region_size(ByteSize(auto));
+                }
                 // Whole regions only.
                 let auto = auto - auto % self.region_size.0;
                 if auto < 2 * self.region_size.0 {
@@ -1621,6 +1628,16 @@ mod tests {
             e.to_string().contains("set `disk-budget` explicitly"),
             "{e}"
         );
+        // 2 GiB free: an automatic 512 MiB budget gets 64 MiB regions (eight
+        // of them), as an explicit one would.
+        let small = DiskSpace {
+            total: 100 << 30,
+            available_to_store: 2 << 30,
+        };
+        let mut c_small = l.config.clone();
+        c_small.resolve_with(&l, small).unwrap();
+        assert_eq!(c_small.disk_budget, Some(ByteSize::mib(512)));
+        assert_eq!(c_small.region_size, ByteSize::mib(64));
 
         let huge = Overrides {
             disk_budget: Some(ByteSize(1 << 60)),

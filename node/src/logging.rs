@@ -40,7 +40,7 @@ pub fn parse_filter(level: &str) -> Result<EnvFilter, String> {
         return Err("must not be empty (e.g. \"info\")".into());
     }
     const LEVELS: [&str; 6] = ["trace", "debug", "info", "warn", "error", "off"];
-    for d in level.split(',').map(str::trim) {
+    for d in level.split(',').map(str::trim).filter(|d| !d.is_empty()) {
         let bare = !d.contains(['=', '[', ':']);
         if bare && !LEVELS.iter().any(|l| l.eq_ignore_ascii_case(d)) {
             return Err(format!(
@@ -114,6 +114,7 @@ mod tests {
         }
         assert!(parse_filter("WARN").is_ok());
         assert!(parse_filter("off").is_ok());
+        assert!(parse_filter("info,").is_ok());
         assert!(parse_filter("warn,tier::segment=debug").is_ok());
     }
 }

@@ -227,6 +227,12 @@ async fn basic_commands_reply_like_redis() {
     .await;
     rt(
         &mut c,
+        b"CLIENT TRACKING ON\r\nCLIENT TRACKING off\r\n",
+        b"-ERR CLIENT TRACKING is not supported by kvtier (no invalidation messages); keep client-side caching off\r\n+OK\r\n",
+    )
+    .await;
+    rt(
+        &mut c,
         b"AUTH pw\r\n",
         b"-ERR AUTH <password> called without any password configured for the default user. Are you sure your configuration is correct?\r\n",
     )

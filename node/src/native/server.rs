@@ -688,7 +688,6 @@ pub fn stats_json(ctx: &NodeContext) -> serde_json::Value {
         "node": ctx.node_name,
         "uptime-secs": ctx.started.elapsed().as_secs(),
         "store": ctx.store.stats(),
-        "namespaces": ctx.store.namespaces(),
         "peers": ctx.peers_json(),
         "counters": {
             "native-requests": c.native_requests.load(Relaxed),

@@ -406,6 +406,8 @@ fn hello(shared: &Shared, s: &mut Session, args: &[Bytes], out: &mut Output) -> 
             auth = Some((&args[j + 1], &args[j + 2]));
             j += 3;
         } else if opt == b"setname" && more >= 1 {
+            // Checked while parsing, before AUTH, as Redis 7.2 does.
+            check_client_name(&args[j + 1])?;
             setname = Some(&args[j + 1]);
             j += 2;
         } else {
@@ -425,7 +427,6 @@ fn hello(shared: &Shared, s: &mut Session, args: &[Bytes], out: &mut Output) -> 
         );
     }
     if let Some(n) = setname {
-        check_client_name(n)?;
         s.name = (!n.is_empty()).then(|| n.clone());
     }
     if let Some(v) = proto {
@@ -474,7 +475,14 @@ fn client(s: &mut Session, args: &[Bytes], out: &mut Output) -> Res {
             out.ok();
         }
         b"setname" => return Err(wrong_args("client|setname")),
-        // Everything else (SETINFO, TRACKING, NO-EVICT, ...) is accepted and ignored.
+        // Client-side caching needs invalidation pushes kvtier never sends:
+        // a client told "+OK" would serve stale values.
+        b"tracking" if args.len() >= 3 && !args[2].eq_ignore_ascii_case(b"off") => {
+            return err(
+                "CLIENT TRACKING is not supported by kvtier (no invalidation messages); keep client-side caching off",
+            );
+        }
+        // Everything else (SETINFO, TRACKING OFF, NO-EVICT, ...) is accepted and ignored.
         _ => out.ok(),
     }
     Ok(())
