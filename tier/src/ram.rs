@@ -647,6 +647,27 @@ impl RamCache {
         }
     }
 
+    /// Holds shard `i`'s lock (tests of callers that must not wait for it).
+    #[cfg(test)]
+    pub(crate) fn hold_shard(&self, i: usize) -> impl Sized + '_ {
+        self.shards[i].inner.lock()
+    }
+
+    /// [`RamCache::lock_all`] without waiting: `None` (no lock kept) when
+    /// any shard is held by another thread. For callers that hold another
+    /// lock and must not wait with it taken.
+    pub(crate) fn try_lock_all(&self) -> Option<AllShards<'_>> {
+        let shards = self
+            .shards
+            .iter()
+            .map(|s| s.inner.try_lock())
+            .collect::<Option<Vec<_>>>()?;
+        Some(AllShards {
+            cache: self,
+            shards,
+        })
+    }
+
     /// Groups `hashes` by shard (a counting sort into thread-local scratch,
     /// no allocation once warm) and calls `f(shard, range, order, sorted)`
     /// once per shard that has any, under its lock: `order[g]` is the key

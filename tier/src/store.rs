@@ -648,10 +648,12 @@ impl ChunkStore {
     /// For an ordered key list: fills `tiers` with where each key lives (or
     /// `None`) and returns the length of the longest present prefix. Touches
     /// no disk and reads only the slot tables: each id is hashed once, and
-    /// the RAM tier and the disk index are probed in one pipeline, in key
-    /// order, the home slots of the key 16 ahead in both prefetched, under
-    /// the index's read lock and every RAM shard's lock (taken per block of
-    /// keys), so the RAM probes overlap the index's cache misses. Presence
+    /// per block of keys the RAM tier and the disk index are probed in one
+    /// pipeline in key order (the home slots of the key 16 ahead in both
+    /// prefetched, so the RAM probes overlap the index's cache misses) under
+    /// the index's read lock and every RAM shard's lock; when a shard is
+    /// busy, the index is probed first and released before waiting for the
+    /// shards (see [`crate::ram::RamCache::try_lock_all`]). Presence
     /// is by fingerprint, as LOOKUP is a hint: a negative is exact, a
     /// positive is wrong for about 1 in 10^9 absent keys, and a read checks
     /// the full id.
@@ -666,8 +668,6 @@ impl ChunkStore {
             static HASHES: std::cell::RefCell<Vec<u64>> = const { std::cell::RefCell::new(Vec::new()) };
         }
         let _g = self.inner.gate.read();
-        let index = self.inner.disk.as_ref().map(|d| d.index.read());
-        let index = index.as_deref();
         let ram = &self.inner.ram;
         tiers.clear();
         tiers.resize(keys.len(), None);
@@ -675,38 +675,70 @@ impl ChunkStore {
             hashes.clear();
             let seed = seed(&ns, group);
             hashes.extend(keys.iter().map(|k| key_hash(seed, k)));
+            let ram_empty = ram.is_empty();
             for (block, tiers) in hashes
                 .chunks(crate::ram::PRESENCE_BLOCK)
                 .zip(tiers.chunks_mut(crate::ram::PRESENCE_BLOCK))
             {
-                // RAM first: a key found there needs no answer from the index.
-                match (ram.is_empty(), index) {
-                    (true, None) => {}
-                    (true, Some(ix)) => pipelined(
+                let index = self.inner.disk.as_ref().map(|d| d.index.read());
+                let Some(ix) = index.as_deref() else {
+                    // No disk: the RAM tier alone.
+                    if !ram_empty {
+                        let shards = ram.lock_all();
+                        pipelined(
+                            block,
+                            |h| shards.prefetch(h),
+                            |i, h| tiers[i] = shards.contains(h).then_some(Tier::Ram),
+                        );
+                    }
+                    continue;
+                };
+                if ram_empty {
+                    pipelined(
                         block,
                         |h| ix.prefetch_hash(h),
-                        |i, h| {
-                            tiers[i] = ix.contains_hash(h).then_some(Tier::Disk);
-                        },
-                    ),
-                    (false, ix) => {
-                        let shards = ram.lock_all();
-                        let prefetch = |h| {
+                        |i, h| tiers[i] = ix.contains_hash(h).then_some(Tier::Disk),
+                    );
+                    continue;
+                }
+                // Both in one pipeline, the RAM probes overlapping the
+                // index's cache misses, when every shard is free at once.
+                // The index's read lock is never kept while waiting for a
+                // shard: one held long by a walk (idle flush, gc) would
+                // queue the disk writer, and the disk reads behind it.
+                if let Some(shards) = ram.try_lock_all() {
+                    pipelined(
+                        block,
+                        |h| {
                             shards.prefetch(h);
-                            if let Some(ix) = ix {
-                                ix.prefetch_hash(h);
-                            }
-                        };
-                        pipelined(block, prefetch, |i, h| {
+                            ix.prefetch_hash(h);
+                        },
+                        |i, h| {
                             tiers[i] = if shards.contains(h) {
                                 Some(Tier::Ram)
                             } else {
-                                ix.is_some_and(|ix| ix.contains_hash(h))
-                                    .then_some(Tier::Disk)
+                                ix.contains_hash(h).then_some(Tier::Disk)
                             };
-                        });
-                    }
+                        },
+                    );
+                    continue;
                 }
+                pipelined(
+                    block,
+                    |h| ix.prefetch_hash(h),
+                    |i, h| tiers[i] = ix.contains_hash(h).then_some(Tier::Disk),
+                );
+                drop(index);
+                let shards = ram.lock_all();
+                pipelined(
+                    block,
+                    |h| shards.prefetch(h),
+                    |i, h| {
+                        if shards.contains(h) {
+                            tiers[i] = Some(Tier::Ram);
+                        }
+                    },
+                );
             }
             // Keep the scratch space of a huge batch from staying around.
             hashes.shrink_to(1 << 16);
@@ -1402,5 +1434,78 @@ impl Hooks for Inner {
         if c.get(id).is_some_and(|t| *t <= at) {
             c.remove(id);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// With a RAM shard held by another thread, `lookup_prefix` probes the
+    /// index first, lets its lock go, then waits for the shards: the answer
+    /// is the same as when it overlaps both, and the disk index is never
+    /// held while waiting (a writer of the index gets in meanwhile).
+    #[test]
+    fn lookup_prefix_with_a_busy_shard_releases_the_index_before_waiting() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = ChunkStore::open(TierConfig {
+            data_dir: dir.path().to_path_buf(),
+            ram_budget: 1 << 20,
+            disk_budget: 16 << 20,
+            region_size: 1 << 20,
+            write_policy: WritePolicy::Backpressure,
+            idle_flush_after: Duration::from_secs(3600),
+            ..TierConfig::default()
+        })
+        .unwrap();
+        let ns = store
+            .register_namespace(&NamespaceRecord {
+                model: "m".into(),
+                ..Default::default()
+            })
+            .unwrap();
+        let key = |n: u64| {
+            let mut k = [0u8; 32];
+            k[..8].copy_from_slice(&n.wrapping_mul(0x9e37_79b9_7f4a_7c15).to_le_bytes());
+            k[8..16].copy_from_slice(&n.to_le_bytes());
+            ChunkKey(k)
+        };
+        // 600 chunks of 4 KiB through 1 MiB of RAM: most on disk, the newest
+        // in RAM; odd keys absent.
+        for n in (0..1200).step_by(2) {
+            store
+                .put(
+                    ChunkId::new(ns, key(n), 0),
+                    Bytes::from(vec![n as u8; 4096]),
+                )
+                .unwrap();
+        }
+        store.flush().unwrap();
+        let keys: Vec<ChunkKey> = (0..1200).map(key).collect();
+        let mut free = Vec::new();
+        store.lookup_prefix(ns, 0, &keys, &mut free);
+        assert!(free.contains(&Some(Tier::Ram)) && free.contains(&Some(Tier::Disk)));
+        let held = store.inner.ram.hold_shard(3);
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                let mut busy = Vec::new();
+                store.lookup_prefix(ns, 0, &keys, &mut busy);
+                tx.send(busy).unwrap();
+            });
+            // The lookup is waiting for shard 3: the index is free for a
+            // writer (this would wait forever if the lookup held it).
+            std::thread::sleep(Duration::from_millis(50));
+            let d = store.inner.disk.as_ref().unwrap();
+            let w = d.index.try_write_for(Duration::from_secs(5));
+            assert!(
+                w.is_some(),
+                "the lookup kept the index's read lock while waiting"
+            );
+            drop(w);
+            assert!(rx.try_recv().is_err(), "the lookup waited for the shard");
+            drop(held);
+        });
+        assert_eq!(rx.recv().unwrap(), free);
     }
 }
