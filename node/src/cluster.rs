@@ -134,11 +134,20 @@ pub struct Cluster {
     admit: bool,
 }
 
+/// A cluster whose certificates are loaded and whose peer port is bound,
+/// not started yet ([`Cluster::prepare`]): what can fail on a bad config or
+/// a busy port has failed before the store opens.
+pub struct PreparedCluster {
+    cfg: PeerConfig,
+    tls: TlsSetup,
+    socket: std::net::UdpSocket,
+    fetch_timeout: Duration,
+    admit: bool,
+}
+
 impl Cluster {
-    /// Loads the TLS files, binds the peer endpoint, starts syncing and
-    /// registers the availability observer on `store`. Inside a tokio
-    /// runtime.
-    pub fn start(opts: &ClusterOptions, store: Arc<ChunkStore>) -> Result<Self, NodeError> {
+    /// Loads the TLS files and binds the peer port. Nothing runs yet.
+    pub fn prepare(opts: &ClusterOptions) -> Result<PreparedCluster, NodeError> {
         let peer_err = |what: &str, e: peer::Error| NodeError::Config(format!("{what}: {e}"));
         let tls = if opts.insecure_dev {
             let name = opts
@@ -186,17 +195,20 @@ impl Cluster {
             },
             ..PeerConfig::default()
         };
-        let source = Arc::new(StoreSource {
-            store: Arc::clone(&store),
-        });
-        let handle =
-            PeerHandle::start(cfg, tls, source).map_err(|e| peer_err("start the peer layer", e))?;
-        store.set_observer(Arc::new(AvailabilityFeed {
-            handle: handle.clone(),
-        }));
-        Ok(Self {
-            handle,
-            store,
+        cfg.validate(tls.insecure)
+            .map_err(|e| peer_err("peer configuration", e))?;
+        let socket = cfg
+            .tuning
+            .bind_socket(cfg.listen)
+            .map_err(|source| NodeError::Bind {
+                what: "peer (QUIC)",
+                addr: cfg.listen.to_string(),
+                source,
+            })?;
+        Ok(PreparedCluster {
+            cfg,
+            tls,
+            socket,
             fetch_timeout: opts.fetch_timeout,
             admit: opts.admit,
         })
@@ -269,6 +281,27 @@ impl Cluster {
     /// Closes every peer connection (bounded by `grace`).
     pub async fn shutdown(&self, grace: Duration) {
         self.handle.shutdown(grace).await;
+    }
+}
+
+impl PreparedCluster {
+    /// Starts syncing on the bound port and registers the availability
+    /// observer on `store`. Inside a tokio runtime.
+    pub fn start(self, store: Arc<ChunkStore>) -> Result<Cluster, NodeError> {
+        let source = Arc::new(StoreSource {
+            store: Arc::clone(&store),
+        });
+        let handle = PeerHandle::start_on(self.cfg, self.tls, source, self.socket)
+            .map_err(|e| NodeError::Config(format!("start the peer layer: {e}")))?;
+        store.set_observer(Arc::new(AvailabilityFeed {
+            handle: handle.clone(),
+        }));
+        Ok(Cluster {
+            handle,
+            store,
+            fetch_timeout: self.fetch_timeout,
+            admit: self.admit,
+        })
     }
 }
 

@@ -304,6 +304,12 @@ pub async fn start(config: NodeConfig) -> Result<NodeHandle> {
         None => None,
     };
 
+    // The peer layer's certificates and QUIC port, for the same reason.
+    let prepared = match config.cluster_options() {
+        Some(opts) => Some(crate::cluster::Cluster::prepare(&opts)?),
+        None => None,
+    };
+
     // Opening rebuilds the index from disk: blocking, off the runtime workers.
     let tier_config = config.tier_config();
     let t0 = Instant::now();
@@ -318,10 +324,10 @@ pub async fn start(config: NodeConfig) -> Result<NodeHandle> {
     let stats = store.stats();
     let namespaces = store.namespaces();
     let mut ctx = NodeContext::new(Arc::clone(&store), config.node_name());
-    if let Some(opts) = config.cluster_options() {
-        // The peer cascade: binds the QUIC endpoint, loads the certificates
-        // and registers the store's availability observer.
-        match crate::cluster::Cluster::start(&opts, Arc::clone(&store)) {
+    if let Some(prepared) = prepared {
+        // The peer cascade: starts the QUIC endpoint on the bound port and
+        // registers the store's availability observer.
+        match prepared.start(Arc::clone(&store)) {
             Ok(c) => {
                 ctx.node_name = c.handle().node_name().to_owned();
                 ctx = ctx.with_cluster(Arc::new(c));

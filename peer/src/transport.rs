@@ -517,6 +517,28 @@ impl PeerHandle {
         source: Arc<dyn ChunkSource>,
     ) -> Result<Self, Error> {
         cfg.validate(tls.insecure)?;
+        let socket = cfg
+            .tuning
+            .bind_socket(cfg.listen)
+            .map_err(|e| Error::Transport(format!("bind {}: {e}", cfg.listen)))?;
+        Self::start_on(cfg, tls, source, socket)
+    }
+
+    /// [`PeerHandle::start`] on a UDP socket bound beforehand (with
+    /// [`TransportTuning::bind_socket`]), so that a caller can claim the
+    /// port before doing costly work that a busy port would waste. The
+    /// socket's own address replaces `cfg.listen` (validation included).
+    /// Must be called inside a tokio runtime.
+    pub fn start_on(
+        mut cfg: PeerConfig,
+        tls: TlsSetup,
+        source: Arc<dyn ChunkSource>,
+        socket: std::net::UdpSocket,
+    ) -> Result<Self, Error> {
+        cfg.listen = socket
+            .local_addr()
+            .map_err(|e| Error::Transport(format!("peer socket address: {e}")))?;
+        cfg.validate(tls.insecure)?;
         let transport = Arc::new(
             cfg.tuning
                 .transport_config(cfg.keep_alive, cfg.idle_timeout),
@@ -529,10 +551,6 @@ impl PeerHandle {
             .map_err(|e| Error::Tls(format!("quic client config: {e}")))?;
         let mut client_cfg = quinn::ClientConfig::new(Arc::new(client_crypto));
         client_cfg.transport_config(transport);
-        let socket = cfg
-            .tuning
-            .bind_socket(cfg.listen)
-            .map_err(|e| Error::Transport(format!("bind {}: {e}", cfg.listen)))?;
         let runtime =
             quinn::default_runtime().ok_or_else(|| Error::Transport("no tokio runtime".into()))?;
         let endpoint = quinn::Endpoint::new(

@@ -561,8 +561,9 @@ fn completions_cover_the_tier_alias() {
     assert_eq!(text(&out.stderr), "", "no panic for a closed stdout");
 }
 
-/// A port already in use fails the start with a message naming it, before
-/// the store file is created: nothing is left preallocated on disk.
+/// A port already in use (TCP or the peers' UDP) or unreadable peer
+/// certificates fail the start with a message naming them, before the store
+/// file is created: nothing is left preallocated on disk.
 #[test]
 fn a_port_in_use_fails_the_start_before_the_store_is_created() {
     let dir = tempfile::tempdir().expect("temp dir");
@@ -582,6 +583,36 @@ fn a_port_in_use_fails_the_start_before_the_store_is_created() {
         assert!(
             !dir.path().join("data").join("store.kvt").exists(),
             "{flag}: the store file was created"
+        );
+    }
+    // The peer layer's QUIC port and its certificates are checked before
+    // the store opens too.
+    let udp = std::net::UdpSocket::bind("127.0.0.1:0").expect("bind udp");
+    let udp_port = udp.local_addr().expect("addr").to_string();
+    let no_certs = dir.path().join("empty-tls");
+    std::fs::create_dir(&no_certs).expect("tls dir");
+    let no_certs = no_certs.to_str().expect("utf-8 path");
+    let cases: [(&[&str], &str); 2] = [
+        (
+            &["--peer-listen", &udp_port, "--insecure-dev"],
+            udp_port.as_str(),
+        ),
+        (
+            &["--peer-listen", "127.0.0.1:0", "--tls-dir", no_certs],
+            no_certs,
+        ),
+    ];
+    for (extra, named) in cases {
+        let mut args = kvtier_tests::test_args(dir.path());
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let out = run_kvtier(&args, &[]);
+        let err = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{extra:?}: {err}");
+        assert!(err.contains(named), "{extra:?}: {err}");
+        assert!(
+            !dir.path().join("data").join("store.kvt").exists(),
+            "{extra:?}: the store file was created"
         );
     }
 }
