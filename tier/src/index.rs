@@ -61,20 +61,68 @@ pub(crate) fn seed(ns: &Namespace, group: GroupId) -> u64 {
     s.wrapping_mul(0xe703_7ed1_a0b4_28db)
 }
 
-/// A key's hash under `seed`: its first 16 bytes mixed in with two
-/// multiplies (keys are uniform hashes already, so 16 bytes tell them
-/// apart). Two rounds rather than one multiply of the folded words: a fold
-/// such as `a ^ rotl(b)` maps whole families of structured keys (a repeated
-/// byte `x` and its complement) to one hash, which a fingerprint-only
-/// presence test would then confuse. The low bits pick the home slot, the
+/// A key's hash under `seed`: all four words of the key, each mixed in by a
+/// multiply round (xor-shift, xor the word, multiply by an odd constant: a
+/// bijection of the word for a given state). Every byte counts: keys are
+/// uniform hashes when vLLM makes them, but a client may use structured ones
+/// (a fixed prefix and a counter in the last bytes), and a hash of only the
+/// first 16 bytes gave all of those one hash, so a fingerprint-only presence
+/// test called every such key present and the index probed one long run.
+/// Rounds rather than one multiply of folded words: a fold such as
+/// `a ^ rotl(b)` maps whole families of structured keys (a repeated byte `x`
+/// and its complement) to one hash. The low bits pick the home slot, the
 /// high 32 bits make the fingerprint (see [`crate::fptable`]). Shared with
 /// the RAM tier.
 #[inline]
 pub(crate) fn key_hash(seed: u64, key: &ChunkKey) -> u64 {
-    let w = |o: usize| u64::from_le_bytes(key.0[o..o + 8].try_into().expect("8 bytes"));
-    let h = (w(0) ^ seed).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-    let h = (h ^ (h >> 29) ^ w(8)).wrapping_mul(0xd6e8_feb8_6659_fd93);
+    let h = (key_word(key, 0) ^ seed).wrapping_mul(KEY_MUL[0]);
+    let h = key_round(h, key_word(key, 1), KEY_MUL[1]);
+    let h = key_round(h, key_word(key, 2), KEY_MUL[2]);
+    let h = key_round(h, key_word(key, 3), KEY_MUL[3]);
     h ^ (h >> 32)
+}
+
+/// The odd multipliers of [`key_hash`]'s rounds.
+const KEY_MUL: [u64; 4] = [
+    0x9e37_79b9_7f4a_7c15,
+    0xd6e8_feb8_6659_fd93,
+    0xa076_1d64_78bd_642f,
+    0xe703_7ed1_a0b4_28db,
+];
+
+#[inline(always)]
+fn key_word(key: &ChunkKey, i: usize) -> u64 {
+    u64::from_le_bytes(key.0[i * 8..i * 8 + 8].try_into().expect("8 bytes"))
+}
+
+#[inline(always)]
+fn key_mix(h: u64) -> u64 {
+    h ^ (h >> 29)
+}
+
+#[inline(always)]
+fn key_round(h: u64, word: u64, mul: u64) -> u64 {
+    (key_mix(h) ^ word).wrapping_mul(mul)
+}
+
+/// A key other than `key` with the same [`key_hash`] under `seed` (same
+/// home slot and fingerprint, for tests of hash collisions): the first two
+/// words kept, the third inverted, and the fourth that brings the state
+/// back to `key`'s.
+#[cfg(test)]
+pub(crate) fn colliding_key(seed: u64, key: &ChunkKey) -> ChunkKey {
+    let h = (key_word(key, 0) ^ seed).wrapping_mul(KEY_MUL[0]);
+    let h = key_round(h, key_word(key, 1), KEY_MUL[1]);
+    let ours = key_round(h, key_word(key, 2), KEY_MUL[2]);
+    let other_word = !key_word(key, 2);
+    let theirs = key_round(h, other_word, KEY_MUL[2]);
+    let last = key_mix(ours) ^ key_word(key, 3) ^ key_mix(theirs);
+    let mut k = key.0;
+    k[16..24].copy_from_slice(&other_word.to_le_bytes());
+    k[24..32].copy_from_slice(&last.to_le_bytes());
+    let other = ChunkKey(k);
+    debug_assert_eq!(key_hash(seed, &other), key_hash(seed, key));
+    other
 }
 
 /// [`hash_parts`] of an id.
@@ -337,6 +385,21 @@ mod tests {
                 assert!(seen.insert(h), "counter key {i} group {g}");
             }
         }
+        // A fixed prefix and a counter in any one word of the key (the
+        // last 16 bytes were once left out of the hash): all distinct, in
+        // hash and in fingerprint.
+        let mut seen = std::collections::HashSet::new();
+        let mut fps = std::collections::HashSet::new();
+        for word in 0..4 {
+            for i in 1..=2048u64 {
+                let mut k = [0x5au8; 32];
+                k[word * 8..word * 8 + 8].copy_from_slice(&i.to_le_bytes());
+                let h = hash_parts(&Namespace([3; 16]), &ChunkKey(k), 0);
+                assert!(seen.insert(h), "counter {i} in word {word}");
+                fps.insert(crate::fptable::fingerprint(h));
+            }
+        }
+        assert!(fps.len() >= 8190, "{} distinct fingerprints", fps.len());
         // Fingerprint-only presence of half of them in an index: no false
         // positive for the other half.
         let mut ix = Index::default();

@@ -1133,12 +1133,12 @@ mod tests {
 
     #[test]
     fn a_hash_collision_keeps_both_entries() {
-        // Same first 16 key bytes, namespace and group: same id hash, so
-        // same shard, home slot and fingerprint.
+        // Two keys of one namespace and group with the same id hash, so
+        // the same shard, home slot and fingerprint.
         let a = ChunkId::new(Namespace([0; 16]), ChunkKey([0; 32]), 0);
-        let mut k = [0u8; 32];
-        k[31] = 1;
-        let b = ChunkId::new(Namespace([0; 16]), ChunkKey(k), 0);
+        let k = crate::index::colliding_key(seed(&a.ns, 0), &a.key);
+        let b = ChunkId::new(Namespace([0; 16]), k, 0);
+        assert_ne!(a, b);
         assert_eq!(hash_id(&a), hash_id(&b));
         let c = RamCache::new(100);
         c.insert(a, bytes(1, 1), None, false).unwrap();
