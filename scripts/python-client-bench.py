@@ -23,6 +23,7 @@ or the test venv, where ``pip install -e connector`` put it).
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import signal
 import socket
@@ -33,14 +34,17 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Callable, TypeVar
 
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "connector"))
-from kvtier import KvtierClient, Region  # noqa: E402
+from kvtier import GetResult, KvtierClient, Pending, Region  # noqa: E402
+from kvtier import _frames as fr  # noqa: E402
 
 ROTATE = 256 << 20
+T = TypeVar("T")
 
 
 def parse_size(s: str) -> int:
@@ -116,6 +120,18 @@ def run_links(share, links: int) -> float:
     return elapsed
 
 
+def drive(requests: range, submit: Callable[[int], Pending[T]], check: Callable[[T], None], depth: int) -> None:
+    """Submits each request, keeping at most `depth` in flight, and checks
+    the replies in order."""
+    window: collections.deque[Pending[T]] = collections.deque()
+    for q in requests:
+        if len(window) >= depth:
+            check(window.popleft().wait())
+        window.append(submit(q))
+    while window:
+        check(window.popleft().wait())
+
+
 def key(i: int) -> bytes:
     return i.to_bytes(8, "little") * 4
 
@@ -133,10 +149,19 @@ def main() -> int:
         help="connections, each with its own region and thread, sharing the requests "
         "(as the vLLM connector's save_links / load_links); 1: one request in flight",
     )
+    ap.add_argument(
+        "--depth",
+        type=int,
+        default=1,
+        help="requests in flight per connection (submit_put / submit_get, waited in order); "
+        "1: each request waits for its reply",
+    )
     ap.add_argument("--quick", action="store_true", help="small and fast (CI smoke)")
     args = ap.parse_args()
     if args.quick:
         args.mib, args.reps, args.cells = 32, 1, "256K/1,1M/4"
+    if args.depth < 1:
+        sys.exit("--depth must be at least 1")
     if not Path(args.kvtier).exists():
         debug = ROOT / "target" / "debug" / "kvtier"
         if args.kvtier.endswith("release/kvtier") and debug.exists():
@@ -167,8 +192,8 @@ def main() -> int:
                 links.append((c, r))
             print(
                 f"python client vs cold memcpy ({args.mib} MiB per measurement, median of {args.reps}, "
-                f"{args.links} connection(s); daemon {args.kvtier}; Python {sys.version.split()[0]}, "
-                f"numpy {np.__version__})"
+                f"{args.links} connection(s), {args.depth} request(s) in flight on each; daemon {args.kvtier}; "
+                f"Python {sys.version.split()[0]}, numpy {np.__version__}, CRC32C {fr.CRC32C_IMPL})"
             )
             print(f"{'cell':>10} {'PUT GB/s':>9} {'GET GB/s':>9} {'memcpy':>8} {'PUT':>6} {'GET':>6}")
             next_key = 0
@@ -186,27 +211,37 @@ def main() -> int:
                         # Requests link, link + links, ...; chunk j of the
                         # pass comes from region slot j % slots.
                         c, _ = links[link]
-                        for q in range(link, n_req, args.links):
+
+                        def submit(q: int) -> Pending[list[str]]:
                             items = []
                             for b in range(batch):
                                 j = q * batch + b
                                 items.append((keys[j], ((j % slots) * size, size)))
-                            codes = c.put(ns, items)
+                            return c.submit_put(ns, items)
+
+                        def check(codes: list[str]) -> None:
                             if codes != ["ok"] * batch:
                                 raise RuntimeError(f"PUT failed: {codes}")
+
+                        drive(range(link, n_req, args.links), submit, check, args.depth)
 
                     def get_share(link: int) -> None:
                         # Chunk j lands in slot (7j + 3) % slots.
                         c, _ = links[link]
-                        for q in range(link, n_req, args.links):
+
+                        def submit(q: int) -> Pending[list[GetResult]]:
                             ks, into = [], []
                             for b in range(batch):
                                 j = q * batch + b
                                 ks.append(keys[j])
                                 into.append((((j * 7 + 3) % slots) * size, size))
-                            res = c.get(ns, ks, into=into)
+                            return c.submit_get(ns, ks, into=into)
+
+                        def check(res: list[GetResult]) -> None:
                             if not all(x.hit for x in res):
                                 raise RuntimeError(f"GET missed: {[x.status for x in res]}")
+
+                        drive(range(link, n_req, args.links), submit, check, args.depth)
 
                     puts.append(n_req * per_req / run_links(put_share, args.links) / 1e9)
                     gets.append(n_req * per_req / run_links(get_share, args.links) / 1e9)
@@ -223,7 +258,7 @@ def main() -> int:
                         r[:] = src
                 put, get, base = statistics.median(puts), statistics.median(gets), statistics.median(bases)
                 cell = f"{size >> 10}K x{batch}"
-                tag = f"{cell} ({args.links} conn)"
+                tag = f"{cell} ({args.links} conn, depth {args.depth})"
                 print(f"{cell:>10} {put:9.2f} {get:9.2f} {base:8.2f} {put / base:5.2f}x {get / base:5.2f}x")
                 print(f"RESULT python PUT {tag}: {put:.2f} GB/s vs cold memcpy {base:.2f} GB/s = {put / base:.2f}x")
                 print(f"RESULT python GET {tag}: {get:.2f} GB/s vs cold memcpy {base:.2f} GB/s = {get / base:.2f}x")

@@ -12,6 +12,7 @@ from .client import (
     KvtierProtocolError,
     KvtierUnavailable,
     LookupResult,
+    Pending,
     RankPrefix,
     Region,
 )
@@ -24,6 +25,7 @@ __all__ = [
     "KvtierProtocolError",
     "KvtierUnavailable",
     "LookupResult",
+    "Pending",
     "RankPrefix",
     "Region",
 ]

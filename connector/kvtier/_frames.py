@@ -120,24 +120,30 @@ def _crc32c_py(data: bytes | bytearray | memoryview, crc: int = 0) -> int:
     return crc ^ 0xFFFFFFFF
 
 
-def _fast_crc32c() -> Callable[[bytes], int] | None:
+def _fast_crc32c() -> tuple[Callable[[bytes], int], str] | None:
     # Optional accelerators: the stdlib has no CRC32C. Both packages compute
     # the same standard CRC32C; the pure-Python fallback is always correct.
     try:
         import google_crc32c  # type: ignore[import-not-found]
 
-        return lambda b: int(google_crc32c.value(bytes(b)))
+        # Without its C extension the package computes in Python, slower
+        # than the slicing-by-8 code here.
+        if google_crc32c.implementation == "c":
+            return (lambda b: int(google_crc32c.value(bytes(b)))), "google-crc32c"
     except ImportError:
         pass
     try:
         import crc32c as _c  # type: ignore[import-not-found]
 
-        return lambda b: int(_c.crc32c(bytes(b)))
+        return (lambda b: int(_c.crc32c(bytes(b)))), "crc32c"
     except ImportError:
         return None
 
 
-crc32c: Callable[[bytes], int] = _fast_crc32c() or _crc32c_py
+crc32c: Callable[[bytes], int]
+#: Which CRC32C the frames use: an accelerator package or "pure Python".
+CRC32C_IMPL: str
+crc32c, CRC32C_IMPL = _fast_crc32c() or (_crc32c_py, "pure Python")
 
 
 # --- errors ---------------------------------------------------------------

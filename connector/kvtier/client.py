@@ -27,9 +27,17 @@ e.g. for ``torch.cuda.cudart().cudaHostRegister(address, size, 0)`` followed
 by ``torch.frombuffer(region.buffer, dtype=torch.uint8)``: GET then writes
 straight into pinned memory the GPU can DMA from.
 
+Pipelining: ``submit_put`` / ``submit_get`` send a request and return a
+:class:`Pending` at once; ``.wait()`` returns its result. Several requests in
+flight on one connection let the daemon work on one while Python prepares
+the next (the daemon answers in order)::
+
+    pending = [c.submit_get(ns, [k], into=[(i * size, size)]) for i, k in enumerate(keys)]
+    results = [p.wait()[0] for p in pending]
+
 Concurrency contract: do not modify a PUT range or read a GET range until
-the call has returned. One client (one connection) must not be used from two
-threads at once; open one client per thread.
+the call (or its ``wait()``) has returned. One client (one connection) must
+not be used from two threads at once; open one client per thread.
 
 Errors: :class:`KvtierError` (the daemon refused a request; ``.code`` is the
 error name, e.g. ``"out-of-range"``), :class:`KvtierUnavailable` (cannot
@@ -39,13 +47,14 @@ connect, connection lost, timeout; the client is closed afterwards),
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import fcntl
 import mmap
 import os
 import socket
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence, Union
+from typing import Any, Callable, Generic, Iterable, Sequence, TypeVar, Union
 
 from . import _frames as fr
 
@@ -57,12 +66,21 @@ __all__ = [
     "KvtierProtocolError",
     "KvtierUnavailable",
     "LookupResult",
+    "Pending",
     "RankPrefix",
     "Region",
 ]
 
 DEFAULT_REGION_SIZE = 64 << 20
 DEFAULT_TIMEOUT = 60.0
+#: Requests a client keeps in flight at most (``submit_*``): one more waits
+#: for the oldest reply first. Replies are small, so this bounds the bytes
+#: the socket buffers hold, never the daemon's work.
+DEFAULT_MAX_IN_FLIGHT = 64
+
+T = TypeVar("T")
+# Bytes read from the socket at once (more when a reply needs it).
+_RECV_BUFFER = 64 << 10
 
 BytesLike = Union[bytes, bytearray, memoryview]
 #: A PUT item value: bytes to copy into the region, or an (offset, length)
@@ -191,12 +209,66 @@ class Region:
         self.fd = -1
 
 
+def _identity(reply: Any) -> Any:
+    return reply
+
+
+def _put_codes(codes: Any) -> list[str]:
+    return ["ok" if c == 0 else fr.ERROR_NAMES.get(c, "internal") for c in codes]
+
+
+class Pending(Generic[T]):
+    """A request sent on a connection whose reply may not have been read yet
+    (:meth:`KvtierClient.submit_put`, :meth:`KvtierClient.submit_get`).
+
+    ``wait()`` reads replies (in order, those of earlier requests included)
+    until this one's has arrived, and returns its result or raises its error.
+    If the connection fails, every request in flight on it fails with
+    :class:`KvtierUnavailable`.
+    """
+
+    __slots__ = ("_client", "req_id", "_decode", "_done", "_value", "_error")
+
+    def __init__(self, client: KvtierClient, req_id: int, decode: Callable[[Any], T]) -> None:
+        self._client = client
+        self.req_id = req_id
+        self._decode = decode
+        self._done = False
+        self._value: Any = None
+        self._error: BaseException | None = None
+
+    @property
+    def done(self) -> bool:
+        """Whether the reply has been read (``wait()`` will not block)."""
+        return self._done
+
+    def wait(self) -> T:
+        """The result; blocks until the reply has been read."""
+        if not self._done:
+            self._client._wait_for(self)
+        if self._error is not None:
+            raise self._error
+        return self._value  # type: ignore[no-any-return]
+
+    def _resolve(self, reply: Any) -> None:
+        try:
+            self._value = self._decode(reply)
+        except BaseException as e:  # noqa: BLE001 - handed to wait()
+            self._error = e
+        self._done = True
+
+    def _fail(self, error: BaseException) -> None:
+        self._error = error
+        self._done = True
+
+
 class KvtierClient:
     """A connection to the kvtier daemon with its own shared-memory region.
 
     ``region_size`` bytes of shared memory are created and registered at
     connect (0: no region; PUT/GET then fail until :meth:`set_region`).
     ``timeout`` (seconds, ``None`` for none) bounds every reply.
+    ``max_in_flight`` bounds the requests sent and not yet answered.
     """
 
     def __init__(
@@ -204,8 +276,16 @@ class KvtierClient:
         socket_path: str | os.PathLike[str],
         region_size: int = DEFAULT_REGION_SIZE,
         timeout: float | None = DEFAULT_TIMEOUT,
+        max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
     ) -> None:
+        if max_in_flight < 1:
+            raise ValueError("max_in_flight must be at least 1")
         self.socket_path = os.fspath(socket_path)
+        self.max_in_flight = max_in_flight
+        self._in_flight: collections.deque[Pending[Any]] = collections.deque()
+        # Received and not yet decoded: buf[_rpos:_rend].
+        self._rbuf = bytearray(_RECV_BUFFER)
+        self._rpos = self._rend = 0
         self._next_id = 1
         self._sock: socket.socket | None = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._region: Region | None = None
@@ -235,7 +315,9 @@ class KvtierClient:
         self.close()
 
     def close(self) -> None:
-        """Closes the connection and the region."""
+        """Closes the connection and the region. Requests still in flight
+        fail with :class:`KvtierUnavailable`."""
+        self._fail_in_flight(KvtierUnavailable("the client was closed with the request in flight"))
         if self._sock is not None:
             self._sock.close()
             self._sock = None
@@ -255,8 +337,12 @@ class KvtierClient:
         return self._region
 
     def _broken(self, what: str, e: BaseException | None) -> KvtierUnavailable:
+        """Closes the client; the error fails every request in flight too."""
+        err = KvtierUnavailable(f"{what}: {e}" if e else what)
+        err.__cause__ = e
+        self._fail_in_flight(err)
         self.close()
-        return KvtierUnavailable(f"{what}: {e}" if e else what)
+        return err
 
     def _send(self, frame: bytes, fd: int | None = None) -> None:
         if self._sock is None:
@@ -274,47 +360,106 @@ class KvtierClient:
             raise self._broken("lost the connection to the kvtier daemon", e) from e
 
     def _recv_exact(self, n: int) -> bytes:
+        """The next ``n`` bytes of the stream. Reads whatever the socket has
+        (up to the buffer's size) so that one ``recv`` usually brings a whole
+        reply, or several when requests are pipelined."""
         assert self._sock is not None
-        buf = bytearray(n)
-        view = memoryview(buf)
-        got = 0
-        try:
-            while got < n:
-                k = self._sock.recv_into(view[got:], n - got)
-                if k == 0:
-                    raise self._broken("the kvtier daemon closed the connection", None)
-                got += k
-        except socket.timeout as e:
-            raise self._broken("timed out waiting for the kvtier daemon", e) from e
-        except OSError as e:
-            raise self._broken("lost the connection to the kvtier daemon", e) from e
-        return bytes(buf)
+        buf = self._rbuf
+        while self._rend - self._rpos < n:
+            if self._rpos:
+                # Move what is left to the front (rarely more than a header).
+                left = self._rend - self._rpos
+                buf[:left] = buf[self._rpos : self._rend]
+                self._rpos, self._rend = 0, left
+            if len(buf) < n:
+                buf.extend(bytes(n - len(buf)))
+            try:
+                k = self._sock.recv_into(memoryview(buf)[self._rend :])
+            except socket.timeout as e:
+                raise self._broken("timed out waiting for the kvtier daemon", e) from e
+            except OSError as e:
+                raise self._broken("lost the connection to the kvtier daemon", e) from e
+            if k == 0:
+                raise self._broken("the kvtier daemon closed the connection", None)
+            self._rend += k
+        out = bytes(buf[self._rpos : self._rpos + n])
+        self._rpos += n
+        if self._rpos == self._rend:
+            self._rpos = self._rend = 0
+            if len(buf) > _RECV_BUFFER:
+                # A large reply (STATS, a big LOOKUP) grew it: give the memory back.
+                del buf[_RECV_BUFFER:]
+        return out
 
-    def _call(self, build: Any, *args: Any, fd: int | None = None) -> Any:
+    def _fail_in_flight(self, error: BaseException) -> None:
+        while self._in_flight:
+            self._in_flight.popleft()._fail(error)
+
+    def _check_open(self) -> None:
+        if self._sock is None:
+            raise KvtierUnavailable("the client is closed")
+
+    def _submit(self, decode: Callable[[Any], T], build: Any, *args: Any, fd: int | None = None) -> Pending[T]:
+        """Sends one request; its reply is read by ``wait()`` (or by a later
+        call that needs the replies before it)."""
+        self._check_open()
+        while len(self._in_flight) >= self.max_in_flight:
+            self._wait_for(self._in_flight[0])
         req_id = self._next_id
         self._next_id += 1
-        self._send(build(req_id, *args), fd)
+        frame = build(req_id, *args)
+        pending: Pending[T] = Pending(self, req_id, decode)
+        self._send(frame, fd)
+        self._in_flight.append(pending)
+        return pending
+
+    def _wait_for(self, pending: Pending[Any]) -> None:
+        while not pending._done:
+            if not self._in_flight:
+                # Only a closed client leaves a request neither answered nor in flight.
+                pending._fail(KvtierUnavailable("the client is closed"))
+                return
+            self._read_reply()
+
+    def _read_reply(self) -> None:
+        """Reads the reply of the oldest request in flight and resolves it.
+        A reply that does not decode or belongs to another request closes
+        the connection and fails every request in flight."""
+        head = self._in_flight[0]
         try:
             h = fr.decode_header(self._recv_exact(fr.HEADER_LEN))
             body = self._recv_exact(h.body_len)
             fr.check_body(h, body)
             reply = fr.decode_reply(h, body)
         except fr.FrameError as e:
-            self.close()
-            raise KvtierProtocolError(str(e)) from e
+            self._broken_in_flight(KvtierProtocolError(str(e)))
+            return
+        except KvtierUnavailable as e:
+            # _recv_exact closed the client; the others fail with the cause.
+            self._fail_in_flight(e)
+            return
         if isinstance(reply, fr.ErrorReply):
-            if h.req_id not in (req_id, 0):
-                self.close()
-                raise KvtierProtocolError(f"reply id {h.req_id} does not match request id {req_id}")
-            if reply.name in ("malformed", "unsupported-version", "busy"):
+            if h.req_id not in (head.req_id, 0):
+                self._broken_in_flight(
+                    KvtierProtocolError(f"reply id {h.req_id} does not match request id {head.req_id}")
+                )
+            elif reply.name in ("malformed", "unsupported-version", "busy"):
                 # The daemon closes the connection after these.
-                self.close()
-                raise KvtierUnavailable(reply.message, reply.name)
-            raise KvtierError(reply.message, reply.name)
-        if h.req_id != req_id:
-            self.close()
-            raise KvtierProtocolError(f"reply id {h.req_id} does not match request id {req_id}")
-        return reply
+                self._broken_in_flight(KvtierUnavailable(reply.message, reply.name))
+            else:
+                self._in_flight.popleft()._fail(KvtierError(reply.message, reply.name))
+            return
+        if h.req_id != head.req_id:
+            self._broken_in_flight(KvtierProtocolError(f"reply id {h.req_id} does not match request id {head.req_id}"))
+            return
+        self._in_flight.popleft()._resolve(reply)
+
+    def _broken_in_flight(self, error: KvtierError) -> None:
+        self._fail_in_flight(error)
+        self.close()
+
+    def _call(self, build: Any, *args: Any, fd: int | None = None) -> Any:
+        return self._submit(_identity, build, *args, fd=fd).wait()
 
     # --- ops --------------------------------------------------------------
 
@@ -377,6 +522,29 @@ class KvtierClient:
         stores nothing. ``atomic``: all chunks become visible together or
         none do."""
         items = list(items)
+        if any(not isinstance(value, tuple) for _, value in items):
+            # Staged bytes go after the ranges of this call, wherever the
+            # requests still in flight have theirs: wait for those first.
+            self.wait_all()
+        return self._submit_put(ns, items, group, atomic, stage=True).wait()
+
+    def submit_put(
+        self,
+        ns: bytes,
+        items: Iterable[tuple[bytes, tuple[int, int]]],
+        group: int = 0,
+        atomic: bool = False,
+    ) -> Pending[list[str]]:
+        """:meth:`put` of ``(key, (offset, length))`` ranges already written
+        in the region, without waiting for the reply: returns a
+        :class:`Pending` whose ``wait()`` gives the per-item codes. Leave the
+        ranges alone until then."""
+        return self._submit_put(ns, list(items), group, atomic, stage=False)
+
+    def _submit_put(
+        self, ns: bytes, items: list[tuple[bytes, PutValue]], group: int, atomic: bool, stage: bool
+    ) -> Pending[list[str]]:
+        self._check_open()
         region = self.region
         ranges: list[tuple[bytes, int, int] | None] = []
         staged: list[tuple[int, BytesLike]] = []
@@ -386,6 +554,8 @@ class KvtierClient:
                 off, length = value
                 ranges.append((key, off, length))
                 high = max(high, off + length)
+            elif not stage:
+                raise TypeError("submit_put takes (offset, length) ranges in the region; use put() for bytes")
             else:
                 ranges.append(None)
                 staged.append((i, value))
@@ -402,8 +572,7 @@ class KvtierClient:
             ranges[i] = (items[i][0], off, n)
             off += n
         entries = [r for r in ranges if r is not None]
-        codes = self._call(fr.put, ns, group, entries, atomic)
-        return ["ok" if c == 0 else fr.ERROR_NAMES.get(c, "internal") for c in codes]
+        return self._submit(_put_codes, fr.put, ns, group, entries, atomic)
 
     def get(
         self,
@@ -415,21 +584,50 @@ class KvtierClient:
         """Reads chunks into the region. ``into`` gives one ``(offset,
         capacity)`` range per key; by default the region is split into equal
         consecutive ranges. Hits carry a memoryview of the bytes written."""
+        return self.submit_get(ns, keys, group, into).wait()
+
+    def submit_get(
+        self,
+        ns: bytes,
+        keys: Sequence[bytes],
+        group: int = 0,
+        into: Sequence[tuple[int, int]] | None = None,
+    ) -> Pending[list[GetResult]]:
+        """:meth:`get` without waiting for the reply: returns a
+        :class:`Pending` whose ``wait()`` gives the results. Do not read the
+        ``into`` ranges until then, and give requests in flight together
+        ranges that do not overlap."""
+        self._check_open()
         region = self.region
         if into is None:
             if not keys:
-                return []
+                return self._done_pending([])
             cap = region.size // len(keys)
             into = [(i * cap, cap) for i in range(len(keys))]
         if len(into) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(into)} destination ranges")
         entries = [(k, off, cap) for k, (off, cap) in zip(keys, into)]
-        results = self._call(fr.get, ns, group, entries)
-        out = []
-        for (key, off, _cap), (status, length) in zip(entries, results):
-            data = region.buffer[off : off + length] if status.startswith("hit-") else None
-            out.append(GetResult(bytes(key), status, off, length, data))
-        return out
+        buffer = region.buffer
+
+        def results(replies: Any) -> list[GetResult]:
+            out = []
+            for (key, off, _cap), (status, length) in zip(entries, replies):
+                data = buffer[off : off + length] if status.startswith("hit-") else None
+                out.append(GetResult(bytes(key), status, off, length, data))
+            return out
+
+        return self._submit(results, fr.get, ns, group, entries)
+
+    def _done_pending(self, value: T) -> Pending[T]:
+        p: Pending[T] = Pending(self, 0, _identity)
+        p._resolve(value)
+        return p
+
+    def wait_all(self) -> None:
+        """Reads the replies of every request in flight (their errors stay
+        with their :class:`Pending`)."""
+        while self._in_flight:
+            self._wait_for(self._in_flight[-1])
 
     def get_bytes(self, ns: bytes, key: bytes, group: int = 0) -> bytes | None:
         """One chunk as bytes (a copy), or None on a miss."""

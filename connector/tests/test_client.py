@@ -307,3 +307,138 @@ def test_many_clients_at_once(daemon) -> None:  # type: ignore[no-untyped-def]
     for t in threads:
         t.join(timeout=60)
     assert not errors, errors
+
+
+# --- pipelining ----------------------------------------------------------------
+
+
+def test_pipelined_requests_resolve_in_order_byte_exact(daemon) -> None:  # type: ignore[no-untyped-def]
+    size, n = 64 << 10, 48
+    with KvtierClient(daemon.socket_path, region_size=2 * n * size, timeout=30, max_in_flight=8) as c:
+        ns = c.hello(record(0))
+        buf = c.region.buffer
+        data = [os.urandom(size) for _ in range(n)]
+        puts = []
+        for i, d in enumerate(data):
+            buf[i * size : (i + 1) * size] = d
+            puts.append(c.submit_put(ns, [(key(i), (i * size, size))]))
+            # Never more than max_in_flight sent and unanswered.
+            assert len(c._in_flight) <= 8
+        # The ninth submit waited for the first reply.
+        assert puts[0].done
+        assert [p.wait() for p in puts] == [["ok"]] * n
+        gets = [c.submit_get(ns, [key(i)], into=[((n + i) * size, size)]) for i in range(n)]
+        # A synchronous call after them reads their replies first.
+        assert c.lookup(ns, [key(0), key(n - 1)]).prefix == 2
+        assert all(g.done for g in gets)
+        for i, g in enumerate(gets):
+            (r,) = g.wait()
+            assert r.status == "hit-ram" and r.offset == (n + i) * size
+            assert bytes(r.data) == data[i], f"chunk {i}"
+
+
+def test_a_refused_request_in_a_pipeline_fails_only_itself(client: KvtierClient) -> None:
+    ns = client.hello(record(0))
+    client.region.buffer[0:4] = b"abcd"
+    first = client.submit_put(ns, [(key(1), (0, 4))])
+    bad = client.submit_put(b"\x02" * 16, [(key(2), (0, 4))])
+    out_of_range = client.submit_get(ns, [key(1)], into=[(client.region.size, 4)])
+    last = client.submit_get(ns, [key(1)], into=[(4096, 4)])
+    assert last.wait()[0].status == "hit-ram"
+    assert first.wait() == ["ok"]
+    with pytest.raises(KvtierError) as e:
+        bad.wait()
+    assert e.value.code == "unknown-namespace"
+    with pytest.raises(KvtierError) as e:
+        out_of_range.wait()
+    assert e.value.code == "out-of-range"
+    assert bytes(client.region.buffer[4096:4100]) == b"abcd"
+    with pytest.raises(TypeError, match="put"):
+        client.submit_put(ns, [(key(3), b"bytes")])  # type: ignore[list-item]
+    client.ping()
+
+
+def test_a_lost_connection_fails_every_request_in_flight(tmp_path: Path) -> None:
+    """A daemon that reads three requests and hangs up: each pending request
+    raises KvtierUnavailable naming the cause, none hangs."""
+    path = tmp_path / "hangup.sock"
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(str(path))
+    srv.listen(1)
+
+    def serve() -> None:
+        conn = srv.accept()[0]
+        # Accept the region (the memfd that came along is dropped here).
+        head = conn.recv(fr.HEADER_LEN + 8, socket.MSG_WAITALL)
+        req_id = int.from_bytes(head[16:24], "little")
+        body = (1 << 16).to_bytes(8, "little")
+        conn.sendall(fr.encode_frame(fr.OP_REGISTER_REGION | fr.REPLY_BIT, 0, 0, req_id, body))
+        got = b""
+        while got.count(fr.MAGIC) < 3:
+            chunk = conn.recv(4096)
+            if not chunk:
+                break
+            got += chunk
+        conn.close()
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    try:
+        c = KvtierClient(path, region_size=1 << 16, timeout=5)
+        pending = [c.submit_get(NS, [key(i)], into=[(i * 64, 64)]) for i in range(3)]
+        for p in pending:
+            with pytest.raises(KvtierUnavailable, match="closed the connection"):
+                p.wait()
+        assert c.closed
+        with pytest.raises(KvtierUnavailable):
+            c.submit_get(NS, [key(0)])
+    finally:
+        t.join(timeout=5)
+        srv.close()
+
+
+def test_replies_split_or_merged_by_the_socket_decode_alike(tmp_path: Path) -> None:
+    """A reply that arrives a byte at a time, and two replies that arrive in
+    one read (the second before its request was even sent)."""
+    path = tmp_path / "odd.sock"
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(str(path))
+    srv.listen(1)
+
+    def reply(op: int, req_id: int, body: bytes = b"") -> bytes:
+        return fr.encode_frame(op | fr.REPLY_BIT, 0, 0, req_id, body)
+
+    def serve() -> None:
+        conn = srv.accept()[0]
+        conn.recv(fr.HEADER_LEN + 8, socket.MSG_WAITALL)
+        for b in reply(fr.OP_REGISTER_REGION, 1, (1 << 16).to_bytes(8, "little")):
+            conn.sendall(bytes([b]))
+        conn.recv(fr.HEADER_LEN, socket.MSG_WAITALL)
+        conn.sendall(reply(fr.OP_PING, 2) + reply(fr.OP_PING, 3))
+        # The second and third PING (unanswered), then hang up.
+        conn.recv(2 * fr.HEADER_LEN, socket.MSG_WAITALL)
+        conn.close()
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    try:
+        c = KvtierClient(path, region_size=1 << 16, timeout=5)
+        c.ping()
+        c.ping()
+        with pytest.raises(KvtierUnavailable, match="closed the connection"):
+            c.ping()
+    finally:
+        t.join(timeout=5)
+        srv.close()
+
+
+def test_a_reply_larger_than_the_receive_buffer(client: KvtierClient) -> None:
+    ns = client.hello(record(0))
+    client.put(ns, [(key(7), b"x")])
+    keys = [(i + (0x5EED << 200)).to_bytes(32, "little") for i in range(client.limits["max_batch"])]
+    keys[3] = key(7)
+    pending = client.submit_get(ns, [key(7)], into=[(0, 1)])
+    r = client.lookup(ns, keys)  # a reply of 8 + 65,536 bytes
+    assert r.prefix == 0 and r.locations.count("ram") == 1 and r.locations[3] == "ram"
+    assert pending.wait()[0].status == "hit-ram"
+    client.ping()

@@ -13,7 +13,9 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 # Idempotent: pip skips what is installed; the stamp avoids even that.
 # redis: redis-py, a RESP client the endpoint must serve (tests/test_resp.py).
-DEPS="pytest numpy redis"
+# google-crc32c: the client's optional C CRC32C (the `fast` extra); the
+# pure-Python CRC is checked against it in tests/test_client.py.
+DEPS="pytest numpy redis google-crc32c"
 STAMP="$VENV/.kvtier-deps-$( (cat connector/pyproject.toml; echo "$DEPS") | sha256sum | cut -c1-16)"
 if [ ! -e "$STAMP" ]; then
   # shellcheck disable=SC2086
@@ -38,4 +40,4 @@ if [ "$rc" -eq 5 ]; then
 fi
 [ "$rc" -eq 0 ] || exit "$rc"
 # The Python client benchmark, small: it keeps working (figures: docs/benchmarks.md).
-"$VENV/bin/python" scripts/python-client-bench.py --quick --kvtier "$ROOT/target/debug/kvtier"
+"$VENV/bin/python" scripts/python-client-bench.py --quick --depth 4 --kvtier "$ROOT/target/debug/kvtier"
