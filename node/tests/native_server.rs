@@ -203,6 +203,50 @@ fn pipelined_requests_are_answered_in_order() {
     }
 }
 
+/// Replies that fill the socket while the client is not reading: the
+/// server's sends would block, it waits for writability (its connection is
+/// registered for reading only) and every reply arrives whole and in order
+/// once the client reads.
+#[test]
+fn replies_larger_than_the_socket_buffer_wait_for_the_client() {
+    let server = TestServer::start();
+    let mut c = server.client();
+    let ns = c.hello(&record(0)).unwrap();
+    c.put_bytes(ns, 0, &[(key(3), b"x")]).unwrap();
+    // 65,536 keys in the region: each reply carries 65,536 locations.
+    let count = 65_536u32;
+    let mut keys: Vec<u8> = (0..count).flat_map(|i| key(i + 100).0).collect();
+    keys[..32].copy_from_slice(&key(3).0);
+    c.region_mut().unwrap().as_mut_slice()[..keys.len()].copy_from_slice(&keys);
+    // 48 replies, over 3 MiB, far past a Unix socket's buffer.
+    let ids: Vec<u64> = (0..48)
+        .map(|_| {
+            c.send(&Request::LookupInRegion {
+                ns,
+                group: 0,
+                offset: 0,
+                count,
+            })
+            .unwrap()
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(200));
+    for id in ids {
+        let (got, reply) = c.recv().unwrap();
+        assert_eq!(got, id);
+        match reply {
+            Reply::Ok(Response::Lookup { prefix, locations }) => {
+                assert_eq!(prefix, 1);
+                assert_eq!(locations.len(), count as usize);
+                assert_eq!(locations[0], LookupLocation::Ram);
+                assert!(locations[1..].iter().all(|l| *l == LookupLocation::Miss));
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    c.ping().unwrap();
+}
+
 #[test]
 fn polling_server_and_client_serve_back_to_back_pipelined_and_idle_requests() {
     // Polling before parking (server) and before blocking (client) must not
