@@ -204,9 +204,8 @@ fn pipelined_requests_are_answered_in_order() {
 }
 
 /// Replies that fill the socket while the client is not reading: the
-/// server's sends would block, it waits for writability (its connection is
-/// registered for reading only) and every reply arrives whole and in order
-/// once the client reads.
+/// server's writes would block, it waits for writability, and every reply
+/// arrives whole and in order once the client reads.
 #[test]
 fn replies_larger_than_the_socket_buffer_wait_for_the_client() {
     let server = TestServer::start();
