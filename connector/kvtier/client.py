@@ -35,6 +35,12 @@ the next (the daemon answers in order)::
     pending = [c.submit_get(ns, [k], into=[(i * size, size)]) for i, k in enumerate(keys)]
     results = [p.wait()[0] for p in pending]
 
+A submit waits for the oldest replies first while ``max_in_flight`` requests
+(64) or about 32 KiB of replies are unread, so that the replies always fit
+the socket's buffer (the daemon reads no request while a reply write
+blocks). An interrupt (Ctrl-C) during ``wait()`` leaves the connection in
+step, and the wait can be retried; one during a send closes the client.
+
 Concurrency contract: do not modify a PUT range or read a GET range until
 the call (or its ``wait()``) has returned. One client (one connection) must
 not be used from two threads at once; open one client per thread.
@@ -74,9 +80,16 @@ __all__ = [
 DEFAULT_REGION_SIZE = 64 << 20
 DEFAULT_TIMEOUT = 60.0
 #: Requests a client keeps in flight at most (``submit_*``): one more waits
-#: for the oldest reply first. Replies are small, so this bounds the bytes
-#: the socket buffers hold, never the daemon's work.
+#: for the oldest reply first.
 DEFAULT_MAX_IN_FLIGHT = 64
+# Reply bytes a client lets pile up unread, at most (one larger reply is
+# always allowed, alone). A connection's daemon task stops reading requests
+# while a reply write blocks, and this client stops reading replies while a
+# request send blocks: replies that fit the socket's buffer (a Unix socket's
+# default is 208 KiB, counted with ~1 KiB of kernel overhead per message)
+# keep that from ever deadlocking the two.
+_REPLY_BUDGET = 32 << 10
+_REPLY_OVERHEAD = 1 << 10
 
 T = TypeVar("T")
 # Bytes read from the socket at once (more when a reply needs it).
@@ -227,12 +240,13 @@ class Pending(Generic[T]):
     :class:`KvtierUnavailable`.
     """
 
-    __slots__ = ("_client", "req_id", "_decode", "_done", "_value", "_error")
+    __slots__ = ("_client", "req_id", "_decode", "_done", "_value", "_error", "_reply_bytes")
 
-    def __init__(self, client: KvtierClient, req_id: int, decode: Callable[[Any], T]) -> None:
+    def __init__(self, client: KvtierClient, req_id: int, decode: Callable[[Any], T], reply_bytes: int = 0) -> None:
         self._client = client
         self.req_id = req_id
         self._decode = decode
+        self._reply_bytes = reply_bytes
         self._done = False
         self._value: Any = None
         self._error: BaseException | None = None
@@ -253,8 +267,14 @@ class Pending(Generic[T]):
     def _resolve(self, reply: Any) -> None:
         try:
             self._value = self._decode(reply)
-        except BaseException as e:  # noqa: BLE001 - handed to wait()
+        except Exception as e:  # noqa: BLE001 - handed to wait()
             self._error = e
+        except BaseException:
+            # An interrupt (Ctrl-C) while decoding: this result is lost (the
+            # stream stays in step: its reply was read), the interrupt goes on.
+            self._error = KvtierError("interrupted while decoding the reply")
+            self._done = True
+            raise
         self._done = True
 
     def _fail(self, error: BaseException) -> None:
@@ -283,6 +303,7 @@ class KvtierClient:
         self.socket_path = os.fspath(socket_path)
         self.max_in_flight = max_in_flight
         self._in_flight: collections.deque[Pending[Any]] = collections.deque()
+        self._reply_bytes = 0  # estimated, of the requests in flight
         # Received and not yet decoded: buf[_rpos:_rend].
         self._rbuf = bytearray(_RECV_BUFFER)
         self._rpos = self._rend = 0
@@ -359,10 +380,10 @@ class KvtierClient:
         except OSError as e:
             raise self._broken("lost the connection to the kvtier daemon", e) from e
 
-    def _recv_exact(self, n: int) -> bytes:
-        """The next ``n`` bytes of the stream. Reads whatever the socket has
-        (up to the buffer's size) so that one ``recv`` usually brings a whole
-        reply, or several when requests are pipelined."""
+    def _fill(self, n: int) -> None:
+        """Reads until at least ``n`` bytes are buffered (consuming none).
+        Reads whatever the socket has, up to the buffer's size, so that one
+        ``recv`` usually brings a whole reply, or several when pipelined."""
         assert self._sock is not None
         buf = self._rbuf
         while self._rend - self._rpos < n:
@@ -382,35 +403,64 @@ class KvtierClient:
             if k == 0:
                 raise self._broken("the kvtier daemon closed the connection", None)
             self._rend += k
-        out = bytes(buf[self._rpos : self._rpos + n])
+
+    def _consume(self, n: int) -> None:
         self._rpos += n
         if self._rpos == self._rend:
             self._rpos = self._rend = 0
-            if len(buf) > _RECV_BUFFER:
+            if len(self._rbuf) > _RECV_BUFFER:
                 # A large reply (STATS, a big LOOKUP) grew it: give the memory back.
-                del buf[_RECV_BUFFER:]
-        return out
+                del self._rbuf[_RECV_BUFFER:]
 
     def _fail_in_flight(self, error: BaseException) -> None:
         while self._in_flight:
             self._in_flight.popleft()._fail(error)
+        self._reply_bytes = 0
+
+    def _pop_head(self) -> Pending[Any]:
+        head = self._in_flight.popleft()
+        self._reply_bytes -= head._reply_bytes
+        return head
 
     def _check_open(self) -> None:
         if self._sock is None:
             raise KvtierUnavailable("the client is closed")
 
-    def _submit(self, decode: Callable[[Any], T], build: Any, *args: Any, fd: int | None = None) -> Pending[T]:
-        """Sends one request; its reply is read by ``wait()`` (or by a later
-        call that needs the replies before it)."""
+    def _submit(
+        self,
+        decode: Callable[[Any], T],
+        build: Any,
+        *args: Any,
+        fd: int | None = None,
+        reply_bytes: int = 64,
+    ) -> Pending[T]:
+        """Sends one request whose reply is about ``reply_bytes`` long; the
+        reply is read by ``wait()`` (or by a later call that needs the
+        replies before it). Waits for the oldest replies first while
+        ``max_in_flight`` requests, or the reply budget, are in flight."""
         self._check_open()
-        while len(self._in_flight) >= self.max_in_flight:
+        reply_bytes += _REPLY_OVERHEAD
+        while self._in_flight and (
+            len(self._in_flight) >= self.max_in_flight or self._reply_bytes + reply_bytes > _REPLY_BUDGET
+        ):
             self._wait_for(self._in_flight[0])
+        self._check_open()
         req_id = self._next_id
         self._next_id += 1
         frame = build(req_id, *args)
-        pending: Pending[T] = Pending(self, req_id, decode)
-        self._send(frame, fd)
+        pending: Pending[T] = Pending(self, req_id, decode, reply_bytes)
+        # In flight from before the send: a send that fails fails it too.
         self._in_flight.append(pending)
+        self._reply_bytes += reply_bytes
+        try:
+            self._send(frame, fd)
+        except KvtierUnavailable:
+            raise
+        except BaseException:
+            # Interrupted mid-send (Ctrl-C): part of a frame may be on the
+            # wire, so the stream cannot be trusted any more.
+            self._broken_in_flight(KvtierUnavailable("interrupted while sending a request; the connection is closed"))
+            raise
         return pending
 
     def _wait_for(self, pending: Pending[Any]) -> None:
@@ -427,15 +477,21 @@ class KvtierClient:
         the connection and fails every request in flight."""
         head = self._in_flight[0]
         try:
-            h = fr.decode_header(self._recv_exact(fr.HEADER_LEN))
-            body = self._recv_exact(h.body_len)
+            # Nothing is consumed until the whole frame is buffered: an
+            # interrupted wait() can simply be retried.
+            self._fill(fr.HEADER_LEN)
+            h = fr.decode_header(bytes(self._rbuf[self._rpos : self._rpos + fr.HEADER_LEN]))
+            self._fill(fr.HEADER_LEN + h.body_len)
+            start = self._rpos + fr.HEADER_LEN
+            body = bytes(self._rbuf[start : start + h.body_len])
+            self._consume(fr.HEADER_LEN + h.body_len)
             fr.check_body(h, body)
             reply = fr.decode_reply(h, body)
         except fr.FrameError as e:
             self._broken_in_flight(KvtierProtocolError(str(e)))
             return
         except KvtierUnavailable as e:
-            # _recv_exact closed the client; the others fail with the cause.
+            # _fill closed the client; the others fail with the cause.
             self._fail_in_flight(e)
             return
         if isinstance(reply, fr.ErrorReply):
@@ -447,19 +503,19 @@ class KvtierClient:
                 # The daemon closes the connection after these.
                 self._broken_in_flight(KvtierUnavailable(reply.message, reply.name))
             else:
-                self._in_flight.popleft()._fail(KvtierError(reply.message, reply.name))
+                self._pop_head()._fail(KvtierError(reply.message, reply.name))
             return
         if h.req_id != head.req_id:
             self._broken_in_flight(KvtierProtocolError(f"reply id {h.req_id} does not match request id {head.req_id}"))
             return
-        self._in_flight.popleft()._resolve(reply)
+        self._pop_head()._resolve(reply)
 
     def _broken_in_flight(self, error: KvtierError) -> None:
         self._fail_in_flight(error)
         self.close()
 
-    def _call(self, build: Any, *args: Any, fd: int | None = None) -> Any:
-        return self._submit(_identity, build, *args, fd=fd).wait()
+    def _call(self, build: Any, *args: Any, fd: int | None = None, reply_bytes: int = 64) -> Any:
+        return self._submit(_identity, build, *args, fd=fd, reply_bytes=reply_bytes).wait()
 
     # --- ops --------------------------------------------------------------
 
@@ -488,14 +544,14 @@ class KvtierClient:
     def lookup(self, ns: bytes, keys: Sequence[bytes], group: int = 0) -> LookupResult:
         """Longest present prefix of ``keys`` (32 bytes each) and where each
         key lives. Touches no disk and no network on the daemon."""
-        prefix, locations = self._call(fr.lookup, ns, group, keys)
+        prefix, locations = self._call(fr.lookup, ns, group, keys, reply_bytes=40 + len(keys))
         return LookupResult(prefix, locations)
 
     def lookup_in_region(self, ns: bytes, offset: int, count: int, group: int = 0) -> LookupResult:
         """:meth:`lookup` of ``count`` keys (32 bytes each) already written at
         ``offset`` in the region: the keys travel in shared memory, not in the
         request frame (fewer copies for large batches)."""
-        prefix, locations = self._call(fr.lookup_in_region, ns, group, offset, count)
+        prefix, locations = self._call(fr.lookup_in_region, ns, group, offset, count, reply_bytes=40 + count)
         return LookupResult(prefix, locations)
 
     def cluster_lookup(
@@ -503,7 +559,9 @@ class KvtierClient:
     ) -> ClusterLookupResult:
         """Per-rank prefixes for the family of ``record`` (its rank is
         ignored) and their minimum."""
-        min_prefix, ranks_out = self._call(fr.cluster_lookup, record, list(ranks), group, keys)
+        min_prefix, ranks_out = self._call(
+            fr.cluster_lookup, record, list(ranks), group, keys, reply_bytes=40 + 12 * len(ranks)
+        )
         return ClusterLookupResult(min_prefix, [RankPrefix(*r) for r in ranks_out])
 
     def put(
@@ -572,7 +630,7 @@ class KvtierClient:
             ranges[i] = (items[i][0], off, n)
             off += n
         entries = [r for r in ranges if r is not None]
-        return self._submit(_put_codes, fr.put, ns, group, entries, atomic)
+        return self._submit(_put_codes, fr.put, ns, group, entries, atomic, reply_bytes=36 + 2 * len(entries))
 
     def get(
         self,
@@ -602,6 +660,8 @@ class KvtierClient:
         if into is None:
             if not keys:
                 return self._done_pending([])
+            # The whole region: no request in flight may be writing into it.
+            self.wait_all()
             cap = region.size // len(keys)
             into = [(i * cap, cap) for i in range(len(keys))]
         if len(into) != len(keys):
@@ -616,7 +676,7 @@ class KvtierClient:
                 out.append(GetResult(bytes(key), status, off, length, data))
             return out
 
-        return self._submit(results, fr.get, ns, group, entries)
+        return self._submit(results, fr.get, ns, group, entries, reply_bytes=40 + 16 * len(entries))
 
     def _done_pending(self, value: T) -> Pending[T]:
         p: Pending[T] = Pending(self, 0, _identity)
@@ -630,7 +690,9 @@ class KvtierClient:
             self._wait_for(self._in_flight[-1])
 
     def get_bytes(self, ns: bytes, key: bytes, group: int = 0) -> bytes | None:
-        """One chunk as bytes (a copy), or None on a miss."""
+        """One chunk as bytes (a copy), or None on a miss. Uses the whole
+        region: requests in flight are waited for first."""
+        self.wait_all()
         r = self.get(ns, [key], group, into=[(0, self.region.size)])[0]
         if r.status == "too-small":
             raise KvtierError(f"chunk of {r.length} bytes does not fit the region of {self.region.size}", "too-large")
@@ -638,7 +700,7 @@ class KvtierClient:
 
     def delete(self, ns: bytes, keys: Sequence[bytes], group: int = 0) -> list[bool]:
         """Removes chunks; per key whether it existed."""
-        return list(self._call(fr.delete, ns, group, keys))
+        return list(self._call(fr.delete, ns, group, keys, reply_bytes=36 + len(keys)))
 
     def flush(self) -> dict[str, int]:
         """Returns once every chunk dirty at the call is durable:
@@ -647,5 +709,6 @@ class KvtierClient:
 
     def stats(self) -> dict[str, Any]:
         """Store and node counters (``node``, ``uptime-secs``, ``store``, ``counters``)."""
-        return dict(self._call(fr.stats))
+        # Its size is unknown: alone in flight.
+        return dict(self._call(fr.stats, reply_bytes=_REPLY_BUDGET))
 

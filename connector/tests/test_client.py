@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import ctypes
 import os
+import signal
 import socket
+import struct
 import threading
+import time
 from pathlib import Path
 from typing import Iterator
 
@@ -442,3 +445,99 @@ def test_a_reply_larger_than_the_receive_buffer(client: KvtierClient) -> None:
     assert r.prefix == 0 and r.locations.count("ram") == 1 and r.locations[3] == "ram"
     assert pending.wait()[0].status == "hit-ram"
     client.ping()
+
+
+def test_large_pipelined_batches_never_deadlock_the_connection(daemon) -> None:  # type: ignore[no-untyped-def]
+    """Replies that would overflow the socket while the client still sends
+    requests: the daemon stops reading while a reply write blocks, the client
+    while a send blocks. The client's reply budget keeps that from happening
+    (without it this stalled until the daemon's 30 s frame timeout)."""
+    with KvtierClient(daemon.socket_path, region_size=1 << 20, timeout=10) as c:
+        ns = c.hello(record(0))
+        for keys_per_get, depth in ((256, 64), (4096, 8)):
+            keys = [(0xB16 << 128 | i).to_bytes(32, "little") for i in range(keys_per_get)]
+            pending = [c.submit_get(ns, keys, into=[(0, 0)] * keys_per_get) for _ in range(depth)]
+            for p in pending:
+                assert [r.status for r in p.wait()] == ["miss"] * keys_per_get
+        c.ping()
+
+
+def _slow_reply_server(path: Path, lookups: int, split_first: float) -> threading.Thread:
+    """Accepts one client, answers REGISTER_REGION, then `lookups` LOOKUPs of
+    one key with prefix 1; the first reply's body comes `split_first`
+    seconds after its header."""
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(str(path))
+    srv.listen(1)
+
+    def serve() -> None:
+        conn = srv.accept()[0]
+        head = conn.recv(fr.HEADER_LEN + 8, socket.MSG_WAITALL)
+        req_id = int.from_bytes(head[16:24], "little")
+        conn.sendall(fr.encode_frame(fr.OP_REGISTER_REGION | fr.REPLY_BIT, 0, 0, req_id, (1 << 16).to_bytes(8, "little")))
+        for n in range(lookups):
+            req = conn.recv(fr.HEADER_LEN, socket.MSG_WAITALL)
+            body_len = int.from_bytes(req[12:16], "little")
+            conn.recv(body_len, socket.MSG_WAITALL)
+            req_id = int.from_bytes(req[16:24], "little")
+            frame = fr.encode_frame(fr.OP_LOOKUP | fr.REPLY_BIT, 0, 0, req_id, struct.pack("<II", 1, 1) + b"\x01")
+            if n == 0:
+                conn.sendall(frame[: fr.HEADER_LEN])
+                time.sleep(split_first)
+                conn.sendall(frame[fr.HEADER_LEN :])
+            else:
+                conn.sendall(frame)
+        conn.recv(1)
+        conn.close()
+        srv.close()
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    return t
+
+
+def test_an_interrupted_wait_can_be_retried(tmp_path: Path) -> None:
+    """Ctrl-C while a reply is half received: nothing of it is consumed, so
+    the connection stays in step and the next call works."""
+    path = tmp_path / "slow.sock"
+    t = _slow_reply_server(path, lookups=2, split_first=0.6)
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        c = KvtierClient(path, region_size=1 << 16, timeout=5)
+        signal.setitimer(signal.ITIMER_REAL, 0.2)
+        with pytest.raises(KeyboardInterrupt):
+            c.lookup(NS, [key(1)])
+        assert not c.closed
+        r = c.lookup(NS, [key(2)])  # reads the first reply, then its own
+        assert r.prefix == 1 and r.locations == ["ram"]
+        c.close()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+        t.join(timeout=5)
+
+
+def test_an_interrupt_while_decoding_is_raised_not_stored(client: KvtierClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvtier.client as kc
+
+    ns = client.hello(record(0))
+    client.region.buffer[0:2] = b"ab"
+    real = kc._put_codes
+
+    def interrupted(codes: object) -> list[str]:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(kc, "_put_codes", interrupted)
+    first = client.submit_put(ns, [(key(70), (0, 2))])
+    monkeypatch.setattr(kc, "_put_codes", real)
+    second = client.submit_put(ns, [(key(71), (0, 2))])
+    with pytest.raises(KeyboardInterrupt):
+        second.wait()  # decoding the first reply is interrupted
+    with pytest.raises(KvtierError, match="interrupted"):
+        first.wait()
+    assert second.wait() == ["ok"]
+    assert client.get_bytes(ns, key(71)) == b"ab"
