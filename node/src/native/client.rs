@@ -116,6 +116,9 @@ impl Client {
     }
 
     /// Sends a request without waiting for its reply; returns its id.
+    /// Keep the unread replies well below the socket's buffer: the daemon
+    /// reads no further request while a reply write blocks, so a send that
+    /// blocks meanwhile stalls both sides (node/PROTOCOL.md, "Pipelining").
     pub fn send(&mut self, req: &Request) -> Result<u64, NativeError> {
         self.send_with_fd(req, None)
     }
