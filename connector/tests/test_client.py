@@ -361,6 +361,17 @@ def test_a_refused_request_in_a_pipeline_fails_only_itself(client: KvtierClient)
     client.ping()
 
 
+def _accept_with_region(srv: socket.socket) -> socket.socket:
+    """Accepts a client and answers its REGISTER_REGION of 64 KiB (the memfd
+    that came along is dropped here)."""
+    conn = srv.accept()[0]
+    head = conn.recv(fr.HEADER_LEN + 8, socket.MSG_WAITALL)
+    req_id = int.from_bytes(head[16:24], "little")
+    body = (1 << 16).to_bytes(8, "little")
+    conn.sendall(fr.encode_frame(fr.OP_REGISTER_REGION | fr.REPLY_BIT, 0, 0, req_id, body))
+    return conn
+
+
 def test_a_lost_connection_fails_every_request_in_flight(tmp_path: Path) -> None:
     """A daemon that reads three requests and hangs up: each pending request
     raises KvtierUnavailable naming the cause, none hangs."""
@@ -370,12 +381,7 @@ def test_a_lost_connection_fails_every_request_in_flight(tmp_path: Path) -> None
     srv.listen(1)
 
     def serve() -> None:
-        conn = srv.accept()[0]
-        # Accept the region (the memfd that came along is dropped here).
-        head = conn.recv(fr.HEADER_LEN + 8, socket.MSG_WAITALL)
-        req_id = int.from_bytes(head[16:24], "little")
-        body = (1 << 16).to_bytes(8, "little")
-        conn.sendall(fr.encode_frame(fr.OP_REGISTER_REGION | fr.REPLY_BIT, 0, 0, req_id, body))
+        conn = _accept_with_region(srv)
         got = b""
         while got.count(fr.MAGIC) < 3:
             chunk = conn.recv(4096)
@@ -471,10 +477,7 @@ def _slow_reply_server(path: Path, lookups: int, split_first: float) -> threadin
     srv.listen(1)
 
     def serve() -> None:
-        conn = srv.accept()[0]
-        head = conn.recv(fr.HEADER_LEN + 8, socket.MSG_WAITALL)
-        req_id = int.from_bytes(head[16:24], "little")
-        conn.sendall(fr.encode_frame(fr.OP_REGISTER_REGION | fr.REPLY_BIT, 0, 0, req_id, (1 << 16).to_bytes(8, "little")))
+        conn = _accept_with_region(srv)
         for n in range(lookups):
             req = conn.recv(fr.HEADER_LEN, socket.MSG_WAITALL)
             body_len = int.from_bytes(req[12:16], "little")
