@@ -7,12 +7,12 @@ A real daemon is started (RAM only, so the figure is the protocol's and the
 copies', not the disk's) and its RAM budget filled once, so that measured
 PUTs evict and reuse memory as in a full tier. The region is 256 MiB and
 requests rotate through it, and the baseline copies rotate through two
-256 MiB numpy arrays, so neither side runs from the CPU caches. PUT sends chunks already in the
-region (the zero-copy path an engine uses: its tensors are staged there);
-GET scatters them back into the region. Cells alternate with the baseline
-(median of ``--reps`` passes), every GET is checked against what was PUT
-(outside the timed loop, on a sample), and each result is printed as a
-``RESULT`` line with its ratio.
+256 MiB numpy arrays, so neither side runs from the CPU caches. PUT sends
+chunks already in the region (the zero-copy path an engine uses: its
+tensors are staged there); GET scatters them back into the region. Cells
+alternate with the baseline (median of ``--reps`` passes), every GET is
+checked against what was PUT (outside the timed loop, on a sample), and
+each result is printed as a ``RESULT`` line with its ratio.
 
     python3 scripts/python-client-bench.py --kvtier target/release/kvtier
     python3 scripts/python-client-bench.py --quick     # CI smoke, small

@@ -75,11 +75,16 @@ pub(crate) fn seed(ns: &Namespace, group: GroupId) -> u64 {
 /// the RAM tier.
 #[inline]
 pub(crate) fn key_hash(seed: u64, key: &ChunkKey) -> u64 {
+    let h = key_round(key_state(seed, key), key_word(key, 3), KEY_MUL[3]);
+    h ^ (h >> 32)
+}
+
+/// [`key_hash`]'s state after the first three words of `key`.
+#[inline(always)]
+fn key_state(seed: u64, key: &ChunkKey) -> u64 {
     let h = (key_word(key, 0) ^ seed).wrapping_mul(KEY_MUL[0]);
     let h = key_round(h, key_word(key, 1), KEY_MUL[1]);
-    let h = key_round(h, key_word(key, 2), KEY_MUL[2]);
-    let h = key_round(h, key_word(key, 3), KEY_MUL[3]);
-    h ^ (h >> 32)
+    key_round(h, key_word(key, 2), KEY_MUL[2])
 }
 
 /// The odd multipliers of [`key_hash`]'s rounds.
@@ -111,14 +116,10 @@ fn key_round(h: u64, word: u64, mul: u64) -> u64 {
 /// back to `key`'s.
 #[cfg(test)]
 pub(crate) fn colliding_key(seed: u64, key: &ChunkKey) -> ChunkKey {
-    let h = (key_word(key, 0) ^ seed).wrapping_mul(KEY_MUL[0]);
-    let h = key_round(h, key_word(key, 1), KEY_MUL[1]);
-    let ours = key_round(h, key_word(key, 2), KEY_MUL[2]);
-    let other_word = !key_word(key, 2);
-    let theirs = key_round(h, other_word, KEY_MUL[2]);
-    let last = key_mix(ours) ^ key_word(key, 3) ^ key_mix(theirs);
     let mut k = key.0;
-    k[16..24].copy_from_slice(&other_word.to_le_bytes());
+    k[16..24].copy_from_slice(&(!key_word(key, 2)).to_le_bytes());
+    let theirs = key_state(seed, &ChunkKey(k));
+    let last = key_mix(key_state(seed, key)) ^ key_word(key, 3) ^ key_mix(theirs);
     k[24..32].copy_from_slice(&last.to_le_bytes());
     let other = ChunkKey(k);
     debug_assert_eq!(key_hash(seed, &other), key_hash(seed, key));
