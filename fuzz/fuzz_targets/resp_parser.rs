@@ -40,7 +40,7 @@ fuzz_target!(|data: &[u8]| {
                 if d.len() < total {
                     return;
                 }
-                if p.finish_direct(d).is_err() {
+                if p.finish_direct(d.freeze()).is_err() {
                     return;
                 }
             }

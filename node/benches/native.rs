@@ -317,9 +317,12 @@ fn throughput(
 /// Which (size, batch) cells to measure: `KVTIER_BENCH_CELLS` (e.g.
 /// `256K/1,4M/16`, or `none`), else all.
 fn cells() -> Vec<(usize, usize)> {
+    // 32 MiB: 256 tokens of an 8B model's KV cache in bf16, a chunk size
+    // at which glibc maps every allocation freshly (see tier::buffers).
     let all: Vec<(usize, usize)> = [256usize << 10, 1 << 20, 4 << 20]
         .into_iter()
         .flat_map(|s| [(s, 1), (s, 16)])
+        .chain([(32 << 20, 1)])
         .collect();
     let Ok(spec) = std::env::var("KVTIER_BENCH_CELLS") else {
         return all;

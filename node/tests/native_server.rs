@@ -82,6 +82,17 @@ fn put_lookup_get_delete_round_trip_through_shared_memory() {
     assert_eq!(results[sizes.len() + 1].status, GetStatus::TooSmall);
     assert_eq!(results[sizes.len() + 1].len, sizes[2] as u64);
     assert_eq!(c.get_bytes(ns, 0, key(3)).unwrap().unwrap(), data[3]);
+    // A new version of the large chunk is copied into the buffer that its
+    // first version left in the store's pool, with its own bytes.
+    let pool = server.ctx.store.buffers();
+    let before = pool.stats();
+    let newer = payload(77, sizes[3]);
+    for _ in 0..2 {
+        let put = c.put_bytes(ns, 0, &[(key(3), newer.as_slice())]).unwrap();
+        assert_eq!(put, vec![0]);
+    }
+    assert_eq!(pool.stats().reused, before.reused + 1, "{:?}", pool.stats());
+    assert_eq!(c.get_bytes(ns, 0, key(3)).unwrap().unwrap(), newer);
 
     // Overwrite, then delete.
     assert_eq!(

@@ -408,6 +408,16 @@ async fn binary_keys_values_and_large_values_round_trip() {
     }
     expect(&mut c, b"+OK\r\n").await;
     rt(&mut c, &cmd(&[b"GET", b"big2"]), &bulk(&big)).await;
+    // A new version of a large value lands in the buffer its old version
+    // left in the store's pool (no fresh pages), with its own bytes.
+    let pool = s.ctx.store.buffers();
+    let reused = pool.stats().reused;
+    let newer: Vec<u8> = big.iter().map(|b| b ^ 0x5a).collect();
+    rt(&mut c, &cmd(&[b"SET", b"big", &newer]), b"+OK\r\n").await;
+    rt(&mut c, &cmd(&[b"SET", b"big2", &newer]), b"+OK\r\n").await;
+    assert!(pool.stats().reused > reused, "{:?}", pool.stats());
+    rt(&mut c, &cmd(&[b"GET", b"big"]), &bulk(&newer)).await;
+    rt(&mut c, &cmd(&[b"GET", b"big2"]), &bulk(&newer)).await;
     // Empty values are values.
     rt(&mut c, &cmd(&[b"SET", b"empty", b""]), b"+OK\r\n").await;
     rt(&mut c, &cmd(&[b"GET", b"empty"]), b"$0\r\n\r\n").await;

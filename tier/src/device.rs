@@ -97,6 +97,17 @@ impl AlignedBuf {
         Self { ptr, len, cap }
     }
 
+    /// Takes ownership of an allocation of `cap` bytes aligned to [`BLOCK`].
+    ///
+    /// # Safety
+    /// `ptr` must come from the global allocator with
+    /// `Layout::from_size_align(cap, BLOCK)`, `cap` must be a non-zero
+    /// multiple of [`BLOCK`] at least `len`, and all `cap` bytes must be
+    /// initialised.
+    pub(crate) unsafe fn from_raw_parts(ptr: NonNull<u8>, len: usize, cap: usize) -> Self {
+        Self { ptr, len, cap }
+    }
+
     /// Capacity in bytes (a multiple of [`BLOCK`]).
     pub fn capacity(&self) -> usize {
         self.cap
@@ -113,7 +124,8 @@ impl AlignedBuf {
 impl Drop for AlignedBuf {
     fn drop(&mut self) {
         let layout = Layout::from_size_align(self.cap, BLOCK as usize).expect("layout");
-        // SAFETY: allocated in `zeroed` with this exact layout.
+        // SAFETY: allocated in `zeroed` (or handed to `from_raw_parts`)
+        // with this exact layout.
         unsafe { dealloc(self.ptr.as_ptr(), layout) }
     }
 }

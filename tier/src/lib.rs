@@ -14,6 +14,7 @@
 //! `spawn_blocking` (a `get` that hits RAM never touches the disk).
 
 mod aio;
+pub mod buffers;
 pub mod config;
 pub mod device;
 mod error;

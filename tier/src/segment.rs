@@ -14,6 +14,7 @@ use std::time::Instant;
 use bytes::Bytes;
 use parking_lot::{Mutex, RwLock};
 
+use crate::buffers::BufferPool;
 use crate::device::{AlignedBuf, BLOCK, Device, block_up};
 use crate::format::{ChunkHeader, crc32c};
 use crate::index::{Index, Location};
@@ -67,78 +68,9 @@ pub(crate) struct Disk {
     pub counters: DiskCounters,
     /// Payload bytes of the chunks in the index.
     pub live_bytes: AtomicU64,
-    /// Buffers of finished reads, reused by the next ones.
-    pub read_bufs: Arc<ReadPool>,
-}
-
-/// Recycled read buffers. A fresh buffer of a few MiB costs a page fault
-/// and the kernel's zeroing per 4 KiB page (glibc maps large allocations
-/// freshly), up to a third of a 4 MiB `O_DIRECT` read; a buffer whose
-/// chunk was dropped comes back here instead. Bounded in count and bytes;
-/// what does not fit is freed.
-#[derive(Default)]
-pub(crate) struct ReadPool {
-    // parking_lot Mutex: a scan of at most MAX_BUFS entries, no I/O held.
-    bufs: Mutex<Vec<AlignedBuf>>,
-}
-
-impl ReadPool {
-    const MAX_BUFS: usize = 32;
-    const MAX_BYTES: usize = 128 << 20;
-
-    /// A buffer of `len` bytes: a pooled one that is large enough but at
-    /// most ~12 % larger (a promoted chunk keeps its buffer while RAM
-    /// charges only its length), the smallest such, else a new zeroed one.
-    /// Its bytes are whatever the last read left there: the caller
-    /// overwrites all `len` of them.
-    fn take(&self, len: usize) -> AlignedBuf {
-        let pooled = {
-            let mut bufs = self.bufs.lock();
-            let best = bufs
-                .iter()
-                .enumerate()
-                .filter(|(_, b)| (len..=len + len / 8 + BLOCK as usize).contains(&b.capacity()))
-                .min_by_key(|(_, b)| b.capacity())
-                .map(|(i, _)| i);
-            best.map(|i| bufs.swap_remove(i))
-        };
-        match pooled {
-            Some(mut b) => {
-                b.set_len(len);
-                b
-            }
-            None => AlignedBuf::zeroed(len),
-        }
-    }
-
-    fn give(&self, buf: AlignedBuf) {
-        let mut bufs = self.bufs.lock();
-        let held: usize = bufs.iter().map(AlignedBuf::capacity).sum();
-        if bufs.len() < Self::MAX_BUFS && held + buf.capacity() <= Self::MAX_BYTES {
-            bufs.push(buf);
-        }
-    }
-}
-
-/// A read buffer that returns to its pool when the last `Bytes` slice of
-/// it is dropped.
-struct Pooled {
-    buf: Option<AlignedBuf>,
-    pool: Arc<ReadPool>,
-}
-
-impl AsRef<[u8]> for Pooled {
-    fn as_ref(&self) -> &[u8] {
-        self.buf.as_deref().unwrap_or(&[])
-    }
-}
-
-impl Drop for Pooled {
-    fn drop(&mut self) {
-        if let Some(b) = self.buf.take() {
-            self.pool.give(b);
-        }
-    }
+    /// Buffers of dropped chunks, reused by the next reads (shared with
+    /// the store's copies of new chunks).
+    pub bufs: Arc<BufferPool>,
 }
 
 /// Why a disk read did not produce bytes.
@@ -284,7 +216,7 @@ impl Disk {
                 hl + pl
             ));
         }
-        let mut whole = self.read_bufs.take((end - first) as usize);
+        let mut whole = self.bufs.take((end - first) as usize);
         self.counters.disk_reads.fetch_add(1, Ordering::Relaxed);
         let skip = (start - first) as usize;
         // The payload's CRC runs over each piece as it lands, while the
@@ -325,12 +257,8 @@ impl Disk {
             ));
         }
         head.check_payload_crc(crc).map_err(|e| e.to_string())?;
-        let whole = Pooled {
-            buf: Some(whole),
-            pool: Arc::clone(&self.read_bufs),
-        };
         Ok((
-            Bytes::from_owner(whole).slice(skip + hl..skip + hl + pl),
+            self.bufs.share(whole).slice(skip + hl..skip + hl + pl),
             head.name,
         ))
     }
@@ -345,7 +273,11 @@ impl Disk {
 
     /// Opens the device: formats a fresh one, else checks the superblock
     /// against the configured geometry and rebuilds the index.
-    pub fn open(dev: Arc<dyn Device>, region_size: u64) -> Result<(Self, Recovered)> {
+    pub fn open(
+        dev: Arc<dyn Device>,
+        region_size: u64,
+        bufs: Arc<BufferPool>,
+    ) -> Result<(Self, Recovered)> {
         let region_count = u32::try_from(dev.len() / region_size).map_err(|_| {
             Error::Config(format!("{} regions is too many", dev.len() / region_size))
         })?;
@@ -358,7 +290,7 @@ impl Disk {
             paused_nospace: AtomicBool::new(false),
             counters: DiskCounters::default(),
             live_bytes: AtomicU64::new(0),
-            read_bufs: Arc::default(),
+            bufs,
         };
         let mut block = AlignedBuf::zeroed(BLOCK as usize);
         disk.dev
@@ -672,43 +604,5 @@ impl Disk {
             && head.id == e.id()
             && head.payload_crc == e.payload_crc
             && head.verify_payload(&rec[hl..]).is_ok()
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn read_buffers_come_back_and_are_reused_only_when_their_size_fits() {
-        let pool = Arc::new(ReadPool::default());
-        let a = pool.take(1 << 20);
-        let addr = a.as_ptr();
-        // The last slice of a read's Bytes returns its buffer.
-        let bytes = Bytes::from_owner(Pooled {
-            buf: Some(a),
-            pool: Arc::clone(&pool),
-        });
-        let part = bytes.slice(10..20);
-        drop(bytes);
-        assert!(pool.bufs.lock().is_empty(), "a slice still holds it");
-        drop(part);
-        assert_eq!(pool.bufs.lock().len(), 1);
-        // Much smaller reads do not take it (RAM would charge too little).
-        let small = pool.take(64 << 10);
-        assert_ne!(small.as_ptr(), addr);
-        assert_eq!(pool.bufs.lock().len(), 1);
-        // A read of the same size does, with the requested length.
-        let again = pool.take((1 << 20) - 512);
-        assert_eq!(again.as_ptr(), addr);
-        assert_eq!(again.len(), (1 << 20) - 512);
-        assert!(pool.bufs.lock().is_empty());
-        // Bounded: beyond the byte limit buffers are freed, not kept.
-        for _ in 0..(ReadPool::MAX_BYTES >> 22) + 4 {
-            pool.give(AlignedBuf::zeroed(4 << 20));
-        }
-        let held: usize = pool.bufs.lock().iter().map(AlignedBuf::capacity).sum();
-        assert!(held <= ReadPool::MAX_BYTES, "{held}");
-        assert!(pool.bufs.lock().len() <= ReadPool::MAX_BUFS);
     }
 }

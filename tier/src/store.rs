@@ -27,6 +27,7 @@ use crossbeam_channel::{Sender, TrySendError, bounded};
 use parking_lot::{Mutex, RwLock};
 use serde::Serialize;
 
+use crate::buffers::BufferPool;
 pub use crate::config::{TierConfig, WritePolicy};
 use crate::device::{Device, DirectMode, FileDevice};
 use crate::format::ChunkHeader;
@@ -242,6 +243,8 @@ struct Counters {
 pub(crate) struct Inner {
     config: TierConfig,
     pub(crate) ram: RamCache,
+    /// Buffers of dropped chunks, for new chunks and disk reads.
+    buffers: Arc<BufferPool>,
     pub(crate) disk: Option<Arc<Disk>>,
     tx: Option<Sender<Msg>>,
     // parking_lot: namespaces change rarely; reads are short.
@@ -342,10 +345,11 @@ impl ChunkStore {
         let t0 = Instant::now();
         let namespaces = manifest::load(&config.data_dir)?;
         let ram = RamCache::new(config.ram_budget);
+        let buffers = Arc::new(BufferPool::for_ram_budget(config.ram_budget));
         let (disk, rec) = match dev {
             None => (None, None),
             Some(dev) => {
-                let (d, rec) = Disk::open(dev, config.region_size)?;
+                let (d, rec) = Disk::open(dev, config.region_size, Arc::clone(&buffers))?;
                 (Some(Arc::new(d)), Some(rec))
             }
         };
@@ -374,6 +378,7 @@ impl ChunkStore {
         let inner = Arc::new(Inner {
             config,
             ram,
+            buffers,
             disk: disk.clone(),
             tx: has_disk.then_some(tx),
             namespaces: RwLock::new(namespaces),
@@ -452,6 +457,14 @@ impl ChunkStore {
             .recovery_micros
             .store(t0.elapsed().as_micros() as u64, Ordering::Relaxed);
         Ok(store)
+    }
+
+    /// The pool that new chunk buffers should come from: a caller that
+    /// copies bytes in to `put` them (a server reading a request) copies
+    /// with [`BufferPool::copy_of`], so that large chunks reuse the memory
+    /// of dropped ones instead of faulting in fresh pages.
+    pub fn buffers(&self) -> &Arc<BufferPool> {
+        &self.inner.buffers
     }
 
     /// The configuration the store was opened with.
@@ -1507,5 +1520,48 @@ mod tests {
             drop(held);
         });
         assert_eq!(rx.recv().unwrap(), free);
+    }
+
+    /// A store whose RAM is full reuses the buffers of the chunks it drops
+    /// (replaced or evicted) for new chunks copied in through its pool:
+    /// after the first fill, large PUTs allocate nothing.
+    #[test]
+    fn new_chunks_reuse_the_buffers_of_dropped_ones() {
+        let dir = tempfile::tempdir().unwrap();
+        const LEN: usize = 4 << 20;
+        let store = ChunkStore::open(TierConfig {
+            data_dir: dir.path().to_path_buf(),
+            ram_budget: 8 * LEN as u64,
+            disk_budget: 0,
+            ..TierConfig::default()
+        })
+        .unwrap();
+        let ns = store
+            .register_namespace(&NamespaceRecord {
+                model: "m".into(),
+                ..Default::default()
+            })
+            .unwrap();
+        let id = |n: u8| ChunkId::new(ns, ChunkKey([n; 32]), 0);
+        let src = vec![7u8; LEN];
+        // Fill: 8 chunks, all fresh.
+        for n in 0..8 {
+            store.put(id(n), store.buffers().copy_of(&src)).unwrap();
+        }
+        let filled = store.buffers().stats();
+        assert_eq!((filled.fresh, filled.reused), (8, 0));
+        // Replacements, then evictions (new keys in a full RAM): every
+        // chunk lands in a dropped one's buffer, except the first of all
+        // (nothing dropped yet when it is copied).
+        for round in 0..40u8 {
+            let n = if round < 20 { round % 8 } else { 8 + round };
+            let data = store.buffers().copy_of(&vec![round; LEN]);
+            store.put(id(n), data).unwrap();
+            assert_eq!(store.get(&id(n)).unwrap().data[..], vec![round; LEN][..]);
+        }
+        let after = store.buffers().stats();
+        assert_eq!(after.fresh - filled.fresh, 1, "{after:?}");
+        assert_eq!(after.reused, 39, "{after:?}");
+        assert_eq!(after.buffers, 1, "{after:?}");
     }
 }

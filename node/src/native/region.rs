@@ -16,13 +16,16 @@
 
 use std::io::{self, IoSlice, IoSliceMut};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::sync::Arc;
 
+use bytes::Bytes;
 use memmap2::{MmapOptions, MmapRaw};
 use rustix::fs::SealFlags;
 use rustix::net::{
     RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, SendAncillaryBuffer,
     SendAncillaryMessage, SendFlags,
 };
+use tier::buffers::BufferPool;
 
 /// Most descriptors accepted in one `recvmsg`; more truncate the control
 /// message, which the daemon treats as a protocol violation.
@@ -148,6 +151,21 @@ impl MappedRegion {
             v.set_len(n);
         }
         Some(v)
+    }
+
+    /// Copies `len` bytes at `offset` out of the region into a chunk
+    /// buffer from `pool` (the memory of a dropped chunk where one of the
+    /// size is pooled). Returns `None` when the range is outside the
+    /// mapping.
+    pub fn copy_out_pooled(&self, pool: &Arc<BufferPool>, offset: u64, len: u64) -> Option<Bytes> {
+        if !self.check(offset, len) {
+            return None;
+        }
+        // SAFETY: [offset, offset+len) is inside the live mapping (checked
+        // above; the file is sealed against shrinking). Concurrent writes by
+        // the client only garble its own bytes (see `copy_out`); the pool
+        // copies through the raw pointer and never borrows shared memory.
+        Some(unsafe { pool.copy_from_raw(self.map.as_ptr().add(offset as usize), len as usize) })
     }
 
     /// Copies `data` into the region at `offset`. Returns false (and writes

@@ -538,12 +538,11 @@ impl Connection {
                 format!("namespace {ns} is not registered: send HELLO with its record first"),
             ));
         }
+        let pool = self.ctx.store.buffers();
         let copy = |e: &RegionEntry| {
-            Bytes::from(
-                region
-                    .copy_out(e.offset, e.len)
-                    .expect("range checked above"),
-            )
+            region
+                .copy_out_pooled(pool, e.offset, e.len)
+                .expect("range checked above")
         };
         if atomic {
             let total: u64 = entries.iter().map(|e| e.len).sum();

@@ -246,7 +246,7 @@ impl RequestParser {
 
     /// Completes a [`Parsed::DirectBulk`]: `data` holds exactly the announced
     /// length plus the trailing CRLF.
-    pub fn finish_direct(&mut self, mut data: BytesMut) -> Result<(), ProtocolError> {
+    pub fn finish_direct(&mut self, data: Bytes) -> Result<(), ProtocolError> {
         let Some(st) = self.state.as_mut() else {
             return Err(ProtocolError::DirectMismatch {
                 expected: 0,
@@ -268,8 +268,7 @@ impl RequestParser {
         if &data[len..] != b"\r\n" {
             return Err(ProtocolError::MissingCrlf);
         }
-        data.truncate(len);
-        st.args.push(data.freeze());
+        st.args.push(data.slice(..len));
         st.direct = None;
         st.remaining -= 1;
         Ok(())
@@ -479,7 +478,7 @@ mod tests {
                         return Ok(out);
                     }
                     let d = buf.split_to(len + 2);
-                    p.finish_direct(d)?;
+                    p.finish_direct(d.freeze())?;
                 }
             }
         }
@@ -542,7 +541,7 @@ mod tests {
                         let need = len + 2 - d.len();
                         d.extend_from_slice(&rest[..need]);
                         rest = &rest[need..];
-                        p.finish_direct(d).unwrap();
+                        p.finish_direct(d.freeze()).unwrap();
                     }
                 }
             }

@@ -10,6 +10,7 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use bytes::{BufMut, BytesMut};
+use tier::buffers::POOL_MIN;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Semaphore, watch};
@@ -186,16 +187,31 @@ async fn connection(shared: &Shared, mut sock: TcpStream) -> io::Result<()> {
                 Ok(Parsed::Incomplete) => break,
                 Ok(Parsed::DirectBulk(len)) => {
                     flush(&sock, &mut out, &mut rbuf).await?;
-                    // Read the payload straight into a buffer of its exact size.
+                    // Read the payload straight into a buffer of its exact
+                    // size; a large one from the store's pool (the memory
+                    // of a dropped chunk, not fresh pages).
                     let total = len + 2;
-                    let mut data = BytesMut::with_capacity(total);
                     let from_buf = rbuf.len().min(total);
-                    data.extend_from_slice(&rbuf.split_to(from_buf));
-                    while data.len() < total {
-                        if sock.read_buf(&mut data).await? == 0 {
-                            return Ok(());
+                    let data = if total >= POOL_MIN {
+                        let mut data = shared.ctx.store.buffers().filler(total);
+                        data.extend_from_slice(&rbuf.split_to(from_buf));
+                        while !data.is_full() {
+                            match sock.read(data.unfilled()).await? {
+                                0 => return Ok(()),
+                                n => data.advance(n),
+                            }
                         }
-                    }
+                        data.freeze()
+                    } else {
+                        let mut data = BytesMut::with_capacity(total);
+                        data.extend_from_slice(&rbuf.split_to(from_buf));
+                        while data.len() < total {
+                            if sock.read_buf(&mut data).await? == 0 {
+                                return Ok(());
+                            }
+                        }
+                        data.freeze()
+                    };
                     if let Err(e) = parser.finish_direct(data) {
                         return protocol_error(shared, &mut sock, &mut out, &e).await;
                     }

@@ -1,0 +1,373 @@
+//! Recycled chunk buffers.
+//!
+//! Every chunk the store holds lives in a buffer of its own: a `PUT` copies
+//! the caller's bytes into a new one, a disk read lands in a new one. A
+//! fresh buffer of a few MiB or more costs a page fault and the kernel's
+//! zeroing for every 4 KiB page: glibc serves allocations of 32 MiB and
+//! more (its largest mmap threshold) from a mapping of their own and unmaps
+//! it on free, so that every such chunk lands on new pages, whatever the
+//! allocator settings. A 32 MiB chunk (256 tokens of an 8B model's KV cache
+//! in bf16) is exactly that size: such `PUT`s copied at a quarter of memcpy
+//! speed, 8,192 faults each.
+//!
+//! A [`BufferPool`] keeps the buffers of dropped chunks (the last `Bytes`
+//! handle of a pooled chunk returns its buffer) and hands them to the next
+//! chunk of about the same size. In a store whose RAM is full, each new
+//! chunk evicts about as many bytes as it brings, so the pool stays small
+//! and new chunks cost a copy, not a fault per page. The pool is bounded in
+//! bytes and buffers; what does not fit is freed. Only buffers of at least
+//! [`POOL_MIN`] bytes go through it: smaller ones are cheap for the
+//! allocator to reuse on its own.
+
+use std::alloc::{Layout, alloc};
+use std::ptr::NonNull;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use bytes::Bytes;
+use parking_lot::Mutex;
+
+use crate::device::{AlignedBuf, BLOCK};
+
+/// Smallest copy that [`BufferPool::copy_of`] takes a pooled buffer for.
+pub const POOL_MIN: usize = 1 << 20;
+
+/// Recycled, block-aligned chunk buffers, bounded in bytes and count.
+pub struct BufferPool {
+    // parking_lot Mutex: a scan of at most `max_bufs` entries, no I/O held.
+    bufs: Mutex<Vec<AlignedBuf>>,
+    max_bytes: usize,
+    max_bufs: usize,
+    reused: AtomicU64,
+    fresh: AtomicU64,
+}
+
+/// What a [`BufferPool`] holds and has done.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PoolStats {
+    /// Buffers held for reuse now.
+    pub buffers: u64,
+    /// Their capacity in bytes.
+    pub bytes: u64,
+    /// Buffers handed out from the pool.
+    pub reused: u64,
+    /// Buffers that had to be allocated (nothing pooled of that size).
+    pub fresh: u64,
+}
+
+impl BufferPool {
+    /// A pool that holds at most `max_bytes` of buffers (and at most 64).
+    pub fn new(max_bytes: usize) -> Self {
+        Self {
+            bufs: Mutex::new(Vec::new()),
+            max_bytes,
+            max_bufs: 64,
+            reused: AtomicU64::new(0),
+            fresh: AtomicU64::new(0),
+        }
+    }
+
+    /// The pool a store with a RAM budget of `ram_budget` bytes gets: an
+    /// eighth of the budget, at least 128 MiB (a few large chunks in
+    /// flight) and at most 1 GiB.
+    pub fn for_ram_budget(ram_budget: u64) -> Self {
+        let bytes = (ram_budget / 8).clamp(128 << 20, 1 << 30);
+        Self::new(usize::try_from(bytes).unwrap_or(usize::MAX))
+    }
+
+    /// Counts of what the pool holds and has handed out.
+    pub fn stats(&self) -> PoolStats {
+        let bufs = self.bufs.lock();
+        PoolStats {
+            buffers: bufs.len() as u64,
+            bytes: bufs.iter().map(|b| b.capacity() as u64).sum(),
+            reused: self.reused.load(Ordering::Relaxed),
+            fresh: self.fresh.load(Ordering::Relaxed),
+        }
+    }
+
+    /// A pooled buffer whose capacity holds `len` bytes with at most about
+    /// 12 % to spare (the chunk keeps its buffer while RAM charges only its
+    /// length), the smallest such, set to length `len`. Its bytes are
+    /// whatever its last chunk left there.
+    fn reuse(&self, len: usize) -> Option<AlignedBuf> {
+        let fits = len..=len + len / 8 + BLOCK as usize;
+        let mut buf = {
+            let mut bufs = self.bufs.lock();
+            let best = bufs
+                .iter()
+                .enumerate()
+                .filter(|(_, b)| fits.contains(&b.capacity()))
+                .min_by_key(|(_, b)| b.capacity())
+                .map(|(i, _)| i)?;
+            bufs.swap_remove(best)
+        };
+        self.reused.fetch_add(1, Ordering::Relaxed);
+        buf.set_len(len);
+        Some(buf)
+    }
+
+    /// A buffer of `len` bytes to read into: a pooled one (see `reuse`),
+    /// else a new zeroed one. The caller overwrites all `len` bytes.
+    pub(crate) fn take(&self, len: usize) -> AlignedBuf {
+        self.reuse(len).unwrap_or_else(|| {
+            self.fresh.fetch_add(1, Ordering::Relaxed);
+            AlignedBuf::zeroed(len)
+        })
+    }
+
+    /// Keeps `buf` for reuse if it fits the bounds, else frees it.
+    fn give(&self, buf: AlignedBuf) {
+        let mut bufs = self.bufs.lock();
+        let held: usize = bufs.iter().map(AlignedBuf::capacity).sum();
+        if bufs.len() < self.max_bufs && held + buf.capacity() <= self.max_bytes {
+            bufs.push(buf);
+        }
+    }
+
+    /// `Bytes` over `buf`; the buffer returns to this pool when the last
+    /// handle (or slice) of it is dropped.
+    pub(crate) fn share(self: &Arc<Self>, buf: AlignedBuf) -> Bytes {
+        Bytes::from_owner(Pooled {
+            buf: Some(buf),
+            pool: Arc::clone(self),
+        })
+    }
+
+    /// A copy of `src` in a buffer of its own, pooled from [`POOL_MIN`]
+    /// bytes on.
+    pub fn copy_of(self: &Arc<Self>, src: &[u8]) -> Bytes {
+        // SAFETY: a slice is valid for reads of its length and cannot
+        // overlap a buffer this pool owns exclusively.
+        unsafe { self.copy_from_raw(src.as_ptr(), src.len()) }
+    }
+
+    /// Like [`BufferPool::copy_of`], from a raw pointer: for memory that
+    /// another process may write meanwhile (a client's shared region),
+    /// which must not be borrowed as a slice.
+    ///
+    /// # Safety
+    /// `src` must be valid for reads of `len` bytes for the duration of
+    /// the call. Concurrent writes to it only make the copied bytes
+    /// unspecified.
+    pub unsafe fn copy_from_raw(self: &Arc<Self>, src: *const u8, len: usize) -> Bytes {
+        if len < POOL_MIN {
+            let mut v = Vec::with_capacity(len);
+            // SAFETY: the caller guarantees `src` for `len` bytes; `v` has
+            // capacity `len` and is ours alone.
+            unsafe {
+                std::ptr::copy_nonoverlapping(src, v.as_mut_ptr(), len);
+                v.set_len(len);
+            }
+            return Bytes::from(v);
+        }
+        let buf = match self.reuse(len) {
+            Some(mut buf) => {
+                // SAFETY: `buf` holds `len` bytes and is ours alone; the
+                // caller guarantees `src`.
+                unsafe { std::ptr::copy_nonoverlapping(src, buf.as_mut_ptr(), len) };
+                buf
+            }
+            None => {
+                self.fresh.fetch_add(1, Ordering::Relaxed);
+                // SAFETY: as above; `copied` writes every byte it exposes.
+                unsafe { copied(src, len) }
+            }
+        };
+        self.share(buf)
+    }
+
+    /// A buffer of `len` bytes to fill piece by piece (a value read from a
+    /// socket), pooled like the copies of [`BufferPool::copy_of`]: meant
+    /// for lengths of [`POOL_MIN`] and more (a smaller one is a fresh
+    /// zeroed buffer, which reading into a `Vec`'s spare capacity avoids).
+    pub fn filler(self: &Arc<Self>, len: usize) -> Filler {
+        Filler {
+            buf: self.take(len),
+            filled: 0,
+            pool: Arc::clone(self),
+        }
+    }
+}
+
+/// A chunk buffer being filled (from a socket, piece by piece); see
+/// [`BufferPool::filler`]. Its bytes past the filled part are initialised
+/// but unspecified (an earlier chunk's or zeros).
+pub struct Filler {
+    buf: AlignedBuf,
+    filled: usize,
+    pool: Arc<BufferPool>,
+}
+
+impl Filler {
+    /// The part not filled yet, to read into; then [`Filler::advance`].
+    pub fn unfilled(&mut self) -> &mut [u8] {
+        &mut self.buf[self.filled..]
+    }
+
+    /// Marks `n` more bytes filled. Panics beyond the length.
+    pub fn advance(&mut self, n: usize) {
+        assert!(
+            n <= self.buf.len() - self.filled,
+            "Filler::advance past its length"
+        );
+        self.filled += n;
+    }
+
+    /// Copies `src` after the filled part. Panics if it does not fit.
+    pub fn extend_from_slice(&mut self, src: &[u8]) {
+        self.unfilled()[..src.len()].copy_from_slice(src);
+        self.filled += src.len();
+    }
+
+    /// Bytes filled so far.
+    pub fn filled(&self) -> usize {
+        self.filled
+    }
+
+    /// Whether all of its length is filled.
+    pub fn is_full(&self) -> bool {
+        self.filled == self.buf.len()
+    }
+
+    /// The filled bytes, as a chunk whose buffer returns to the pool when
+    /// dropped.
+    pub fn freeze(self) -> Bytes {
+        let filled = self.filled;
+        self.pool.share(self.buf).slice(..filled)
+    }
+}
+
+/// A new block-aligned buffer holding a copy of `len` bytes at `src`,
+/// without zeroing it first (zeroing fresh memory is a second pass over it).
+///
+/// # Safety
+/// `src` must be valid for reads of `len` bytes.
+unsafe fn copied(src: *const u8, len: usize) -> AlignedBuf {
+    let cap = len.div_ceil(BLOCK as usize).max(1) * BLOCK as usize;
+    let layout = Layout::from_size_align(cap, BLOCK as usize).expect("block-aligned layout");
+    // SAFETY: the layout has a non-zero size.
+    let raw = unsafe { alloc(layout) };
+    let ptr = NonNull::new(raw).unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
+    // SAFETY: `ptr` is valid for `cap` bytes: the first `len` are copied
+    // from `src` (the caller guarantees it; a fresh allocation cannot
+    // overlap it), the rest zeroed, so all `cap` are initialised, which is
+    // what `AlignedBuf::from_raw_parts` requires.
+    unsafe {
+        std::ptr::copy_nonoverlapping(src, ptr.as_ptr(), len);
+        std::ptr::write_bytes(ptr.as_ptr().add(len), 0, cap - len);
+        AlignedBuf::from_raw_parts(ptr, len, cap)
+    }
+}
+
+/// A buffer that returns to its pool when the last `Bytes` handle or slice
+/// of it is dropped.
+struct Pooled {
+    buf: Option<AlignedBuf>,
+    pool: Arc<BufferPool>,
+}
+
+impl AsRef<[u8]> for Pooled {
+    fn as_ref(&self) -> &[u8] {
+        self.buf.as_deref().unwrap_or(&[])
+    }
+}
+
+impl Drop for Pooled {
+    fn drop(&mut self) {
+        if let Some(b) = self.buf.take() {
+            self.pool.give(b);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn buffers_come_back_and_are_reused_only_when_their_size_fits() {
+        let pool = Arc::new(BufferPool::new(128 << 20));
+        let a = pool.take(1 << 20);
+        let addr = a.as_ptr();
+        // The last slice of a read's Bytes returns its buffer.
+        let bytes = pool.share(a);
+        let part = bytes.slice(10..20);
+        drop(bytes);
+        assert_eq!(pool.stats().buffers, 0, "a slice still holds it");
+        drop(part);
+        assert_eq!(pool.stats().buffers, 1);
+        // Much smaller reads do not take it (RAM would charge too little).
+        let small = pool.take(64 << 10);
+        assert_ne!(small.as_ptr(), addr);
+        assert_eq!(pool.stats().buffers, 1);
+        // A read of the same size does, with the requested length.
+        let again = pool.take((1 << 20) - 512);
+        assert_eq!(again.as_ptr(), addr);
+        assert_eq!(again.len(), (1 << 20) - 512);
+        assert_eq!(pool.stats().buffers, 0);
+        assert_eq!((pool.stats().reused, pool.stats().fresh), (1, 2));
+        // Bounded: beyond the byte limit buffers are freed, not kept.
+        for _ in 0..(128 >> 2) + 4 {
+            pool.give(AlignedBuf::zeroed(4 << 20));
+        }
+        assert!(pool.stats().bytes <= 128 << 20, "{:?}", pool.stats());
+        let many = Arc::new(BufferPool::new(1 << 30));
+        for _ in 0..100 {
+            many.give(AlignedBuf::zeroed(BLOCK as usize));
+        }
+        assert_eq!(many.stats().buffers, 64);
+    }
+
+    #[test]
+    fn copies_land_in_the_buffer_of_a_dropped_chunk_with_its_exact_bytes() {
+        let pool = Arc::new(BufferPool::new(128 << 20));
+        let len = (3 << 20) + 5; // not a multiple of the block
+        let a: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
+        let first = pool.copy_of(&a);
+        assert_eq!(&first[..], &a[..]);
+        let addr = first.as_ptr();
+        drop(first);
+        let b: Vec<u8> = (0..len).map(|i| (i % 241) as u8).collect();
+        let second = pool.copy_of(&b);
+        assert_eq!(second.as_ptr(), addr, "the dropped chunk's buffer");
+        assert_eq!(&second[..], &b[..]);
+        assert_eq!((pool.stats().reused, pool.stats().fresh), (1, 1));
+        // Small copies bypass the pool: nothing is taken or kept.
+        let small = pool.copy_of(&a[..POOL_MIN - 1]);
+        assert_eq!(&small[..], &a[..POOL_MIN - 1]);
+        drop(small);
+        assert_eq!(pool.stats().buffers, 0);
+        assert_eq!((pool.stats().reused, pool.stats().fresh), (1, 1));
+        assert!(pool.copy_of(&[]).is_empty());
+    }
+
+    #[test]
+    fn a_filled_buffer_freezes_to_its_filled_bytes_and_returns_when_dropped() {
+        let pool = Arc::new(BufferPool::new(128 << 20));
+        let mut f = pool.filler(2 << 20);
+        f.extend_from_slice(b"head");
+        let rest = f.unfilled();
+        assert_eq!(rest.len(), (2 << 20) - 4);
+        rest[..3].copy_from_slice(b"abc");
+        f.advance(3);
+        assert_eq!(f.filled(), 7);
+        assert!(!f.is_full());
+        let b = f.freeze();
+        assert_eq!(&b[..], b"headabc");
+        let addr = b.as_ptr();
+        drop(b);
+        let mut g = pool.filler(2 << 20);
+        let n = g.unfilled().len();
+        g.advance(n);
+        assert!(g.is_full());
+        assert_eq!(g.freeze().as_ptr(), addr, "the dropped buffer, reused");
+    }
+
+    #[test]
+    fn the_pool_size_follows_the_ram_budget_within_bounds() {
+        assert_eq!(BufferPool::for_ram_budget(32 << 20).max_bytes, 128 << 20);
+        assert_eq!(BufferPool::for_ram_budget(4 << 30).max_bytes, 512 << 20);
+        assert_eq!(BufferPool::for_ram_budget(64 << 30).max_bytes, 1 << 30);
+    }
+}
