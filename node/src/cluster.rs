@@ -20,9 +20,10 @@ use bytes::Bytes;
 use peer::cert::NodeMaterial;
 use peer::tls::TlsSetup;
 use peer::{
-    ChunkBytes, ChunkSource, FetchError, PeerChunkId, PeerConfig, PeerHandle, PeerNamespace,
-    PeerStatus, SourceFuture, TransportTuning,
+    ChunkBytes, ChunkSource, FetchBuffer, FetchError, PeerChunkId, PeerConfig, PeerHandle,
+    PeerNamespace, PeerStatus, SourceFuture, TransportTuning,
 };
+use tier::buffers::{Filler, POOL_MIN};
 use tier::{ChunkId, ChunkKey, ChunkObserver, ChunkStore, GroupId, Namespace};
 
 use crate::error::NodeError;
@@ -39,6 +40,21 @@ pub fn to_peer(id: &ChunkId) -> PeerChunkId {
 /// Converts a peer protocol id to a tier id.
 pub fn to_tier(id: &PeerChunkId) -> ChunkId {
     ChunkId::new(Namespace(id.ns.0), ChunkKey(id.key), id.group)
+}
+
+/// A fetched chunk's payload lands in a buffer of the store's pool.
+struct PooledFetch(Filler);
+
+impl FetchBuffer for PooledFetch {
+    fn unfilled(&mut self) -> &mut [u8] {
+        self.0.unfilled()
+    }
+    fn advance(&mut self, n: usize) {
+        self.0.advance(n);
+    }
+    fn freeze(self: Box<Self>) -> Bytes {
+        self.0.freeze()
+    }
 }
 
 /// Serves peers from the local store.
@@ -75,6 +91,12 @@ impl ChunkSource for StoreSource {
             .into_iter()
             .filter_map(|n| Some((PeerNamespace(n.id.0), serde_json::to_vec(&n.record).ok()?)))
             .collect()
+    }
+
+    fn fetch_buffer(&self, len: usize) -> Option<Box<dyn FetchBuffer>> {
+        (len >= POOL_MIN).then(|| {
+            Box::new(PooledFetch(self.store.buffers().filler(len))) as Box<dyn FetchBuffer>
+        })
     }
 }
 

@@ -21,8 +21,8 @@ pub mod transport;
 pub use id::{ChunkBytes, PeerChunkId, PeerNamespace};
 pub use proto::PeerState;
 pub use transport::{
-    ChunkSource, FetchError, MAX_FETCH_CONNECTIONS, PeerConfig, PeerHandle, PeerRef, PeerStatus,
-    SourceFuture, TransportTuning,
+    ChunkSource, FetchBuffer, FetchError, MAX_FETCH_CONNECTIONS, PeerConfig, PeerHandle, PeerRef,
+    PeerStatus, SourceFuture, TransportTuning,
 };
 
 /// Errors of this crate (setup, certificates, TLS, binding).

@@ -56,6 +56,23 @@ pub trait ChunkSource: Send + Sync + 'static {
     fn snapshot(&self) -> Vec<(PeerChunkId, u64, bool)>;
     /// Namespace records (opaque JSON bytes) of the namespaces held here.
     fn namespace_records(&self) -> Vec<(PeerNamespace, Vec<u8>)>;
+    /// A buffer of `len` bytes for the payload of a chunk fetched from a
+    /// peer, which the fetch fills in order (the node hands out the memory
+    /// of dropped chunks); `None`, the default, for a new buffer.
+    fn fetch_buffer(&self, len: usize) -> Option<Box<dyn FetchBuffer>> {
+        let _ = len;
+        None
+    }
+}
+
+/// A payload buffer lent by [`ChunkSource::fetch_buffer`].
+pub trait FetchBuffer: Send {
+    /// The part not filled yet.
+    fn unfilled(&mut self) -> &mut [u8];
+    /// Marks `n` more bytes filled.
+    fn advance(&mut self, n: usize);
+    /// The filled bytes.
+    fn freeze(self: Box<Self>) -> Bytes;
 }
 
 /// Largest UDP payload one `sendmsg` may carry (IPv4: 65,535 − 20 − 8).
@@ -1632,20 +1649,27 @@ async fn fetch_from(
         )));
     }
     let len = len as usize;
-    let mut buf = BytesMut::with_capacity(len);
+    let mut lent = shared.source.fetch_buffer(len);
+    let mut own = BytesMut::with_capacity(if lent.is_some() { 0 } else { len });
     // The CRC runs over each piece right after it is copied (still in
     // cache), not in a second pass over the whole chunk.
-    let mut got = 0u32;
-    while buf.len() < len {
-        match recv.read_chunk(len - buf.len(), true).await {
+    let (mut got, mut filled) = (0u32, 0usize);
+    while filled < len {
+        match recv.read_chunk(len - filled, true).await {
             Ok(Some(c)) => {
-                buf.extend_from_slice(&c.bytes);
+                match &mut lent {
+                    Some(b) => {
+                        b.unfilled()[..c.bytes.len()].copy_from_slice(&c.bytes);
+                        b.advance(c.bytes.len());
+                    }
+                    None => own.extend_from_slice(&c.bytes),
+                }
+                filled += c.bytes.len();
                 got = crc32c::crc32c_append(got, &c.bytes);
             }
             Ok(None) => {
                 return Err(corrupt(format!(
-                    "stream ended after {} of {len} payload bytes",
-                    buf.len()
+                    "stream ended after {filled} of {len} payload bytes"
                 )));
             }
             Err(e) => return Err(tr(e.to_string())),
@@ -1656,5 +1680,8 @@ async fn fetch_from(
             "payload crc32c {got:#010x} != {crc:#010x}"
         )));
     }
-    Ok(buf.freeze())
+    Ok(match lent {
+        Some(b) => b.freeze(),
+        None => own.freeze(),
+    })
 }

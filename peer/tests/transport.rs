@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime};
 
 use bytes::Bytes;
@@ -12,8 +12,8 @@ use parking_lot::Mutex;
 use peer::cert::{self, CaMaterial, NodeMaterial, Validity};
 use peer::tls::TlsSetup;
 use peer::{
-    ChunkBytes, ChunkSource, FetchError, PeerChunkId, PeerConfig, PeerHandle, PeerNamespace,
-    PeerState, SourceFuture,
+    ChunkBytes, ChunkSource, FetchBuffer, FetchError, PeerChunkId, PeerConfig, PeerHandle,
+    PeerNamespace, PeerState, SourceFuture,
 };
 
 /// In-memory chunk source with test hooks.
@@ -26,6 +26,27 @@ struct MemSource {
     stall: AtomicBool,
     /// Held on "disk" only: the snapshot says not in RAM.
     cold: Mutex<std::collections::HashSet<PeerChunkId>>,
+    /// Lend fetch buffers (filled with 0xEE first), counted in `lent`.
+    lend: AtomicBool,
+    lent: AtomicU64,
+}
+
+/// A lent fetch buffer: a `Vec` prefilled with garbage.
+struct Loan {
+    v: Vec<u8>,
+    filled: usize,
+}
+
+impl FetchBuffer for Loan {
+    fn unfilled(&mut self) -> &mut [u8] {
+        &mut self.v[self.filled..]
+    }
+    fn advance(&mut self, n: usize) {
+        self.filled += n;
+    }
+    fn freeze(self: Box<Self>) -> Bytes {
+        Bytes::from(self.v).slice(..self.filled)
+    }
 }
 
 impl MemSource {
@@ -65,6 +86,17 @@ impl ChunkSource for MemSource {
 
     fn namespace_records(&self) -> Vec<(PeerNamespace, Vec<u8>)> {
         vec![(PeerNamespace([7; 16]), b"{\"rank\":0}".to_vec())]
+    }
+
+    fn fetch_buffer(&self, len: usize) -> Option<Box<dyn FetchBuffer>> {
+        if !self.lend.load(Ordering::Relaxed) {
+            return None;
+        }
+        self.lent.fetch_add(1, Ordering::Relaxed);
+        Some(Box::new(Loan {
+            v: vec![0xEE; len],
+            filled: 0,
+        }))
     }
 }
 
@@ -305,6 +337,13 @@ async fn sync_and_fetch_byte_exact() {
             .expect("fetch");
         assert_eq!(&got, p, "byte-exact");
     }
+    // Into buffers the node lends (the store's pool in the daemon).
+    b.source.lend.store(true, Ordering::Relaxed);
+    for (i, p) in [(1, &p1), (2, &p2)] {
+        let got = b.handle.fetch(&id(i), Duration::from_secs(5)).await;
+        assert_eq!(&got.expect("fetch into a lent buffer"), p, "byte-exact");
+    }
+    assert_eq!(b.source.lent.load(Ordering::Relaxed), 2);
     // Same key in another namespace is not offered.
     let mut other = id(1);
     other.ns = PeerNamespace([8; 16]);
@@ -324,7 +363,7 @@ async fn sync_and_fetch_byte_exact() {
     assert_eq!(st[0].name.as_deref(), Some("node-a"));
     assert_eq!(st[0].chunks, 1);
     assert_eq!(st[0].bytes, p2.len() as u64);
-    assert_eq!(st[0].bytes_fetched, (p1.len() + p2.len()) as u64);
+    assert_eq!(st[0].bytes_fetched, 2 * (p1.len() + p2.len()) as u64);
     assert!(
         b.handle
             .namespace_records()
@@ -461,6 +500,12 @@ async fn corrupt_payload_is_rejected() {
     let r = b.handle.fetch(&id(3), Duration::from_secs(5)).await;
     assert!(matches!(r, Err(FetchError::Corrupt { .. })), "{r:?}");
     assert_eq!(b.handle.corrupt_replies(), 1);
+    // Also when the payload lands in a lent buffer.
+    b.source.lend.store(true, Ordering::Relaxed);
+    let r = b.handle.fetch(&id(3), Duration::from_secs(5)).await;
+    assert!(matches!(r, Err(FetchError::Corrupt { .. })), "{r:?}");
+    assert_eq!(b.handle.corrupt_replies(), 2);
+    assert_eq!(b.source.lent.load(Ordering::Relaxed), 1);
     a.source.corrupt.store(false, Ordering::Relaxed);
     let got = b
         .handle
