@@ -83,11 +83,12 @@ DEFAULT_TIMEOUT = 60.0
 #: for the oldest reply first.
 DEFAULT_MAX_IN_FLIGHT = 64
 # Reply bytes a client lets pile up unread, at most (one larger reply is
-# always allowed, alone). A connection's daemon task stops reading requests
-# while a reply write blocks, and this client stops reading replies while a
-# request send blocks: replies that fit the socket's buffer (a Unix socket's
-# default is 208 KiB, counted with ~1 KiB of kernel overhead per message)
-# keep that from ever deadlocking the two.
+# always allowed, alone). This client stops reading replies while a request
+# send blocks; the daemon reads up to 16 MiB of requests ahead while a reply
+# write blocks (daemons before that read none). Replies that fit the
+# socket's buffer (a Unix socket's default is 208 KiB, counted with ~1 KiB
+# of kernel overhead per message) keep the two from deadlocking with any
+# daemon, and keep the replies waiting for this client small.
 _REPLY_BUDGET = 32 << 10
 _REPLY_OVERHEAD = 1 << 10
 

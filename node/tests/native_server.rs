@@ -257,6 +257,59 @@ fn replies_larger_than_the_socket_buffer_wait_for_the_client() {
     c.ping().unwrap();
 }
 
+/// A client that sends all its requests before it reads any reply, with
+/// replies and requests that each overfill a socket buffer: the server
+/// reads the requests ahead while its replies wait, so the client's sends
+/// complete, and every reply then arrives in order. (A server that stops
+/// reading while a reply write blocks leaves both sides waiting.)
+#[test]
+fn a_client_that_sends_everything_before_reading_is_served() {
+    let server = TestServer::start();
+    let mut c = server.client();
+    let ns = c.hello(&record(0)).unwrap();
+    c.put_bytes(ns, 0, &[(key(3), b"x")]).unwrap();
+    // 8,192 keys in the frame (256 KiB) per request, 8 KiB of locations
+    // per reply; 64 of each: 16 MiB of requests, 512 KiB of replies.
+    let count = 8_192u32;
+    let mut keys: Vec<ChunkKey> = (0..count).map(|i| key(i + 100)).collect();
+    keys[0] = key(3);
+    let n = 64;
+    let (tx, rx) = std::sync::mpsc::channel();
+    let sender = std::thread::spawn(move || {
+        let ids: Vec<u64> = (0..n)
+            .map(|_| {
+                c.send(&Request::Lookup {
+                    ns,
+                    group: 0,
+                    keys: keys.clone(),
+                })
+                .unwrap()
+            })
+            .collect();
+        tx.send(()).unwrap();
+        (c, ids)
+    });
+    rx.recv_timeout(Duration::from_secs(20))
+        .expect("the client's sends did not complete: the server stopped reading");
+    let (mut c, ids) = sender.join().unwrap();
+    // No more requests: the server sees the end of the stream while its
+    // replies still wait, answers everything it read, then closes.
+    c.stream().shutdown(std::net::Shutdown::Write).unwrap();
+    for id in ids {
+        let (got, reply) = c.recv().unwrap();
+        assert_eq!(got, id);
+        match reply {
+            Reply::Ok(Response::Lookup { prefix, locations }) => {
+                assert_eq!(prefix, 1);
+                assert_eq!(locations.len(), count as usize);
+                assert_eq!(locations[0], LookupLocation::Ram);
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    assert!(matches!(c.recv(), Err(NativeError::Closed)));
+}
+
 #[test]
 fn polling_server_and_client_serve_back_to_back_pipelined_and_idle_requests() {
     // Polling before parking (server) and before blocking (client) must not

@@ -116,9 +116,9 @@ impl Client {
     }
 
     /// Sends a request without waiting for its reply; returns its id.
-    /// Keep the unread replies well below the socket's buffer: the daemon
-    /// reads no further request while a reply write blocks, so a send that
-    /// blocks meanwhile stalls both sides (node/PROTOCOL.md, "Pipelining").
+    /// While its replies wait unread, the daemon reads up to 16 MiB of
+    /// further requests ahead; a client that sends more before reading
+    /// blocks until it reads (node/PROTOCOL.md, "Pipelining").
     pub fn send(&mut self, req: &Request) -> Result<u64, NativeError> {
         self.send_with_fd(req, None)
     }

@@ -47,6 +47,11 @@ const WRITE_FLUSH: usize = 1 << 20;
 const MAX_CONCURRENT_READS: usize = 16;
 /// Most received descriptors waiting for their REGISTER_REGION frame.
 const MAX_PENDING_FDS: usize = 4;
+/// Most unprocessed request bytes a connection reads ahead while a reply
+/// write blocks (a client that pipelines requests and reads no reply until
+/// its sends complete would otherwise wait on the daemon while the daemon
+/// waits on it).
+const READ_AHEAD: usize = 16 << 20;
 
 /// Serves native-protocol connections on `listener` until `shutdown`
 /// completes, then stops accepting, lets every connection finish the request
@@ -142,6 +147,11 @@ struct Connection {
     start: usize,
     end: usize,
     wbuf: Vec<u8>,
+    /// The client closed its side (no more requests will come).
+    read_closed: bool,
+    /// Descriptors were lost or too many are pending: the connection is
+    /// closed with an error once the requests before them are answered.
+    fd_overflow: bool,
 }
 
 enum Step {
@@ -163,6 +173,8 @@ impl Connection {
             start: 0,
             end: 0,
             wbuf: Vec::with_capacity(4096),
+            read_closed: false,
+            fd_overflow: false,
         }
     }
 
@@ -222,7 +234,15 @@ impl Connection {
                     }
                 }
             };
+            let buffered = self.end - self.start;
             self.flush_writes().await?;
+            if self.end - self.start > buffered {
+                // Requests were read ahead while the replies waited.
+                continue;
+            }
+            if self.fd_overflow || self.read_closed {
+                break;
+            }
             self.make_room(need);
             let partial = self.end > self.start;
             let received = if partial {
@@ -254,25 +274,67 @@ impl Connection {
                     },
                 }
             };
-            if received.truncated || self.fds.len() > MAX_PENDING_FDS {
-                self.error(
-                    0,
-                    0,
-                    ErrorCode::Malformed,
-                    &format!(
-                        "too many file descriptors (at most one per REGISTER_REGION, {MAX_PENDING_FDS} pending); closing the connection"
-                    ),
-                );
-                self.flush_writes().await?;
-                return Ok(());
+            self.note(received);
+        }
+        if self.fd_overflow {
+            self.error(
+                0,
+                0,
+                ErrorCode::Malformed,
+                &format!(
+                    "too many file descriptors (at most one per REGISTER_REGION, {MAX_PENDING_FDS} pending); closing the connection"
+                ),
+            );
+            self.flush_writes().await?;
+        } else if self.end > self.start {
+            debug!("native client disconnected mid-frame");
+        }
+        Ok(())
+    }
+
+    /// Takes in what a read brought: its bytes, and whether the client
+    /// closed its side or sent descriptors beyond the limit.
+    fn note(&mut self, received: region::Received) {
+        if received.truncated || self.fds.len() > MAX_PENDING_FDS {
+            self.fd_overflow = true;
+        }
+        if received.bytes == 0 {
+            self.read_closed = true;
+        }
+        self.end += received.bytes;
+    }
+
+    /// Whether a blocked reply write may read more requests meanwhile.
+    fn may_read_ahead(&self) -> bool {
+        !self.read_closed && !self.fd_overflow && self.end - self.start < READ_AHEAD
+    }
+
+    /// One non-blocking read of more requests into the read buffer (made
+    /// room for within [`READ_AHEAD`]), while a reply write blocks.
+    fn read_ahead(&mut self) -> io::Result<()> {
+        if self.end == self.rbuf.len() {
+            if self.start > 0 {
+                self.rbuf.copy_within(self.start..self.end, 0);
+                self.end -= self.start;
+                self.start = 0;
+            } else {
+                let len = (self.rbuf.len() * 2).clamp(READ_BUF, READ_AHEAD);
+                self.rbuf.resize(len, 0);
             }
-            if received.bytes == 0 {
-                if partial {
-                    debug!("native client disconnected mid-frame");
-                }
-                return Ok(());
+        }
+        let mut fds = Vec::new();
+        let sock = self.stream.as_fd();
+        let buf = &mut self.rbuf[self.end..];
+        match self.stream.try_io(Interest::READABLE, || {
+            region::recv_with_fds(sock, buf, &mut fds)
+        }) {
+            Ok(r) => {
+                self.fds.extend(fds);
+                self.note(r);
+                Ok(())
             }
-            self.end += received.bytes;
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(()),
+            Err(e) => Err(e),
         }
     }
 
@@ -342,21 +404,40 @@ impl Connection {
         Ok(r)
     }
 
-    /// Writes pending replies. A client that stops reading its replies for
-    /// longer than `frame-timeout` is dropped, so it can never hold up
-    /// shutdown.
+    /// Writes pending replies. While the socket is full it reads ahead the
+    /// client's next requests (up to [`READ_AHEAD`] bytes; they are handled
+    /// after), so that a client blocked sending them gets to read its
+    /// replies. A client that reads nothing for longer than
+    /// `frame-timeout` is dropped, so it can never hold up shutdown.
     async fn flush_writes(&mut self) -> io::Result<()> {
-        if !self.wbuf.is_empty() {
-            tokio::time::timeout(self.opts.frame_timeout, self.stream.write_all(&self.wbuf))
-                .await
-                .map_err(|_| {
-                    io::Error::new(
+        let mut at = 0;
+        let mut deadline = tokio::time::Instant::now() + self.opts.frame_timeout;
+        while at < self.wbuf.len() {
+            match self.stream.try_write(&self.wbuf[at..]) {
+                Ok(n) => {
+                    at += n;
+                    deadline = tokio::time::Instant::now() + self.opts.frame_timeout;
+                    continue;
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                Err(e) => return Err(e),
+            }
+            let ahead = self.may_read_ahead();
+            let readable = tokio::select! {
+                r = self.stream.writable() => { r?; false }
+                r = self.stream.readable(), if ahead => { r?; true }
+                () = tokio::time::sleep_until(deadline) => {
+                    return Err(io::Error::new(
                         io::ErrorKind::TimedOut,
                         "client stopped reading its replies",
-                    )
-                })??;
-            self.wbuf.clear();
+                    ));
+                }
+            };
+            if readable {
+                self.read_ahead()?;
+            }
         }
+        self.wbuf.clear();
         Ok(())
     }
 
