@@ -430,6 +430,24 @@ impl Collector for NodeCollector {
             "Time spent in those fdatasyncs",
             s.disk_sync_micros as f64 / 1e6,
         )?;
+        counter(
+            &mut enc,
+            "buffer_pool_reused",
+            "New chunks and disk reads that reused a dropped chunk's buffer",
+            s.buffer_pool_reused,
+        )?;
+        counter(
+            &mut enc,
+            "buffer_pool_fresh",
+            "New chunks of 1 MiB or more and disk reads that found no pooled buffer",
+            s.buffer_pool_fresh,
+        )?;
+        gauge(
+            &mut enc,
+            "buffer_pool_bytes",
+            "Bytes of dropped chunks' buffers kept for new chunks",
+            s.buffer_pool_bytes as i64,
+        )?;
         gauge(&mut enc, "ram_chunks", "Chunks in RAM", s.ram_chunks as i64)?;
         gauge(
             &mut enc,

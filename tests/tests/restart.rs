@@ -158,6 +158,11 @@ fn a_restart_without_region_size_keeps_the_stores_regions_and_metrics_count_disk
     assert!(m("kvtier_disk_reads_total") >= 32.0);
     assert!(m("kvtier_disk_read_bytes_total") >= bytes as f64);
     assert!(m("kvtier_disk_read_seconds_total") > 0.0);
+    // Each read took a buffer, pooled or fresh (the PUTs' chunks are below
+    // 1 MiB: not pooled).
+    let pool = m("kvtier_buffer_pool_reused_total") + m("kvtier_buffer_pool_fresh_total");
+    assert_eq!(pool, m("kvtier_disk_reads_total"));
+    assert!(metric(&metrics, "kvtier_buffer_pool_bytes").is_some());
     let more = put_round(&d, ns, 301, 32);
     assert_eq!(d.client().flush().expect("FLUSH").failed, 0);
     check_durable(&d, ns, more);

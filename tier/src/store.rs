@@ -152,6 +152,14 @@ pub struct StoreStats {
     /// split read that landed before the last one (`disk_read_bytes` over
     /// this is the read speed as the store sees it).
     pub disk_read_micros: u64,
+    /// Bytes of dropped chunks' buffers kept for new chunks (memory held
+    /// beyond `ram_bytes`; see [`crate::buffers`]).
+    pub buffer_pool_bytes: u64,
+    /// New chunks and disk reads that reused a pooled buffer.
+    pub buffer_pool_reused: u64,
+    /// New chunks of 1 MiB or more and disk reads that found no pooled
+    /// buffer of their size (a fresh allocation).
+    pub buffer_pool_fresh: u64,
 }
 
 /// Result of [`ChunkStore::flush`].
@@ -792,6 +800,10 @@ impl ChunkStore {
             recovery_micros: i.recovery_micros.load(Ordering::Relaxed),
             ..Default::default()
         };
+        let pool = i.buffers.stats();
+        s.buffer_pool_bytes = pool.bytes;
+        s.buffer_pool_reused = pool.reused;
+        s.buffer_pool_fresh = pool.fresh;
         if let Some(d) = &i.disk {
             let dc = &d.counters;
             let ix = d.index.read();
