@@ -214,15 +214,40 @@ fn pipelined_requests_are_answered_in_order() {
     }
 }
 
+/// A server whose store holds `key(3)`, a client and its namespace: the
+/// LOOKUPs of the two socket-buffer tests ask for `key(3)` then absent keys.
+fn server_with_key_3() -> (TestServer, native::Client, node::tier::Namespace) {
+    let server = TestServer::start();
+    let mut c = server.client();
+    let ns = c.hello(&record(0)).unwrap();
+    c.put_bytes(ns, 0, &[(key(3), b"x")]).unwrap();
+    (server, c, ns)
+}
+
+/// Receives the replies of `ids`, in order: LOOKUPs of `count` keys, the
+/// first present (in RAM), the rest absent.
+fn expect_key_3_lookups(c: &mut native::Client, ids: Vec<u64>, count: u32) {
+    for id in ids {
+        let (got, reply) = c.recv().unwrap();
+        assert_eq!(got, id);
+        match reply {
+            Reply::Ok(Response::Lookup { prefix, locations }) => {
+                assert_eq!(prefix, 1);
+                assert_eq!(locations.len(), count as usize);
+                assert_eq!(locations[0], LookupLocation::Ram);
+                assert!(locations[1..].iter().all(|l| *l == LookupLocation::Miss));
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+}
+
 /// Replies that fill the socket while the client is not reading: the
 /// server's writes would block, it waits for writability, and every reply
 /// arrives whole and in order once the client reads.
 #[test]
 fn replies_larger_than_the_socket_buffer_wait_for_the_client() {
-    let server = TestServer::start();
-    let mut c = server.client();
-    let ns = c.hello(&record(0)).unwrap();
-    c.put_bytes(ns, 0, &[(key(3), b"x")]).unwrap();
+    let (_server, mut c, ns) = server_with_key_3();
     // 65,536 keys in the region: each reply carries 65,536 locations.
     let count = 65_536u32;
     let mut keys: Vec<u8> = (0..count).flat_map(|i| key(i + 100).0).collect();
@@ -241,19 +266,7 @@ fn replies_larger_than_the_socket_buffer_wait_for_the_client() {
         })
         .collect();
     std::thread::sleep(Duration::from_millis(200));
-    for id in ids {
-        let (got, reply) = c.recv().unwrap();
-        assert_eq!(got, id);
-        match reply {
-            Reply::Ok(Response::Lookup { prefix, locations }) => {
-                assert_eq!(prefix, 1);
-                assert_eq!(locations.len(), count as usize);
-                assert_eq!(locations[0], LookupLocation::Ram);
-                assert!(locations[1..].iter().all(|l| *l == LookupLocation::Miss));
-            }
-            other => panic!("{other:?}"),
-        }
-    }
+    expect_key_3_lookups(&mut c, ids, count);
     c.ping().unwrap();
 }
 
@@ -264,10 +277,7 @@ fn replies_larger_than_the_socket_buffer_wait_for_the_client() {
 /// reading while a reply write blocks leaves both sides waiting.)
 #[test]
 fn a_client_that_sends_everything_before_reading_is_served() {
-    let server = TestServer::start();
-    let mut c = server.client();
-    let ns = c.hello(&record(0)).unwrap();
-    c.put_bytes(ns, 0, &[(key(3), b"x")]).unwrap();
+    let (_server, c, ns) = server_with_key_3();
     // 8,192 keys in the frame (256 KiB) per request, 8 KiB of locations
     // per reply; 64 of each: 16 MiB of requests, 512 KiB of replies.
     let count = 8_192u32;
@@ -276,6 +286,7 @@ fn a_client_that_sends_everything_before_reading_is_served() {
     let n = 64;
     let (tx, rx) = std::sync::mpsc::channel();
     let sender = std::thread::spawn(move || {
+        let mut c = c;
         let ids: Vec<u64> = (0..n)
             .map(|_| {
                 c.send(&Request::Lookup {
@@ -295,18 +306,7 @@ fn a_client_that_sends_everything_before_reading_is_served() {
     // No more requests: the server sees the end of the stream while its
     // replies still wait, answers everything it read, then closes.
     c.stream().shutdown(std::net::Shutdown::Write).unwrap();
-    for id in ids {
-        let (got, reply) = c.recv().unwrap();
-        assert_eq!(got, id);
-        match reply {
-            Reply::Ok(Response::Lookup { prefix, locations }) => {
-                assert_eq!(prefix, 1);
-                assert_eq!(locations.len(), count as usize);
-                assert_eq!(locations[0], LookupLocation::Ram);
-            }
-            other => panic!("{other:?}"),
-        }
-    }
+    expect_key_3_lookups(&mut c, ids, count);
     assert!(matches!(c.recv(), Err(NativeError::Closed)));
 }
 

@@ -1466,6 +1466,18 @@ impl Hooks for Inner {
 mod tests {
     use super::*;
 
+    /// A store opened with `config` and one registered namespace.
+    fn store_with_ns(config: TierConfig) -> (ChunkStore, Namespace) {
+        let store = ChunkStore::open(config).unwrap();
+        let ns = store
+            .register_namespace(&NamespaceRecord {
+                model: "m".into(),
+                ..Default::default()
+            })
+            .unwrap();
+        (store, ns)
+    }
+
     /// With a RAM shard held by another thread, `lookup_prefix` probes the
     /// index first, lets its lock go, then waits for the shards: the answer
     /// is the same as when it overlaps both, and the disk index is never
@@ -1473,7 +1485,7 @@ mod tests {
     #[test]
     fn lookup_prefix_with_a_busy_shard_releases_the_index_before_waiting() {
         let dir = tempfile::tempdir().unwrap();
-        let store = ChunkStore::open(TierConfig {
+        let (store, ns) = store_with_ns(TierConfig {
             data_dir: dir.path().to_path_buf(),
             ram_budget: 1 << 20,
             disk_budget: 16 << 20,
@@ -1481,14 +1493,7 @@ mod tests {
             write_policy: WritePolicy::Backpressure,
             idle_flush_after: Duration::from_secs(3600),
             ..TierConfig::default()
-        })
-        .unwrap();
-        let ns = store
-            .register_namespace(&NamespaceRecord {
-                model: "m".into(),
-                ..Default::default()
-            })
-            .unwrap();
+        });
         let key = |n: u64| {
             let mut k = [0u8; 32];
             k[..8].copy_from_slice(&n.wrapping_mul(0x9e37_79b9_7f4a_7c15).to_le_bytes());
@@ -1541,19 +1546,12 @@ mod tests {
     fn new_chunks_reuse_the_buffers_of_dropped_ones() {
         let dir = tempfile::tempdir().unwrap();
         const LEN: usize = 4 << 20;
-        let store = ChunkStore::open(TierConfig {
+        let (store, ns) = store_with_ns(TierConfig {
             data_dir: dir.path().to_path_buf(),
             ram_budget: 8 * LEN as u64,
             disk_budget: 0,
             ..TierConfig::default()
-        })
-        .unwrap();
-        let ns = store
-            .register_namespace(&NamespaceRecord {
-                model: "m".into(),
-                ..Default::default()
-            })
-            .unwrap();
+        });
         let id = |n: u8| ChunkId::new(ns, ChunkKey([n; 32]), 0);
         let src = vec![7u8; LEN];
         // Fill: 8 chunks, all fresh.
