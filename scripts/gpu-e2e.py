@@ -28,6 +28,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -127,7 +128,10 @@ def main() -> int:
     proc, sock = start_daemon(os.path.abspath(args.kvtier), work, args.ram_budget)
     cfg = KvtierConfig(socket=sock, staging_bytes=args.staging, timeout_ms=120_000)
     worker = KvtierWorker(cfg, layout, SimpleNamespace(parallel_config=SimpleNamespace(rank=0)), True, _Stats())
-    results: dict[str, list[float]] = {"save": [], "load": [], "pinned_d2h": [], "pinned_h2d": [], "fresh_copy": []}
+    results: dict[str, list[float]] = {
+        "save": [], "load": [], "pinned_d2h": [], "pinned_h2d": [], "fresh_copy": [], "parallel_copy": []
+    }
+    parallel_dst = None  # touched once, reused by every iteration's parallel-copy baseline
     phases: list[dict[str, float]] = []
     exact = True
     if args.save_links is not None:
@@ -203,6 +207,20 @@ def main() -> int:
                 kept.append(fresh)
             results["fresh_copy"].append(time.perf_counter() - t0)
             del kept
+            # Baseline of the host's memory bandwidth for the daemon's copies: the same
+            # chunk-sized copies into touched memory on as many threads as the connector
+            # has connections (numpy releases the GIL while it copies).
+            if parallel_dst is None:
+                parallel_dst = np.ones(n * cbytes, dtype=np.uint8)
+
+            def one(c: int) -> None:
+                part = slice(c * cbytes, (c + 1) * cbytes)
+                np.copyto(parallel_dst[part], src_host[part])
+
+            with ThreadPoolExecutor(max(len(worker._save_links), len(worker._load_links))) as ex:
+                t0 = time.perf_counter()
+                list(ex.map(one, range(n)))
+                results["parallel_copy"].append(time.perf_counter() - t0)
     finally:
         worker.shutdown()
         proc.terminate()
@@ -215,6 +233,7 @@ def main() -> int:
     med = {k: statistics.median(v) for k, v in results.items() if v}
     gbps = {k: total / v / 1e9 for k, v in med.items()}
     gbps.setdefault("fresh_copy", float("nan"))
+    gbps.setdefault("parallel_copy", float("nan"))
     out = {
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
         "bytes_per_iter": total, "chunk_bytes": group.chunk_bytes(cb), "chunks": n, "layers": L, "save_links": len(worker._save_links),
@@ -225,6 +244,9 @@ def main() -> int:
         "save_vs_pinned_d2h": round(gbps["save"] / gbps["pinned_d2h"], 3),
         "load_vs_pinned_h2d": round(gbps["load"] / gbps["pinned_h2d"], 3),
         "fresh_copy_GBps": round(gbps["fresh_copy"], 3),
+        "parallel_copy_GBps": round(gbps["parallel_copy"], 3),
+        "save_vs_parallel_copy": round(gbps["save"] / gbps["parallel_copy"], 3),
+        "load_vs_parallel_copy": round(gbps["load"] / gbps["parallel_copy"], 3),
     }
     print(f"{'path':<34}{'GB/s':>10}")
     print(f"{'save  device->staging->daemon (PUT)':<34}{out['save_GBps']:>10.2f}")
@@ -232,6 +254,8 @@ def main() -> int:
     print(f"{'baseline pinned D2H':<34}{out['pinned_d2h_GBps']:>10.2f}")
     print(f"{'baseline pinned H2D':<34}{out['pinned_h2d_GBps']:>10.2f}")
     print(f"{'baseline copy into fresh memory':<34}{out['fresh_copy_GBps']:>10.2f}")
+    threads = max(out["save_links"], out["load_links"])
+    print(f"{f'baseline host memcpy, {threads} threads':<34}{out['parallel_copy_GBps']:>10.2f}")
     if phases:
         # One whole iteration (the median by save + load time), so that the phases add up.
         bd_it = sorted(phases, key=lambda p: p["save_total"] + p["load_total"])[len(phases) // 2]
