@@ -38,6 +38,8 @@ pub struct BufferPool {
     bufs: Mutex<Vec<AlignedBuf>>,
     max_bytes: usize,
     max_bufs: usize,
+    /// Ask for transparent huge pages on new buffers (see `fresh`).
+    huge_pages: bool,
     reused: AtomicU64,
     fresh: AtomicU64,
 }
@@ -62,6 +64,7 @@ impl BufferPool {
             bufs: Mutex::new(Vec::new()),
             max_bytes,
             max_bufs: 64,
+            huge_pages: false,
             reused: AtomicU64::new(0),
             fresh: AtomicU64::new(0),
         }
@@ -69,10 +72,14 @@ impl BufferPool {
 
     /// The pool a store with a RAM budget of `ram_budget` bytes gets: an
     /// eighth of the budget, at least 128 MiB (a few large chunks in
-    /// flight) and at most 1 GiB.
-    pub fn for_ram_budget(ram_budget: u64) -> Self {
+    /// flight) and at most 1 GiB; new buffers of 2 MiB and more ask for
+    /// transparent huge pages if `huge_pages` (`TierConfig::huge_pages`).
+    pub fn for_store(ram_budget: u64, huge_pages: bool) -> Self {
         let bytes = (ram_budget / 8).clamp(128 << 20, 1 << 30);
-        Self::new(usize::try_from(bytes).unwrap_or(usize::MAX))
+        Self {
+            huge_pages,
+            ..Self::new(usize::try_from(bytes).unwrap_or(usize::MAX))
+        }
     }
 
     /// Counts of what the pool holds and has handed out.
@@ -112,7 +119,13 @@ impl BufferPool {
     pub(crate) fn take(&self, len: usize) -> AlignedBuf {
         self.reuse(len).unwrap_or_else(|| {
             self.fresh.fetch_add(1, Ordering::Relaxed);
-            AlignedBuf::zeroed(len)
+            let (ptr, cap) = fresh(len, self.huge_pages);
+            // SAFETY: `fresh` allocated `cap` bytes with the block layout;
+            // zeroing them initialises all of them.
+            unsafe {
+                std::ptr::write_bytes(ptr.as_ptr(), 0, cap);
+                AlignedBuf::from_raw_parts(ptr, len, cap)
+            }
         })
     }
 
@@ -170,8 +183,16 @@ impl BufferPool {
             }
             None => {
                 self.fresh.fetch_add(1, Ordering::Relaxed);
-                // SAFETY: as above; `copied` writes every byte it exposes.
-                unsafe { copied(src, len) }
+                let (ptr, cap) = fresh(len, self.huge_pages);
+                // SAFETY: `ptr` is valid for `cap` bytes: the first `len`
+                // are copied from `src` (the caller guarantees it; a fresh
+                // allocation cannot overlap it), the rest zeroed, so all
+                // `cap` are initialised, as `from_raw_parts` requires.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(src, ptr.as_ptr(), len);
+                    std::ptr::write_bytes(ptr.as_ptr().add(len), 0, cap - len);
+                    AlignedBuf::from_raw_parts(ptr, len, cap)
+                }
             }
         };
         self.share(buf)
@@ -238,26 +259,36 @@ impl Filler {
     }
 }
 
-/// A new block-aligned buffer holding a copy of `len` bytes at `src`,
-/// without zeroing it first (zeroing fresh memory is a second pass over it).
-///
-/// # Safety
-/// `src` must be valid for reads of `len` bytes.
-unsafe fn copied(src: *const u8, len: usize) -> AlignedBuf {
+/// Transparent huge page size on x86-64 and aarch64 (4 KiB base pages).
+const HUGE_PAGE: usize = 2 << 20;
+
+/// A new, uninitialised allocation of `len` bytes rounded up to [`BLOCK`],
+/// with the layout [`AlignedBuf`] frees. With `huge_pages`, the 2 MiB pages
+/// that lie wholly inside it are marked `MADV_HUGEPAGE` before anything
+/// touches them, so that the first write faults huge pages in where the
+/// kernel has them (it falls back to small pages otherwise; the advice is
+/// best effort and its failure is ignored).
+fn fresh(len: usize, huge_pages: bool) -> (NonNull<u8>, usize) {
     let cap = len.div_ceil(BLOCK as usize).max(1) * BLOCK as usize;
     let layout = Layout::from_size_align(cap, BLOCK as usize).expect("block-aligned layout");
     // SAFETY: the layout has a non-zero size.
     let raw = unsafe { alloc(layout) };
     let ptr = NonNull::new(raw).unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
-    // SAFETY: `ptr` is valid for `cap` bytes: the first `len` are copied
-    // from `src` (the caller guarantees it; a fresh allocation cannot
-    // overlap it), the rest zeroed, so all `cap` are initialised, which is
-    // what `AlignedBuf::from_raw_parts` requires.
-    unsafe {
-        std::ptr::copy_nonoverlapping(src, ptr.as_ptr(), len);
-        std::ptr::write_bytes(ptr.as_ptr().add(len), 0, cap - len);
-        AlignedBuf::from_raw_parts(ptr, len, cap)
+    #[cfg(target_os = "linux")]
+    if huge_pages && cap >= HUGE_PAGE {
+        let start = (ptr.as_ptr() as usize).next_multiple_of(HUGE_PAGE);
+        let end = (ptr.as_ptr() as usize + cap) / HUGE_PAGE * HUGE_PAGE;
+        if end > start {
+            // SAFETY: advice only, on whole pages inside our own allocation;
+            // it changes no contents.
+            unsafe {
+                libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE);
+            }
+        }
     }
+    #[cfg(not(target_os = "linux"))]
+    let _ = huge_pages;
+    (ptr, cap)
 }
 
 /// A buffer that returns to its pool when the last `Bytes` handle or slice
@@ -366,8 +397,58 @@ mod tests {
 
     #[test]
     fn the_pool_size_follows_the_ram_budget_within_bounds() {
-        assert_eq!(BufferPool::for_ram_budget(32 << 20).max_bytes, 128 << 20);
-        assert_eq!(BufferPool::for_ram_budget(4 << 30).max_bytes, 512 << 20);
-        assert_eq!(BufferPool::for_ram_budget(64 << 30).max_bytes, 1 << 30);
+        assert_eq!(BufferPool::for_store(32 << 20, true).max_bytes, 128 << 20);
+        assert_eq!(BufferPool::for_store(4 << 30, false).max_bytes, 512 << 20);
+        assert_eq!(BufferPool::for_store(64 << 30, true).max_bytes, 1 << 30);
+    }
+
+    /// `VmFlags` of the mapping that holds `addr`, from /proc/self/smaps.
+    #[cfg(target_os = "linux")]
+    fn vm_flags(addr: usize) -> String {
+        let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+        let mut inside = false;
+        for line in smaps.lines() {
+            let range = line.split_whitespace().next().unwrap_or("");
+            if let Some((lo, hi)) = range.split_once('-')
+                && let (Ok(lo), Ok(hi)) =
+                    (usize::from_str_radix(lo, 16), usize::from_str_radix(hi, 16))
+            {
+                inside = (lo..hi).contains(&addr);
+            } else if inside && let Some(flags) = line.strip_prefix("VmFlags:") {
+                return flags.trim().to_string();
+            }
+        }
+        panic!("no mapping holds {addr:#x}");
+    }
+
+    /// New buffers of 2 MiB and more carry the huge-page advice (`hg`)
+    /// when asked, and only then; their bytes are what was copied.
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn new_large_buffers_ask_for_huge_pages_only_when_configured() {
+        // 40 MiB: above glibc's largest mmap threshold, so each buffer is a
+        // mapping of its own (a heap range advised by another test could
+        // otherwise be reused here).
+        const LEN: usize = 40 << 20;
+        let src: Vec<u8> = (0..LEN).map(|i| (i % 253) as u8).collect();
+        for huge in [false, true] {
+            let pool = Arc::new(BufferPool::for_store(1 << 30, huge));
+            let b = pool.copy_of(&src);
+            assert_eq!(&b[..], &src[..]);
+            let inner = (b.as_ptr() as usize).next_multiple_of(HUGE_PAGE);
+            let flags = vm_flags(inner);
+            assert_eq!(
+                flags.split(' ').any(|f| f == "hg"),
+                huge,
+                "huge {huge}: {flags}"
+            );
+            let mut f = pool.filler(LEN);
+            let n = f.unfilled().len();
+            f.advance(n);
+            let r = f.freeze();
+            assert!(r.iter().all(|&x| x == 0), "a fresh read buffer is zeroed");
+            let inner = (r.as_ptr() as usize).next_multiple_of(HUGE_PAGE);
+            assert_eq!(vm_flags(inner).split(' ').any(|f| f == "hg"), huge);
+        }
     }
 }

@@ -62,6 +62,13 @@ pub struct TierConfig {
     /// besides the writer thread (one thread packs about as fast as a fast
     /// NVMe drive writes). Default: unset = a quarter of the cores, at most 3.
     pub pack_threads: Option<usize>,
+    /// Ask the kernel for transparent huge pages (`MADV_HUGEPAGE`) on new
+    /// chunk buffers of 2 MiB and more: a chunk's first copy then faults
+    /// one 2 MiB page instead of 512 small ones (a new 32 MiB chunk copied
+    /// 2-10x faster on the build machine), and copies out of it miss the
+    /// TLB less. Takes effect where THP is `always` or `madvise`; with
+    /// `never`, or on other systems, nothing changes. Default: true.
+    pub huge_pages: bool,
 }
 
 mod duration_ms {
@@ -89,6 +96,7 @@ impl Default for TierConfig {
             promote_on_read: true,
             direct_io: true,
             pack_threads: None,
+            huge_pages: true,
         }
     }
 }

@@ -353,7 +353,7 @@ impl ChunkStore {
         let t0 = Instant::now();
         let namespaces = manifest::load(&config.data_dir)?;
         let ram = RamCache::new(config.ram_budget);
-        let buffers = Arc::new(BufferPool::for_ram_budget(config.ram_budget));
+        let buffers = Arc::new(BufferPool::for_store(config.ram_budget, config.huge_pages));
         let (disk, rec) = match dev {
             None => (None, None),
             Some(dev) => {
