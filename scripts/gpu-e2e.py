@@ -48,7 +48,9 @@ from kvtier.vllm.namespace import GroupLayout, build_record, layout_fingerprint 
 from kvtier.vllm.worker import KvtierWorker  # noqa: E402
 
 
-def start_daemon(binary: str, workdir: Path, ram: str) -> tuple[subprocess.Popen, str]:
+def start_daemon(
+    binary: str, workdir: Path, ram: str, settings: list[str] = ()
+) -> tuple[subprocess.Popen, str]:
     sock = str(workdir / "kvtier.sock")
     log = open(workdir / "daemon.log", "wb")
     p = subprocess.Popen(
@@ -56,7 +58,8 @@ def start_daemon(binary: str, workdir: Path, ram: str) -> tuple[subprocess.Popen
          "--resp-listen", "off", "--http-listen", "off", "--ram-budget", ram, "--disk-budget", "0"],
         stdout=log, stderr=subprocess.STDOUT,
         # The daemon reads every KVTIER_* variable as a config key.
-        env={k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")},
+        env={k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+        | dict(kv.split("=", 1) for kv in settings),
     )
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -94,6 +97,10 @@ def main() -> int:
     ap.add_argument("--save-links", type=int, default=None, help="save connections (PUTs in flight); default: the connector's")
     ap.add_argument("--load-links", type=int, default=None, help="load connections (GETs in flight); default: the connector's")
     ap.add_argument(
+        "--daemon-env", action="append", default=[], metavar="KVTIER_KEY=VALUE",
+        help="a config setting for the daemon, e.g. KVTIER_HUGE_PAGES=false (repeatable)",
+    )
+    ap.add_argument(
         "--breakdown", action="store_true",
         help="time each phase (device gather/scatter, staging copies, PUT/GET); synchronizes "
         "between phases, so the totals are those of an unpipelined run",
@@ -125,7 +132,7 @@ def main() -> int:
     total = n * group.chunk_bytes(cb)
 
     work = Path(tempfile.mkdtemp(prefix="kvtier-gpu-e2e-"))
-    proc, sock = start_daemon(os.path.abspath(args.kvtier), work, args.ram_budget)
+    proc, sock = start_daemon(os.path.abspath(args.kvtier), work, args.ram_budget, args.daemon_env)
     cfg = KvtierConfig(socket=sock, staging_bytes=args.staging, timeout_ms=120_000)
     worker = KvtierWorker(cfg, layout, SimpleNamespace(parallel_config=SimpleNamespace(rank=0)), True, _Stats())
     results: dict[str, list[float]] = {
