@@ -9,7 +9,7 @@ use std::os::unix::net::UnixStream;
 use std::time::{Duration, Instant};
 
 use native_support::{TestServer, key, payload, record, wait_until};
-use node::native::codec::{self, Decoded, ErrorCode, Op, Reply};
+use node::native::codec::{self, Decoded, ErrorCode, Op, Reply, Response};
 use node::native::region::send_with_fd;
 use node::native::{Client, NativeError, NativeOptions, OwnedRegion, RegionEntry};
 use node::tier::Namespace;
@@ -370,6 +370,40 @@ fn too_many_descriptors_close_the_connection() {
         }
     }
     assert!(got_error, "no error before the close");
+    w.check();
+}
+
+/// REGISTER_REGION requests (one descriptor each) sent behind replies the
+/// client has not read yet: the server, blocked writing those replies, reads
+/// ahead only until a descriptor is pending, so five of them in a row are
+/// not taken for a pile of unclaimed descriptors.
+#[test]
+fn descriptors_behind_unread_replies_are_claimed_in_turn() {
+    let server = TestServer::start();
+    let mut w = Witness::new(&server);
+    let mut s = raw(&server);
+    let mut batch = Vec::new();
+    for id in 0..2000u64 {
+        batch.extend_from_slice(&frame(Op::Stats as u16, 0, id, b""));
+    }
+    s.write_all(&batch).unwrap();
+    let region = OwnedRegion::create("f", 4096).unwrap();
+    for id in 2000..2006u64 {
+        let f = frame(Op::RegisterRegion as u16, 0, id, &4096u64.to_le_bytes());
+        send_with_fd(s.as_fd(), &f, Some(region.fd())).unwrap();
+    }
+    for id in 0..2006u64 {
+        let (h, reply) = read_reply(&mut s);
+        assert_eq!(h.id, id);
+        match reply {
+            Reply::Ok(Response::Stats { .. }) => assert!(id < 2000),
+            Reply::Ok(Response::RegionRegistered { len }) => {
+                assert!(id >= 2000);
+                assert_eq!(len, 4096);
+            }
+            other => panic!("request {id}: {other:?}"),
+        }
+    }
     w.check();
 }
 

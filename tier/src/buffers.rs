@@ -19,7 +19,8 @@
 //! [`POOL_MIN`] bytes go through it: smaller ones are cheap for the
 //! allocator to reuse on its own.
 
-use std::alloc::{Layout, alloc};
+use std::alloc::{Layout, alloc, alloc_zeroed};
+use std::collections::VecDeque;
 use std::ptr::NonNull;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -34,8 +35,9 @@ pub const POOL_MIN: usize = 1 << 20;
 
 /// Recycled, block-aligned chunk buffers, bounded in bytes and count.
 pub struct BufferPool {
-    // parking_lot Mutex: a scan of at most `max_bufs` entries, no I/O held.
-    bufs: Mutex<Vec<AlignedBuf>>,
+    // parking_lot Mutex: a scan of at most `max_bufs` entries, no I/O held
+    // (buffers are freed after it is released). Oldest first.
+    bufs: Mutex<VecDeque<AlignedBuf>>,
     max_bytes: usize,
     max_bufs: usize,
     /// Ask for transparent huge pages on new buffers (see `fresh`).
@@ -61,7 +63,7 @@ impl BufferPool {
     /// A pool that holds at most `max_bytes` of buffers (and at most 64).
     pub fn new(max_bytes: usize) -> Self {
         Self {
-            bufs: Mutex::new(Vec::new()),
+            bufs: Mutex::new(VecDeque::new()),
             max_bytes,
             max_bufs: 64,
             huge_pages: false,
@@ -107,7 +109,7 @@ impl BufferPool {
                 .filter(|(_, b)| fits.contains(&b.capacity()))
                 .min_by_key(|(_, b)| b.capacity())
                 .map(|(i, _)| i)?;
-            bufs.swap_remove(best)
+            bufs.remove(best)?
         };
         self.reused.fetch_add(1, Ordering::Relaxed);
         buf.set_len(len);
@@ -115,27 +117,38 @@ impl BufferPool {
     }
 
     /// A buffer of `len` bytes to read into: a pooled one (see `reuse`),
-    /// else a new zeroed one. The caller overwrites all `len` bytes.
+    /// else a new zeroed one (whose pages the kernel commits as they are
+    /// written, where the allocator maps it freshly). The caller
+    /// overwrites all `len` bytes.
     pub(crate) fn take(&self, len: usize) -> AlignedBuf {
         self.reuse(len).unwrap_or_else(|| {
             self.fresh.fetch_add(1, Ordering::Relaxed);
-            let (ptr, cap) = fresh(len, self.huge_pages);
-            // SAFETY: `fresh` allocated `cap` bytes with the block layout;
-            // zeroing them initialises all of them.
-            unsafe {
-                std::ptr::write_bytes(ptr.as_ptr(), 0, cap);
-                AlignedBuf::from_raw_parts(ptr, len, cap)
-            }
+            let (ptr, cap) = fresh(len, self.huge_pages, true);
+            // SAFETY: `fresh` allocated `cap` zeroed bytes with the block
+            // layout.
+            unsafe { AlignedBuf::from_raw_parts(ptr, len, cap) }
         })
     }
 
-    /// Keeps `buf` for reuse if it fits the bounds, else frees it.
+    /// Keeps `buf` for reuse (a buffer of [`POOL_MIN`] bytes or more),
+    /// dropping the oldest ones beyond the bounds; frees what it does not
+    /// keep after the lock is released.
     fn give(&self, buf: AlignedBuf) {
-        let mut bufs = self.bufs.lock();
-        let held: usize = bufs.iter().map(AlignedBuf::capacity).sum();
-        if bufs.len() < self.max_bufs && held + buf.capacity() <= self.max_bytes {
-            bufs.push(buf);
+        if buf.capacity() < POOL_MIN {
+            return;
         }
+        let mut freed = Vec::new();
+        {
+            let mut bufs = self.bufs.lock();
+            bufs.push_back(buf);
+            let mut held: usize = bufs.iter().map(AlignedBuf::capacity).sum();
+            while bufs.len() > self.max_bufs || held > self.max_bytes {
+                let Some(old) = bufs.pop_front() else { break };
+                held -= old.capacity();
+                freed.push(old);
+            }
+        }
+        drop(freed);
     }
 
     /// `Bytes` over `buf`; the buffer returns to this pool when the last
@@ -183,7 +196,7 @@ impl BufferPool {
             }
             None => {
                 self.fresh.fetch_add(1, Ordering::Relaxed);
-                let (ptr, cap) = fresh(len, self.huge_pages);
+                let (ptr, cap) = fresh(len, self.huge_pages, false);
                 // SAFETY: `ptr` is valid for `cap` bytes: the first `len`
                 // are copied from `src` (the caller guarantees it; a fresh
                 // allocation cannot overlap it), the rest zeroed, so all
@@ -204,7 +217,7 @@ impl BufferPool {
     /// zeroed buffer, which reading into a `Vec`'s spare capacity avoids).
     pub fn filler(self: &Arc<Self>, len: usize) -> Filler {
         Filler {
-            buf: self.take(len),
+            buf: Some(self.take(len)),
             filled: 0,
             pool: Arc::clone(self),
         }
@@ -214,22 +227,34 @@ impl BufferPool {
 /// A chunk buffer being filled (from a socket, piece by piece); see
 /// [`BufferPool::filler`]. Its bytes past the filled part are initialised
 /// but unspecified (an earlier chunk's or zeros).
+/// Dropped unfrozen (an aborted read), its buffer returns to the pool.
 pub struct Filler {
-    buf: AlignedBuf,
+    /// `Some` until frozen.
+    buf: Option<AlignedBuf>,
     filled: usize,
     pool: Arc<BufferPool>,
 }
 
 impl Filler {
+    fn buf(&self) -> &AlignedBuf {
+        self.buf
+            .as_ref()
+            .expect("a Filler holds its buffer until frozen")
+    }
+
     /// The part not filled yet, to read into; then [`Filler::advance`].
     pub fn unfilled(&mut self) -> &mut [u8] {
-        &mut self.buf[self.filled..]
+        let filled = self.filled;
+        &mut self
+            .buf
+            .as_mut()
+            .expect("a Filler holds its buffer until frozen")[filled..]
     }
 
     /// Marks `n` more bytes filled. Panics beyond the length.
     pub fn advance(&mut self, n: usize) {
         assert!(
-            n <= self.buf.len() - self.filled,
+            n <= self.buf().len() - self.filled,
             "Filler::advance past its length"
         );
         self.filled += n;
@@ -248,31 +273,50 @@ impl Filler {
 
     /// Whether all of its length is filled.
     pub fn is_full(&self) -> bool {
-        self.filled == self.buf.len()
+        self.filled == self.buf().len()
     }
 
     /// The filled bytes, as a chunk whose buffer returns to the pool when
     /// dropped.
-    pub fn freeze(self) -> Bytes {
-        let filled = self.filled;
-        self.pool.share(self.buf).slice(..filled)
+    pub fn freeze(mut self) -> Bytes {
+        let buf = self
+            .buf
+            .take()
+            .expect("a Filler holds its buffer until frozen");
+        self.pool.share(buf).slice(..self.filled)
+    }
+}
+
+impl Drop for Filler {
+    fn drop(&mut self) {
+        if let Some(b) = self.buf.take() {
+            self.pool.give(b);
+        }
     }
 }
 
 /// Transparent huge page size on x86-64 and aarch64 (4 KiB base pages).
 const HUGE_PAGE: usize = 2 << 20;
 
-/// A new, uninitialised allocation of `len` bytes rounded up to [`BLOCK`],
-/// with the layout [`AlignedBuf`] frees. With `huge_pages`, the 2 MiB pages
-/// that lie wholly inside it are marked `MADV_HUGEPAGE` before anything
-/// touches them, so that the first write faults huge pages in where the
-/// kernel has them (it falls back to small pages otherwise; the advice is
-/// best effort and its failure is ignored).
-fn fresh(len: usize, huge_pages: bool) -> (NonNull<u8>, usize) {
+/// A new allocation of `len` bytes rounded up to [`BLOCK`], with the
+/// layout [`AlignedBuf`] frees: zeroed if `zeroed` (by the allocator, which
+/// leaves a fresh mapping's pages untouched), else uninitialised. With
+/// `huge_pages`, the 2 MiB pages that lie wholly inside it are marked
+/// `MADV_HUGEPAGE`, before the first write where nothing touched them yet,
+/// so that it faults huge pages in where the kernel has them (it falls
+/// back to small pages otherwise; the advice is best effort and its
+/// failure is ignored).
+fn fresh(len: usize, huge_pages: bool, zeroed: bool) -> (NonNull<u8>, usize) {
     let cap = len.div_ceil(BLOCK as usize).max(1) * BLOCK as usize;
     let layout = Layout::from_size_align(cap, BLOCK as usize).expect("block-aligned layout");
     // SAFETY: the layout has a non-zero size.
-    let raw = unsafe { alloc(layout) };
+    let raw = unsafe {
+        if zeroed {
+            alloc_zeroed(layout)
+        } else {
+            alloc(layout)
+        }
+    };
     let ptr = NonNull::new(raw).unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
     #[cfg(target_os = "linux")]
     if huge_pages && cap >= HUGE_PAGE {
@@ -343,11 +387,22 @@ mod tests {
             pool.give(AlignedBuf::zeroed(4 << 20));
         }
         assert!(pool.stats().bytes <= 128 << 20, "{:?}", pool.stats());
+        // Full, it drops its oldest buffers for the newest (a size nobody
+        // asks for any more cannot hold it for good).
+        let newest = AlignedBuf::zeroed(8 << 20);
+        let addr = newest.as_ptr();
+        pool.give(newest);
+        assert!(pool.stats().bytes <= 128 << 20, "{:?}", pool.stats());
+        assert_eq!(pool.take(8 << 20).as_ptr(), addr, "the newest is kept");
         let many = Arc::new(BufferPool::new(1 << 30));
         for _ in 0..100 {
-            many.give(AlignedBuf::zeroed(BLOCK as usize));
+            many.give(AlignedBuf::zeroed(POOL_MIN));
         }
         assert_eq!(many.stats().buffers, 64);
+        // Below POOL_MIN nothing is kept.
+        many.give(AlignedBuf::zeroed(POOL_MIN - BLOCK as usize));
+        assert_eq!(many.stats().buffers, 64);
+        assert!(many.bufs.lock().iter().all(|b| b.capacity() == POOL_MIN));
     }
 
     #[test]
@@ -392,7 +447,16 @@ mod tests {
         let n = g.unfilled().len();
         g.advance(n);
         assert!(g.is_full());
-        assert_eq!(g.freeze().as_ptr(), addr, "the dropped buffer, reused");
+        let g = g.freeze();
+        assert_eq!(g.as_ptr(), addr, "the dropped buffer, reused");
+        // A fill abandoned before it was frozen (a client gone mid-value)
+        // returns its buffer too.
+        drop(g);
+        let mut h = pool.filler(2 << 20);
+        h.extend_from_slice(b"partial");
+        drop(h);
+        assert_eq!(pool.stats().buffers, 1);
+        assert_eq!(pool.filler(2 << 20).freeze().as_ptr(), addr);
     }
 
     #[test]

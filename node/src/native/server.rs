@@ -237,7 +237,11 @@ impl Connection {
             let buffered = self.end - self.start;
             self.flush_writes().await?;
             if self.end - self.start > buffered {
-                // Requests were read ahead while the replies waited.
+                // Requests were read ahead while the replies waited; at
+                // shutdown they are not started.
+                if *stop.borrow() {
+                    return Ok(());
+                }
                 continue;
             }
             if self.fd_overflow || self.read_closed {
@@ -293,10 +297,13 @@ impl Connection {
     }
 
     /// Takes in what a read brought: its bytes, and whether the client
-    /// closed its side or sent descriptors beyond the limit.
+    /// closed its side. A read that lost descriptors or brought too many is
+    /// dropped whole (its requests are not handled; the connection is
+    /// closed once the requests before it are answered).
     fn note(&mut self, received: region::Received) {
         if received.truncated || self.fds.len() > MAX_PENDING_FDS {
             self.fd_overflow = true;
+            return;
         }
         if received.bytes == 0 {
             self.read_closed = true;
@@ -304,9 +311,15 @@ impl Connection {
         self.end += received.bytes;
     }
 
-    /// Whether a blocked reply write may read more requests meanwhile.
+    /// Whether a blocked reply write may read more requests meanwhile: not
+    /// while descriptors wait for their REGISTER_REGION frames (each
+    /// arrives in a read of its own, and reading on would pile them up
+    /// past the limit).
     fn may_read_ahead(&self) -> bool {
-        !self.read_closed && !self.fd_overflow && self.end - self.start < READ_AHEAD
+        !self.read_closed
+            && !self.fd_overflow
+            && self.fds.is_empty()
+            && self.end - self.start < READ_AHEAD
     }
 
     /// One non-blocking read of more requests into the read buffer (made
@@ -407,16 +420,15 @@ impl Connection {
     /// Writes pending replies. While the socket is full it reads ahead the
     /// client's next requests (up to [`READ_AHEAD`] bytes; they are handled
     /// after), so that a client blocked sending them gets to read its
-    /// replies. A client that reads nothing for longer than
+    /// replies. A client that has not taken the pending replies within
     /// `frame-timeout` is dropped, so it can never hold up shutdown.
     async fn flush_writes(&mut self) -> io::Result<()> {
         let mut at = 0;
-        let mut deadline = tokio::time::Instant::now() + self.opts.frame_timeout;
+        let deadline = tokio::time::Instant::now() + self.opts.frame_timeout;
         while at < self.wbuf.len() {
             match self.stream.try_write(&self.wbuf[at..]) {
                 Ok(n) => {
                     at += n;
-                    deadline = tokio::time::Instant::now() + self.opts.frame_timeout;
                     continue;
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
