@@ -327,22 +327,14 @@ impl Connection {
     fn read_ahead(&mut self) -> io::Result<()> {
         if self.end == self.rbuf.len() {
             if self.start > 0 {
-                self.rbuf.copy_within(self.start..self.end, 0);
-                self.end -= self.start;
-                self.start = 0;
+                self.compact();
             } else {
                 let len = (self.rbuf.len() * 2).clamp(READ_BUF, READ_AHEAD);
                 self.rbuf.resize(len, 0);
             }
         }
-        let mut fds = Vec::new();
-        let sock = self.stream.as_fd();
-        let buf = &mut self.rbuf[self.end..];
-        match self.stream.try_io(Interest::READABLE, || {
-            region::recv_with_fds(sock, buf, &mut fds)
-        }) {
+        match self.try_recv() {
             Ok(r) => {
-                self.fds.extend(fds);
                 self.note(r);
                 Ok(())
             }
@@ -359,14 +351,21 @@ impl Connection {
             if self.rbuf.len() > 4 * READ_BUF && need <= READ_BUF {
                 self.rbuf = vec![0; READ_BUF];
             }
-        } else if self.start > 0 {
-            self.rbuf.copy_within(self.start..self.end, 0);
-            self.end -= self.start;
-            self.start = 0;
+        } else {
+            self.compact();
         }
         if self.rbuf.len() < need {
             // `need` is bounded by max-frame + header: checked by the decoder.
             self.rbuf.resize(need, 0);
+        }
+    }
+
+    /// Moves the unprocessed bytes to the front of the read buffer.
+    fn compact(&mut self) {
+        if self.start > 0 {
+            self.rbuf.copy_within(self.start..self.end, 0);
+            self.end -= self.start;
+            self.start = 0;
         }
     }
 
@@ -400,19 +399,25 @@ impl Connection {
     }
 
     async fn read_some(&mut self) -> io::Result<region::Received> {
-        let mut fds = Vec::new();
-        let r = loop {
+        loop {
             self.stream.readable().await?;
-            let sock = self.stream.as_fd();
-            let buf = &mut self.rbuf[self.end..];
-            match self.stream.try_io(Interest::READABLE, || {
-                region::recv_with_fds(sock, buf, &mut fds)
-            }) {
-                Ok(r) => break r,
+            match self.try_recv() {
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
-                Err(e) => return Err(e),
+                r => return r,
             }
-        };
+        }
+    }
+
+    /// One non-blocking read into the read buffer after its unprocessed
+    /// bytes, keeping any descriptors it brings; `WouldBlock` (clearing
+    /// the readiness) when nothing is there.
+    fn try_recv(&mut self) -> io::Result<region::Received> {
+        let mut fds = Vec::new();
+        let sock = self.stream.as_fd();
+        let buf = &mut self.rbuf[self.end..];
+        let r = self.stream.try_io(Interest::READABLE, || {
+            region::recv_with_fds(sock, buf, &mut fds)
+        })?;
         self.fds.extend(fds);
         Ok(r)
     }
