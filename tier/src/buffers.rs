@@ -19,7 +19,7 @@
 //! [`POOL_MIN`] bytes go through it: smaller ones are cheap for the
 //! allocator to reuse on its own.
 
-use std::alloc::{Layout, alloc, alloc_zeroed};
+use std::alloc::alloc;
 use std::collections::VecDeque;
 use std::ptr::NonNull;
 use std::sync::Arc;
@@ -28,7 +28,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use bytes::Bytes;
 use parking_lot::Mutex;
 
-use crate::device::{AlignedBuf, BLOCK};
+use crate::device::{AlignedBuf, BLOCK, block_layout};
 
 /// Smallest copy that [`BufferPool::copy_of`] takes a pooled buffer for.
 pub const POOL_MIN: usize = 1 << 20;
@@ -40,7 +40,8 @@ pub struct BufferPool {
     bufs: Mutex<VecDeque<AlignedBuf>>,
     max_bytes: usize,
     max_bufs: usize,
-    /// Ask for transparent huge pages on new buffers (see `fresh`).
+    /// Ask for transparent huge pages on new buffers (see
+    /// `advise_huge_pages`).
     huge_pages: bool,
     reused: AtomicU64,
     fresh: AtomicU64,
@@ -123,10 +124,13 @@ impl BufferPool {
     pub(crate) fn take(&self, len: usize) -> AlignedBuf {
         self.reuse(len).unwrap_or_else(|| {
             self.fresh.fetch_add(1, Ordering::Relaxed);
-            let (ptr, cap) = fresh(len, self.huge_pages, true);
-            // SAFETY: `fresh` allocated `cap` zeroed bytes with the block
-            // layout.
-            unsafe { AlignedBuf::from_raw_parts(ptr, len, cap) }
+            // Zeroed by the allocator, which leaves a fresh mapping's pages
+            // untouched: the advice still comes before their first write.
+            let mut buf = AlignedBuf::zeroed(len);
+            if self.huge_pages {
+                advise_huge_pages(buf.as_mut_ptr(), buf.capacity());
+            }
+            buf
         })
     }
 
@@ -196,7 +200,15 @@ impl BufferPool {
             }
             None => {
                 self.fresh.fetch_add(1, Ordering::Relaxed);
-                let (ptr, cap) = fresh(len, self.huge_pages, false);
+                let layout = block_layout(len);
+                let cap = layout.size();
+                // SAFETY: the layout has a non-zero size.
+                let raw = unsafe { alloc(layout) };
+                let ptr =
+                    NonNull::new(raw).unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
+                if self.huge_pages {
+                    advise_huge_pages(ptr.as_ptr(), cap);
+                }
                 // SAFETY: `ptr` is valid for `cap` bytes: the first `len`
                 // are copied from `src` (the caller guarantees it; a fresh
                 // allocation cannot overlap it), the rest zeroed, so all
@@ -298,41 +310,26 @@ impl Drop for Filler {
 /// Transparent huge page size on x86-64 and aarch64 (4 KiB base pages).
 const HUGE_PAGE: usize = 2 << 20;
 
-/// A new allocation of `len` bytes rounded up to [`BLOCK`], with the
-/// layout [`AlignedBuf`] frees: zeroed if `zeroed` (by the allocator, which
-/// leaves a fresh mapping's pages untouched), else uninitialised. With
-/// `huge_pages`, the 2 MiB pages that lie wholly inside it are marked
-/// `MADV_HUGEPAGE`, before the first write where nothing touched them yet,
-/// so that it faults huge pages in where the kernel has them (it falls
-/// back to small pages otherwise; the advice is best effort and its
-/// failure is ignored).
-fn fresh(len: usize, huge_pages: bool, zeroed: bool) -> (NonNull<u8>, usize) {
-    let cap = len.div_ceil(BLOCK as usize).max(1) * BLOCK as usize;
-    let layout = Layout::from_size_align(cap, BLOCK as usize).expect("block-aligned layout");
-    // SAFETY: the layout has a non-zero size.
-    let raw = unsafe {
-        if zeroed {
-            alloc_zeroed(layout)
-        } else {
-            alloc(layout)
-        }
-    };
-    let ptr = NonNull::new(raw).unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
+/// Marks the 2 MiB pages that lie wholly inside the new allocation of
+/// `cap` bytes at `ptr` `MADV_HUGEPAGE`, so that its first write faults huge
+/// pages in where the kernel has them (call it before anything touches the
+/// pages; the kernel falls back to small pages otherwise). Best effort: a
+/// failure is ignored, and other systems than Linux do nothing.
+fn advise_huge_pages(ptr: *mut u8, cap: usize) {
     #[cfg(target_os = "linux")]
-    if huge_pages && cap >= HUGE_PAGE {
-        let start = (ptr.as_ptr() as usize).next_multiple_of(HUGE_PAGE);
-        let end = (ptr.as_ptr() as usize + cap) / HUGE_PAGE * HUGE_PAGE;
+    if cap >= HUGE_PAGE {
+        let start = (ptr as usize).next_multiple_of(HUGE_PAGE);
+        let end = (ptr as usize + cap) / HUGE_PAGE * HUGE_PAGE;
         if end > start {
-            // SAFETY: advice only, on whole pages inside our own allocation;
-            // it changes no contents.
+            // SAFETY: advice only, on whole pages inside the caller's
+            // allocation; it changes no contents.
             unsafe {
                 libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE);
             }
         }
     }
     #[cfg(not(target_os = "linux"))]
-    let _ = huge_pages;
-    (ptr, cap)
+    let _ = (ptr, cap);
 }
 
 /// A buffer that returns to its pool when the last `Bytes` handle or slice

@@ -86,24 +86,33 @@ unsafe impl Send for AlignedBuf {}
 // SAFETY: shared access only hands out `&[u8]`.
 unsafe impl Sync for AlignedBuf {}
 
+/// The allocation layout of an [`AlignedBuf`] holding `len` bytes: its size
+/// (the capacity) rounded up to a non-zero multiple of [`BLOCK`], aligned to
+/// [`BLOCK`].
+pub(crate) fn block_layout(len: usize) -> Layout {
+    let cap = len.div_ceil(BLOCK as usize).max(1) * BLOCK as usize;
+    Layout::from_size_align(cap, BLOCK as usize).expect("block-aligned layout")
+}
+
 impl AlignedBuf {
     /// A zeroed buffer of `len` bytes (capacity rounded up to [`BLOCK`]).
     pub fn zeroed(len: usize) -> Self {
-        let cap = len.div_ceil(BLOCK as usize).max(1) * BLOCK as usize;
-        let layout = Layout::from_size_align(cap, BLOCK as usize).expect("block-aligned layout");
+        let layout = block_layout(len);
         // SAFETY: layout has a non-zero size.
         let raw = unsafe { alloc_zeroed(layout) };
         let ptr = NonNull::new(raw).unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
-        Self { ptr, len, cap }
+        Self {
+            ptr,
+            len,
+            cap: layout.size(),
+        }
     }
 
     /// Takes ownership of an allocation of `cap` bytes aligned to [`BLOCK`].
     ///
     /// # Safety
-    /// `ptr` must come from the global allocator with
-    /// `Layout::from_size_align(cap, BLOCK)`, `cap` must be a non-zero
-    /// multiple of [`BLOCK`] at least `len`, and all `cap` bytes must be
-    /// initialised.
+    /// `ptr` must come from the global allocator with [`block_layout`]`(len)`,
+    /// whose size is `cap`, and all `cap` bytes must be initialised.
     pub(crate) unsafe fn from_raw_parts(ptr: NonNull<u8>, len: usize, cap: usize) -> Self {
         Self { ptr, len, cap }
     }
@@ -123,9 +132,9 @@ impl AlignedBuf {
 
 impl Drop for AlignedBuf {
     fn drop(&mut self) {
-        let layout = Layout::from_size_align(self.cap, BLOCK as usize).expect("layout");
+        let layout = block_layout(self.cap);
         // SAFETY: allocated in `zeroed` (or handed to `from_raw_parts`)
-        // with this exact layout.
+        // with this exact layout (`cap` is already a block multiple).
         unsafe { dealloc(self.ptr.as_ptr(), layout) }
     }
 }
