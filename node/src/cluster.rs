@@ -46,11 +46,8 @@ pub fn to_tier(id: &PeerChunkId) -> ChunkId {
 struct PooledFetch(Filler);
 
 impl FetchBuffer for PooledFetch {
-    fn unfilled(&mut self) -> &mut [u8] {
-        self.0.unfilled()
-    }
-    fn advance(&mut self, n: usize) {
-        self.0.advance(n);
+    fn extend_from_slice(&mut self, piece: &[u8]) {
+        self.0.extend_from_slice(piece);
     }
     fn freeze(self: Box<Self>) -> Bytes {
         self.0.freeze()

@@ -65,14 +65,22 @@ pub trait ChunkSource: Send + Sync + 'static {
     }
 }
 
-/// A payload buffer lent by [`ChunkSource::fetch_buffer`].
+/// A buffer a fetched payload is copied into, piece by piece, in order:
+/// one lent by [`ChunkSource::fetch_buffer`], else a new `BytesMut`.
 pub trait FetchBuffer: Send {
-    /// The part not filled yet.
-    fn unfilled(&mut self) -> &mut [u8];
-    /// Marks `n` more bytes filled.
-    fn advance(&mut self, n: usize);
-    /// The filled bytes.
+    /// Appends the next piece (never more than the length it was made for).
+    fn extend_from_slice(&mut self, piece: &[u8]);
+    /// The bytes appended.
     fn freeze(self: Box<Self>) -> Bytes;
+}
+
+impl FetchBuffer for BytesMut {
+    fn extend_from_slice(&mut self, piece: &[u8]) {
+        BytesMut::extend_from_slice(self, piece);
+    }
+    fn freeze(self: Box<Self>) -> Bytes {
+        BytesMut::freeze(*self)
+    }
 }
 
 /// Largest UDP payload one `sendmsg` may carry (IPv4: 65,535 − 20 − 8).
@@ -1649,21 +1657,17 @@ async fn fetch_from(
         )));
     }
     let len = len as usize;
-    let mut lent = shared.source.fetch_buffer(len);
-    let mut own = BytesMut::with_capacity(if lent.is_some() { 0 } else { len });
+    let mut buf = shared
+        .source
+        .fetch_buffer(len)
+        .unwrap_or_else(|| Box::new(BytesMut::with_capacity(len)));
     // The CRC runs over each piece right after it is copied (still in
     // cache), not in a second pass over the whole chunk.
     let (mut got, mut filled) = (0u32, 0usize);
     while filled < len {
         match recv.read_chunk(len - filled, true).await {
             Ok(Some(c)) => {
-                match &mut lent {
-                    Some(b) => {
-                        b.unfilled()[..c.bytes.len()].copy_from_slice(&c.bytes);
-                        b.advance(c.bytes.len());
-                    }
-                    None => own.extend_from_slice(&c.bytes),
-                }
+                buf.extend_from_slice(&c.bytes);
                 filled += c.bytes.len();
                 got = crc32c::crc32c_append(got, &c.bytes);
             }
@@ -1680,8 +1684,5 @@ async fn fetch_from(
             "payload crc32c {got:#010x} != {crc:#010x}"
         )));
     }
-    Ok(match lent {
-        Some(b) => b.freeze(),
-        None => own.freeze(),
-    })
+    Ok(buf.freeze())
 }

@@ -38,11 +38,9 @@ struct Loan {
 }
 
 impl FetchBuffer for Loan {
-    fn unfilled(&mut self) -> &mut [u8] {
-        &mut self.v[self.filled..]
-    }
-    fn advance(&mut self, n: usize) {
-        self.filled += n;
+    fn extend_from_slice(&mut self, piece: &[u8]) {
+        self.v[self.filled..self.filled + piece.len()].copy_from_slice(piece);
+        self.filled += piece.len();
     }
     fn freeze(self: Box<Self>) -> Bytes {
         Bytes::from(self.v).slice(..self.filled)
