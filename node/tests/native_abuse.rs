@@ -145,7 +145,7 @@ fn oversize_frame_is_refused_before_allocating() {
     // Claims a 4 GiB - 1 body; only the header is sent.
     let mut f = frame(Op::Put as u16, 0, 1, &[]);
     f[12..16].copy_from_slice(&u32::MAX.to_le_bytes());
-    let crc = crc32c::crc32c(&f[..28]);
+    let crc = tier::format::crc32c(&f[..28]);
     f[28..32].copy_from_slice(&crc.to_le_bytes());
     s.write_all(&f).unwrap();
     let msg = expect_error(&mut s, ErrorCode::TooLarge);

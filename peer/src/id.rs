@@ -41,7 +41,7 @@ pub struct ChunkBytes {
 impl ChunkBytes {
     /// Builds a `ChunkBytes` computing the CRC32C of `payload`.
     pub fn new(payload: Bytes) -> Self {
-        let crc = crc32c::crc32c(&payload);
+        let crc = crc_fast::crc32_iscsi(&payload);
         Self { payload, crc }
     }
 }

@@ -1663,13 +1663,16 @@ async fn fetch_from(
         .unwrap_or_else(|| Box::new(BytesMut::with_capacity(len)));
     // The CRC runs over each piece right after it is copied (still in
     // cache), not in a second pass over the whole chunk.
-    let (mut got, mut filled) = (0u32, 0usize);
+    let (mut got, mut filled) = (
+        crc_fast::Digest::new(crc_fast::CrcAlgorithm::Crc32Iscsi),
+        0usize,
+    );
     while filled < len {
         match recv.read_chunk(len - filled, true).await {
             Ok(Some(c)) => {
                 buf.extend_from_slice(&c.bytes);
                 filled += c.bytes.len();
-                got = crc32c::crc32c_append(got, &c.bytes);
+                got.update(&c.bytes);
             }
             Ok(None) => {
                 return Err(corrupt(format!(
@@ -1679,6 +1682,8 @@ async fn fetch_from(
             Err(e) => return Err(tr(e.to_string())),
         }
     }
+    // A 32-bit CRC's value always fits its 32 bits.
+    let got = got.finalize() as u32;
     if got != crc {
         return Err(corrupt(format!(
             "payload crc32c {got:#010x} != {crc:#010x}"

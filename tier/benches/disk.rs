@@ -185,12 +185,10 @@ fn read_strategies(path: &Path, block: usize, count: u64, stride: u64) -> [f64; 
                     black_box(tier::format::crc32c(&buf));
                 }
                 _ => {
-                    let mut crc = 0;
-                    dev.read_at_in_order(&mut buf, off, &mut |p: &[u8]| {
-                        crc = crc32c::crc32c_append(crc, p);
-                    })
-                    .expect("read");
-                    black_box(crc);
+                    let mut crc = tier::format::Crc32c::default();
+                    dev.read_at_in_order(&mut buf, off, &mut |p: &[u8]| crc.update(p))
+                        .expect("read");
+                    black_box(crc.value());
                 }
             }
         }

@@ -69,12 +69,12 @@ impl Task {
 
 /// Copies `src` into `dst` (same length) and returns the CRC32C of the bytes.
 pub(crate) fn copy_crc_into(src: &[u8], dst: &mut [u8]) -> u32 {
-    let mut crc = 0u32;
+    let mut crc = crate::format::Crc32c::default();
     for (s, d) in src.chunks(STEP).zip(dst.chunks_mut(STEP)) {
         d.copy_from_slice(s);
-        crc = crc32c::crc32c_append(crc, d);
+        crc.update(d);
     }
-    crc
+    crc.value()
 }
 
 /// The helper threads. With none, everything runs on the calling thread.
@@ -173,7 +173,7 @@ impl Packer {
         for (p, c) in task.pieces.iter().zip(&task.crcs) {
             let c = c.load(Ordering::Relaxed);
             out[p.part] = if seen[p.part] {
-                crc32c::crc32c_combine(out[p.part], c, p.len)
+                crate::format::crc32c_combine(out[p.part], c, p.len as u64)
             } else {
                 seen[p.part] = true;
                 c

@@ -222,7 +222,7 @@ impl Disk {
         // The payload's CRC runs over each piece as it lands, while the
         // device reads the rest (where the device can split the read).
         let payload = skip + hl..skip + hl + pl;
-        let (mut at, mut crc) = (0usize, 0u32);
+        let (mut at, mut crc) = (0usize, crate::format::Crc32c::default());
         let t = Instant::now();
         let read = self.dev.read_at_in_order(
             &mut whole,
@@ -231,7 +231,7 @@ impl Disk {
                 let (lo, hi) = (at, at + part.len());
                 let (a, b) = (lo.max(payload.start), hi.min(payload.end));
                 if a < b {
-                    crc = crc32c::crc32c_append(crc, &part[a - lo..b - lo]);
+                    crc.update(&part[a - lo..b - lo]);
                 }
                 at = hi;
             },
@@ -256,7 +256,8 @@ impl Disk {
                 head.payload_len, head.payload_crc, loc.crc
             ));
         }
-        head.check_payload_crc(crc).map_err(|e| e.to_string())?;
+        head.check_payload_crc(crc.value())
+            .map_err(|e| e.to_string())?;
         Ok((
             self.bufs.share(whole).slice(skip + hl..skip + hl + pl),
             head.name,

@@ -86,7 +86,7 @@ impl FrameHeader {
                 available: body.len() as u64,
             });
         }
-        let computed = crc32c::crc32c_append(crc32c::crc32c(&header[..12]), body);
+        let computed = frame_crc(&header[..12], body);
         if computed != self.crc {
             return Err(DecodeError::Crc {
                 stored: self.crc,
@@ -95,6 +95,15 @@ impl FrameHeader {
         }
         Ok(())
     }
+}
+
+/// The CRC32C over a header's first 12 bytes followed by the body.
+fn frame_crc(header: &[u8], body: &[u8]) -> u32 {
+    let mut d = crc_fast::Digest::new(crc_fast::CrcAlgorithm::Crc32Iscsi);
+    d.update(header);
+    d.update(body);
+    // A 32-bit CRC's value always fits its 32 bits.
+    d.finalize() as u32
 }
 
 /// Encodes `msg` as one complete frame.
@@ -108,7 +117,7 @@ pub fn encode(msg: &Message) -> Vec<u8> {
     msg.encode_body(&mut out);
     let body_len = (out.len() - HEADER_LEN) as u32;
     out[8..12].copy_from_slice(&body_len.to_le_bytes());
-    let crc = crc32c::crc32c_append(crc32c::crc32c(&out[..12]), &out[HEADER_LEN..]);
+    let crc = frame_crc(&out[..12], &out[HEADER_LEN..]);
     out[12..16].copy_from_slice(&crc.to_le_bytes());
     out
 }

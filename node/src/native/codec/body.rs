@@ -196,9 +196,13 @@ pub fn encode_keys_request(
 
 fn put_keys(out: &mut Vec<u8>, ns: &Namespace, group: GroupId, keys: &[ChunkKey]) {
     put_ns_group_count(out, ns, group, keys.len());
-    out.reserve(keys.len() * 32);
-    for k in keys {
-        out.extend_from_slice(&k.0);
+    // Sized once and filled with fixed-size copies: an `extend_from_slice`
+    // per key (a capacity check and a 32-byte `memcpy` call each) took most
+    // of a 1,024-key LOOKUP's encoding.
+    let start = out.len();
+    out.resize(start + keys.len() * 32, 0);
+    for (dst, k) in out[start..].chunks_exact_mut(32).zip(keys) {
+        dst.copy_from_slice(&k.0);
     }
 }
 
@@ -411,10 +415,15 @@ pub fn decode_reply(header: &Header, body: &[u8]) -> Result<Reply, CodecError> {
             let n = c.u32("count")?;
             let n = c.count(n, 1, None, "locations")?;
             let raw = c.take(n, "locations")?;
-            let Some(locations) = raw.iter().map(|&b| location(b)).collect() else {
-                let b = raw.iter().find(|&&b| location(b).is_none());
-                return Err(c.bad(format!("unknown location code {}", b.copied().unwrap_or(0))));
-            };
+            // Checked first, then mapped: a fallible `collect` does not
+            // vectorise and cost more than the rest of the reply.
+            if let Some(&b) = raw.iter().find(|&&b| location(b).is_none()) {
+                return Err(c.bad(format!("unknown location code {b}")));
+            }
+            let locations = raw
+                .iter()
+                .map(|&b| location(b).unwrap_or(LookupLocation::Miss))
+                .collect();
             Response::Lookup { prefix, locations }
         }
         Op::ClusterLookup => {

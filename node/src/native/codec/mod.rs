@@ -384,7 +384,7 @@ pub fn decode_header(buf: &[u8], max_body: u32) -> Result<Option<Header>, CodecE
         return Ok(None);
     }
     let stored = u32_at(buf, OFF_HEADER_CRC);
-    let computed = crc32c::crc32c(&buf[..OFF_HEADER_CRC]);
+    let computed = tier::format::crc32c(&buf[..OFF_HEADER_CRC]);
     if stored != computed {
         return Err(CodecError::HeaderCrc { stored, computed });
     }
@@ -416,7 +416,7 @@ pub fn decode_frame(buf: &[u8], max_body: u32) -> Result<Decoded<'_>, CodecError
     }
     let body = &buf[HEADER_LEN..total];
     let stored = u32_at(buf, OFF_BODY_CRC);
-    let computed = crc32c::crc32c(body);
+    let computed = tier::format::crc32c(body);
     if stored != computed {
         return Err(CodecError::BodyCrc { stored, computed });
     }
@@ -441,7 +441,7 @@ pub fn encode_frame(
     body(out);
     let body_len = u32::try_from(out.len() - start - HEADER_LEN)
         .expect("frame bodies are bounded by batch limits far below 4 GiB");
-    let body_crc = crc32c::crc32c(&out[start + HEADER_LEN..]);
+    let body_crc = tier::format::crc32c(&out[start + HEADER_LEN..]);
     let h = &mut out[start..start + HEADER_LEN];
     h[0..4].copy_from_slice(&MAGIC);
     h[OFF_VERSION..OFF_VERSION + 2].copy_from_slice(&VERSION.to_le_bytes());
@@ -451,7 +451,7 @@ pub fn encode_frame(
     h[OFF_BODY_LEN..OFF_BODY_LEN + 4].copy_from_slice(&body_len.to_le_bytes());
     h[OFF_ID..OFF_ID + 8].copy_from_slice(&id.to_le_bytes());
     h[OFF_BODY_CRC..OFF_BODY_CRC + 4].copy_from_slice(&body_crc.to_le_bytes());
-    let header_crc = crc32c::crc32c(&h[..OFF_HEADER_CRC]);
+    let header_crc = tier::format::crc32c(&h[..OFF_HEADER_CRC]);
     h[OFF_HEADER_CRC..HEADER_LEN].copy_from_slice(&header_crc.to_le_bytes());
 }
 
@@ -665,7 +665,7 @@ mod tests {
             keys: vec![],
         });
         del[8] |= FLAG_KEYS_IN_REGION as u8;
-        let hcrc = crc32c::crc32c(&del[..28]);
+        let hcrc = tier::format::crc32c(&del[..28]);
         del[28..32].copy_from_slice(&hcrc.to_le_bytes());
         let Ok(Decoded::Frame { header, body, .. }) = decode_frame(&del, 1 << 20) else {
             panic!("frame")
