@@ -31,7 +31,7 @@ use std::time::{Duration, Instant};
 use node::NodeContext;
 use node::native::codec::{Reply, Request, Response};
 use node::native::{self, Client, NativeOptions, RegionEntry};
-use node::tier::{ChunkId, ChunkKey, ChunkStore, NamespaceRecord, TierConfig};
+use node::tier::{ChunkId, ChunkKey, ChunkStore, Namespace, NamespaceRecord, TierConfig};
 
 const ROTATE: usize = 256 << 20;
 
@@ -414,6 +414,78 @@ fn us(d: Duration) -> f64 {
     d.as_secs_f64() * 1e6
 }
 
+/// LOOKUP latency (1,024 keys, a 500 us gap before each, so that the
+/// server's runtime goes idle in between, as between a scheduler's steps)
+/// alone, then while two other connections PUT 32 MiB chunks back to back.
+/// Copies that large run on the blocking pool: on a runtime worker they
+/// held every other socket for the copy's length.
+fn lookup_beside_bulk_copies(server: &Server, c: &mut Client, ns: Namespace, quick: bool) {
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    const BIG: u64 = 32 << 20;
+    let iters = if quick { 200 } else { 2_000 };
+    let keys: Vec<ChunkKey> = (0..1024u64).map(|i| key(i * 7919 + 3)).collect();
+    let measure = |c: &mut Client| {
+        let mut lat: Vec<Duration> = (0..iters)
+            .map(|_| {
+                std::thread::sleep(Duration::from_micros(500));
+                let t = Instant::now();
+                c.lookup(ns, 1, black_box(&keys)).expect("lookup");
+                t.elapsed()
+            })
+            .collect();
+        lat.sort();
+        (percentile(&lat, 0.5), percentile(&lat, 0.99))
+    };
+    let idle = measure(c);
+    let stop = AtomicBool::new(false);
+    let copied = AtomicU64::new(0);
+    let (busy, bytes, secs) = std::thread::scope(|s| {
+        let bulk: Vec<_> = (0..2u64)
+            .map(|t| {
+                let (stop, copied) = (&stop, &copied);
+                s.spawn(move || {
+                    let mut b = Client::connect(&server.path).expect("connect");
+                    let ns = b.hello(&record()).expect("hello");
+                    b.create_region(BIG).expect("region");
+                    b.region_mut().expect("region").as_mut_slice().fill(0x3C);
+                    let mut n = 0u64;
+                    while !stop.load(Ordering::Relaxed) {
+                        let e = RegionEntry {
+                            key: key((1 << 40) | (t << 8) | (n % 2)),
+                            offset: 0,
+                            len: BIG,
+                        };
+                        assert_eq!(b.put(ns, 1, &[e], false).expect("put"), vec![0]);
+                        copied.fetch_add(BIG, Ordering::Relaxed);
+                        n += 1;
+                    }
+                })
+            })
+            .collect();
+        // Past the first fills (fresh buffers) before measuring.
+        while copied.load(Ordering::Relaxed) < 8 * BIG {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let (before, t0) = (copied.load(Ordering::Relaxed), Instant::now());
+        let busy = measure(c);
+        let bytes = copied.load(Ordering::Relaxed) - before;
+        let secs = t0.elapsed().as_secs_f64();
+        stop.store(true, Ordering::Relaxed);
+        bulk.into_iter().for_each(|h| h.join().expect("bulk"));
+        (busy, bytes, secs)
+    });
+    println!(
+        "RESULT LOOKUP 1,024 keys (500 us gaps) beside 2 connections PUTting 32 MiB chunks ({:.1} GB/s): p50 {:.1} us p99 {:.1} us; alone p50 {:.1} us p99 {:.1} us: {:.2}x / {:.2}x",
+        bytes as f64 / secs / 1e9,
+        us(busy.0),
+        us(busy.1),
+        us(idle.0),
+        us(idle.1),
+        busy.0.as_secs_f64() / idle.0.as_secs_f64(),
+        busy.1.as_secs_f64() / idle.1.as_secs_f64(),
+    );
+}
+
 fn main() {
     let quick = std::env::var_os("KVTIER_BENCH_QUICK").is_some();
     let total = if quick { 64 << 20 } else { 1 << 30 };
@@ -503,6 +575,8 @@ fn main() {
             us(ping50),
         );
     }
+
+    lookup_beside_bulk_copies(&server, &mut c, ns, quick);
 
     let cells = cells();
     if !cells.is_empty() {

@@ -376,6 +376,78 @@ fn concurrent_clients_each_get_their_own_bytes() {
     assert_eq!(stats["node"], "test-node");
 }
 
+/// A client's 64 MiB PUTs and GETs (each copy takes milliseconds) never
+/// hold up another client: PINGs sent while a copy runs are answered before
+/// it ends. Copied inline on a runtime worker, they held up every socket
+/// whose request arrived after the runtime went idle (nobody polled the I/O
+/// driver while the worker that had held it copied): no such PING came back
+/// before the copy's own reply.
+#[test]
+fn large_copies_never_hold_up_other_clients() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::time::Instant;
+    const BIG: u64 = 64 << 20;
+    const ROUNDS: u32 = 4;
+    let server = TestServer::start_with_ram(native::NativeOptions::default(), 256 << 20);
+    let done = AtomicBool::new(false);
+    let (copies, pings) = std::thread::scope(|s| {
+        let bulk = s.spawn(|| {
+            let mut c = server.client();
+            let ns = c.hello(&record(0)).unwrap();
+            c.create_region(2 * BIG).unwrap();
+            let mut copies = Vec::new();
+            for r in 0..ROUNDS {
+                let data = payload(r, BIG as usize);
+                let region = c.region_mut().unwrap().as_mut_slice();
+                region[..BIG as usize].copy_from_slice(&data);
+                let put = RegionEntry {
+                    key: key(r),
+                    offset: 0,
+                    len: BIG,
+                };
+                let t = Instant::now();
+                assert_eq!(c.put(ns, 0, &[put], false).unwrap(), vec![0]);
+                copies.push((t, Instant::now()));
+                let get = RegionEntry { offset: BIG, ..put };
+                let t = Instant::now();
+                let res = c.get(ns, 0, &[get]).unwrap();
+                copies.push((t, Instant::now()));
+                assert_eq!((res[0].status, res[0].len), (GetStatus::HitRam, BIG));
+                let region = c.region_mut().unwrap().as_mut_slice();
+                assert!(
+                    region[BIG as usize..] == data[..],
+                    "round {r}: GET bytes differ"
+                );
+            }
+            done.store(true, Ordering::Release);
+            copies
+        });
+        // PINGs with idle gaps between them, so that the runtime parks.
+        let mut c = server.client();
+        let mut pings = Vec::new();
+        while !done.load(Ordering::Acquire) && !bulk.is_finished() {
+            std::thread::sleep(Duration::from_millis(1));
+            let t = Instant::now();
+            c.ping().unwrap();
+            pings.push((t, Instant::now()));
+        }
+        (bulk.join().unwrap(), pings)
+    });
+    // Each copy of 64 MiB takes 5 ms or more, a PING and its gap about 1 ms:
+    // a few PINGs fit in each copy (400-570 in all on the 2-core VM, 3 when
+    // the copies ran on a runtime worker).
+    let inside = pings
+        .iter()
+        .filter(|(a, b)| copies.iter().any(|(s, e)| s < a && b < e))
+        .count();
+    assert!(
+        inside >= 2 * copies.len(),
+        "only {inside} of {} PINGs were sent and answered during one of the {} copies of 64 MiB",
+        pings.len(),
+        copies.len()
+    );
+}
+
 #[test]
 fn flush_reports_what_the_store_made_durable() {
     let server = TestServer::start();

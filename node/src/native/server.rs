@@ -3,10 +3,17 @@
 //!
 //! Reads go through [`NodeContext`] (so the peer cascade serves this socket
 //! too); writes go to the store. Chunk bytes are copied between the client's
-//! region and the store exactly once, inline on the connection task: the
-//! region is shared memory (a memfd, never backed by a disk), so touching it
-//! does not block on I/O, and handing each copy to the blocking pool would
-//! cost more than the copy itself for the chunk sizes involved.
+//! region and the store exactly once. A request's copies of less than
+//! [`OFFLOAD_BYTES`] in all run inline on the connection task (the region is
+//! a memfd, never backed by a disk, so touching it does not block on I/O,
+//! and a hand-off to the blocking pool would cost more than such a copy);
+//! larger ones run on the blocking pool. A runtime worker that copies a
+//! 32 MiB chunk is busy for milliseconds, and while it is, tokio may poll
+//! no socket at all (the idle workers wait for work, not for the I/O
+//! driver, which the busy worker last held): every other client, a LOOKUP
+//! from the scheduler included, waited for the copy (LOOKUP p50 0.04 ms ->
+//! 4-5 ms beside one connection's 32 MiB PUTs, with 2 or 8 workers alike;
+//! docs/benchmarks.md, "Session 10").
 //!
 //! With [`NativeOptions::spin`] set, a connection polls its socket for the
 //! client's next request for that long after answering (yielding to other
@@ -47,6 +54,11 @@ const WRITE_FLUSH: usize = 1 << 20;
 const MAX_CONCURRENT_READS: usize = 16;
 /// Most received descriptors waiting for their REGISTER_REGION frame.
 const MAX_PENDING_FDS: usize = 4;
+/// Most bytes one request copies between the region and chunks inline on
+/// the connection's task; a request that copies more does its copies on
+/// the blocking pool (see the module docs). 2 MiB take 0.1-0.4 ms to copy,
+/// a hand-off 10-20 us.
+pub const OFFLOAD_BYTES: u64 = 2 << 20;
 /// Most unprocessed request bytes a connection reads ahead while a reply
 /// write blocks (a client that pipelines requests and reads no reply until
 /// its sends complete would otherwise wait on the daemon while the daemon
@@ -139,7 +151,8 @@ struct Connection {
     stream: UnixStream,
     ctx: Arc<NodeContext>,
     opts: Arc<NativeOptions>,
-    region: Option<MappedRegion>,
+    /// Shared with the copies running on the blocking pool.
+    region: Option<Arc<MappedRegion>>,
     /// Descriptors received and not yet claimed by a REGISTER_REGION, oldest first.
     fds: VecDeque<OwnedFd>,
     /// `rbuf[start..end]` holds received, unprocessed bytes.
@@ -500,7 +513,7 @@ impl Connection {
                     };
                     (code, e.to_string())
                 })?;
-                self.region = Some(region);
+                self.region = Some(Arc::new(region));
                 Ok(Response::RegionRegistered { len })
             }
             Request::Lookup { ns, group, keys } => Ok(self.lookup(ns, group, &keys)),
@@ -541,7 +554,7 @@ impl Connection {
                 group,
                 atomic,
                 entries,
-            } => self.put(ns, group, atomic, &entries).await,
+            } => self.put(ns, group, atomic, entries).await,
             Request::Get { ns, group, entries } => self.get(ns, group, &entries).await,
             Request::Delete { ns, group, keys } => {
                 let store = Arc::clone(&self.ctx.store);
@@ -592,7 +605,7 @@ impl Connection {
     }
 
     /// The registered region, or the error of an `op` sent before one.
-    fn registered_region(&self, op: &str) -> Result<&MappedRegion, (ErrorCode, String)> {
+    fn registered_region(&self, op: &str) -> Result<&Arc<MappedRegion>, (ErrorCode, String)> {
         self.region.as_ref().ok_or((
             ErrorCode::NoRegion,
             format!("{op} before REGISTER_REGION: register a shared-memory region first"),
@@ -604,7 +617,7 @@ impl Connection {
         &self,
         op: &str,
         entries: &[RegionEntry],
-    ) -> Result<&MappedRegion, (ErrorCode, String)> {
+    ) -> Result<&Arc<MappedRegion>, (ErrorCode, String)> {
         let region = self.registered_region(op)?;
         for (i, e) in entries.iter().enumerate() {
             if !region.check(e.offset, e.len) {
@@ -624,56 +637,69 @@ impl Connection {
         ns: tier::Namespace,
         group: tier::GroupId,
         atomic: bool,
-        entries: &[RegionEntry],
+        entries: Vec<RegionEntry>,
     ) -> HandlerResult {
         if entries.is_empty() {
             return Ok(Response::Put { statuses: vec![] });
         }
-        let region = self.checked_region("PUT", entries)?;
-        if self.ctx.store.namespace_record(&ns).is_none() {
+        let region = Arc::clone(self.checked_region("PUT", &entries)?);
+        let store = Arc::clone(&self.ctx.store);
+        if store.namespace_record(&ns).is_none() {
             return Err((
                 ErrorCode::UnknownNamespace,
                 format!("namespace {ns} is not registered: send HELLO with its record first"),
             ));
         }
-        let pool = self.ctx.store.buffers();
-        let copy = |e: &RegionEntry| {
-            region
-                .copy_out_pooled(pool, e.offset, e.len)
-                .expect("range checked above")
-        };
-        if atomic {
-            let total: u64 = entries.iter().map(|e| e.len).sum();
-            let budget = self.ctx.store.config().ram_budget;
-            if total > budget {
-                return Err((
-                    ErrorCode::TooLarge,
-                    format!("atomic PUT of {total} bytes exceeds ram-budget ({budget} bytes)"),
-                ));
-            }
-            let chunks: Vec<(ChunkId, Bytes)> = entries
-                .iter()
-                .map(|e| (ChunkId::new(ns, e.key, group), copy(e)))
-                .collect();
-            let store = Arc::clone(&self.ctx.store);
-            joined(tokio::task::spawn_blocking(move || store.put_atomic(chunks)).await)?
-                .map_err(|e| store_error(&e))?;
-            return Ok(Response::Put {
-                statuses: vec![0; entries.len()],
-            });
+        let total: u64 = entries.iter().map(|e| e.len).sum();
+        if atomic && total > store.config().ram_budget {
+            return Err((
+                ErrorCode::TooLarge,
+                format!(
+                    "atomic PUT of {total} bytes exceeds ram-budget ({} bytes)",
+                    store.config().ram_budget
+                ),
+            ));
         }
-        // One chunk copied at a time: memory held is bounded by one chunk
-        // even when a batch names the same large range many times.
-        let statuses = entries
-            .iter()
-            .map(
-                |e| match self.ctx.store.put(ChunkId::new(ns, e.key, group), copy(e)) {
-                    Ok(()) => 0,
-                    Err(err) => store_error(&err).0 as u16,
-                },
-            )
-            .collect();
-        Ok(Response::Put { statuses })
+        // An atomic PUT and any PUT under `backpressure` (it may wait for
+        // the disk writer) never run on a runtime worker either.
+        let offload = atomic
+            || total >= OFFLOAD_BYTES
+            || store.config().write_policy == tier::WritePolicy::Backpressure;
+        let work = move || -> HandlerResult {
+            let pool = store.buffers();
+            let copy = |e: &RegionEntry| {
+                region
+                    .copy_out_pooled(pool, e.offset, e.len)
+                    .expect("range checked above")
+            };
+            if atomic {
+                let chunks: Vec<(ChunkId, Bytes)> = entries
+                    .iter()
+                    .map(|e| (ChunkId::new(ns, e.key, group), copy(e)))
+                    .collect();
+                store.put_atomic(chunks).map_err(|e| store_error(&e))?;
+                return Ok(Response::Put {
+                    statuses: vec![0; entries.len()],
+                });
+            }
+            // One chunk copied at a time: memory held is bounded by one
+            // chunk even when a batch names the same large range many times.
+            let statuses = entries
+                .iter()
+                .map(
+                    |e| match store.put(ChunkId::new(ns, e.key, group), copy(e)) {
+                        Ok(()) => 0,
+                        Err(err) => store_error(&err).0 as u16,
+                    },
+                )
+                .collect();
+            Ok(Response::Put { statuses })
+        };
+        if offload {
+            joined(tokio::task::spawn_blocking(work).await)?
+        } else {
+            work()
+        }
     }
 
     async fn get(
@@ -693,40 +719,82 @@ impl Connection {
             };
             entries.len()
         ];
-        // RAM hits are served inline, in order. Anything else (disk, peers)
-        // is read concurrently, up to MAX_CONCURRENT_READS at a time, so a
-        // restore from disk or a peer keeps several reads in flight.
+        // RAM hits are gathered (handles, no copy yet) and placed together
+        // below. Anything else (disk, peers) is read concurrently, up to
+        // MAX_CONCURRENT_READS at a time, each read placing its own chunk,
+        // so a restore from disk or a peer keeps several reads in flight.
+        let mut hits = Vec::new();
         let mut pending = JoinSet::new();
         for (i, e) in entries.iter().enumerate() {
             let id = ChunkId::new(ns, e.key, group);
             if let Some(hit) = self.ctx.get_ram(&id, None) {
-                results[i] = place(region, e, Some(hit));
+                hits.push((i, *e, Some(hit)));
                 continue;
             }
             while pending.len() >= MAX_CONCURRENT_READS {
-                Self::settle(&mut pending, region, entries, &mut results).await;
+                Self::settle(&mut pending, &mut results).await;
             }
-            let ctx = Arc::clone(&self.ctx);
-            pending.spawn(async move { (i, ctx.get_with_location(id, None).await) });
+            let (ctx, region, e) = (Arc::clone(&self.ctx), Arc::clone(region), *e);
+            pending.spawn(async move {
+                let hit = ctx.get_with_location(id, None).await;
+                place_offloaded(region, vec![(i, e, hit)]).await
+            });
+        }
+        if !hits.is_empty() {
+            for (i, r) in place_offloaded(Arc::clone(region), hits).await {
+                results[i] = r;
+            }
         }
         while !pending.is_empty() {
-            Self::settle(&mut pending, region, entries, &mut results).await;
+            Self::settle(&mut pending, &mut results).await;
         }
         Ok(Response::Get { results })
     }
 
-    /// Waits for one concurrent read and writes its chunk into the region.
-    async fn settle(
-        pending: &mut JoinSet<(usize, Option<(Bytes, Location)>)>,
-        region: &MappedRegion,
-        entries: &[RegionEntry],
-        results: &mut [GetResult],
-    ) {
+    /// Waits for one concurrent read (which placed its chunk) and notes its result.
+    async fn settle(pending: &mut JoinSet<Vec<(usize, GetResult)>>, results: &mut [GetResult]) {
         match pending.join_next().await {
-            Some(Ok((i, hit))) => results[i] = place(region, &entries[i], hit),
+            Some(Ok(placed)) => {
+                for (i, r) in placed {
+                    results[i] = r;
+                }
+            }
             // A read task that panicked leaves its entry a miss.
             Some(Err(e)) => warn!(error = %e, "native GET: a read task failed"),
             None => {}
+        }
+    }
+}
+
+/// A GET's hits for entry `i` (range checked), to place in the region.
+type Hits = Vec<(usize, RegionEntry, Option<(Bytes, Location)>)>;
+
+/// Places `hits` into `region` ([`place`]): inline when they add up to less
+/// than [`OFFLOAD_BYTES`], else on the blocking pool. Returns each entry's
+/// result; a failed blocking task leaves its entries misses.
+async fn place_offloaded(region: Arc<MappedRegion>, hits: Hits) -> Vec<(usize, GetResult)> {
+    let total: u64 = hits
+        .iter()
+        .filter_map(|(_, _, h)| h.as_ref().map(|(d, _)| d.len() as u64))
+        .sum();
+    let idx: Vec<usize> = hits.iter().map(|(i, _, _)| *i).collect();
+    let work = move || {
+        hits.into_iter()
+            .map(|(i, e, hit)| (i, place(&region, &e, hit)))
+            .collect::<Vec<_>>()
+    };
+    if total < OFFLOAD_BYTES {
+        return work();
+    }
+    match tokio::task::spawn_blocking(work).await {
+        Ok(placed) => placed,
+        Err(e) => {
+            warn!(error = %e, "native GET: a copy task failed");
+            let miss = GetResult {
+                status: GetStatus::Miss,
+                len: 0,
+            };
+            idx.into_iter().map(|i| (i, miss)).collect()
         }
     }
 }
