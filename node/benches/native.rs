@@ -464,6 +464,10 @@ fn lookup_beside_bulk_copies(server: &Server, c: &mut Client, ns: Namespace, qui
             .collect();
         // Past the first fills (fresh buffers) before measuring.
         while copied.load(Ordering::Relaxed) < 8 * BIG {
+            assert!(
+                !bulk.iter().any(|h| h.is_finished()),
+                "a bulk PUT connection stopped"
+            );
             std::thread::sleep(Duration::from_millis(1));
         }
         let (before, t0) = (copied.load(Ordering::Relaxed), Instant::now());

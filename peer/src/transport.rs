@@ -1663,10 +1663,7 @@ async fn fetch_from(
         .unwrap_or_else(|| Box::new(BytesMut::with_capacity(len)));
     // The CRC runs over each piece right after it is copied (still in
     // cache), not in a second pass over the whole chunk.
-    let (mut got, mut filled) = (
-        crc_fast::Digest::new(crc_fast::CrcAlgorithm::Crc32Iscsi),
-        0usize,
-    );
+    let (mut got, mut filled) = (crate::proto::frame::crc32c_digest(), 0usize);
     while filled < len {
         match recv.read_chunk(len - filled, true).await {
             Ok(Some(c)) => {
@@ -1682,8 +1679,7 @@ async fn fetch_from(
             Err(e) => return Err(tr(e.to_string())),
         }
     }
-    // A 32-bit CRC's value always fits its 32 bits.
-    let got = got.finalize() as u32;
+    let got = crate::proto::frame::crc32c_value(&got);
     if got != crc {
         return Err(corrupt(format!(
             "payload crc32c {got:#010x} != {crc:#010x}"

@@ -3,17 +3,22 @@
 //!
 //! Reads go through [`NodeContext`] (so the peer cascade serves this socket
 //! too); writes go to the store. Chunk bytes are copied between the client's
-//! region and the store exactly once. A request's copies of less than
-//! [`OFFLOAD_BYTES`] in all run inline on the connection task (the region is
-//! a memfd, never backed by a disk, so touching it does not block on I/O,
-//! and a hand-off to the blocking pool would cost more than such a copy);
-//! larger ones run on the blocking pool. A runtime worker that copies a
-//! 32 MiB chunk is busy for milliseconds, and while it is, tokio may poll
-//! no socket at all (the idle workers wait for work, not for the I/O
-//! driver, which the busy worker last held): every other client, a LOOKUP
-//! from the scheduler included, waited for the copy (LOOKUP p50 0.04 ms ->
-//! 4-5 ms beside one connection's 32 MiB PUTs, with 2 or 8 workers alike;
-//! docs/benchmarks.md, "Session 10").
+//! region and the store exactly once. A runtime worker never copies
+//! [`OFFLOAD_BYTES`] or more without yielding: a PUT whose entries add up to
+//! less, the RAM hits of a GET that add up to less, and each disk or peer
+//! hit of less are copied inline on the connection's task (the region is a
+//! memfd, never backed by a disk, so touching it does not block on I/O, and
+//! a hand-off to the blocking pool would cost more than such a copy); larger
+//! ones, atomic PUTs and every PUT under the `backpressure` write policy
+//! (it may wait for the disk writer) run on the blocking pool, at most
+//! [`copy_slots`] at a time across all connections (which also bounds the
+//! chunk buffers allocated outside the RAM budget while they are copied).
+//! A runtime worker that copies a 32 MiB chunk is busy for milliseconds,
+//! and while it is, tokio may poll no socket at all (the idle workers wait
+//! for work, not for the I/O driver, which the busy worker last held):
+//! every other client, a LOOKUP from the scheduler included, waited for
+//! the copy (LOOKUP p50 0.04 ms -> 2-5 ms beside two connections' 32 MiB
+//! PUTs, with 2 or 8 workers alike; docs/benchmarks.md, "Session 10").
 //!
 //! With [`NativeOptions::spin`] set, a connection polls its socket for the
 //! client's next request for that long after answering (yielding to other
@@ -76,6 +81,7 @@ pub async fn serve(
 ) -> Result<(), NativeError> {
     let (stop_tx, stop_rx) = watch::channel(false);
     let permits = Arc::new(Semaphore::new(opts.max_connections as usize));
+    let slots = Arc::new(Semaphore::new(copy_slots()));
     let opts = Arc::new(opts);
     let mut tasks = JoinSet::new();
     tokio::pin!(shutdown);
@@ -87,7 +93,12 @@ pub async fn serve(
                     NodeCounters::inc(&ctx.counters.connections);
                     match Arc::clone(&permits).try_acquire_owned() {
                         Ok(permit) => {
-                            let conn = Connection::new(stream, Arc::clone(&ctx), Arc::clone(&opts));
+                            let conn = Connection::new(
+                                stream,
+                                Arc::clone(&ctx),
+                                Arc::clone(&opts),
+                                Arc::clone(&slots),
+                            );
                             let stop = stop_rx.clone();
                             tasks.spawn(async move {
                                 conn.run(stop).await;
@@ -144,13 +155,54 @@ fn store_error(e: &tier::Error) -> (ErrorCode, String) {
 }
 
 fn joined<T>(r: Result<T, tokio::task::JoinError>) -> Result<T, (ErrorCode, String)> {
-    r.map_err(|e| (ErrorCode::Internal, format!("blocking task failed: {e}")))
+    r.map_err(|e| {
+        if e.is_cancelled() {
+            (
+                ErrorCode::ShuttingDown,
+                "the daemon is shutting down".into(),
+            )
+        } else {
+            (ErrorCode::Internal, format!("blocking task failed: {e}"))
+        }
+    })
+}
+
+/// Copies the server runs on the blocking pool at once, across all
+/// connections: twice the cores (copies are bound by memory bandwidth), at
+/// least 4.
+pub fn copy_slots() -> usize {
+    std::thread::available_parallelism().map_or(4, |n| (2 * n.get()).max(4))
+}
+
+/// Runs `work` on the blocking pool, holding one of the server's copy
+/// `slots`, when `offload`; else inline on the calling task.
+async fn run_copy<T: Send + 'static>(
+    slots: &Arc<Semaphore>,
+    offload: bool,
+    work: impl FnOnce() -> T + Send + 'static,
+) -> Result<T, (ErrorCode, String)> {
+    if !offload {
+        return Ok(work());
+    }
+    let slot = Arc::clone(slots)
+        .acquire_owned()
+        .await
+        .expect("the copy slots are never closed");
+    joined(
+        tokio::task::spawn_blocking(move || {
+            let _slot = slot;
+            work()
+        })
+        .await,
+    )
 }
 
 struct Connection {
     stream: UnixStream,
     ctx: Arc<NodeContext>,
     opts: Arc<NativeOptions>,
+    /// The server's copy slots ([`run_copy`]).
+    slots: Arc<Semaphore>,
     /// Shared with the copies running on the blocking pool.
     region: Option<Arc<MappedRegion>>,
     /// Descriptors received and not yet claimed by a REGISTER_REGION, oldest first.
@@ -175,11 +227,17 @@ enum Step {
 }
 
 impl Connection {
-    fn new(stream: UnixStream, ctx: Arc<NodeContext>, opts: Arc<NativeOptions>) -> Self {
+    fn new(
+        stream: UnixStream,
+        ctx: Arc<NodeContext>,
+        opts: Arc<NativeOptions>,
+        slots: Arc<Semaphore>,
+    ) -> Self {
         Self {
             stream,
             ctx,
             opts,
+            slots,
             region: None,
             fds: VecDeque::new(),
             rbuf: vec![0; READ_BUF],
@@ -695,11 +753,7 @@ impl Connection {
                 .collect();
             Ok(Response::Put { statuses })
         };
-        if offload {
-            joined(tokio::task::spawn_blocking(work).await)?
-        } else {
-            work()
-        }
+        run_copy(&self.slots, offload, work).await?
     }
 
     async fn get(
@@ -712,13 +766,7 @@ impl Connection {
             return Ok(Response::Get { results: vec![] });
         }
         let region = self.checked_region("GET", entries)?;
-        let mut results = vec![
-            GetResult {
-                status: GetStatus::Miss,
-                len: 0,
-            };
-            entries.len()
-        ];
+        let mut results = vec![GetResult::MISS; entries.len()];
         // RAM hits are gathered (handles, no copy yet) and placed together
         // below. Anything else (disk, peers) is read concurrently, up to
         // MAX_CONCURRENT_READS at a time, each read placing its own chunk,
@@ -735,13 +783,14 @@ impl Connection {
                 Self::settle(&mut pending, &mut results).await;
             }
             let (ctx, region, e) = (Arc::clone(&self.ctx), Arc::clone(region), *e);
+            let slots = Arc::clone(&self.slots);
             pending.spawn(async move {
                 let hit = ctx.get_with_location(id, None).await;
-                place_offloaded(region, vec![(i, e, hit)]).await
+                place_hits(&slots, region, vec![(i, e, hit)]).await
             });
         }
         if !hits.is_empty() {
-            for (i, r) in place_offloaded(Arc::clone(region), hits).await {
+            for (i, r) in place_hits(&self.slots, Arc::clone(region), hits).await {
                 results[i] = r;
             }
         }
@@ -769,13 +818,21 @@ impl Connection {
 /// A GET's hits for entry `i` (range checked), to place in the region.
 type Hits = Vec<(usize, RegionEntry, Option<(Bytes, Location)>)>;
 
-/// Places `hits` into `region` ([`place`]): inline when they add up to less
-/// than [`OFFLOAD_BYTES`], else on the blocking pool. Returns each entry's
-/// result; a failed blocking task leaves its entries misses.
-async fn place_offloaded(region: Arc<MappedRegion>, hits: Hits) -> Vec<(usize, GetResult)> {
+/// Places `hits` into `region` ([`place`]) through [`run_copy`]: inline
+/// when the bytes they copy add up to less than [`OFFLOAD_BYTES`]. Returns
+/// each entry's result; a failed copy task leaves its entries misses.
+async fn place_hits(
+    slots: &Arc<Semaphore>,
+    region: Arc<MappedRegion>,
+    hits: Hits,
+) -> Vec<(usize, GetResult)> {
     let total: u64 = hits
         .iter()
-        .filter_map(|(_, _, h)| h.as_ref().map(|(d, _)| d.len() as u64))
+        .filter_map(|(_, e, h)| {
+            h.as_ref()
+                .map(|(d, _)| d.len() as u64)
+                .filter(|&n| n <= e.len)
+        })
         .sum();
     let idx: Vec<usize> = hits.iter().map(|(i, _, _)| *i).collect();
     let work = move || {
@@ -783,29 +840,18 @@ async fn place_offloaded(region: Arc<MappedRegion>, hits: Hits) -> Vec<(usize, G
             .map(|(i, e, hit)| (i, place(&region, &e, hit)))
             .collect::<Vec<_>>()
     };
-    if total < OFFLOAD_BYTES {
-        return work();
-    }
-    match tokio::task::spawn_blocking(work).await {
-        Ok(placed) => placed,
-        Err(e) => {
+    run_copy(slots, total >= OFFLOAD_BYTES, work)
+        .await
+        .unwrap_or_else(|(_, e)| {
             warn!(error = %e, "native GET: a copy task failed");
-            let miss = GetResult {
-                status: GetStatus::Miss,
-                len: 0,
-            };
-            idx.into_iter().map(|i| (i, miss)).collect()
-        }
-    }
+            idx.into_iter().map(|i| (i, GetResult::MISS)).collect()
+        })
 }
 
 /// Writes a hit into the region (range already checked) and says what happened.
 fn place(region: &MappedRegion, e: &RegionEntry, hit: Option<(Bytes, Location)>) -> GetResult {
     let Some((data, loc)) = hit else {
-        return GetResult {
-            status: GetStatus::Miss,
-            len: 0,
-        };
+        return GetResult::MISS;
     };
     let len = data.len() as u64;
     if len > e.len {

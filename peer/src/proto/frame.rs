@@ -97,13 +97,23 @@ impl FrameHeader {
     }
 }
 
-/// The CRC32C over a header's first 12 bytes followed by the body.
-fn frame_crc(header: &[u8], body: &[u8]) -> u32 {
-    let mut d = crc_fast::Digest::new(crc_fast::CrcAlgorithm::Crc32Iscsi);
-    d.update(header);
-    d.update(body);
+/// A running CRC32C (Castagnoli), for data that arrives in pieces.
+pub(crate) fn crc32c_digest() -> crc_fast::Digest {
+    crc_fast::Digest::new(crc_fast::CrcAlgorithm::Crc32Iscsi)
+}
+
+/// The CRC32C of everything `d` was given.
+pub(crate) fn crc32c_value(d: &crc_fast::Digest) -> u32 {
     // A 32-bit CRC's value always fits its 32 bits.
     d.finalize() as u32
+}
+
+/// The CRC32C over a header's first 12 bytes followed by the body.
+fn frame_crc(header: &[u8], body: &[u8]) -> u32 {
+    let mut d = crc32c_digest();
+    d.update(header);
+    d.update(body);
+    crc32c_value(&d)
 }
 
 /// Encodes `msg` as one complete frame.

@@ -196,9 +196,13 @@ pub fn encode_keys_request(
 
 fn put_keys(out: &mut Vec<u8>, ns: &Namespace, group: GroupId, keys: &[ChunkKey]) {
     put_ns_group_count(out, ns, group, keys.len());
-    // Sized once and filled with fixed-size copies: an `extend_from_slice`
-    // per key (a capacity check and a 32-byte `memcpy` call each) took most
-    // of a 1,024-key LOOKUP's encoding.
+    put_key_bytes(out, keys);
+}
+
+/// Appends the keys' bytes back to back. Sized once and filled with
+/// fixed-size copies: an `extend_from_slice` per key (a capacity check and a
+/// 32-byte `memcpy` call each) took most of a 1,024-key LOOKUP's encoding.
+fn put_key_bytes(out: &mut Vec<u8>, keys: &[ChunkKey]) {
     let start = out.len();
     out.resize(start + keys.len() * 32, 0);
     for (dst, k) in out[start..].chunks_exact_mut(32).zip(keys) {
@@ -246,9 +250,7 @@ pub fn encode_request(out: &mut Vec<u8>, id: u64, req: &Request) {
             for r in ranks {
                 out.extend_from_slice(&r.to_le_bytes());
             }
-            for k in keys {
-                out.extend_from_slice(&k.0);
-            }
+            put_key_bytes(out, keys);
             out.extend_from_slice(&json);
         }
         Request::Put {

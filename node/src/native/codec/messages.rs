@@ -66,6 +66,14 @@ pub struct GetResult {
     pub len: u64,
 }
 
+impl GetResult {
+    /// A miss.
+    pub const MISS: GetResult = GetResult {
+        status: GetStatus::Miss,
+        len: 0,
+    };
+}
+
 /// HELLO reply.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct HelloReply {
