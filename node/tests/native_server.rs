@@ -179,6 +179,17 @@ fn cluster_lookup_answers_per_rank_and_the_minimum() {
     );
     let r = c.cluster_lookup(&record(0), &[0, 1, 2], 0, &keys).unwrap();
     assert_eq!(r.min_prefix, 0, "rank 2 holds nothing");
+    // Batches of OFFLOAD_KEYS probes and more run on the blocking pool: the
+    // same answers.
+    let many: Vec<ChunkKey> = (0..native::server::OFFLOAD_KEYS as u32).map(key).collect();
+    let half = &many[..native::server::OFFLOAD_KEYS / 2];
+    let r = c.cluster_lookup(&record(1), &[0, 1], 0, half).unwrap();
+    assert_eq!(r.min_prefix, 3);
+    assert_eq!((r.ranks[0].prefix, r.ranks[1].prefix), (6, 3));
+    let l = c.lookup(ns0, 0, &many).unwrap();
+    assert_eq!(l.prefix, 6);
+    assert!(l.locations[..6].iter().all(|&x| x == LookupLocation::Ram));
+    assert!(l.locations[6..].iter().all(|&x| x == LookupLocation::Miss));
 }
 
 #[test]

@@ -9,8 +9,9 @@
 //! hit of less are copied inline on the connection's task (the region is a
 //! memfd, never backed by a disk, so touching it does not block on I/O, and
 //! a hand-off to the blocking pool would cost more than such a copy); larger
-//! ones, atomic PUTs and every PUT under the `backpressure` write policy
-//! (it may wait for the disk writer) run on the blocking pool, at most
+//! ones, atomic PUTs, every PUT under the `backpressure` write policy (it
+//! may wait for the disk writer) and LOOKUPs of [`OFFLOAD_KEYS`] probes or
+//! more run on the blocking pool, at most
 //! [`copy_slots`] at a time across all connections (which also bounds the
 //! chunk buffers allocated outside the RAM budget while they are copied).
 //! A runtime worker that copies a 32 MiB chunk is busy for milliseconds,
@@ -64,6 +65,10 @@ const MAX_PENDING_FDS: usize = 4;
 /// the blocking pool (see the module docs). 2 MiB take 0.1-0.4 ms to copy,
 /// a hand-off 10-20 us.
 pub const OFFLOAD_BYTES: u64 = 2 << 20;
+/// Most keys (times ranks, for CLUSTER_LOOKUP) one LOOKUP probes inline;
+/// larger ones run on the blocking pool like large copies (8,192 probes of a
+/// 1M-entry store take about 150 us; a batch may hold 65,536 keys).
+pub const OFFLOAD_KEYS: usize = 8192;
 /// Most unprocessed request bytes a connection reads ahead while a reply
 /// write blocks (a client that pipelines requests and reads no reply until
 /// its sends complete would otherwise wait on the daemon while the daemon
@@ -174,9 +179,10 @@ pub fn copy_slots() -> usize {
     std::thread::available_parallelism().map_or(4, |n| (2 * n.get()).max(4))
 }
 
-/// Runs `work` on the blocking pool, holding one of the server's copy
-/// `slots`, when `offload`; else inline on the calling task.
-async fn run_copy<T: Send + 'static>(
+/// Runs `work` (a large copy or lookup) on the blocking pool, holding one
+/// of the server's copy `slots`, when `offload`; else inline on the calling
+/// task.
+async fn run_heavy<T: Send + 'static>(
     slots: &Arc<Semaphore>,
     offload: bool,
     work: impl FnOnce() -> T + Send + 'static,
@@ -201,7 +207,7 @@ struct Connection {
     stream: UnixStream,
     ctx: Arc<NodeContext>,
     opts: Arc<NativeOptions>,
-    /// The server's copy slots ([`run_copy`]).
+    /// The server's copy slots ([`run_heavy`]).
     slots: Arc<Semaphore>,
     /// Shared with the copies running on the blocking pool.
     region: Option<Arc<MappedRegion>>,
@@ -574,7 +580,7 @@ impl Connection {
                 self.region = Some(Arc::new(region));
                 Ok(Response::RegionRegistered { len })
             }
-            Request::Lookup { ns, group, keys } => Ok(self.lookup(ns, group, &keys)),
+            Request::Lookup { ns, group, keys } => self.lookup(ns, group, keys).await,
             Request::LookupInRegion {
                 ns,
                 group,
@@ -586,7 +592,7 @@ impl Connection {
                 let bytes = region
                     .copy_out(offset, len)
                     .ok_or_else(|| out_of_range("LOOKUP keys".into(), offset, len, region.len()))?;
-                Ok(self.lookup(ns, group, &codec::keys_from(&bytes)))
+                self.lookup(ns, group, codec::keys_from(&bytes)).await
             }
             Request::ClusterLookup {
                 record,
@@ -594,18 +600,23 @@ impl Connection {
                 group,
                 keys,
             } => {
-                let (min, per_rank) = self.ctx.cluster_lookup(&record, &ranks, group, &keys);
-                Ok(Response::ClusterLookup {
-                    min_prefix: min as u32,
-                    ranks: per_rank
-                        .into_iter()
-                        .map(|r| RankPrefixReply {
-                            rank: r.rank,
-                            prefix: r.prefix as u32,
-                            ram_prefix: r.ram_prefix as u32,
-                        })
-                        .collect(),
+                let ctx = Arc::clone(&self.ctx);
+                let probes = keys.len().saturating_mul(ranks.len());
+                run_heavy(&self.slots, probes >= OFFLOAD_KEYS, move || {
+                    let (min, per_rank) = ctx.cluster_lookup(&record, &ranks, group, &keys);
+                    Response::ClusterLookup {
+                        min_prefix: min as u32,
+                        ranks: per_rank
+                            .into_iter()
+                            .map(|r| RankPrefixReply {
+                                rank: r.rank,
+                                prefix: r.prefix as u32,
+                                ram_prefix: r.ram_prefix as u32,
+                            })
+                            .collect(),
+                    }
                 })
+                .await
             }
             Request::Put {
                 ns,
@@ -646,20 +657,24 @@ impl Connection {
     }
 
     /// LOOKUP's reply for `keys`.
-    fn lookup(
+    async fn lookup(
         &self,
         ns: tier::Namespace,
         group: tier::GroupId,
-        keys: &[tier::ChunkKey],
-    ) -> Response {
-        let mut locations = Vec::with_capacity(keys.len());
-        let prefix = self.ctx.lookup_with(ns, group, keys, |l| {
-            locations.push(wire_location(l));
-        });
-        Response::Lookup {
-            prefix: prefix as u32,
-            locations,
-        }
+        keys: Vec<tier::ChunkKey>,
+    ) -> HandlerResult {
+        let ctx = Arc::clone(&self.ctx);
+        run_heavy(&self.slots, keys.len() >= OFFLOAD_KEYS, move || {
+            let mut locations = Vec::with_capacity(keys.len());
+            let prefix = ctx.lookup_with(ns, group, &keys, |l| {
+                locations.push(wire_location(l));
+            });
+            Response::Lookup {
+                prefix: prefix as u32,
+                locations,
+            }
+        })
+        .await
     }
 
     /// The registered region, or the error of an `op` sent before one.
@@ -753,7 +768,7 @@ impl Connection {
                 .collect();
             Ok(Response::Put { statuses })
         };
-        run_copy(&self.slots, offload, work).await?
+        run_heavy(&self.slots, offload, work).await?
     }
 
     async fn get(
@@ -818,7 +833,7 @@ impl Connection {
 /// A GET's hits for entry `i` (range checked), to place in the region.
 type Hits = Vec<(usize, RegionEntry, Option<(Bytes, Location)>)>;
 
-/// Places `hits` into `region` ([`place`]) through [`run_copy`]: inline
+/// Places `hits` into `region` ([`place`]) through [`run_heavy`]: inline
 /// when the bytes they copy add up to less than [`OFFLOAD_BYTES`]. Returns
 /// each entry's result; a failed copy task leaves its entries misses.
 async fn place_hits(
@@ -840,7 +855,7 @@ async fn place_hits(
             .map(|(i, e, hit)| (i, place(&region, &e, hit)))
             .collect::<Vec<_>>()
     };
-    run_copy(slots, total >= OFFLOAD_BYTES, work)
+    run_heavy(slots, total >= OFFLOAD_BYTES, work)
         .await
         .unwrap_or_else(|(_, e)| {
             warn!(error = %e, "native GET: a copy task failed");

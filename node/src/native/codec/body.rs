@@ -40,7 +40,7 @@ fn check_flags(op: Op, flags: u16, allowed: u16) -> Result<(), CodecError> {
     Ok(())
 }
 
-/// Decodes a request body. `header` must come from [`decode_frame`].
+/// Decodes a request body. `header` must come from [`decode_frame`](super::decode_frame).
 pub fn decode_request(
     header: &Header,
     body: &[u8],
