@@ -459,6 +459,36 @@ fn large_copies_never_hold_up_other_clients() {
     );
 }
 
+/// Under the `backpressure` write policy a PUT may wait for the disk
+/// writer, so the server runs every PUT on the blocking pool: small and
+/// atomic ones round-trip as before, and evictions reach the disk.
+#[test]
+fn backpressure_puts_round_trip() {
+    let server = TestServer::start_with_config(native::NativeOptions::default(), |c| {
+        c.ram_budget = 1 << 20;
+        c.write_policy = node::tier::WritePolicy::Backpressure;
+    });
+    let mut c = server.client();
+    let ns = c.hello(&record(0)).unwrap();
+    for i in 0..40u32 {
+        let data = payload(i, 64 << 10);
+        assert_eq!(c.put_bytes(ns, 0, &[(key(i), &data)]).unwrap(), vec![0]);
+    }
+    for i in 0..40u32 {
+        assert_eq!(
+            c.get_bytes(ns, 0, key(i)).unwrap().unwrap(),
+            payload(i, 64 << 10),
+            "chunk {i}"
+        );
+    }
+    let stats = c.stats().unwrap();
+    assert!(
+        stats["store"]["disk_chunks"].as_u64().unwrap() > 0,
+        "{stats}"
+    );
+    assert_eq!(stats["store"]["dropped_unwritten"], 0, "{stats}");
+}
+
 #[test]
 fn flush_reports_what_the_store_made_durable() {
     let server = TestServer::start();

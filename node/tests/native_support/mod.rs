@@ -35,14 +35,21 @@ impl TestServer {
 
     /// A server whose store has `ram_budget` bytes of RAM (64 MiB of disk).
     pub fn start_with_ram(opts: NativeOptions, ram_budget: u64) -> Self {
+        Self::start_with_config(opts, |c| c.ram_budget = ram_budget)
+    }
+
+    /// A server over a store of 256 MiB of RAM and 64 MiB of disk, as
+    /// `tune` leaves that configuration.
+    pub fn start_with_config(opts: NativeOptions, tune: impl FnOnce(&mut TierConfig)) -> Self {
         let dir = tempfile::tempdir().expect("tempdir");
-        let config = TierConfig {
+        let mut config = TierConfig {
             data_dir: dir.path().join("data"),
-            ram_budget,
+            ram_budget: 256 << 20,
             disk_budget: 64 << 20,
             region_size: 8 << 20,
             ..TierConfig::default()
         };
+        tune(&mut config);
         let store = Arc::new(ChunkStore::open(config).expect("open store"));
         let ctx = Arc::new(NodeContext::new(store, "test-node".into()));
         let path = dir.path().join("s.sock");
