@@ -156,23 +156,10 @@ impl NodeContext {
     }
 
     /// The chunk if it is in this node's RAM (no disk, no network, never
-    /// blocks): one index probe for a miss, two for a hit. `name` as for
-    /// [`NodeContext::get`].
+    /// blocks; [`tier::ChunkStore::get_ram`]). `name` as for [`NodeContext::get`].
     pub fn get_ram(&self, id: &ChunkId, name: Option<&[u8]>) -> Option<(bytes::Bytes, Location)> {
-        if self.store.locate(id) != Some(Tier::Ram) {
-            return None;
-        }
-        // Evicted between the probe and the read: the store then reads it
-        // from disk inline (a rare race, accepted as before).
-        let hit = self.get_local(id, name)?;
-        Some((hit.data, hit.tier.into()))
-    }
-
-    fn get_local(&self, id: &ChunkId, name: Option<&[u8]>) -> Option<Hit> {
-        match name {
-            Some(n) => self.store.get_named(id, n),
-            None => self.store.get(id),
-        }
+        let hit = self.store.get_ram(id, name)?;
+        Some((hit.data, Location::Ram))
     }
 
     /// Where a chunk is, from in-RAM indexes only (no disk, no network).

@@ -656,6 +656,14 @@ impl ChunkStore {
         self.inner.get_inner(id, Some(name))
     }
 
+    /// Reads a chunk from RAM only: `None` when it is not in RAM (or, with
+    /// `name`, stored under another name), without touching the disk and
+    /// without counting a miss (a caller that goes on to [`ChunkStore::get`]
+    /// counts it there). A hit counts as [`ChunkStore::get`]'s RAM hits do.
+    pub fn get_ram(&self, id: &ChunkId, name: Option<&[u8]>) -> Option<Hit> {
+        self.inner.get_ram_inner(id, name).flatten()
+    }
+
     /// Where a chunk lives, from the in-RAM index only (no disk I/O).
     pub fn locate(&self, id: &ChunkId) -> Option<Tier> {
         let _g = self.inner.gate.read();
@@ -1245,26 +1253,38 @@ impl Inner {
         }
     }
 
-    fn get_inner(&self, id: &ChunkId, name: Option<&[u8]>) -> Option<Hit> {
-        let g = self.gate.read();
-        if let Some(e) = self.ram.get(id) {
-            drop(g);
-            if let Some(want) = name {
-                if e.name.as_deref().unwrap_or(&[]) != want {
-                    self.counters.misses.fetch_add(1, Ordering::Relaxed);
-                    return None;
-                }
-            }
-            self.counters.hits_ram.fetch_add(1, Ordering::Relaxed);
-            self.counters
-                .bytes_out
-                .fetch_add(e.data.len() as u64, Ordering::Relaxed);
-            self.touch(&id.ns);
-            return Some(Hit {
-                data: e.data,
-                tier: Tier::Ram,
-            });
+    /// The RAM half of a read: `None` when the id is not in RAM,
+    /// `Some(None)` when it is under another name (not counted),
+    /// `Some(Some(hit))` a hit (counted).
+    fn get_ram_inner(&self, id: &ChunkId, name: Option<&[u8]>) -> Option<Option<Hit>> {
+        let e = {
+            let _g = self.gate.read();
+            self.ram.get(id)?
+        };
+        if name.is_some_and(|want| e.name.as_deref().unwrap_or(&[]) != want) {
+            return Some(None);
         }
+        self.counters.hits_ram.fetch_add(1, Ordering::Relaxed);
+        self.counters
+            .bytes_out
+            .fetch_add(e.data.len() as u64, Ordering::Relaxed);
+        self.touch(&id.ns);
+        Some(Some(Hit {
+            data: e.data,
+            tier: Tier::Ram,
+        }))
+    }
+
+    fn get_inner(&self, id: &ChunkId, name: Option<&[u8]>) -> Option<Hit> {
+        match self.get_ram_inner(id, name) {
+            Some(Some(hit)) => return Some(hit),
+            Some(None) => {
+                self.counters.misses.fetch_add(1, Ordering::Relaxed);
+                return None;
+            }
+            None => {}
+        }
+        let g = self.gate.read();
         let read = match &self.disk {
             Some(d) if d.poisoned().is_none() => d.read_chunk(id, name),
             _ => Err(ReadMiss::Absent),

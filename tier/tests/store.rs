@@ -147,6 +147,40 @@ fn miss_performs_zero_disk_io_and_lookup_prefix_reports_tiers() {
     assert_eq!(s.stats().misses, 2001);
 }
 
+/// `get_ram` serves RAM hits only: a chunk on disk (or under another name)
+/// is `None` without a device read or a miss counted; a RAM hit counts.
+#[test]
+fn get_ram_never_reads_the_disk() {
+    let dir = tempfile::tempdir().unwrap();
+    let file =
+        Arc::new(FileDevice::open(&dir.path().join("dev"), 8 * MIB, DirectMode::Auto).unwrap());
+    let dev = Arc::new(CountingDevice::new(file));
+    let s = ChunkStore::open_with_device(config(dir.path()), dev.clone()).unwrap();
+    let ns = s.register_namespace(&record(0)).unwrap();
+    s.put(id(ns, 1), payload(1, 4096)).unwrap();
+    s.flush().unwrap();
+    drop(s);
+    // Reopened: chunk 1 is on disk only; chunk 2 is in RAM, named.
+    let s = ChunkStore::open_with_device(config(dir.path()), dev.clone()).unwrap();
+    s.put_named(id(ns, 2), Bytes::from_static(b"k2"), payload(2, 100))
+        .unwrap();
+    let (before, stats) = (dev.counts(), s.stats());
+    assert_eq!(s.locate(&id(ns, 1)), Some(Tier::Disk));
+    assert!(s.get_ram(&id(ns, 1), None).is_none(), "on disk only");
+    assert!(
+        s.get_ram(&id(ns, 2), Some(b"other")).is_none(),
+        "another name"
+    );
+    let hit = s.get_ram(&id(ns, 2), Some(b"k2")).expect("a RAM hit");
+    assert_eq!((hit.data, hit.tier), (payload(2, 100), Tier::Ram));
+    assert_eq!(dev.counts(), before, "get_ram must not touch the device");
+    let after = s.stats();
+    assert_eq!(after.misses, stats.misses);
+    assert_eq!(after.hits_ram, stats.hits_ram + 1);
+    // The full read still finds the disk chunk.
+    assert_eq!(s.get(&id(ns, 1)).unwrap().data, payload(1, 4096));
+}
+
 #[test]
 fn lookup_prefix_reports_each_keys_tier_in_any_interleaving() {
     let dir = tempfile::tempdir().unwrap();

@@ -584,7 +584,9 @@ fn exists(shared: &Shared, s: &mut Session, args: &[Bytes], out: &mut Output) ->
 /// written or deleted through RESP since).
 fn pin(shared: &Shared, s: &mut Session, key: &Bytes, id: &ChunkId) {
     let epoch = shared.epoch_slot(id).load(Ordering::Acquire);
-    let Some(hit) = shared.ctx.store.get_named(id, key) else {
+    // RAM only: a chunk evicted since the EXISTS is not pinned (its GET
+    // reads the disk on the blocking pool), and no disk read runs here.
+    let Some(hit) = shared.ctx.store.get_ram(id, Some(key)) else {
         return;
     };
     s.pins.retain(|p| p.key != *key);
