@@ -106,13 +106,19 @@ fn put_flush_reopen_get_round_trips() {
     assert_eq!(info[0].chunks, 21);
 }
 
+/// A store of [`config`] over an 8 MiB file in `dir`, through a device that
+/// counts its reads and writes.
+fn counting_store(dir: &std::path::Path) -> (ChunkStore, Arc<CountingDevice>) {
+    let file = Arc::new(FileDevice::open(&dir.join("dev"), 8 * MIB, DirectMode::Auto).unwrap());
+    let dev = Arc::new(CountingDevice::new(file));
+    let s = ChunkStore::open_with_device(config(dir), dev.clone()).unwrap();
+    (s, dev)
+}
+
 #[test]
 fn miss_performs_zero_disk_io_and_lookup_prefix_reports_tiers() {
     let dir = tempfile::tempdir().unwrap();
-    let file =
-        Arc::new(FileDevice::open(&dir.path().join("dev"), 8 * MIB, DirectMode::Auto).unwrap());
-    let dev = Arc::new(CountingDevice::new(file));
-    let s = ChunkStore::open_with_device(config(dir.path()), dev.clone()).unwrap();
+    let (s, dev) = counting_store(dir.path());
     let ns = s.register_namespace(&record(0)).unwrap();
     for n in 0..8 {
         s.put(id(ns, n), payload(n, 4096)).unwrap();
@@ -152,10 +158,7 @@ fn miss_performs_zero_disk_io_and_lookup_prefix_reports_tiers() {
 #[test]
 fn get_ram_never_reads_the_disk() {
     let dir = tempfile::tempdir().unwrap();
-    let file =
-        Arc::new(FileDevice::open(&dir.path().join("dev"), 8 * MIB, DirectMode::Auto).unwrap());
-    let dev = Arc::new(CountingDevice::new(file));
-    let s = ChunkStore::open_with_device(config(dir.path()), dev.clone()).unwrap();
+    let (s, dev) = counting_store(dir.path());
     let ns = s.register_namespace(&record(0)).unwrap();
     s.put(id(ns, 1), payload(1, 4096)).unwrap();
     s.flush().unwrap();
