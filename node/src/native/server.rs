@@ -172,9 +172,9 @@ fn joined<T>(r: Result<T, tokio::task::JoinError>) -> Result<T, (ErrorCode, Stri
     })
 }
 
-/// Copies the server runs on the blocking pool at once, across all
-/// connections: twice the cores (copies are bound by memory bandwidth), at
-/// least 4.
+/// Large copies and lookups the server runs on the blocking pool at once,
+/// across all connections: twice the cores (copies are bound by memory
+/// bandwidth), at least 4.
 pub fn copy_slots() -> usize {
     std::thread::available_parallelism().map_or(4, |n| (2 * n.get()).max(4))
 }
@@ -724,13 +724,11 @@ impl Connection {
             ));
         }
         let total: u64 = entries.iter().map(|e| e.len).sum();
-        if atomic && total > store.config().ram_budget {
+        let budget = store.config().ram_budget;
+        if atomic && total > budget {
             return Err((
                 ErrorCode::TooLarge,
-                format!(
-                    "atomic PUT of {total} bytes exceeds ram-budget ({} bytes)",
-                    store.config().ram_budget
-                ),
+                format!("atomic PUT of {total} bytes exceeds ram-budget ({budget} bytes)"),
             ));
         }
         // An atomic PUT and any PUT under `backpressure` (it may wait for
@@ -849,13 +847,17 @@ async fn place_hits(
                 .filter(|&n| n <= e.len)
         })
         .sum();
-    let idx: Vec<usize> = hits.iter().map(|(i, _, _)| *i).collect();
-    let work = move || {
+    let place_all = move |hits: Hits| {
         hits.into_iter()
             .map(|(i, e, hit)| (i, place(&region, &e, hit)))
             .collect::<Vec<_>>()
     };
-    run_heavy(slots, total >= OFFLOAD_BYTES, work)
+    if total < OFFLOAD_BYTES {
+        return place_all(hits);
+    }
+    // Only an offloaded copy can fail: its entries' numbers, for the misses.
+    let idx: Vec<usize> = hits.iter().map(|(i, _, _)| *i).collect();
+    run_heavy(slots, true, move || place_all(hits))
         .await
         .unwrap_or_else(|(_, e)| {
             warn!(error = %e, "native GET: a copy task failed");
