@@ -168,7 +168,8 @@ pub fn decode_open_slot(b: &[u8], region: u32) -> Option<u64> {
     if b.len() < 28 || b[0..4] != SLOT_MAGIC || le16(b, 4) != SLOT_VERSION || le16(b, 6) != 1 {
         return None;
     }
-    if crc32c(&b[0..24]) != le32(b, 24) || le32(b, 8) != region {
+    // Bytes 12..16 are reserved: always written as zero.
+    if crc32c(&b[0..24]) != le32(b, 24) || le32(b, 8) != region || le32(b, 12) != 0 {
         return None;
     }
     Some(le64(b, 16))
