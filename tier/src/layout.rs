@@ -142,6 +142,13 @@ impl Superblock {
                 "block size {block}, expected {BLOCK}"
             )));
         }
+        // Bytes 28..32 are reserved: always written as zero.
+        if le32(b, 28) != 0 {
+            return Err(SuperblockError::Corrupt(format!(
+                "reserved bytes 28..32 are {:#010x}, expected zero",
+                le32(b, 28)
+            )));
+        }
         Ok(Self {
             version,
             region_size: le64(b, 16),
@@ -349,7 +356,8 @@ impl BatchHead {
         if b.len() < BATCH_FIXED || b[0..4] != BATCH_MAGIC || le16(b, 4) != SLOT_VERSION {
             return None;
         }
-        if crc32c(&b[0..36]) != le32(b, 36) {
+        // Bytes 6..8 are reserved: always written as zero.
+        if le16(b, 6) != 0 || crc32c(&b[0..36]) != le32(b, 36) {
             return None;
         }
         Some(Self {
@@ -471,5 +479,68 @@ mod tests {
         c[17] ^= 1;
         assert_eq!(BatchHead::decode(&c), None);
         assert_eq!(h.record_len(), 4096);
+    }
+
+    /// Sets `b[range]` to `fill` and rewrites the CRC of `b[..crc_at]` at
+    /// `crc_at`, so only the reserved bytes make the block invalid.
+    fn dirty_reserved(b: &mut [u8], range: std::ops::Range<usize>, crc_at: usize) {
+        b[range].fill(0xa5);
+        let crc = crc32c(&b[..crc_at]);
+        b[crc_at..crc_at + 4].copy_from_slice(&crc.to_le_bytes());
+    }
+
+    /// Encoders write zeros into reserved bytes; a block with anything else
+    /// there (and a CRC that matches it) was not written by this format and
+    /// is refused, so every accepted block re-encodes to the same bytes (the
+    /// segment_layout fuzz target's round-trip property).
+    #[test]
+    fn nonzero_reserved_bytes_are_refused() {
+        let mut b = vec![0u8; BLOCK as usize];
+        Superblock {
+            version: STORE_VERSION,
+            region_size: 1 << 20,
+            region_count: 9,
+            created_ms: 5,
+        }
+        .encode_into(&mut b);
+        dirty_reserved(&mut b, 28..32, 40);
+        assert!(matches!(
+            Superblock::decode(&b),
+            Err(SuperblockError::Corrupt(m)) if m.contains("reserved")
+        ));
+
+        encode_open_slot(&mut b, 0, 42);
+        dirty_reserved(&mut b, 12..16, 24);
+        assert_eq!(decode_open_slot(&b, 0), None);
+
+        let mut h = [0u8; BATCH_FIXED];
+        BatchHead {
+            region: 1,
+            entry_count: 3,
+            generation: 9,
+            batch_len: 3 * 4096,
+            entries_len: 300,
+            entries_crc: 5,
+        }
+        .encode_into(&mut h);
+        dirty_reserved(&mut h, 6..8, 36);
+        assert_eq!(BatchHead::decode(&h), None);
+    }
+
+    /// The input the segment_layout fuzz target found (an open slot with
+    /// nonzero reserved bytes and a CRC over them that matches).
+    #[test]
+    fn fuzz_regression_open_slot_with_reserved_bytes() {
+        let input: [u8; 64] = [
+            0x4b, 0x56, 0x54, 0x52, 0x01, 0x00, 0x01, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x5c,
+            0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x2d, 0x4c, 0x56, 0x54, 0x4c, 0x7a, 0xc9, 0xaf,
+            0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,
+            0x00, 0x00, 0x00, 0x00, 0x00, 0xb5, 0xab, 0x54, 0x52, 0x00, 0x00, 0x00, 0x00, 0x00,
+            0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,
+        ];
+        let mut block = vec![0u8; BLOCK as usize];
+        block[..input.len()].copy_from_slice(&input);
+        assert_eq!(crc32c(&block[0..24]), le32(&block, 24), "the CRC matches");
+        assert_eq!(decode_open_slot(&block, 0), None);
     }
 }
