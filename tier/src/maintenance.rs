@@ -87,7 +87,7 @@ pub(crate) fn gc(inner: &Inner, opts: &GcOptions) -> Result<GcReport> {
     }
     for (id, _) in inner.ram.ids() {
         if chosen.contains(&id.ns) && seen.insert(id) {
-            if let Some(e) = inner.ram.peek(&id) {
+            if let Some(e) = inner.ram.peek_any(&id) {
                 victims.push((id, e.data.len() as u64));
             }
         }

@@ -27,6 +27,18 @@
 //! races between shards. No operation holds two shard locks at once, except
 //! LOOKUP's presence test, which takes all of them in shard order.
 //!
+//! # Spilled entries
+//! With [`RamCache::with_spill`] (a store with a disk writer), evicting a
+//! dirty entry does not drop it from the index: it leaves the LRU list and
+//! the budget (the writer queue holds its bytes anyway) and stays readable
+//! and present for LOOKUP until the store calls [`RamCache::unspill`] once
+//! the disk index has it, or it was dropped unwritten. So a chunk is never
+//! a miss on its way from RAM to disk (without this, a LOOKUP right after
+//! an eviction reported the chunk, often the first of a prefix, absent
+//! until the writer got to it). Spilled entries are not counted by
+//! [`RamCache::len`], never evicted again, never picked by
+//! [`RamCache::dirty_entries`] (their write is queued) nor marked clean.
+//!
 //! # Index layout and hashing
 //! Each shard's index is an `FpTable` (`fptable.rs`, the slot table of the
 //! disk index too): 8-byte slots of a 32-bit fingerprint and a 32-bit slab
@@ -138,6 +150,9 @@ pub struct Evicted {
     pub id: ChunkId,
     /// The entry as it was when evicted.
     pub entry: RamEntry,
+    /// The entry stays readable from the cache, out of the budget, until
+    /// [`RamCache::unspill`] (see "Spilled entries" in the module docs).
+    pub spilled: bool,
 }
 
 fn charge(data: &Bytes, name: Option<&Bytes>) -> u64 {
@@ -156,6 +171,9 @@ struct Node {
     entry: RamEntry,
     /// Global access tick of the last insert or promotion.
     tick: u64,
+    /// Evicted dirty and on its way to disk: indexed and readable, but out
+    /// of the LRU list and the budget.
+    spilled: bool,
     prev: u32,
     next: u32,
 }
@@ -177,6 +195,27 @@ struct Shard {
     head: u32,
     /// Least recently used.
     tail: u32,
+    /// Removal counters by hash bucket ([`removal_bucket`]): bumped when a
+    /// node leaves the table and by [`RamCache::remove`], so a caller that
+    /// saw an id absent can tell whether it may have been there since.
+    removals: [u32; REMOVAL_BUCKETS],
+}
+
+/// Buckets of a shard's removal counters.
+const REMOVAL_BUCKETS: usize = 64;
+
+/// The removal bucket of a table hash (its top bits, part of the
+/// fingerprint).
+fn removal_bucket(hash: u64) -> usize {
+    (hash >> 58) as usize & (REMOVAL_BUCKETS - 1)
+}
+
+/// What [`RamCache::get_or_mark`] saw of an absent id: an
+/// [`RamCache::insert_if_unchanged`] with it inserts only while the id is
+/// still absent and nothing under its bucket left the cache meanwhile.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AbsentMark {
+    removals: u32,
 }
 
 impl Shard {
@@ -188,6 +227,18 @@ impl Shard {
             free: Vec::new(),
             head: NIL,
             tail: NIL,
+            removals: [0; REMOVAL_BUCKETS],
+        }
+    }
+
+    fn bump(&mut self, hash: u64) {
+        let b = &mut self.removals[removal_bucket(hash)];
+        *b = b.wrapping_add(1);
+    }
+
+    fn mark(&self, hash: u64) -> AbsentMark {
+        AbsentMark {
+            removals: self.removals[removal_bucket(hash)],
         }
     }
 
@@ -308,23 +359,27 @@ impl Shard {
         self.push_front(i);
     }
 
+    /// Removes the node in slab slot `i` from the table (and from the LRU
+    /// list unless spilled).
     fn remove_at(&mut self, i: u32) -> Node {
-        let hash = self.node(i).hash;
+        let (hash, spilled) = {
+            let n = self.node(i);
+            (n.hash, n.spilled)
+        };
         let pos = self
             .table
             .find(hash, |j| j == i)
             .expect("linked slot is indexed");
         let slots = &self.slots;
         self.table.remove_at(pos, |j| Self::hash_at(slots, j));
-        self.unlink(i);
+        if !spilled {
+            self.unlink(i);
+        }
+        self.bump(hash);
         self.free.push(i);
         self.slots[i as usize]
             .take()
             .expect("linked slot is occupied")
-    }
-
-    fn pop_lru(&mut self) -> Option<Node> {
-        (self.tail != NIL).then(|| self.remove_at(self.tail))
     }
 }
 
@@ -356,6 +411,10 @@ pub struct RamCache {
     len: AtomicUsize,
     next_seq: AtomicU64,
     next_tick: AtomicU64,
+    /// Whether evicted dirty entries are spilled ([`RamCache::with_spill`]).
+    spill: bool,
+    /// Spilled entries (not in `len`).
+    spilled: AtomicUsize,
 }
 
 impl std::fmt::Debug for RamCache {
@@ -395,7 +454,19 @@ impl RamCache {
             len: AtomicUsize::new(0),
             next_seq: AtomicU64::new(1),
             next_tick: AtomicU64::new(1),
+            spill: false,
+            spilled: AtomicUsize::new(0),
         }
+    }
+
+    /// With `on`, an evicted dirty entry is spilled: it leaves the LRU list
+    /// and the budget but stays readable (and counts as present) until its
+    /// owner calls [`RamCache::unspill`], i.e. until the disk has it or it
+    /// is dropped. A store with a disk writer turns this on, so a chunk on
+    /// its way to disk is never a miss.
+    pub fn with_spill(mut self, on: bool) -> Self {
+        self.spill = on;
+        self
     }
 
     /// Splits an id's hash into its shard (the lowest bits) and the hash
@@ -445,13 +516,17 @@ impl RamCache {
     fn take(&self, slot: &ShardSlot, shard: &mut Shard, hash: u64, id: &ChunkId) -> Option<Node> {
         let i = shard.find(hash, id)?;
         let node = shard.remove_at(i);
-        self.release(&node);
+        if node.spilled {
+            self.spilled.fetch_sub(1, Ordering::AcqRel);
+        } else {
+            self.release(&node);
+        }
         slot.tail_tick.store(shard.tail_tick(), Ordering::Release);
         Some(node)
     }
 
-    /// Evicts the LRU entry of the shard with the oldest tail; `false` when
-    /// every shard looked empty.
+    /// Evicts the LRU entry of the shard with the oldest tail (spilling it
+    /// if dirty and spilling is on); `false` when every shard looked empty.
     fn evict_one(&self, out: &mut Vec<Evicted>) -> bool {
         let Some(victim) = self
             .shards
@@ -462,15 +537,34 @@ impl RamCache {
             return false;
         };
         let mut shard = victim.inner.lock();
-        let Some(node) = shard.pop_lru() else {
+        let i = shard.tail;
+        if i == NIL {
             return false;
-        };
+        }
+        if self.spill && shard.node(i).entry.dirty {
+            shard.unlink(i);
+            let node = shard.node_mut(i);
+            node.spilled = true;
+            let evicted = Evicted {
+                id: node.id,
+                entry: node.entry.clone(),
+                spilled: true,
+            };
+            self.release(shard.node(i));
+            self.spilled.fetch_add(1, Ordering::AcqRel);
+            victim.tail_tick.store(shard.tail_tick(), Ordering::Release);
+            drop(shard);
+            out.push(evicted);
+            return true;
+        }
+        let node = shard.remove_at(i);
         self.release(&node);
         victim.tail_tick.store(shard.tail_tick(), Ordering::Release);
         drop(shard);
         out.push(Evicted {
             id: node.id,
             entry: node.entry,
+            spilled: false,
         });
         true
     }
@@ -488,6 +582,36 @@ impl RamCache {
         name: Option<Bytes>,
         dirty: bool,
     ) -> Result<(u64, Vec<Evicted>), crate::Error> {
+        let (seq, evicted) = self.insert_inner(id, data, name, dirty, None)?;
+        Ok((seq.expect("an unconditional insert inserts"), evicted))
+    }
+
+    /// Inserts a clean chunk only if `id` is still absent and nothing under
+    /// its removal bucket left the cache since `mark` was taken
+    /// ([`RamCache::get_or_mark`]): a copy read from disk (or fetched from a
+    /// peer) never replaces a version put meanwhile, and never brings back
+    /// one deleted or superseded meanwhile (their removal bumped the
+    /// bucket). Returns the new entry's sequence number (`None` when it was
+    /// not inserted) and the entries evicted to make room, which the caller
+    /// handles either way.
+    pub fn insert_if_unchanged(
+        &self,
+        id: ChunkId,
+        data: Bytes,
+        name: Option<Bytes>,
+        mark: AbsentMark,
+    ) -> Result<(Option<u64>, Vec<Evicted>), crate::Error> {
+        self.insert_inner(id, data, name, false, Some(mark))
+    }
+
+    fn insert_inner(
+        &self,
+        id: ChunkId,
+        data: Bytes,
+        name: Option<Bytes>,
+        dirty: bool,
+        only_if: Option<AbsentMark>,
+    ) -> Result<(Option<u64>, Vec<Evicted>), crate::Error> {
         let size = charge(&data, name.as_ref());
         if size > self.budget {
             return Err(crate::Error::TooLarge {
@@ -509,6 +633,7 @@ impl RamCache {
                 inserted: Instant::now(),
             },
             tick: 0,
+            spilled: false,
             prev: NIL,
             next: NIL,
         };
@@ -516,7 +641,13 @@ impl RamCache {
         // Dropped after the locks are released (freeing big buffers).
         let mut replaced = Vec::new();
 
+        let unchanged = |shard: &Shard| {
+            only_if.is_none_or(|m| shard.mark(hash) == m && shard.find(hash, &id).is_none())
+        };
         let mut shard = slot.inner.lock();
+        if !unchanged(&shard) {
+            return Ok((None, evicted));
+        }
         replaced.extend(self.take(slot, &mut shard, hash, &id));
         if !self.try_reserve(size) {
             // Slow path: evict without holding our shard's lock (eviction
@@ -530,6 +661,10 @@ impl RamCache {
                 }
             }
             shard = slot.inner.lock();
+            if !unchanged(&shard) {
+                self.used.fetch_sub(size, Ordering::AcqRel);
+                return Ok((None, evicted));
+            }
             // A concurrent insert of the same id may have landed meanwhile:
             // the last writer wins.
             replaced.extend(self.take(slot, &mut shard, hash, &id));
@@ -543,13 +678,16 @@ impl RamCache {
         slot.tail_tick.store(shard.tail_tick(), Ordering::Release);
         drop(shard);
         drop(replaced);
-        Ok((seq, evicted))
+        Ok((Some(seq), evicted))
     }
 
-    fn lookup(&self, id: &ChunkId, promote: bool) -> Option<RamEntry> {
+    fn lookup(&self, id: &ChunkId, promote: bool, spilled_too: bool) -> Option<RamEntry> {
         let (slot, hash) = self.locate(id);
         let mut shard = slot.inner.lock();
         let i = shard.find(hash, id)?;
+        if shard.node(i).spilled {
+            return spilled_too.then(|| shard.node(i).entry.clone());
+        }
         if promote {
             let tick = self.tick();
             shard.promote(i, tick);
@@ -558,14 +696,78 @@ impl RamCache {
         Some(shard.node(i).entry.clone())
     }
 
-    /// Reads a chunk and makes it the most recently used.
+    /// Reads a chunk and makes it the most recently used (a spilled one is
+    /// read as it is; it has no LRU position).
     pub fn get(&self, id: &ChunkId) -> Option<RamEntry> {
-        self.lookup(id, true)
+        self.lookup(id, true, true)
     }
 
-    /// Reads a chunk without changing its LRU position.
+    /// [`RamCache::get`], or when `id` is absent, the mark for a later
+    /// [`RamCache::insert_if_unchanged`] of it (taken under the same lock).
+    pub fn get_or_mark(&self, id: &ChunkId) -> Result<RamEntry, AbsentMark> {
+        let (slot, hash) = self.locate(id);
+        let mut shard = slot.inner.lock();
+        let Some(i) = shard.find(hash, id) else {
+            return Err(shard.mark(hash));
+        };
+        if !shard.node(i).spilled {
+            let tick = self.tick();
+            shard.promote(i, tick);
+            slot.tail_tick.store(shard.tail_tick(), Ordering::Release);
+        }
+        Ok(shard.node(i).entry.clone())
+    }
+
+    /// The mark of `id` ([`RamCache::get_or_mark`]) if it is absent.
+    pub fn mark_if_absent(&self, id: &ChunkId) -> Option<AbsentMark> {
+        let (slot, hash) = self.locate(id);
+        let shard = slot.inner.lock();
+        shard.find(hash, id).is_none().then(|| shard.mark(hash))
+    }
+
+    /// Reads a resident chunk (not a spilled one) without changing its LRU
+    /// position.
     pub fn peek(&self, id: &ChunkId) -> Option<RamEntry> {
-        self.lookup(id, false)
+        self.lookup(id, false, false)
+    }
+
+    /// Reads a chunk, resident or spilled, without changing its LRU
+    /// position.
+    pub fn peek_any(&self, id: &ChunkId) -> Option<RamEntry> {
+        self.lookup(id, false, true)
+    }
+
+    /// Drops the spilled entry of `id` if its sequence number is `seq`: the
+    /// disk has it now, or it was dropped. `false` (nothing changed) when
+    /// `id` is absent, resident, or another version.
+    pub fn unspill(&self, id: &ChunkId, seq: u64) -> bool {
+        let (slot, hash) = self.locate(id);
+        let node = {
+            let mut shard = slot.inner.lock();
+            let Some(i) = shard.find(hash, id) else {
+                return false;
+            };
+            let n = shard.node(i);
+            if !n.spilled || n.entry.seq != seq {
+                return false;
+            }
+            let node = shard.remove_at(i);
+            self.spilled.fetch_sub(1, Ordering::AcqRel);
+            node
+        };
+        drop(node);
+        true
+    }
+
+    /// Number of spilled entries (not counted by [`RamCache::len`]).
+    pub fn spilled_len(&self) -> usize {
+        self.spilled.load(Ordering::Acquire)
+    }
+
+    /// Whether any entry, resident or spilled, may be found (probes skip
+    /// an empty cache).
+    pub fn is_probe_empty(&self) -> bool {
+        self.is_empty() && self.spilled_len() == 0
     }
 
     /// Whether the chunk is cached (no promotion).
@@ -581,7 +783,7 @@ impl RamCache {
     pub fn contains_batch(&self, ids: &[ChunkId], out: &mut Vec<bool>) {
         out.clear();
         out.resize(ids.len(), false);
-        if self.is_empty() {
+        if self.is_probe_empty() {
             return;
         }
         let hashes: Vec<u64> = ids.iter().map(hash_id).collect();
@@ -617,7 +819,7 @@ impl RamCache {
     pub(crate) fn contains_hashes(&self, hashes: &[u64], out: &mut Vec<bool>) {
         out.clear();
         out.resize(hashes.len(), false);
-        if self.is_empty() {
+        if self.is_probe_empty() {
             return;
         }
         for (block, out) in hashes
@@ -757,12 +959,19 @@ impl RamCache {
         });
     }
 
-    /// Removes a chunk; returns it if it was cached.
+    /// Removes a chunk, resident or spilled; returns it if it was cached.
+    /// Bumps the id's removal bucket either way, so an
+    /// [`RamCache::insert_if_unchanged`] with an older mark (a disk read of
+    /// a chunk being deleted) inserts nothing.
     pub fn remove(&self, id: &ChunkId) -> Option<RamEntry> {
         let (slot, hash) = self.locate(id);
         let node = {
             let mut shard = slot.inner.lock();
-            self.take(slot, &mut shard, hash, id)?
+            let node = self.take(slot, &mut shard, hash, id);
+            if node.is_none() {
+                shard.bump(hash);
+            }
+            node?
         };
         Some(node.entry)
     }
@@ -776,10 +985,12 @@ impl RamCache {
         let Some(i) = shard.find(hash, id) else {
             return false;
         };
-        let entry = &mut shard.node_mut(i).entry;
-        if entry.seq != seq {
+        let node = shard.node_mut(i);
+        // A spilled entry's own job writes it (and unspills it).
+        if node.spilled || node.entry.seq != seq {
             return false;
         }
+        let entry = &mut node.entry;
         if entry.dirty {
             entry.dirty = false;
             self.dirty
@@ -865,10 +1076,15 @@ impl RamCache {
                 .collect();
             for i in doomed {
                 let node = shard.remove_at(i);
-                self.release(&node);
+                if node.spilled {
+                    self.spilled.fetch_sub(1, Ordering::AcqRel);
+                } else {
+                    self.release(&node);
+                }
                 out.push(Evicted {
                     id: node.id,
                     entry: node.entry,
+                    spilled: false,
                 });
             }
             slot.tail_tick.store(shard.tail_tick(), Ordering::Release);
@@ -876,8 +1092,8 @@ impl RamCache {
         out
     }
 
-    /// Every cached chunk id with its sequence number (a snapshot; shards
-    /// are visited one at a time).
+    /// Every cached chunk id, spilled ones included, with its sequence
+    /// number (a snapshot; shards are visited one at a time).
     pub fn ids(&self) -> Vec<(ChunkId, u64)> {
         let mut out = Vec::with_capacity(self.len());
         for slot in self.shards.iter() {
@@ -916,10 +1132,16 @@ mod tests {
     /// Recomputes every counter from the entries and checks the counters.
     fn check_accounting(c: &RamCache) {
         let ids = c.ids();
-        assert_eq!(ids.len(), c.len());
-        let (mut used, mut dirty) = (0, 0);
+        assert_eq!(ids.len(), c.len() + c.spilled_len());
+        let (mut used, mut dirty, mut spilled) = (0, 0, 0);
         for (i, seq) in &ids {
-            let e = c.peek(i).expect("listed id is present");
+            let Some(e) = c.peek(i) else {
+                // Spilled: readable, dirty, outside the budget.
+                let e = c.peek_any(i).expect("listed id is present");
+                assert!(e.dirty && e.seq == *seq);
+                spilled += 1;
+                continue;
+            };
             assert_eq!(e.seq, *seq);
             used += e.charged_bytes();
             if e.dirty {
@@ -928,6 +1150,7 @@ mod tests {
         }
         assert_eq!(c.used_bytes(), used);
         assert_eq!(c.dirty_bytes(), dirty);
+        assert_eq!(c.spilled_len(), spilled);
         assert!(used <= c.budget());
         for (s, slot) in c.shards.iter().enumerate() {
             let shard = slot.inner.lock();
@@ -938,6 +1161,7 @@ mod tests {
             while i != NIL {
                 let node = shard.node(i);
                 assert_eq!(node.prev, prev);
+                assert!(!node.spilled, "spilled nodes are off the list");
                 assert_eq!(shard.find(node.hash, &node.id), Some(i));
                 assert_eq!(shard.ids[i as usize], node.id);
                 prev = i;
@@ -945,7 +1169,8 @@ mod tests {
                 n += 1;
             }
             assert_eq!(prev, shard.tail);
-            assert_eq!(n, shard.table.len());
+            let spilled = shard.slots.iter().flatten().filter(|n| n.spilled).count();
+            assert_eq!(n + spilled, shard.table.len());
             // Each table entry carries the fingerprint of its node's hash,
             // and the node lies in this shard.
             for (_, e) in shard.table.occupied() {
@@ -955,6 +1180,114 @@ mod tests {
             }
             assert_eq!(slot.tail_tick.load(Ordering::Relaxed), shard.tail_tick());
         }
+    }
+
+    /// With spilling on, an evicted dirty entry stays readable and present
+    /// but leaves the LRU list and the budget; clean ones are dropped; a
+    /// spilled entry is never evicted again, picked for flushing or marked
+    /// clean, and goes with `unspill` of its own version, a replacement or
+    /// a remove.
+    #[test]
+    fn evicted_dirty_entries_are_spilled_until_unspilled() {
+        let c = RamCache::with_shards(300, 4).with_spill(true);
+        let mut seqs = Vec::new();
+        for n in 0..3 {
+            seqs.push(
+                c.insert(id(n), bytes(100, n as u8), None, n != 2)
+                    .unwrap()
+                    .0,
+            );
+        }
+        // Chunk 0 (dirty) is the LRU entry: spilled.
+        let (_, ev) = c.insert(id(3), bytes(100, 3), None, true).unwrap();
+        assert_eq!(ev.len(), 1);
+        assert!(ev[0].spilled && ev[0].id == id(0) && ev[0].entry.seq == seqs[0]);
+        assert_eq!((c.len(), c.spilled_len(), c.used_bytes()), (3, 1, 300));
+        assert_eq!(c.get(&id(0)).unwrap().data, bytes(100, 0));
+        assert!(c.contains(&id(0)) && c.peek(&id(0)).is_none() && c.peek_any(&id(0)).is_some());
+        let mut out = Vec::new();
+        c.contains_batch(&[id(0), id(9)], &mut out);
+        assert_eq!(out, [true, false]);
+        c.contains_hashes(&[hash_id(&id(0))], &mut out);
+        assert_eq!(out, [true]);
+        assert!(c.dirty_entries(None, 10).iter().all(|(i, _)| *i != id(0)));
+        assert!(!c.mark_clean(&id(0), seqs[0]));
+        check_accounting(&c);
+        // Chunk 1 (dirty) goes next, then chunk 2 (clean: dropped, not
+        // spilled); chunk 0 is never evicted again.
+        let (_, ev) = c.insert(id(4), bytes(200, 4), None, false).unwrap();
+        let got: Vec<(ChunkId, bool)> = ev.iter().map(|e| (e.id, e.spilled)).collect();
+        assert_eq!(got, [(id(1), true), (id(2), false)]);
+        assert!(!c.contains(&id(2)));
+        assert_eq!(c.spilled_len(), 2);
+        check_accounting(&c);
+        // Another version's unspill changes nothing; its own drops it.
+        assert!(!c.unspill(&id(0), seqs[0] + 100));
+        assert!(!c.unspill(&id(3), seqs[0]), "resident entries stay");
+        assert!(c.unspill(&id(0), seqs[0]));
+        assert!(!c.contains(&id(0)) && c.get(&id(0)).is_none());
+        // A new version of a spilled id replaces it (budget charged anew;
+        // it evicts chunk 3, dirty: spilled); a remove takes a spilled one.
+        let (_, ev) = c.insert(id(1), bytes(10, 9), None, true).unwrap();
+        let got: Vec<(ChunkId, bool)> = ev.iter().map(|e| (e.id, e.spilled)).collect();
+        assert_eq!(got, [(id(3), true)]);
+        assert_eq!(c.get(&id(1)).unwrap().data, bytes(10, 9));
+        assert!(!c.unspill(&id(1), seqs[1]), "the spilled version is gone");
+        assert_eq!(c.spilled_len(), 1);
+        check_accounting(&c);
+        assert_eq!(c.remove(&id(3)).unwrap().data, bytes(100, 3));
+        assert_eq!(c.spilled_len(), 0);
+        check_accounting(&c);
+    }
+
+    /// `insert_if_unchanged` inserts only while the id stayed absent and
+    /// nothing under its removal bucket left the cache since the mark.
+    #[test]
+    fn insert_if_unchanged_never_overrides_what_happened_since_the_mark() {
+        let c = RamCache::with_shards(1000, 4);
+        let mark = c.get_or_mark(&id(1)).unwrap_err();
+        assert_eq!(c.mark_if_absent(&id(1)), Some(mark));
+        let (seq, _) = c
+            .insert_if_unchanged(id(1), bytes(10, 1), None, mark)
+            .unwrap();
+        assert!(seq.is_some());
+        assert!(!c.get(&id(1)).unwrap().dirty, "inserted clean");
+        assert!(c.mark_if_absent(&id(1)).is_none());
+        // A put since the mark wins.
+        let mark = c.get_or_mark(&id(2)).unwrap_err();
+        c.insert(id(2), bytes(10, 2), None, true).unwrap();
+        let (seq, _) = c
+            .insert_if_unchanged(id(2), bytes(10, 0), None, mark)
+            .unwrap();
+        assert!(seq.is_none());
+        assert_eq!(c.get(&id(2)).unwrap().data, bytes(10, 2));
+        // A put and a remove since the mark, or a remove of an absent id
+        // (a delete of a chunk on disk only): nothing inserted.
+        let mark = c.get_or_mark(&id(3)).unwrap_err();
+        c.insert(id(3), bytes(10, 3), None, true).unwrap();
+        c.remove(&id(3));
+        let (seq, _) = c
+            .insert_if_unchanged(id(3), bytes(10, 0), None, mark)
+            .unwrap();
+        assert!(seq.is_none() && !c.contains(&id(3)));
+        let mark = c.get_or_mark(&id(4)).unwrap_err();
+        assert!(c.remove(&id(4)).is_none());
+        let (seq, _) = c
+            .insert_if_unchanged(id(4), bytes(10, 0), None, mark)
+            .unwrap();
+        assert!(seq.is_none() && !c.contains(&id(4)));
+        check_accounting(&c);
+        // A refusal after evicting to make room gives the room back.
+        let full = RamCache::with_shards(100, 1);
+        full.insert(id(5), bytes(100, 5), None, false).unwrap();
+        let mark = full.get_or_mark(&id(6)).unwrap_err();
+        full.remove(&id(6));
+        let (seq, ev) = full
+            .insert_if_unchanged(id(6), bytes(60, 6), None, mark)
+            .unwrap();
+        assert!(seq.is_none() && ev.is_empty());
+        assert_eq!(full.used_bytes(), 100);
+        check_accounting(&full);
     }
 
     #[test]

@@ -33,7 +33,7 @@ use crate::device::{Device, DirectMode, FileDevice};
 use crate::format::ChunkHeader;
 use crate::index::{Location, key_hash, seed};
 use crate::manifest::{self, NsEntry};
-use crate::ram::{Evicted, RamCache, pipelined};
+use crate::ram::{AbsentMark, Evicted, RamCache, pipelined};
 use crate::segment::{Disk, ReadMiss};
 use crate::writer::{Hooks, Job, Msg, Ticket, Writer};
 use crate::{ChunkId, ChunkKey, Error, GroupId, Namespace, NamespaceRecord, Result, Tier};
@@ -352,7 +352,8 @@ impl ChunkStore {
     fn open_inner(config: TierConfig, dev: Option<Arc<dyn Device>>) -> Result<Self> {
         let t0 = Instant::now();
         let namespaces = manifest::load(&config.data_dir)?;
-        let ram = RamCache::new(config.ram_budget);
+        // A chunk evicted dirty stays readable until the disk has it.
+        let ram = RamCache::new(config.ram_budget).with_spill(dev.is_some());
         let buffers = Arc::new(BufferPool::for_store(config.ram_budget, config.huge_pages));
         let (disk, rec) = match dev {
             None => (None, None),
@@ -661,7 +662,7 @@ impl ChunkStore {
     /// without counting a miss (a caller that goes on to [`ChunkStore::get`]
     /// counts it there). A hit counts as [`ChunkStore::get`]'s RAM hits do.
     pub fn get_ram(&self, id: &ChunkId, name: Option<&[u8]>) -> Option<Hit> {
-        self.inner.get_ram_inner(id, name).flatten()
+        self.inner.get_ram_inner(id, name).ok().flatten()
     }
 
     /// Where a chunk lives, from the in-RAM index only (no disk I/O).
@@ -704,7 +705,7 @@ impl ChunkStore {
             hashes.clear();
             let seed = seed(&ns, group);
             hashes.extend(keys.iter().map(|k| key_hash(seed, k)));
-            let ram_empty = ram.is_empty();
+            let ram_empty = ram.is_probe_empty();
             for (block, tiers) in hashes
                 .chunks(crate::ram::PRESENCE_BLOCK)
                 .zip(tiers.chunks_mut(crate::ram::PRESENCE_BLOCK))
@@ -860,7 +861,7 @@ impl ChunkStore {
             );
         }
         for (id, _) in self.inner.ram.ids() {
-            if let Some(e) = self.inner.ram.peek(&id) {
+            if let Some(e) = self.inner.ram.peek_any(&id) {
                 out.insert(id, (e.data.len() as u64, true));
             }
         }
@@ -1068,18 +1069,23 @@ impl Inner {
         if !self.namespaces.read().contains_key(&id.ns) {
             return Err(Error::UnknownNamespace(id.ns));
         }
-        if self.ram.contains(&id) || self.on_disk(&id) {
+        let Some(mark) = self.ram.mark_if_absent(&id) else {
+            return Ok(false);
+        };
+        if self.on_disk(&id) {
             return Ok(false);
         }
         let len = data.len() as u64;
-        let mut evicted = Vec::new();
-        self.ram_insert(id, name, data, false, &mut evicted)?;
-        if let Some(o) = self.observer() {
-            o.added(&id, len);
+        // Never replaces a version put (or deleted) since the check.
+        let (inserted, evicted) = self.ram.insert_if_unchanged(id, data, name, mark)?;
+        if inserted.is_some() {
+            if let Some(o) = self.observer() {
+                o.added(&id, len);
+            }
+            self.touch(&id.ns);
         }
-        self.touch(&id.ns);
         self.handle_evicted(evicted);
-        Ok(true)
+        Ok(inserted.is_some())
     }
 
     /// Takes `id` out of its atomic group (it was replaced).
@@ -1114,7 +1120,7 @@ impl Inner {
         );
         let obs = self.observer();
         for id in members {
-            let in_ram = self.ram.remove(&id).is_some();
+            // Index first, then RAM (see `delete_inner`).
             let on_disk = self.disk.as_ref().is_some_and(|d| {
                 let mut ix = d.index.write();
                 if ix.get(&id).is_some_and(|l| l.txn == txn) {
@@ -1133,6 +1139,7 @@ impl Inner {
                 self.cancel.lock().insert(id, now);
                 self.forget_cancel(id, now);
             }
+            let in_ram = self.ram.remove(&id).is_some();
             if in_ram || on_disk {
                 if let Some(o) = &obs {
                     o.removed(&id);
@@ -1221,6 +1228,9 @@ impl Inner {
                 self.counters
                     .dropped_unwritten
                     .fetch_add(1, Ordering::Relaxed);
+                if e.spilled {
+                    self.ram.unspill(&e.id, e.entry.seq);
+                }
                 self.lost(&e.id);
                 continue;
             };
@@ -1230,6 +1240,7 @@ impl Inner {
                 name: e.entry.name,
                 data: e.entry.data,
                 ram_seq: None,
+                spill_seq: e.spilled.then_some(e.entry.seq),
                 inserted: e.entry.inserted,
                 txn,
                 txn_size,
@@ -1248,48 +1259,52 @@ impl Inner {
                 self.counters
                     .dropped_unwritten
                     .fetch_add(1, Ordering::Relaxed);
+                if e.spilled {
+                    self.ram.unspill(&e.id, e.entry.seq);
+                }
                 self.lost(&e.id);
             }
         }
     }
 
-    /// The RAM half of a read: `None` when the id is not in RAM,
-    /// `Some(None)` when it is under another name (not counted),
-    /// `Some(Some(hit))` a hit (counted).
-    fn get_ram_inner(&self, id: &ChunkId, name: Option<&[u8]>) -> Option<Option<Hit>> {
+    /// The RAM half of a read: `Err(mark)` when the id is not in RAM (the
+    /// mark for promoting a disk copy, [`RamCache::insert_if_unchanged`]),
+    /// `Ok(None)` when it is under another name (not counted),
+    /// `Ok(Some(hit))` a hit (counted).
+    fn get_ram_inner(&self, id: &ChunkId, name: Option<&[u8]>) -> Result<Option<Hit>, AbsentMark> {
         let e = {
             let _g = self.gate.read();
-            self.ram.get(id)?
+            self.ram.get_or_mark(id)?
         };
         if name.is_some_and(|want| e.name.as_deref().unwrap_or(&[]) != want) {
-            return Some(None);
+            return Ok(None);
         }
         self.counters.hits_ram.fetch_add(1, Ordering::Relaxed);
         self.counters
             .bytes_out
             .fetch_add(e.data.len() as u64, Ordering::Relaxed);
         self.touch(&id.ns);
-        Some(Some(Hit {
+        Ok(Some(Hit {
             data: e.data,
             tier: Tier::Ram,
         }))
     }
 
     fn get_inner(&self, id: &ChunkId, name: Option<&[u8]>) -> Option<Hit> {
-        match self.get_ram_inner(id, name) {
-            Some(Some(hit)) => return Some(hit),
-            Some(None) => {
+        let mark = match self.get_ram_inner(id, name) {
+            Ok(Some(hit)) => return Some(hit),
+            Ok(None) => {
                 self.counters.misses.fetch_add(1, Ordering::Relaxed);
                 return None;
             }
-            None => {}
-        }
-        let g = self.gate.read();
+            Err(mark) => mark,
+        };
+        // No lock across the disk read (the gate orders RAM inserts of
+        // atomic groups; a single read is ordered by the mark below).
         let read = match &self.disk {
             Some(d) if d.poisoned().is_none() => d.read_chunk(id, name),
             _ => Err(ReadMiss::Absent),
         };
-        drop(g);
         match read {
             Ok((data, stored_name)) => {
                 self.counters.hits_disk.fetch_add(1, Ordering::Relaxed);
@@ -1298,13 +1313,16 @@ impl Inner {
                     .fetch_add(data.len() as u64, Ordering::Relaxed);
                 self.touch(&id.ns);
                 if self.config.promote_on_read {
-                    let mut ev = Vec::new();
-                    if self
-                        .ram_insert(*id, stored_name, data.clone(), false, &mut ev)
-                        .is_ok()
+                    // Only if nothing put, deleted or wrote `id` meanwhile:
+                    // the copy read may be older than what is current now.
+                    if let Ok((inserted, ev)) =
+                        self.ram
+                            .insert_if_unchanged(*id, data.clone(), stored_name, mark)
                     {
-                        if let Some(o) = self.observer() {
-                            o.in_ram(id, true);
+                        if inserted.is_some() {
+                            if let Some(o) = self.observer() {
+                                o.in_ram(id, true);
+                            }
                         }
                         self.handle_evicted(ev);
                     }
@@ -1322,7 +1340,9 @@ impl Inner {
     }
 
     pub(crate) fn delete_inner(&self, id: &ChunkId, notify: bool) -> bool {
-        let in_ram = self.ram.remove(id).is_some();
+        // The disk index first, then RAM: the RAM removal bumps the id's
+        // removal bucket, so a read that missed RAM before it and found the
+        // disk copy does not promote that copy back (`insert_if_unchanged`).
         let mut on_disk = false;
         if let Some(d) = &self.disk {
             self.cancel.lock().insert(*id, Instant::now());
@@ -1335,6 +1355,7 @@ impl Inner {
                 let _ = tx.send(Msg::Tombstone(*id, Instant::now()));
             }
         }
+        let in_ram = self.ram.remove(id).is_some();
         {
             let mut t = self.txns.lock();
             self.leave_group(&mut t, id);
@@ -1367,6 +1388,7 @@ impl Inner {
                 name: e.name,
                 data: e.data,
                 ram_seq: Some(e.seq),
+                spill_seq: None,
                 inserted: e.inserted,
                 txn,
                 txn_size,
@@ -1412,6 +1434,7 @@ impl Inner {
                 name: e.name,
                 data: e.data,
                 ram_seq: Some(e.seq),
+                spill_seq: None,
                 inserted: e.inserted,
                 txn,
                 txn_size,
@@ -1427,10 +1450,18 @@ impl Inner {
 
 impl Hooks for Inner {
     fn wanted(&self, job: &Job) -> bool {
-        if let Some(t) = self.cancel.lock().get(&job.id) {
-            if job.inserted <= *t {
-                return false;
+        let cancelled = self
+            .cancel
+            .lock()
+            .get(&job.id)
+            .is_some_and(|t| job.inserted <= *t);
+        if cancelled {
+            // Deleted or its group broke: a spilled copy goes too (the
+            // delete removed it already; this covers every other path).
+            if let Some(seq) = job.spill_seq {
+                self.ram.unspill(&job.id, seq);
             }
+            return false;
         }
         match job.ram_seq {
             None => true,
@@ -1445,6 +1476,10 @@ impl Hooks for Inner {
         if let Some(seq) = job.ram_seq {
             self.ram.mark_clean(&job.id, seq);
         }
+        // The disk index has it now (the writer updates it first).
+        if let Some(seq) = job.spill_seq {
+            self.ram.unspill(&job.id, seq);
+        }
         if let Some(t) = &job.ticket {
             t.written.fetch_add(1, Ordering::Relaxed);
             t.bytes.fetch_add(job.data.len() as u64, Ordering::Relaxed);
@@ -1454,6 +1489,9 @@ impl Hooks for Inner {
     fn failed(&self, job: &Job) {
         if let Some(t) = &job.ticket {
             t.failed.fetch_add(1, Ordering::Relaxed);
+        }
+        if let Some(seq) = job.spill_seq {
+            self.ram.unspill(&job.id, seq);
         }
         if job.ram_seq.is_none() {
             self.lost(&job.id);

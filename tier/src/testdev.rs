@@ -1,7 +1,8 @@
 //! Test devices (feature `test_utils`): a [`CountingDevice`] that proves how
 //! much I/O an operation did, a [`CrashDevice`] that keeps live and durable
 //! bytes apart so a test can crash at any sync (after redb's crash-test
-//! backend), and a [`FaultyDevice`] that fails writes or syncs on demand.
+//! backend), a [`FaultyDevice`] that fails writes or syncs on demand and a
+//! [`HoldingDevice`] that holds reads or writes until released.
 
 use std::io;
 use std::path::{Path, PathBuf};
@@ -324,6 +325,122 @@ impl Device for FaultyDevice {
         if self.fail_sync.load(Ordering::SeqCst) {
             return Err(io::Error::from_raw_os_error(libc::EIO));
         }
+        self.inner.sync()
+    }
+    fn len(&self) -> u64 {
+        self.inner.len()
+    }
+    fn direct_io(&self) -> bool {
+        self.inner.direct_io()
+    }
+    fn path(&self) -> &Path {
+        self.inner.path()
+    }
+}
+
+/// Wraps a device; reads and writes can be held (they wait inside the
+/// device call) until released, so a test can act while a store's disk
+/// read or write is in flight.
+pub struct HoldingDevice {
+    inner: Arc<dyn Device>,
+    state: Mutex<HoldState>,
+    changed: parking_lot::Condvar,
+}
+
+#[derive(Default)]
+struct HoldState {
+    /// Reads still to hold (the next ones issued).
+    reads: usize,
+    /// Hold every write.
+    writes: bool,
+    /// Bumped by each release; a held call waits for a change.
+    releases: u64,
+    /// Calls waiting now.
+    waiting: usize,
+}
+
+impl HoldingDevice {
+    /// Wraps `inner`; nothing held.
+    pub fn new(inner: Arc<dyn Device>) -> Self {
+        Self {
+            inner,
+            state: Mutex::new(HoldState::default()),
+            changed: parking_lot::Condvar::new(),
+        }
+    }
+
+    /// The next read issued waits until [`HoldingDevice::release`]; later
+    /// ones pass (so the store's own reads, e.g. the writer's, go on).
+    pub fn hold_next_read(&self) {
+        self.state.lock().reads += 1;
+    }
+
+    /// Writes issued from now on wait until [`HoldingDevice::release`].
+    pub fn hold_writes(&self) {
+        self.state.lock().writes = true;
+    }
+
+    /// Lets every held call go on and holds nothing more.
+    pub fn release(&self) {
+        let mut s = self.state.lock();
+        s.reads = 0;
+        s.writes = false;
+        s.releases += 1;
+        self.changed.notify_all();
+    }
+
+    /// Waits (at most `limit`) until `n` calls are held; whether they are.
+    pub fn wait_held(&self, n: usize, limit: std::time::Duration) -> bool {
+        let deadline = std::time::Instant::now() + limit;
+        let mut s = self.state.lock();
+        while s.waiting < n {
+            if self.changed.wait_until(&mut s, deadline).timed_out() {
+                return s.waiting >= n;
+            }
+        }
+        true
+    }
+
+    fn pass(&self, write: bool) {
+        let mut s = self.state.lock();
+        if write {
+            if !s.writes {
+                return;
+            }
+        } else if s.reads == 0 {
+            return;
+        } else {
+            s.reads -= 1;
+        }
+        let at = s.releases;
+        s.waiting += 1;
+        self.changed.notify_all();
+        while s.releases == at {
+            self.changed.wait(&mut s);
+        }
+        s.waiting -= 1;
+    }
+}
+
+impl Device for HoldingDevice {
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        self.pass(false);
+        self.inner.read_at(buf, offset)
+    }
+    fn read_at_in_order(
+        &self,
+        buf: &mut [u8],
+        offset: u64,
+        arrived: &mut dyn FnMut(&[u8]),
+    ) -> io::Result<()> {
+        self.pass(false);
+        self.inner.read_at_in_order(buf, offset, arrived)
+    }
+    fn write_at(&self, buf: &[u8], offset: u64) -> io::Result<()> {
+        self.pass(true);
+        self.inner.write_at(buf, offset)
+    }
+    fn sync(&self) -> io::Result<()> {
         self.inner.sync()
     }
     fn len(&self) -> u64 {

@@ -46,6 +46,10 @@ pub(crate) struct Job {
     /// RAM sequence number when the job came from a RAM entry (flush, idle):
     /// the entry is marked clean after the write if its seq is unchanged.
     pub ram_seq: Option<u64>,
+    /// RAM sequence number of the spilled entry this job writes (an
+    /// eviction's): the store unspills it once the job is written, failed
+    /// or no longer wanted.
+    pub spill_seq: Option<u64>,
     /// When this version was put (a delete after it cancels the job).
     pub inserted: Instant,
     pub txn: u64,
