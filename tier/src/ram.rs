@@ -759,6 +759,35 @@ impl RamCache {
         true
     }
 
+    /// The ids and sequence numbers of every spilled entry (walks every
+    /// slot of every shard, one shard locked at a time; for flush).
+    pub fn spilled_ids(&self) -> Vec<(ChunkId, u64)> {
+        if self.spilled_len() == 0 {
+            return Vec::new();
+        }
+        let mut out = Vec::new();
+        for slot in self.shards.iter() {
+            let shard = slot.inner.lock();
+            out.extend(
+                shard
+                    .slots
+                    .iter()
+                    .flatten()
+                    .filter(|n| n.spilled)
+                    .map(|n| (n.id, n.entry.seq)),
+            );
+        }
+        out
+    }
+
+    /// The entry of `id` if it is spilled with sequence number `seq`.
+    pub fn spilled(&self, id: &ChunkId, seq: u64) -> Option<RamEntry> {
+        let (slot, hash) = self.locate(id);
+        let shard = slot.inner.lock();
+        let n = shard.node(shard.find(hash, id)?);
+        (n.spilled && n.entry.seq == seq).then(|| n.entry.clone())
+    }
+
     /// Number of spilled entries (not counted by [`RamCache::len`]).
     pub fn spilled_len(&self) -> usize {
         self.spilled.load(Ordering::Acquire)

@@ -13,6 +13,8 @@
 //! - `tier::writer::batch_write=return`: EIO poisons disk writes until reopen;
 //!   what an earlier flush confirmed survives;
 //! - `tier::writer::flush_sync=return`: a failed fdatasync fails the flush;
+//! - `tier::store::hand_off=pause`: a chunk evicted just before a `flush()`
+//!   and not yet handed to the writer is still covered by that flush;
 //! - `tier::recovery::scan_read=return`: a read error while walking the open
 //!   region's batches at open: the chunks read so far are served, nothing is
 //!   written to that region (neither re-opened nor sealed: what lies past the
@@ -67,6 +69,7 @@ fn failpoints() {
     a_failed_batch_across_a_region_switch_leaves_nothing_behind_it();
     eio_poisons_until_reopen();
     failed_fdatasync_fails_the_flush();
+    a_flush_covers_a_chunk_evicted_but_not_yet_handed_off();
     a_read_error_in_the_recovery_walk_leaves_the_region_untouched();
     split_reads_recover_from_failed_pieces_and_refused_contexts();
     scenario.teardown();
@@ -162,6 +165,64 @@ fn failed_fdatasync_fails_the_flush() {
     assert!(s.flush().is_err());
     assert!(s.stats().disk_poisoned);
     fail::remove("tier::writer::flush_sync");
+}
+
+/// A PUT that evicts a dirty chunk is held between the eviction and the
+/// hand-off of its write (`pause`); a `flush()` meanwhile must still make
+/// that chunk durable before it returns: it was dirty at the call.
+fn a_flush_covers_a_chunk_evicted_but_not_yet_handed_off() {
+    let dir = tempfile::tempdir().unwrap();
+    // Room for every write (one 512 KiB chunk per 1 MiB region).
+    let cfg = |dir: &std::path::Path| TierConfig {
+        disk_budget: 32 * MIB,
+        ..cfg(dir)
+    };
+    let s = ChunkStore::open(cfg(dir.path())).unwrap();
+    let ns = s.register_namespace(&record()).unwrap();
+    let big = |n: u64| Bytes::from(vec![n as u8 | 1; 512 * 1024]);
+    /// Lets the held put go on even when an assertion fails.
+    struct Unpause;
+    impl Drop for Unpause {
+        fn drop(&mut self) {
+            fail::cfg("tier::store::hand_off", "off").unwrap();
+        }
+    }
+    fail::cfg("tier::store::hand_off", "pause").unwrap();
+    std::thread::scope(|scope| {
+        let unpause = Unpause;
+        // 9 x 512 KiB through 4 MiB: the 9th put evicts chunk 0 and is
+        // held before handing it to the writer.
+        let putter = scope.spawn(|| {
+            for n in 0..9 {
+                s.put(id(ns, n), big(n)).unwrap();
+            }
+        });
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        while s.stats().ram_evictions == 0 {
+            assert!(std::time::Instant::now() < deadline, "no eviction");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert_eq!(s.disk_location(&id(ns, 0)), None);
+        let report = s.flush().unwrap();
+        assert!(
+            s.disk_location(&id(ns, 0)).is_some(),
+            "flush returned before the evicted chunk was written: {report:?}"
+        );
+        assert_eq!(report.failed, 0);
+        assert!(report.chunks >= 9, "{report:?}");
+        drop(unpause);
+        putter.join().unwrap();
+    });
+    s.flush().unwrap();
+    for n in 0..9 {
+        assert_eq!(s.get(&id(ns, n)).unwrap().data, big(n));
+    }
+    drop(s);
+    // Dropped without close: only what flushes wrote is there.
+    let s = ChunkStore::open(cfg(dir.path())).unwrap();
+    for n in 0..9 {
+        assert_eq!(s.get(&id(ns, n)).unwrap().data, big(n), "chunk {n}");
+    }
 }
 
 fn a_read_error_in_the_recovery_walk_leaves_the_region_untouched() {
