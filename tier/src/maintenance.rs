@@ -45,7 +45,11 @@ pub(crate) fn verify(
                     let ram = inner.ram.remove(&id);
                     inner.delete_inner(&id, ram.is_none());
                     if let Some(e) = ram {
-                        let _ = inner.ram.insert(id, e.data, e.name, true);
+                        // What it evicts goes to the writer like any
+                        // eviction (a dirty one is spilled until written).
+                        if let Ok((_, evicted)) = inner.ram.insert(id, e.data, e.name, true) {
+                            inner.handle_evicted(evicted);
+                        }
                     }
                     report.dropped += 1;
                 }

@@ -550,8 +550,10 @@ impl RamCache {
                 entry: node.entry.clone(),
                 spilled: true,
             };
-            self.release(shard.node(i));
+            // Counted as spilled before it leaves `len` (see
+            // `is_probe_empty`).
             self.spilled.fetch_add(1, Ordering::AcqRel);
+            self.release(shard.node(i));
             victim.tail_tick.store(shard.tail_tick(), Ordering::Release);
             drop(shard);
             out.push(evicted);
@@ -648,7 +650,16 @@ impl RamCache {
         if !unchanged(&shard) {
             return Ok((None, evicted));
         }
-        replaced.extend(self.take(slot, &mut shard, hash, &id));
+        // A resident old version gives its budget back now. A spilled one
+        // (charged nothing) stays readable until the new version replaces
+        // it under the final lock below, so the chunk is not a miss while
+        // this insert evicts.
+        if shard
+            .find(hash, &id)
+            .is_some_and(|i| !shard.node(i).spilled)
+        {
+            replaced.extend(self.take(slot, &mut shard, hash, &id));
+        }
         if !self.try_reserve(size) {
             // Slow path: evict without holding our shard's lock (eviction
             // locks the victim's shard; never hold two).
@@ -665,15 +676,17 @@ impl RamCache {
                 self.used.fetch_sub(size, Ordering::AcqRel);
                 return Ok((None, evicted));
             }
-            // A concurrent insert of the same id may have landed meanwhile:
-            // the last writer wins.
-            replaced.extend(self.take(slot, &mut shard, hash, &id));
         }
         node.tick = self.tick();
         if dirty {
             self.dirty.fetch_add(size, Ordering::AcqRel);
         }
+        // Counted before the old version leaves, so a lock-free emptiness
+        // check ([`RamCache::is_probe_empty`]) never sees none meanwhile.
         self.len.fetch_add(1, Ordering::AcqRel);
+        // A spilled old version, or a concurrent insert of the same id that
+        // landed while this one evicted: the last writer wins.
+        replaced.extend(self.take(slot, &mut shard, hash, &id));
         shard.insert_new(node);
         slot.tail_tick.store(shard.tail_tick(), Ordering::Release);
         drop(shard);
@@ -1317,6 +1330,67 @@ mod tests {
         assert!(seq.is_none() && ev.is_empty());
         assert_eq!(full.used_bytes(), 100);
         check_accounting(&full);
+    }
+
+    /// A refusal of `insert_if_unchanged` on the slow path (the mark
+    /// changed while it evicted: here by its own eviction of an entry of
+    /// the same bucket) gives its reservation back.
+    #[test]
+    fn refusal_on_the_slow_path_gives_the_reservation_back() {
+        let c = RamCache::with_shards(100, 1);
+        let a = id(0);
+        let ba = removal_bucket(c.route(hash_id(&a)).1);
+        let b = (1..)
+            .map(id)
+            .find(|b| removal_bucket(c.route(hash_id(b)).1) == ba)
+            .unwrap();
+        c.insert(a, bytes(100, 1), None, false).unwrap();
+        let mark = c.get_or_mark(&b).unwrap_err();
+        let (seq, ev) = c.insert_if_unchanged(b, bytes(60, 2), None, mark).unwrap();
+        // Its own eviction of `a` (clean, same bucket) bumped the bucket:
+        // refused after evicting, on the slow path.
+        assert!(seq.is_none());
+        assert_eq!(ev.len(), 1);
+        assert_eq!(c.used_bytes(), 0);
+        check_accounting(&c);
+    }
+
+    /// A put over a spilled entry in a full cache evicts without its
+    /// shard's lock; meanwhile the spilled version (still on its way to
+    /// disk) stays readable: it is replaced only under the final lock.
+    #[test]
+    fn a_put_over_a_spilled_entry_keeps_it_readable_while_evicting() {
+        let c = Arc::new(RamCache::with_shards(300, 4).with_spill(true));
+        let shard = |i: &ChunkId| c.route(hash_id(i)).0;
+        let x = id(0);
+        let others: Vec<ChunkId> = (1..)
+            .map(id)
+            .filter(|i| shard(i) != shard(&x))
+            .take(3)
+            .collect();
+        c.insert(x, bytes(100, 1), None, true).unwrap();
+        for o in &others {
+            c.insert(*o, bytes(100, 2), None, true).unwrap();
+        }
+        assert_eq!(c.spilled_len(), 1);
+        assert!(c.get(&x).is_some(), "spilled, readable");
+        // The next eviction's victim is others[0]'s shard: hold it.
+        let held = c.hold_shard(shard(&others[0]));
+        let c2 = c.clone();
+        let t = std::thread::spawn(move || {
+            c2.insert(x, bytes(100, 3), None, true).unwrap();
+        });
+        std::thread::sleep(Duration::from_millis(100));
+        let during = c.get(&x).map(|e| e.data[0]);
+        drop(held);
+        t.join().unwrap();
+        assert_eq!(
+            during,
+            Some(1),
+            "x missed while its newer put was in flight"
+        );
+        assert_eq!(c.get(&x).unwrap().data[0], 3);
+        check_accounting(&c);
     }
 
     #[test]

@@ -1120,7 +1120,13 @@ impl Inner {
         );
         let obs = self.observer();
         for id in members {
-            // Index first, then RAM (see `delete_inner`).
+            // Cancels a write of this member that is queued or in flight,
+            // before the index lock (see `Hooks::cancelled`); then the
+            // index, then RAM (see `delete_inner`).
+            let now = Instant::now();
+            if self.disk.is_some() {
+                self.cancel.lock().insert(id, now);
+            }
             let on_disk = self.disk.as_ref().is_some_and(|d| {
                 let mut ix = d.index.write();
                 if ix.get(&id).is_some_and(|l| l.txn == txn) {
@@ -1133,10 +1139,7 @@ impl Inner {
                     false
                 }
             });
-            // Also cancels a write of this member that is queued or in flight.
             if self.disk.is_some() {
-                let now = Instant::now();
-                self.cancel.lock().insert(id, now);
                 self.forget_cancel(id, now);
             }
             let in_ram = self.ram.remove(&id).is_some();
@@ -1208,7 +1211,7 @@ impl Inner {
         }
     }
 
-    fn handle_evicted(&self, evicted: Vec<Evicted>) {
+    pub(crate) fn handle_evicted(&self, evicted: Vec<Evicted>) {
         let obs = if evicted.is_empty() {
             None
         } else {
@@ -1345,9 +1348,11 @@ impl Inner {
     }
 
     pub(crate) fn delete_inner(&self, id: &ChunkId, notify: bool) -> bool {
-        // The disk index first, then RAM: the RAM removal bumps the id's
-        // removal bucket, so a read that missed RAM before it and found the
-        // disk copy does not promote that copy back (`insert_if_unchanged`).
+        // The cancellation, then the disk index (so the writer never indexes
+        // a cancelled job after this removal: `Hooks::cancelled`), then RAM:
+        // the RAM removal bumps the id's removal bucket, so a read that
+        // missed RAM before it and found the disk copy does not promote that
+        // copy back (`insert_if_unchanged`).
         let mut on_disk = false;
         if let Some(d) = &self.disk {
             self.cancel.lock().insert(*id, Instant::now());
@@ -1494,18 +1499,20 @@ impl Inner {
 
 impl Hooks for Inner {
     fn wanted(&self, job: &Job) -> bool {
-        let cancelled = self
-            .cancel
-            .lock()
-            .get(&job.id)
-            .is_some_and(|t| job.inserted <= *t);
-        if cancelled {
+        if self.cancelled(job) {
             // Deleted or its group broke: a spilled copy goes too (the
             // delete removed it already; this covers every other path).
             if let Some(seq) = job.spill_seq {
                 self.ram.unspill(&job.id, seq);
             }
             return false;
+        }
+        // An eviction's (or a flush's second round's) job: only while its
+        // version is still spilled. Gone means written already, or
+        // superseded by a newer put, whose own write must not be
+        // overwritten on disk by this older version arriving late.
+        if let Some(seq) = job.spill_seq {
+            return self.ram.spilled(&job.id, seq).is_some();
         }
         match job.ram_seq {
             None => true,
@@ -1514,6 +1521,13 @@ impl Hooks for Inner {
                 .peek(&job.id)
                 .is_some_and(|e| e.seq == seq && e.dirty),
         }
+    }
+
+    fn cancelled(&self, job: &Job) -> bool {
+        self.cancel
+            .lock()
+            .get(&job.id)
+            .is_some_and(|t| job.inserted <= *t)
     }
 
     fn written(&self, job: &Job) {
@@ -1675,5 +1689,222 @@ mod tests {
         assert_eq!(after.fresh - filled.fresh, 1, "{after:?}");
         assert_eq!(after.reused, 39, "{after:?}");
         assert_eq!(after.buffers, 1, "{after:?}");
+    }
+}
+
+/// Races between the writer, reads and deletes, staged on a
+/// [`crate::testdev::HoldingDevice`] or by calling the store's parts in a
+/// chosen order.
+#[cfg(all(test, feature = "test_utils"))]
+mod race_tests {
+    use super::*;
+    use crate::device::{DirectMode, FileDevice};
+    use crate::testdev::HoldingDevice;
+
+    const KIB: usize = 1024;
+    const WAIT: Duration = Duration::from_secs(20);
+
+    fn key(n: u64) -> ChunkKey {
+        let mut k = [0u8; 32];
+        k[..8].copy_from_slice(&n.wrapping_mul(0x9e37_79b9_7f4a_7c15).to_le_bytes());
+        k[8..16].copy_from_slice(&n.to_le_bytes());
+        ChunkKey(k)
+    }
+
+    fn data(n: u64, v: u8) -> Bytes {
+        Bytes::from(vec![(n as u8).wrapping_mul(7) ^ v; 256 * KIB])
+    }
+
+    fn setup(dir: &std::path::Path, idle: Duration) -> (ChunkStore, Namespace, Arc<HoldingDevice>) {
+        let file = FileDevice::open(&dir.join("dev"), 16 << 20, DirectMode::Off).unwrap();
+        let dev = Arc::new(HoldingDevice::new(Arc::new(file)));
+        let cfg = TierConfig {
+            data_dir: dir.to_path_buf(),
+            ram_budget: 1 << 20,
+            disk_budget: 16 << 20,
+            region_size: 1 << 20,
+            idle_flush_after: idle,
+            direct_io: false,
+            ..TierConfig::default()
+        };
+        let s = ChunkStore::open_with_device(cfg, dev.clone()).unwrap();
+        let ns = s
+            .register_namespace(&NamespaceRecord {
+                model: "m".into(),
+                ..Default::default()
+            })
+            .unwrap();
+        (s, ns, dev)
+    }
+
+    fn until(what: &str, mut f: impl FnMut() -> bool) {
+        let deadline = Instant::now() + WAIT;
+        while !f() {
+            assert!(Instant::now() < deadline, "timed out: {what}");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    /// A delete racing a write in flight: the writer, holding the index's
+    /// lock, finds the job cancelled and never indexes it, so no read after
+    /// the delete finds (and caches) the deleted chunk. Here the writer is
+    /// held on the cancellation map while a get runs.
+    #[test]
+    fn a_delete_during_its_write_never_shows_the_chunk_again() {
+        let dir = tempfile::tempdir().unwrap();
+        let (s, ns, dev) = setup(dir.path(), Duration::from_secs(3600));
+        let id = |n: u64| ChunkId::new(ns, key(n), 0);
+        s.put(id(100), Bytes::from(vec![1u8; 4096])).unwrap();
+        s.flush().unwrap();
+        dev.hold_writes();
+        for n in 0..=4 {
+            s.put(id(n), data(n, 1)).unwrap();
+        }
+        assert!(dev.wait_held(1, WAIT));
+        assert_eq!(s.inner.ram.spilled_len(), 1);
+        assert!(s.delete(&id(0)));
+        // The delete returned. Hold the writer where it asks whether the
+        // job was cancelled (under the index's write lock).
+        let guard = s.inner.cancel.lock();
+        dev.release();
+        let busy = || s.inner.disk.as_ref().unwrap().index.try_read().is_none();
+        until("the writer holds the index", busy);
+        let during = std::thread::scope(|scope| {
+            let get = scope.spawn(|| s.get(&id(0)).map(|h| h.tier));
+            std::thread::sleep(Duration::from_millis(50));
+            drop(guard);
+            get.join().unwrap()
+        });
+        s.flush().unwrap();
+        let after = s.get(&id(0)).map(|h| h.tier);
+        assert_eq!(
+            (during, after, s.locate(&id(0))),
+            (None, None, None),
+            "a chunk deleted before the get started is read (and cached)"
+        );
+    }
+
+    /// `verify --repair` re-inserts the RAM copy of a chunk whose disk
+    /// copy is bad; what that insert evicts goes to the writer like any
+    /// eviction (it was dropped: a spilled entry never written or
+    /// unspilled).
+    #[test]
+    fn verify_repair_hands_what_it_evicts_to_the_writer() {
+        let dir = tempfile::tempdir().unwrap();
+        let (s, ns, dev) = setup(dir.path(), Duration::from_secs(3600));
+        let id = |n: u64| ChunkId::new(ns, key(n), 0);
+        s.put(id(0), data(0, 1)).unwrap();
+        s.flush().unwrap();
+        // Corrupt the disk copy's payload.
+        let (_, off, _) = s.disk_location(&id(0)).unwrap();
+        let hl = s.disk_header_len(&id(0)).unwrap() as u64;
+        {
+            use std::os::unix::fs::FileExt;
+            let f = std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(dir.path().join("dev"))
+                .unwrap();
+            let mut b = [0u8; 1];
+            f.read_exact_at(&mut b, off + hl + 1000).unwrap();
+            b[0] ^= 0xff;
+            f.write_all_at(&b, off + hl + 1000).unwrap();
+        }
+        s.put(id(0), data(0, 2)).unwrap();
+        dev.hold_writes();
+        for n in 1..=4 {
+            s.put(id(n), data(n, 1)).unwrap();
+        }
+        assert!(dev.wait_held(1, WAIT));
+        assert_eq!(s.inner.ram.spilled_len(), 1, "chunk 0 (v2) spilled");
+        let r = s
+            .verify(&VerifyOptions { repair: true }, &mut |_, _| {})
+            .unwrap();
+        assert_eq!(r.dropped, 1);
+        dev.release();
+        s.flush().unwrap();
+        let leaked: Vec<u64> = (0..=4)
+            .filter(|&n| {
+                s.inner.ram.peek(&id(n)).is_none() && s.inner.ram.peek_any(&id(n)).is_some()
+            })
+            .collect();
+        assert_eq!(
+            (
+                s.inner.ram.spilled_len(),
+                leaked,
+                s.disk_location(&id(1)).is_some()
+            ),
+            (0, vec![], true),
+            "after a flush, a spilled entry remains that was never handed to the writer"
+        );
+    }
+
+    /// An eviction's hand-off delayed past a newer version's put and
+    /// write: the older version's job is skipped (its spilled entry is
+    /// gone), so it never overwrites the newer one on disk.
+    #[test]
+    fn a_late_hand_off_of_an_older_version_never_wins_on_disk() {
+        let dir = tempfile::tempdir().unwrap();
+        let (s, ns, _dev) = setup(dir.path(), Duration::from_secs(3600));
+        let inner = &s.inner;
+        let id = |n: u64| ChunkId::new(ns, key(n), 0);
+        let x = id(0);
+        s.put(x, data(0, 1)).unwrap();
+        for n in 1..=3 {
+            s.put(id(n), data(n, 1)).unwrap();
+        }
+        // A put of chunk 4 evicts x (v1), preempted before its hand-off.
+        let (_, held) = inner.ram.insert(id(4), data(4, 1), None, true).unwrap();
+        assert_eq!(held.len(), 1);
+        assert!(held[0].id == x && held[0].spilled);
+        s.put(x, data(0, 2)).unwrap();
+        s.flush().unwrap();
+        for n in 5..=9 {
+            s.put(id(n), data(n, 1)).unwrap();
+        }
+        s.flush().unwrap();
+        assert!(inner.ram.peek_any(&x).is_none(), "v2 is on disk only");
+        assert!(s.disk_location(&x).is_some());
+        // The preempted put resumes.
+        inner.handle_evicted(held);
+        s.flush().unwrap();
+        assert_eq!(
+            s.get(&x).unwrap().data[0],
+            data(0, 2)[0],
+            "v1 read after v2 was put and flushed"
+        );
+    }
+
+    /// Two jobs of one version in different batches in flight (two idle
+    /// passes): the first marks it clean; the second stays indexed (only a
+    /// cancellation keeps a written job out of the index), so the chunk,
+    /// clean in RAM, is on disk.
+    #[test]
+    fn a_second_write_of_a_version_keeps_it_indexed() {
+        let dir = tempfile::tempdir().unwrap();
+        let (s, ns, dev) = setup(dir.path(), Duration::from_millis(1));
+        let id = |n: u64| ChunkId::new(ns, key(n), 0);
+        s.put(id(100), Bytes::from(vec![1u8; 4096])).unwrap();
+        s.flush().unwrap();
+        let x = id(0);
+        dev.hold_writes();
+        s.put(x, data(0, 1)).unwrap();
+        std::thread::sleep(Duration::from_millis(5));
+        // An idle pass queues x; its write is held (in flight) ...
+        s.idle_tick();
+        assert!(dev.wait_held(1, WAIT));
+        // ... and the next idle pass (the queue is empty) queues x again.
+        s.idle_tick();
+        until("the writer took the second job", || {
+            s.stats().writer_queue_depth == 0
+        });
+        std::thread::sleep(Duration::from_millis(200));
+        dev.release();
+        s.flush().unwrap();
+        assert_eq!(s.stats().dirty_bytes, 0, "x is clean in RAM");
+        assert!(
+            s.disk_location(&x).is_some(),
+            "x is clean in RAM but not on disk"
+        );
     }
 }

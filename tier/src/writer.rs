@@ -76,8 +76,15 @@ pub(crate) enum Msg {
 
 /// What the writer tells the store about.
 pub(crate) trait Hooks: Send + Sync {
-    /// Whether the job is still wanted (not deleted / superseded meanwhile).
+    /// Whether the job is still wanted before it is written (not deleted,
+    /// superseded or already written meanwhile).
     fn wanted(&self, job: &Job) -> bool;
+    /// Whether the job was cancelled (its chunk deleted, or its atomic group
+    /// broke) after it was queued. Asked under the index's write lock when
+    /// the written job is indexed: a delete takes the cancellation before
+    /// it takes the index lock, so a cancelled job is never indexed after
+    /// the delete removed the chunk from the index.
+    fn cancelled(&self, job: &Job) -> bool;
     /// The job's chunk is written (not yet durable).
     fn written(&self, job: &Job);
     /// The job's chunk could not be written.
@@ -346,6 +353,17 @@ impl Writer {
                 }
                 Some(Msg::Stop(ack)) => {
                     let _ = ack.send(self.sync());
+                    // Whatever raced the stop into the queue is not written:
+                    // say so (a spilled chunk's RAM copy goes).
+                    for m in rx.try_iter() {
+                        match m {
+                            Msg::Write(j) => self.hooks.failed(&j),
+                            Msg::Flush(ack) | Msg::Stop(ack) | Msg::SealRecovered(ack) => {
+                                let _ = ack.send(Err(Error::Closed));
+                            }
+                            Msg::Tombstone(..) | Msg::Forget(..) => {}
+                        }
+                    }
                     return;
                 }
                 Some(Msg::Write(_) | Msg::Tombstone(..) | Msg::Forget(..)) => {
@@ -783,6 +801,9 @@ impl Writer {
             let mut ix = self.disk.index.write();
             for (it, e) in items.iter().zip(&entries) {
                 match it {
+                    // Not indexed: its delete (or group break) has removed
+                    // the chunk, or will once it gets the index lock.
+                    Item::Job(j) if self.hooks.cancelled(j) => {}
                     Item::Job(_) => {
                         let prev = ix.insert(
                             e.id(),
@@ -807,24 +828,6 @@ impl Writer {
                                 .live_bytes
                                 .fetch_sub(u64::from(p.payload_len), Ordering::Relaxed);
                         }
-                    }
-                }
-            }
-        }
-        // A job cancelled while it was being written (deleted, or its atomic
-        // group broke) must not stay visible: undo its index entry.
-        for (it, e) in items.iter().zip(&entries) {
-            if let Item::Job(j) = it {
-                if !self.hooks.wanted(j) {
-                    let mut ix = self.disk.index.write();
-                    if ix
-                        .get(&j.id)
-                        .is_some_and(|l| l.region == r && l.offset == e.offset)
-                    {
-                        ix.remove(&j.id);
-                        self.disk
-                            .live_bytes
-                            .fetch_sub(u64::from(e.payload_len), Ordering::Relaxed);
                     }
                 }
             }
