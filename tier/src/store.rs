@@ -1745,6 +1745,42 @@ mod race_tests {
         }
     }
 
+    /// A chunk evicted dirty whose write fails (the device is full) is
+    /// lost as before the spill existed: its RAM copy goes too, counted as
+    /// a write failure, and nothing spilled is left behind.
+    #[test]
+    fn a_failed_write_drops_the_spilled_copy() {
+        let dir = tempfile::tempdir().unwrap();
+        let inner: Arc<dyn crate::device::Device> =
+            Arc::new(crate::testdev::CrashDevice::new(16 << 20));
+        let dev = Arc::new(crate::testdev::FaultyDevice::new(inner));
+        let s = ChunkStore::open_with_device(
+            TierConfig {
+                data_dir: dir.path().to_path_buf(),
+                ram_budget: 1 << 20,
+                disk_budget: 16 << 20,
+                region_size: 1 << 20,
+                idle_flush_after: Duration::from_secs(3600),
+                ..TierConfig::default()
+            },
+            dev.clone(),
+        )
+        .unwrap();
+        let ns = s.register_namespace(&NamespaceRecord::default()).unwrap();
+        let id = |n: u64| ChunkId::new(ns, key(n), 0);
+        dev.fail_writes_after(0, libc::ENOSPC);
+        for n in 0..=4 {
+            s.put(id(n), data(n, 1)).unwrap();
+        }
+        until("the write failed", || s.stats().disk_write_failures >= 1);
+        until("nothing spilled", || s.inner.ram.spilled_len() == 0);
+        assert!(s.get(&id(0)).is_none(), "the evicted chunk is lost");
+        assert_eq!(s.locate(&id(0)), None);
+        for n in 1..=4 {
+            assert_eq!(s.get(&id(n)).unwrap().data, data(n, 1));
+        }
+    }
+
     /// A delete racing a write in flight: the writer, holding the index's
     /// lock, finds the job cancelled and never indexes it, so no read after
     /// the delete finds (and caches) the deleted chunk. Here the writer is
