@@ -30,8 +30,11 @@ pub struct NamespaceFamily(pub [u8; 16]);
 
 /// A 32-byte chunk key (e.g. vLLM's chained block hash). Keys are already
 /// uniform hashes; indexes use their bytes directly without rehashing.
+/// Laid out as its 32 bytes (`repr(transparent)`), so a run of keys can be
+/// copied in as bytes.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
 #[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
+#[repr(transparent)]
 pub struct ChunkKey(pub [u8; 32]);
 
 /// KV-cache group index (hybrid models have several); part of chunk identity.

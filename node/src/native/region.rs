@@ -25,6 +25,7 @@ use rustix::net::{
     RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, SendAncillaryBuffer,
     SendAncillaryMessage, SendFlags,
 };
+use tier::ChunkKey;
 use tier::buffers::BufferPool;
 
 /// Most descriptors accepted in one `recvmsg`; more truncate the control
@@ -147,6 +148,32 @@ impl MappedRegion {
                 self.map.as_ptr().add(offset as usize),
                 v.as_mut_ptr(),
                 n,
+            );
+            v.set_len(n);
+        }
+        Some(v)
+    }
+
+    /// Copies `count` keys (32 bytes each) at `offset` out of the region,
+    /// straight into the key vector (one copy, no byte buffer between).
+    /// Returns `None` when the range is outside the mapping.
+    pub fn copy_keys_out(&self, offset: u64, count: u32) -> Option<Vec<ChunkKey>> {
+        let len = u64::from(count) * 32;
+        if !self.check(offset, len) {
+            return None;
+        }
+        let n = count as usize;
+        let mut v: Vec<ChunkKey> = Vec::with_capacity(n);
+        // SAFETY: as in `copy_out`: the source range is inside the live
+        // mapping and never borrowed. `ChunkKey` is `repr(transparent)` over
+        // `[u8; 32]` (alignment 1, every byte pattern valid), so `32 * n`
+        // bytes written through a byte pointer into the capacity of `v`
+        // make `n` initialised keys.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                self.map.as_ptr().add(offset as usize),
+                v.as_mut_ptr().cast::<u8>(),
+                n * 32,
             );
             v.set_len(n);
         }
@@ -367,6 +394,19 @@ mod tests {
         let fd = r.fd().try_clone_to_owned().unwrap();
         let m = MappedRegion::map(&fd, 8192, 1 << 20).unwrap();
         assert_eq!(m.copy_out(100, 4).unwrap(), b"abcd");
+        // Keys come out as they lie in the region; the range is checked.
+        for (i, b) in r.as_mut_slice()[4096..4096 + 96].iter_mut().enumerate() {
+            *b = i as u8;
+        }
+        let keys = m.copy_keys_out(4096, 3).unwrap();
+        let want: Vec<ChunkKey> = (0..3u8)
+            .map(|k| ChunkKey(std::array::from_fn(|j| k * 32 + j as u8)))
+            .collect();
+        assert_eq!(keys, want);
+        assert_eq!(m.copy_keys_out(8192 - 64, 2).unwrap().len(), 2);
+        assert!(m.copy_keys_out(8192 - 64, 3).is_none());
+        assert!(m.copy_keys_out(u64::MAX - 10, 1).is_none());
+        assert!(m.copy_keys_out(0, 0).unwrap().is_empty());
         assert!(m.copy_out(8190, 3).is_none());
         assert!(m.copy_out(u64::MAX, 2).is_none());
         assert!(m.copy_in(8000, b"xyz"));

@@ -587,12 +587,12 @@ impl Connection {
                 offset,
                 count,
             } => {
-                let len = u64::from(count) * 32;
                 let region = self.registered_region("LOOKUP")?;
-                let bytes = region
-                    .copy_out(offset, len)
-                    .ok_or_else(|| out_of_range("LOOKUP keys".into(), offset, len, region.len()))?;
-                self.lookup(ns, group, codec::keys_from(&bytes)).await
+                let keys = region.copy_keys_out(offset, count).ok_or_else(|| {
+                    let len = u64::from(count) * 32;
+                    out_of_range("LOOKUP keys".into(), offset, len, region.len())
+                })?;
+                self.lookup(ns, group, keys).await
             }
             Request::ClusterLookup {
                 record,
