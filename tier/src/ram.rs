@@ -415,6 +415,11 @@ pub struct RamCache {
     spill: bool,
     /// Spilled entries (not in `len`).
     spilled: AtomicUsize,
+    /// Entries in the tables, resident and spilled: raised before an
+    /// insert takes an old version out, lowered as a node leaves a table,
+    /// so it reads zero only when nothing can be found
+    /// ([`RamCache::is_probe_empty`]).
+    present: AtomicUsize,
 }
 
 impl std::fmt::Debug for RamCache {
@@ -456,6 +461,7 @@ impl RamCache {
             next_tick: AtomicU64::new(1),
             spill: false,
             spilled: AtomicUsize::new(0),
+            present: AtomicUsize::new(0),
         }
     }
 
@@ -516,6 +522,7 @@ impl RamCache {
     fn take(&self, slot: &ShardSlot, shard: &mut Shard, hash: u64, id: &ChunkId) -> Option<Node> {
         let i = shard.find(hash, id)?;
         let node = shard.remove_at(i);
+        self.present.fetch_sub(1, Ordering::AcqRel);
         if node.spilled {
             self.spilled.fetch_sub(1, Ordering::AcqRel);
         } else {
@@ -550,8 +557,7 @@ impl RamCache {
                 entry: node.entry.clone(),
                 spilled: true,
             };
-            // Counted as spilled before it leaves `len` (see
-            // `is_probe_empty`).
+            // Stays in `present`: still found.
             self.spilled.fetch_add(1, Ordering::AcqRel);
             self.release(shard.node(i));
             victim.tail_tick.store(shard.tail_tick(), Ordering::Release);
@@ -560,6 +566,7 @@ impl RamCache {
             return true;
         }
         let node = shard.remove_at(i);
+        self.present.fetch_sub(1, Ordering::AcqRel);
         self.release(&node);
         victim.tail_tick.store(shard.tail_tick(), Ordering::Release);
         drop(shard);
@@ -683,6 +690,7 @@ impl RamCache {
         }
         // Counted before the old version leaves, so a lock-free emptiness
         // check ([`RamCache::is_probe_empty`]) never sees none meanwhile.
+        self.present.fetch_add(1, Ordering::AcqRel);
         self.len.fetch_add(1, Ordering::AcqRel);
         // A spilled old version, or a concurrent insert of the same id that
         // landed while this one evicted: the last writer wins.
@@ -765,6 +773,7 @@ impl RamCache {
                 return false;
             }
             let node = shard.remove_at(i);
+            self.present.fetch_sub(1, Ordering::AcqRel);
             self.spilled.fetch_sub(1, Ordering::AcqRel);
             node
         };
@@ -809,7 +818,7 @@ impl RamCache {
     /// Whether any entry, resident or spilled, may be found (probes skip
     /// an empty cache).
     pub fn is_probe_empty(&self) -> bool {
-        self.is_empty() && self.spilled_len() == 0
+        self.present.load(Ordering::Acquire) == 0
     }
 
     /// Whether the chunk is cached (no promotion).
@@ -1118,6 +1127,7 @@ impl RamCache {
                 .collect();
             for i in doomed {
                 let node = shard.remove_at(i);
+                self.present.fetch_sub(1, Ordering::AcqRel);
                 if node.spilled {
                     self.spilled.fetch_sub(1, Ordering::AcqRel);
                 } else {
@@ -1193,6 +1203,7 @@ mod tests {
         assert_eq!(c.used_bytes(), used);
         assert_eq!(c.dirty_bytes(), dirty);
         assert_eq!(c.spilled_len(), spilled);
+        assert_eq!(c.present.load(Ordering::Relaxed), ids.len());
         assert!(used <= c.budget());
         for (s, slot) in c.shards.iter().enumerate() {
             let shard = slot.inner.lock();

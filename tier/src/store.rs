@@ -1123,9 +1123,13 @@ impl Inner {
             // Cancels a write of this member that is queued or in flight,
             // before the index lock (see `Hooks::cancelled`); then the
             // index, then RAM (see `delete_inner`).
-            let now = Instant::now();
+            let mut now = Instant::now();
             if self.disk.is_some() {
-                self.cancel.lock().insert(id, now);
+                let mut c = self.cancel.lock();
+                // Taken under the lock; a later cancellation is kept.
+                now = Instant::now();
+                let t = c.entry(id).or_insert(now);
+                *t = (*t).max(now);
             }
             let on_disk = self.disk.as_ref().is_some_and(|d| {
                 let mut ix = d.index.write();
@@ -1139,10 +1143,10 @@ impl Inner {
                     false
                 }
             });
+            let in_ram = self.ram.remove(&id).is_some();
             if self.disk.is_some() {
                 self.forget_cancel(id, now);
             }
-            let in_ram = self.ram.remove(&id).is_some();
             if in_ram || on_disk {
                 if let Some(o) = &obs {
                     o.removed(&id);
@@ -1361,11 +1365,14 @@ impl Inner {
                     .fetch_sub(u64::from(l.payload_len), Ordering::Relaxed);
                 on_disk = true;
             }
-            if let Some(tx) = &self.tx {
-                let _ = tx.send(Msg::Tombstone(*id, Instant::now()));
-            }
         }
+        // RAM before the tombstone: once the writer has written it, the
+        // cancellation is pruned, and a job made from a RAM copy still
+        // there would be indexed.
         let in_ram = self.ram.remove(id).is_some();
+        if let (Some(_), Some(tx)) = (&self.disk, &self.tx) {
+            let _ = tx.send(Msg::Tombstone(*id, Instant::now()));
+        }
         {
             let mut t = self.txns.lock();
             self.leave_group(&mut t, id);
@@ -1387,10 +1394,15 @@ impl Inner {
     /// its flush job skipped) and meet the same race. So once the writer
     /// answers, whatever the flush covered and is still spilled with the
     /// same version (its eviction's write not done yet) is written by a
-    /// second round: rare, and at worst written twice.
+    /// second round (at worst twice), and if anything covered is not
+    /// resident and clean at the same version any more (its eviction's
+    /// write may have landed after the first marker's fdatasync), a second
+    /// marker syncs again.
     fn flush_inner(&self, deadline: Option<Instant>) -> Result<FlushReport> {
-        let spilled = self.ram.spilled_ids();
+        // Dirty first: an entry evicted between the two walks is in the
+        // second one (a spilled entry never becomes resident again).
         let dirty = self.ram.dirty_entries(None, usize::MAX);
+        let spilled = self.ram.spilled_ids();
         let Some(d) = &self.disk else {
             return Ok(FlushReport {
                 failed: dirty.len() as u64,
@@ -1410,13 +1422,18 @@ impl Inner {
         }
         self.flush_marker(deadline)?;
         let mut late = 0;
+        let mut moved = false;
         for (id, seq) in covered {
             if let Some(e) = self.ram.spilled(&id, seq) {
                 late += 1;
                 self.send(self.flush_job(id, e, false, &ticket))?;
+            } else if !self.ram.peek(&id).is_some_and(|e| e.seq == seq && !e.dirty) {
+                // Spilled (or evicted) at some point: its eviction's write
+                // may have landed after the first marker's fdatasync.
+                moved = true;
             }
         }
-        if late > 0 {
+        if late > 0 || moved {
             tracing::debug!(
                 late,
                 "flush: a second round for chunks evicted during the call"
@@ -1745,9 +1762,10 @@ mod race_tests {
         }
     }
 
-    /// A chunk evicted dirty whose write fails (the device is full) is
-    /// lost as before the spill existed: its RAM copy goes too, counted as
-    /// a write failure, and nothing spilled is left behind.
+    /// A chunk evicted dirty whose write fails (here ENOSPC on the first
+    /// region's open, which stops disk writes) is lost as before the spill
+    /// existed: its RAM copy goes too, counted as a write failure, and
+    /// nothing spilled is left behind.
     #[test]
     fn a_failed_write_drops_the_spilled_copy() {
         let dir = tempfile::tempdir().unwrap();
@@ -1942,5 +1960,288 @@ mod race_tests {
             s.disk_location(&x).is_some(),
             "x is clean in RAM but not on disk"
         );
+    }
+}
+
+/// Races of `delete` and `flush` with evictions and the writer, staged by
+/// holding a RAM shard's lock or a device's fdatasync.
+#[cfg(all(test, feature = "test_utils"))]
+mod flush_race_tests {
+    use super::*;
+    use crate::device::{DirectMode, FileDevice};
+    use parking_lot::Condvar;
+
+    const KIB: usize = 1024;
+    const WAIT: Duration = Duration::from_secs(20);
+
+    fn key(n: u64) -> ChunkKey {
+        let mut k = [0u8; 32];
+        k[..8].copy_from_slice(&n.wrapping_mul(0x9e37_79b9_7f4a_7c15).to_le_bytes());
+        k[8..16].copy_from_slice(&n.to_le_bytes());
+        ChunkKey(k)
+    }
+
+    fn data(n: u64, v: u8) -> Bytes {
+        Bytes::from(vec![(n as u8).wrapping_mul(7) ^ v; 256 * KIB])
+    }
+
+    /// The RAM shard of `id` in a store's cache (16 shards: the low bits
+    /// of the id's hash, as `RamCache::route` picks it).
+    fn shard_of(id: &ChunkId) -> usize {
+        (crate::index::hash_id(id) as u32 as usize) & (crate::ram::DEFAULT_SHARDS - 1)
+    }
+
+    fn open(dir: &std::path::Path, dev: Arc<dyn Device>, region: u64) -> (ChunkStore, Namespace) {
+        let cfg = TierConfig {
+            data_dir: dir.to_path_buf(),
+            ram_budget: 1 << 20,
+            disk_budget: dev.len(),
+            region_size: region,
+            idle_flush_after: Duration::from_secs(3600),
+            direct_io: false,
+            ..TierConfig::default()
+        };
+        let s = ChunkStore::open_with_device(cfg, dev).unwrap();
+        let ns = s
+            .register_namespace(&NamespaceRecord {
+                model: "m".into(),
+                ..Default::default()
+            })
+            .unwrap();
+        (s, ns)
+    }
+
+    fn file(dir: &std::path::Path, len: u64) -> Arc<dyn Device> {
+        Arc::new(FileDevice::open(&dir.join("dev"), len, DirectMode::Off).unwrap())
+    }
+
+    fn until(what: &str, mut f: impl FnMut() -> bool) {
+        let deadline = Instant::now() + WAIT;
+        while !f() {
+            assert!(Instant::now() < deadline, "timed out: {what}");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    /// A delete held before its RAM removal (by the chunk's shard lock)
+    /// keeps its cancellation: the tombstone that lets the writer prune it
+    /// is sent only after the RAM copy is gone (else a job made from that
+    /// copy meanwhile, by a flush, an idle pass or an eviction, would be
+    /// indexed and the deleted chunk read back from disk).
+    #[test]
+    fn a_delete_keeps_its_cancellation_until_its_ram_copy_is_gone() {
+        let dir = tempfile::tempdir().unwrap();
+        let (s, ns) = open(dir.path(), file(dir.path(), 16 << 20), 1 << 20);
+        let inner = &s.inner;
+        let x = ChunkId::new(ns, key(0), 0);
+        s.put(x, data(0, 1)).unwrap();
+        s.flush().unwrap();
+        s.put(x, data(0, 2)).unwrap();
+        assert!(s.disk_location(&x).is_some());
+        let held = inner.ram.hold_shard(shard_of(&x));
+        std::thread::scope(|scope| {
+            let del = scope.spawn(|| s.delete(&x));
+            until("the delete removed x from the index", || {
+                s.disk_location(&x).is_none()
+            });
+            let deadline = Instant::now() + Duration::from_millis(500);
+            let mut pruned = false;
+            while !pruned && Instant::now() < deadline {
+                pruned = s.cancelled_writes() == 0;
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            // (x's shard is held: the delete waits in its RAM removal.)
+            drop(held);
+            assert!(del.join().unwrap());
+            assert!(
+                !pruned,
+                "the delete's cancellation was pruned while x's RAM copy was still there"
+            );
+        });
+    }
+
+    /// A chunk resident and dirty at a flush's call, evicted while the
+    /// flush walks the dirty entries (held here at a lower shard) and
+    /// handed to the writer only after the flush's marker, is still made
+    /// durable by that flush: the spilled entries are listed after the
+    /// dirty ones, so it is in one list or the other.
+    #[test]
+    fn flush_covers_a_chunk_evicted_between_its_two_walks() {
+        let dir = tempfile::tempdir().unwrap();
+        let (s, ns) = open(dir.path(), file(dir.path(), 16 << 20), 1 << 20);
+        let inner = &s.inner;
+        let id = |n: u64| ChunkId::new(ns, key(n), 0);
+        // x (the LRU, evicted by n) in a shard above 0; the walk is held at
+        // shard 0 (n's shard is another one).
+        let xn = (0..).find(|&n| shard_of(&id(n)) >= 2).unwrap();
+        let x = id(xn);
+        let nn = (100..).find(|&n| shard_of(&id(n)) != 0).unwrap();
+        s.put(x, data(xn, 1)).unwrap();
+        for n in 1000..1003 {
+            s.put(id(n), data(n, 1)).unwrap();
+        }
+        assert_eq!(inner.ram.spilled_len(), 0);
+        let held = inner.ram.hold_shard(0);
+        std::thread::scope(|scope| {
+            let flush = scope.spawn(|| s.flush().unwrap());
+            // The flush waits for shard 0 in its dirty walk (its spilled
+            // walk comes next).
+            std::thread::sleep(Duration::from_millis(200));
+            // A put evicts x (dirty at the flush's call): spilled, its
+            // hand-off not done yet.
+            let (_, ev) = inner.ram.insert(id(nn), data(nn, 1), None, true).unwrap();
+            assert_eq!(ev.len(), 1);
+            assert!(ev[0].id == x && ev[0].spilled);
+            drop(held);
+            let report = flush.join().unwrap();
+            let on_disk = s.disk_location(&x).is_some();
+            // The put resumes.
+            inner.handle_evicted(ev);
+            assert!(
+                on_disk,
+                "flush returned; x, dirty at its call, was never written: {report:?}"
+            );
+        });
+    }
+
+    /// A device whose syncs can be held; it keeps the writes not yet
+    /// covered by a completed sync.
+    struct SyncGate {
+        inner: Arc<dyn Device>,
+        st: Mutex<GateState>,
+        cv: Condvar,
+    }
+
+    #[derive(Default)]
+    struct GateState {
+        hold: bool,
+        waiting: usize,
+        releases: u64,
+        unsynced: Vec<(u64, u64)>,
+    }
+
+    impl SyncGate {
+        fn hold(&self) {
+            self.st.lock().hold = true;
+        }
+        fn waiting(&self) -> usize {
+            self.st.lock().waiting
+        }
+        fn release(&self) {
+            let mut s = self.st.lock();
+            s.hold = false;
+            s.releases += 1;
+            self.cv.notify_all();
+        }
+        fn unsynced_at(&self, off: u64) -> bool {
+            self.st
+                .lock()
+                .unsynced
+                .iter()
+                .any(|&(o, l)| o <= off && off < o + l)
+        }
+    }
+
+    impl Device for SyncGate {
+        fn read_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
+            self.inner.read_at(buf, offset)
+        }
+        fn write_at(&self, buf: &[u8], offset: u64) -> std::io::Result<()> {
+            self.inner.write_at(buf, offset)?;
+            self.st.lock().unsynced.push((offset, buf.len() as u64));
+            Ok(())
+        }
+        fn sync(&self) -> std::io::Result<()> {
+            let n = {
+                let mut s = self.st.lock();
+                if s.hold {
+                    let at = s.releases;
+                    s.waiting += 1;
+                    while s.releases == at {
+                        self.cv.wait(&mut s);
+                    }
+                    s.waiting -= 1;
+                }
+                s.unsynced.len()
+            };
+            self.inner.sync()?;
+            self.st.lock().unsynced.drain(..n);
+            Ok(())
+        }
+        fn len(&self) -> u64 {
+            self.inner.len()
+        }
+        fn direct_io(&self) -> bool {
+            false
+        }
+        fn path(&self) -> &std::path::Path {
+            self.inner.path()
+        }
+    }
+
+    /// An eviction's write handed to the writer after a flush's first
+    /// marker and written before the flush checks its entry (so no longer
+    /// spilled) is synced by a second marker before the flush returns.
+    /// Staged: the first marker's fdatasync is held while the eviction's
+    /// job is handed off; the flush thread is held (by a shard lock) on an
+    /// earlier entry of its list while the writer writes that job.
+    #[test]
+    fn flush_syncs_an_eviction_write_that_landed_after_its_first_marker() {
+        let dir = tempfile::tempdir().unwrap();
+        let gate = Arc::new(SyncGate {
+            inner: file(dir.path(), 32 << 20),
+            st: Mutex::new(GateState::default()),
+            cv: Condvar::new(),
+        });
+        let (s, ns) = open(dir.path(), gate.clone(), 4 << 20);
+        let inner = &s.inner;
+        let id = |n: u64| ChunkId::new(ns, key(n), 0);
+        // The region is open (its open slot synced).
+        s.put(id(10_000), Bytes::from(vec![1u8; 4096])).unwrap();
+        s.flush().unwrap();
+        assert!(inner.ram.remove(&id(10_000)).is_some());
+        // y and x, the first two put (evicted first), y in a lower shard.
+        let (yn, xn) = (0..)
+            .map(|n| (n, n + 1))
+            .find(|&(a, b)| shard_of(&id(a)) < shard_of(&id(b)))
+            .unwrap();
+        let (y, x) = (id(yn), id(xn));
+        for n in [yn, xn, 1000, 1001] {
+            s.put(id(n), data(n, 1)).unwrap();
+        }
+        // Two puts evict y then x; both are preempted before their
+        // hand-offs.
+        let (_, ev_y) = inner
+            .ram
+            .insert(id(1002), data(1002, 1), None, true)
+            .unwrap();
+        let (_, ev_x) = inner
+            .ram
+            .insert(id(1003), data(1003, 1), None, true)
+            .unwrap();
+        assert!(ev_y.len() == 1 && ev_y[0].id == y && ev_y[0].spilled);
+        assert!(ev_x.len() == 1 && ev_x[0].id == x && ev_x[0].spilled);
+        gate.hold();
+        std::thread::scope(|scope| {
+            let flush = scope.spawn(|| s.flush().unwrap());
+            until("the first marker's fdatasync", || gate.waiting() == 1);
+            // Past the first marker: y is put again (a new version over
+            // its spilled one), x's hand-off goes through.
+            s.put(y, Bytes::from(vec![2u8; 4096])).unwrap();
+            let held = inner.ram.hold_shard(shard_of(&y));
+            inner.handle_evicted(ev_x);
+            gate.release();
+            until("x written and unspilled", || {
+                s.disk_location(&x).is_some() && inner.ram.peek_any(&x).is_none()
+            });
+            drop(held);
+            let report = flush.join().unwrap();
+            let (_, off, _) = s.disk_location(&x).unwrap();
+            assert!(
+                !gate.unsynced_at(off),
+                "flush returned; x (dirty at its call) was written after its last fdatasync: {report:?}"
+            );
+        });
+        drop(ev_y);
     }
 }
