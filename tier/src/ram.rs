@@ -695,6 +695,11 @@ impl RamCache {
         // A spilled old version, or a concurrent insert of the same id that
         // landed while this one evicted: the last writer wins.
         replaced.extend(self.take(slot, &mut shard, hash, &id));
+        // Stamped under the lock: a delete stamps its cancellation before it
+        // takes this lock to remove the id, so an insert that lands after
+        // that removal is always newer than the cancellation (and its write
+        // is not cancelled).
+        node.entry.inserted = Instant::now();
         shard.insert_new(node);
         slot.tail_tick.store(shard.tail_tick(), Ordering::Release);
         drop(shard);
