@@ -1709,14 +1709,15 @@ mod tests {
     }
 }
 
-/// Races between the writer, reads and deletes, staged on a
-/// [`crate::testdev::HoldingDevice`] or by calling the store's parts in a
-/// chosen order.
+/// Races between the writer, reads, deletes and flushes, staged on a
+/// [`crate::testdev::HoldingDevice`], by holding a RAM shard's lock or a
+/// device's fdatasync, or by calling the store's parts in a chosen order.
 #[cfg(all(test, feature = "test_utils"))]
 mod race_tests {
     use super::*;
     use crate::device::{DirectMode, FileDevice};
     use crate::testdev::HoldingDevice;
+    use parking_lot::Condvar;
 
     const KIB: usize = 1024;
     const WAIT: Duration = Duration::from_secs(20);
@@ -1732,26 +1733,52 @@ mod race_tests {
         Bytes::from(vec![(n as u8).wrapping_mul(7) ^ v; 256 * KIB])
     }
 
-    fn setup(dir: &std::path::Path, idle: Duration) -> (ChunkStore, Namespace, Arc<HoldingDevice>) {
-        let file = FileDevice::open(&dir.join("dev"), 16 << 20, DirectMode::Off).unwrap();
-        let dev = Arc::new(HoldingDevice::new(Arc::new(file)));
+    /// No idle flush during a test.
+    const NO_IDLE: Duration = Duration::from_secs(3600);
+
+    /// A store over `dev` (1 MiB of RAM, `region`-sized regions, the whole
+    /// device as disk budget) with one namespace.
+    fn open_on(
+        dir: &std::path::Path,
+        dev: Arc<dyn Device>,
+        region: u64,
+        idle: Duration,
+    ) -> (ChunkStore, Namespace) {
         let cfg = TierConfig {
             data_dir: dir.to_path_buf(),
             ram_budget: 1 << 20,
-            disk_budget: 16 << 20,
-            region_size: 1 << 20,
+            disk_budget: dev.len(),
+            region_size: region,
             idle_flush_after: idle,
             direct_io: false,
             ..TierConfig::default()
         };
-        let s = ChunkStore::open_with_device(cfg, dev.clone()).unwrap();
+        let s = ChunkStore::open_with_device(cfg, dev).unwrap();
         let ns = s
             .register_namespace(&NamespaceRecord {
                 model: "m".into(),
                 ..Default::default()
             })
             .unwrap();
+        (s, ns)
+    }
+
+    /// A buffered file device of `len` bytes in `dir`.
+    fn file(dir: &std::path::Path, len: u64) -> Arc<dyn Device> {
+        Arc::new(FileDevice::open(&dir.join("dev"), len, DirectMode::Off).unwrap())
+    }
+
+    /// [`open_on`] a 16 MiB file through a [`HoldingDevice`].
+    fn setup(dir: &std::path::Path, idle: Duration) -> (ChunkStore, Namespace, Arc<HoldingDevice>) {
+        let dev = Arc::new(HoldingDevice::new(file(dir, 16 << 20)));
+        let (s, ns) = open_on(dir, dev.clone(), 1 << 20, idle);
         (s, ns, dev)
+    }
+
+    /// The RAM shard of `id` in a store's cache (16 shards: the low bits
+    /// of the id's hash, as `RamCache::route` picks it).
+    fn shard_of(id: &ChunkId) -> usize {
+        (crate::index::hash_id(id) as u32 as usize) & (crate::ram::DEFAULT_SHARDS - 1)
     }
 
     fn until(what: &str, mut f: impl FnMut() -> bool) {
@@ -1772,19 +1799,7 @@ mod race_tests {
         let inner: Arc<dyn crate::device::Device> =
             Arc::new(crate::testdev::CrashDevice::new(16 << 20));
         let dev = Arc::new(crate::testdev::FaultyDevice::new(inner));
-        let s = ChunkStore::open_with_device(
-            TierConfig {
-                data_dir: dir.path().to_path_buf(),
-                ram_budget: 1 << 20,
-                disk_budget: 16 << 20,
-                region_size: 1 << 20,
-                idle_flush_after: Duration::from_secs(3600),
-                ..TierConfig::default()
-            },
-            dev.clone(),
-        )
-        .unwrap();
-        let ns = s.register_namespace(&NamespaceRecord::default()).unwrap();
+        let (s, ns) = open_on(dir.path(), dev.clone(), 1 << 20, NO_IDLE);
         let id = |n: u64| ChunkId::new(ns, key(n), 0);
         dev.fail_writes_after(0, libc::ENOSPC);
         for n in 0..=4 {
@@ -1961,67 +1976,6 @@ mod race_tests {
             "x is clean in RAM but not on disk"
         );
     }
-}
-
-/// Races of `delete` and `flush` with evictions and the writer, staged by
-/// holding a RAM shard's lock or a device's fdatasync.
-#[cfg(all(test, feature = "test_utils"))]
-mod flush_race_tests {
-    use super::*;
-    use crate::device::{DirectMode, FileDevice};
-    use parking_lot::Condvar;
-
-    const KIB: usize = 1024;
-    const WAIT: Duration = Duration::from_secs(20);
-
-    fn key(n: u64) -> ChunkKey {
-        let mut k = [0u8; 32];
-        k[..8].copy_from_slice(&n.wrapping_mul(0x9e37_79b9_7f4a_7c15).to_le_bytes());
-        k[8..16].copy_from_slice(&n.to_le_bytes());
-        ChunkKey(k)
-    }
-
-    fn data(n: u64, v: u8) -> Bytes {
-        Bytes::from(vec![(n as u8).wrapping_mul(7) ^ v; 256 * KIB])
-    }
-
-    /// The RAM shard of `id` in a store's cache (16 shards: the low bits
-    /// of the id's hash, as `RamCache::route` picks it).
-    fn shard_of(id: &ChunkId) -> usize {
-        (crate::index::hash_id(id) as u32 as usize) & (crate::ram::DEFAULT_SHARDS - 1)
-    }
-
-    fn open(dir: &std::path::Path, dev: Arc<dyn Device>, region: u64) -> (ChunkStore, Namespace) {
-        let cfg = TierConfig {
-            data_dir: dir.to_path_buf(),
-            ram_budget: 1 << 20,
-            disk_budget: dev.len(),
-            region_size: region,
-            idle_flush_after: Duration::from_secs(3600),
-            direct_io: false,
-            ..TierConfig::default()
-        };
-        let s = ChunkStore::open_with_device(cfg, dev).unwrap();
-        let ns = s
-            .register_namespace(&NamespaceRecord {
-                model: "m".into(),
-                ..Default::default()
-            })
-            .unwrap();
-        (s, ns)
-    }
-
-    fn file(dir: &std::path::Path, len: u64) -> Arc<dyn Device> {
-        Arc::new(FileDevice::open(&dir.join("dev"), len, DirectMode::Off).unwrap())
-    }
-
-    fn until(what: &str, mut f: impl FnMut() -> bool) {
-        let deadline = Instant::now() + WAIT;
-        while !f() {
-            assert!(Instant::now() < deadline, "timed out: {what}");
-            std::thread::sleep(Duration::from_millis(1));
-        }
-    }
 
     /// A delete held before its RAM removal (by the chunk's shard lock)
     /// keeps its cancellation: the tombstone that lets the writer prune it
@@ -2031,7 +1985,7 @@ mod flush_race_tests {
     #[test]
     fn a_delete_keeps_its_cancellation_until_its_ram_copy_is_gone() {
         let dir = tempfile::tempdir().unwrap();
-        let (s, ns) = open(dir.path(), file(dir.path(), 16 << 20), 1 << 20);
+        let (s, ns) = open_on(dir.path(), file(dir.path(), 16 << 20), 1 << 20, NO_IDLE);
         let inner = &s.inner;
         let x = ChunkId::new(ns, key(0), 0);
         s.put(x, data(0, 1)).unwrap();
@@ -2068,7 +2022,7 @@ mod flush_race_tests {
     #[test]
     fn flush_covers_a_chunk_evicted_between_its_two_walks() {
         let dir = tempfile::tempdir().unwrap();
-        let (s, ns) = open(dir.path(), file(dir.path(), 16 << 20), 1 << 20);
+        let (s, ns) = open_on(dir.path(), file(dir.path(), 16 << 20), 1 << 20, NO_IDLE);
         let inner = &s.inner;
         let id = |n: u64| ChunkId::new(ns, key(n), 0);
         // x (the LRU, evicted by n) in a shard above 0; the walk is held at
@@ -2193,7 +2147,7 @@ mod flush_race_tests {
             st: Mutex::new(GateState::default()),
             cv: Condvar::new(),
         });
-        let (s, ns) = open(dir.path(), gate.clone(), 4 << 20);
+        let (s, ns) = open_on(dir.path(), gate.clone(), 4 << 20, NO_IDLE);
         let inner = &s.inner;
         let id = |n: u64| ChunkId::new(ns, key(n), 0);
         // The region is open (its open slot synced).
