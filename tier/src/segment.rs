@@ -65,6 +65,9 @@ pub(crate) struct Disk {
     // parking_lot Mutex: set once on a failed write/fsync, read rarely.
     pub poison: Mutex<Option<String>>,
     pub paused_nospace: AtomicBool,
+    /// Set when the writer thread has stopped taking messages: a flush
+    /// marker still unanswered then never will be.
+    pub writer_stopped: AtomicBool,
     pub counters: DiskCounters,
     /// Payload bytes of the chunks in the index.
     pub live_bytes: AtomicU64,
@@ -289,6 +292,7 @@ impl Disk {
             index: RwLock::new(Index::default()),
             poison: Mutex::new(None),
             paused_nospace: AtomicBool::new(false),
+            writer_stopped: AtomicBool::new(false),
             counters: DiskCounters::default(),
             live_bytes: AtomicU64::new(0),
             bufs,

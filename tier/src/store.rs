@@ -23,7 +23,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use crossbeam_channel::{Sender, TrySendError, bounded};
+use crossbeam_channel::{RecvTimeoutError, Sender, TrySendError, bounded};
 use parking_lot::{Mutex, RwLock};
 use serde::Serialize;
 
@@ -1468,16 +1468,36 @@ impl Inner {
 
     /// Sends a flush marker and waits (until `deadline`, if any) for the
     /// writer to make everything queued before it durable.
+    ///
+    /// A marker that reached the queue after the writer's last look at it
+    /// (a flush racing `close`) is never answered: once the writer has
+    /// stopped, the wait ends with [`Error::Closed`].
     fn flush_marker(&self, deadline: Option<Instant>) -> Result<()> {
         let (ack, wait) = bounded(1);
         self.send(Msg::Flush(ack))?;
-        match deadline {
-            None => wait.recv().map_err(|_| Error::Closed)?,
-            Some(t) => wait.recv_deadline(t).map_err(|_| Error::Io {
-                op: "flush within the close deadline",
-                path: self.config.data_dir.clone(),
-                source: std::io::Error::from(std::io::ErrorKind::TimedOut),
-            })?,
+        let stopped = || {
+            self.disk
+                .as_ref()
+                .is_none_or(|d| d.writer_stopped.load(Ordering::SeqCst))
+        };
+        loop {
+            let step = Instant::now() + Duration::from_millis(50);
+            let until = deadline.map_or(step, |t| t.min(step));
+            match wait.recv_deadline(until) {
+                Ok(res) => return res,
+                Err(RecvTimeoutError::Disconnected) => return Err(Error::Closed),
+                Err(RecvTimeoutError::Timeout) => {}
+            }
+            if stopped() {
+                return wait.try_recv().unwrap_or(Err(Error::Closed));
+            }
+            if deadline.is_some_and(|t| Instant::now() >= t) {
+                return Err(Error::Io {
+                    op: "flush within the close deadline",
+                    path: self.config.data_dir.clone(),
+                    source: std::io::Error::from(std::io::ErrorKind::TimedOut),
+                });
+            }
         }
     }
 

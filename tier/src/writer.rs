@@ -293,6 +293,7 @@ impl Writer {
             Err(e) => tracing::warn!(error = %e, "no kvtier-io thread; writing inline"),
         }
         self.serve(&rx);
+        self.disk.writer_stopped.store(true, Ordering::SeqCst);
         // Dropping the link ends the I/O thread.
         self.io = None;
     }
