@@ -469,6 +469,18 @@ impl Collector for NodeCollector {
         )?;
         gauge(
             &mut enc,
+            "spilled_chunks",
+            "Chunks evicted from RAM and not on disk yet (readable, outside the RAM budget)",
+            s.spilled_chunks as i64,
+        )?;
+        gauge(
+            &mut enc,
+            "spilled_bytes",
+            "Bytes of chunks evicted from RAM and not on disk yet",
+            s.spilled_bytes as i64,
+        )?;
+        gauge(
+            &mut enc,
             "disk_chunks",
             "Chunks on disk",
             s.disk_chunks as i64,

@@ -415,6 +415,8 @@ pub struct RamCache {
     spill: bool,
     /// Spilled entries (not in `len`).
     spilled: AtomicUsize,
+    /// Bytes charged to spilled entries were they resident (not in `used`).
+    spilled_bytes: AtomicU64,
     /// Entries in the tables, resident and spilled: raised before an
     /// insert takes an old version out, lowered as a node leaves a table,
     /// so it reads zero only when nothing can be found
@@ -461,6 +463,7 @@ impl RamCache {
             next_tick: AtomicU64::new(1),
             spill: false,
             spilled: AtomicUsize::new(0),
+            spilled_bytes: AtomicU64::new(0),
             present: AtomicUsize::new(0),
         }
     }
@@ -518,13 +521,20 @@ impl RamCache {
         self.len.fetch_sub(1, Ordering::AcqRel);
     }
 
+    /// Releases the accounting of a spilled node that left its table.
+    fn unspilled(&self, node: &Node) {
+        self.spilled.fetch_sub(1, Ordering::AcqRel);
+        self.spilled_bytes
+            .fetch_sub(node.entry.charged_bytes(), Ordering::AcqRel);
+    }
+
     /// Removes `id` from a locked shard if present; returns the node.
     fn take(&self, slot: &ShardSlot, shard: &mut Shard, hash: u64, id: &ChunkId) -> Option<Node> {
         let i = shard.find(hash, id)?;
         let node = shard.remove_at(i);
         self.present.fetch_sub(1, Ordering::AcqRel);
         if node.spilled {
-            self.spilled.fetch_sub(1, Ordering::AcqRel);
+            self.unspilled(&node);
         } else {
             self.release(&node);
         }
@@ -559,6 +569,8 @@ impl RamCache {
             };
             // Stays in `present`: still found.
             self.spilled.fetch_add(1, Ordering::AcqRel);
+            self.spilled_bytes
+                .fetch_add(shard.node(i).entry.charged_bytes(), Ordering::AcqRel);
             self.release(shard.node(i));
             victim.tail_tick.store(shard.tail_tick(), Ordering::Release);
             drop(shard);
@@ -779,7 +791,7 @@ impl RamCache {
             }
             let node = shard.remove_at(i);
             self.present.fetch_sub(1, Ordering::AcqRel);
-            self.spilled.fetch_sub(1, Ordering::AcqRel);
+            self.unspilled(&node);
             node
         };
         drop(node);
@@ -818,6 +830,12 @@ impl RamCache {
     /// Number of spilled entries (not counted by [`RamCache::len`]).
     pub fn spilled_len(&self) -> usize {
         self.spilled.load(Ordering::Acquire)
+    }
+
+    /// Bytes of spilled entries (payload and name): memory held beyond
+    /// [`RamCache::used_bytes`] until the writer has them on disk.
+    pub fn spilled_bytes(&self) -> u64 {
+        self.spilled_bytes.load(Ordering::Acquire)
     }
 
     /// Whether any entry, resident or spilled, may be found (probes skip
@@ -1134,7 +1152,7 @@ impl RamCache {
                 let node = shard.remove_at(i);
                 self.present.fetch_sub(1, Ordering::AcqRel);
                 if node.spilled {
-                    self.spilled.fetch_sub(1, Ordering::AcqRel);
+                    self.unspilled(&node);
                 } else {
                     self.release(&node);
                 }
@@ -1190,13 +1208,14 @@ mod tests {
     fn check_accounting(c: &RamCache) {
         let ids = c.ids();
         assert_eq!(ids.len(), c.len() + c.spilled_len());
-        let (mut used, mut dirty, mut spilled) = (0, 0, 0);
+        let (mut used, mut dirty, mut spilled, mut spilled_bytes) = (0, 0, 0, 0);
         for (i, seq) in &ids {
             let Some(e) = c.peek(i) else {
                 // Spilled: readable, dirty, outside the budget.
                 let e = c.peek_any(i).expect("listed id is present");
                 assert!(e.dirty && e.seq == *seq);
                 spilled += 1;
+                spilled_bytes += e.charged_bytes();
                 continue;
             };
             assert_eq!(e.seq, *seq);
@@ -1208,6 +1227,7 @@ mod tests {
         assert_eq!(c.used_bytes(), used);
         assert_eq!(c.dirty_bytes(), dirty);
         assert_eq!(c.spilled_len(), spilled);
+        assert_eq!(c.spilled_bytes(), spilled_bytes);
         assert_eq!(c.present.load(Ordering::Relaxed), ids.len());
         assert!(used <= c.budget());
         for (s, slot) in c.shards.iter().enumerate() {

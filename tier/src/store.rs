@@ -88,6 +88,11 @@ pub struct StoreStats {
     pub ram_budget: u64,
     /// Dirty (not yet durable) bytes in RAM.
     pub dirty_bytes: u64,
+    /// Chunks evicted from RAM and not on disk yet: still readable from
+    /// memory, outside the RAM budget (not in `ram_chunks`).
+    pub spilled_chunks: u64,
+    /// Bytes of those chunks (memory held beyond `ram_bytes`).
+    pub spilled_bytes: u64,
     /// Chunks on disk.
     pub disk_chunks: u64,
     /// Payload bytes on disk.
@@ -797,6 +802,8 @@ impl ChunkStore {
             ram_bytes: i.ram.used_bytes(),
             ram_budget: i.config.ram_budget,
             dirty_bytes: i.ram.dirty_bytes(),
+            spilled_chunks: i.ram.spilled_len() as u64,
+            spilled_bytes: i.ram.spilled_bytes(),
             disk_budget: i.config.disk_budget,
             hits_ram: c.hits_ram.load(Ordering::Relaxed),
             hits_disk: c.hits_disk.load(Ordering::Relaxed),

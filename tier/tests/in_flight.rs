@@ -93,6 +93,11 @@ fn a_chunk_on_its_way_to_disk_is_never_a_miss() {
     assert!(stats.ram_evictions >= 6, "{stats:?}");
     assert_eq!(stats.disk_chunks, 0, "nothing written yet");
     assert_eq!(stats.dropped_unwritten, 0);
+    // Every evicted chunk is spilled (its write queued or held), counted
+    // beside the RAM tier, not in it.
+    assert_eq!(stats.spilled_chunks, stats.ram_evictions, "{stats:?}");
+    assert_eq!(stats.spilled_bytes, stats.spilled_chunks * LEN as u64);
+    assert_eq!(stats.ram_chunks + stats.spilled_chunks, N);
     for n in 0..N {
         let hit = s.get(&id(n)).unwrap_or_else(|| panic!("chunk {n} missed"));
         assert_eq!((hit.data, hit.tier), (payload(n, 1, LEN), Tier::Ram));
@@ -106,6 +111,8 @@ fn a_chunk_on_its_way_to_disk_is_never_a_miss() {
 
     dev.release();
     s.flush().unwrap();
+    let after = s.stats();
+    assert_eq!((after.spilled_chunks, after.spilled_bytes), (0, 0));
     // The evicted ones now live on disk only (their RAM copies went once
     // the index had them); every chunk still reads back.
     let on_disk = (0..N)
