@@ -651,6 +651,7 @@ impl RamCache {
                 name,
                 dirty,
                 seq,
+                // Stamped again under the final lock, below.
                 inserted: Instant::now(),
             },
             tick: 0,
@@ -662,6 +663,8 @@ impl RamCache {
         // Dropped after the locks are released (freeing big buffers).
         let mut replaced = Vec::new();
 
+        // Whether `present` was raised already for this insert.
+        let mut counted = false;
         let unchanged = |shard: &Shard| {
             only_if.is_none_or(|m| shard.mark(hash) == m && shard.find(hash, &id).is_none())
         };
@@ -677,6 +680,9 @@ impl RamCache {
             .find(hash, &id)
             .is_some_and(|i| !shard.node(i).spilled)
         {
+            // Counted first (see below): the id stays "present" throughout.
+            self.present.fetch_add(1, Ordering::AcqRel);
+            counted = true;
             replaced.extend(self.take(slot, &mut shard, hash, &id));
         }
         if !self.try_reserve(size) {
@@ -702,7 +708,9 @@ impl RamCache {
         }
         // Counted before the old version leaves, so a lock-free emptiness
         // check ([`RamCache::is_probe_empty`]) never sees none meanwhile.
-        self.present.fetch_add(1, Ordering::AcqRel);
+        if !counted {
+            self.present.fetch_add(1, Ordering::AcqRel);
+        }
         self.len.fetch_add(1, Ordering::AcqRel);
         // A spilled old version, or a concurrent insert of the same id that
         // landed while this one evicted: the last writer wins.
@@ -1038,10 +1046,25 @@ impl RamCache {
     /// [`RamCache::insert_if_unchanged`] with an older mark (a disk read of
     /// a chunk being deleted) inserts nothing.
     pub fn remove(&self, id: &ChunkId) -> Option<RamEntry> {
+        self.remove_if(id, |_| true)
+    }
+
+    /// [`RamCache::remove`] of the version that `keep_out` accepts: a
+    /// version it refuses stays (a delete leaves one put after it). Bumps
+    /// the id's removal bucket either way.
+    pub fn remove_if(
+        &self,
+        id: &ChunkId,
+        keep_out: impl Fn(&RamEntry) -> bool,
+    ) -> Option<RamEntry> {
         let (slot, hash) = self.locate(id);
         let node = {
             let mut shard = slot.inner.lock();
-            let node = self.take(slot, &mut shard, hash, id);
+            let found = shard.find(hash, id);
+            let node = match found {
+                Some(i) if keep_out(&shard.node(i).entry) => self.take(slot, &mut shard, hash, id),
+                _ => None,
+            };
             if node.is_none() {
                 shard.bump(hash);
             }

@@ -1359,26 +1359,40 @@ impl Inner {
     }
 
     pub(crate) fn delete_inner(&self, id: &ChunkId, notify: bool) -> bool {
-        // The cancellation, then the disk index (so the writer never indexes
-        // a cancelled job after this removal: `Hooks::cancelled`), then RAM:
-        // the RAM removal bumps the id's removal bucket, so a read that
-        // missed RAM before it and found the disk copy does not promote that
-        // copy back (`insert_if_unchanged`).
+        // Order matters; each step has a reader or the writer racing it:
+        // 1. the cancellation, stamped `t` under its lock: versions put
+        //    (stamped under their shard lock) before `t` are deleted, later
+        //    ones are puts after this delete and stay;
+        // 2. the disk index (the writer never indexes a cancelled job after
+        //    this: it asks `Hooks::cancelled` under the index lock);
+        // 3. RAM, the versions stamped before `t` only; this bumps the id's
+        //    removal bucket, so a read that missed RAM before it and found
+        //    the disk copy does not promote that copy back;
+        // 4. the tombstone, carrying `t`, sent after the RAM removal: once it
+        //    is written the cancellation is pruned, and a job made from a RAM
+        //    copy still there would be indexed. A version put after `t` and
+        //    packed before the tombstone makes the writer drop the tombstone
+        //    (its record would delete that version at recovery).
+        let t = match &self.disk {
+            Some(_) => {
+                let mut c = self.cancel.lock();
+                let t = Instant::now();
+                c.insert(*id, t);
+                t
+            }
+            None => Instant::now(),
+        };
         let mut on_disk = false;
         if let Some(d) = &self.disk {
-            self.cancel.lock().insert(*id, Instant::now());
             if let Some(l) = d.index.write().remove(id) {
                 d.live_bytes
                     .fetch_sub(u64::from(l.payload_len), Ordering::Relaxed);
                 on_disk = true;
             }
         }
-        // RAM before the tombstone: once the writer has written it, the
-        // cancellation is pruned, and a job made from a RAM copy still
-        // there would be indexed.
-        let in_ram = self.ram.remove(id).is_some();
+        let in_ram = self.ram.remove_if(id, |e| e.inserted <= t).is_some();
         if let (Some(_), Some(tx)) = (&self.disk, &self.tx) {
-            let _ = tx.send(Msg::Tombstone(*id, Instant::now()));
+            let _ = tx.send(Msg::Tombstone(*id, t));
         }
         {
             let mut t = self.txns.lock();
@@ -1565,6 +1579,10 @@ impl Hooks for Inner {
                 .peek(&job.id)
                 .is_some_and(|e| e.seq == seq && e.dirty),
         }
+    }
+
+    fn cancel_time(&self, id: &ChunkId) -> Option<Instant> {
+        self.cancel.lock().get(id).copied()
     }
 
     fn cancelled(&self, job: &Job) -> bool {
@@ -2224,5 +2242,73 @@ mod race_tests {
             );
         });
         drop(ev_y);
+    }
+
+    /// `delete_inner`'s steps, in its order, with a put of the id landing
+    /// in the delete's window (after its cancellation, before its RAM
+    /// removal) and written, by a flush or an eviction, before the
+    /// tombstone reaches the writer: that put comes after the delete. It
+    /// stays in RAM, its write is indexed, the tombstone is not written
+    /// (its record would follow the put's and delete it at recovery), and
+    /// it is there after a restart.
+    fn a_put_after_a_delete_survives_its_tombstone(evict: bool) {
+        let dir = tempfile::tempdir().unwrap();
+        let dev = file(dir.path(), 16 << 20);
+        let (s, ns) = open_on(dir.path(), dev.clone(), 1 << 20, NO_IDLE);
+        let inner = &s.inner;
+        let x = ChunkId::new(ns, key(0), 0);
+        s.put(x, data(0, 1)).unwrap();
+        s.flush().unwrap();
+        // 1, 2: the cancellation and the index.
+        let t = Instant::now();
+        inner.cancel.lock().insert(x, t);
+        let d = inner.disk.as_ref().unwrap();
+        assert!(d.index.write().remove(&x).is_some());
+        // The put lands.
+        s.put(x, data(0, 2)).unwrap();
+        // 3: RAM, versions stamped before the cancellation only.
+        assert!(inner.ram.remove_if(&x, |e| e.inserted <= t).is_none());
+        // The put is written before the tombstone.
+        if evict {
+            for n in 100..104 {
+                s.put(ChunkId::new(ns, key(n), 0), data(n, 1)).unwrap();
+            }
+            until("x written and unspilled", || {
+                s.disk_location(&x).is_some() && inner.ram.peek_any(&x).is_none()
+            });
+        } else {
+            s.flush().unwrap();
+        }
+        // 4: the tombstone.
+        inner.send(Msg::Tombstone(x, t)).unwrap();
+        s.flush().unwrap();
+        assert!(
+            s.disk_location(&x).is_some(),
+            "the tombstone took the newer put out of the index"
+        );
+        assert_eq!(s.get(&x).unwrap().data, data(0, 2));
+        assert_eq!(
+            s.cancelled_writes(),
+            0,
+            "the skipped tombstone's cancellation is forgotten"
+        );
+        s.close(WAIT).unwrap();
+        drop(s);
+        let (s, _) = open_on(dir.path(), dev, 1 << 20, NO_IDLE);
+        assert_eq!(
+            s.get(&x).map(|h| h.data),
+            Some(data(0, 2)),
+            "the tombstone's record deleted the newer put at recovery"
+        );
+    }
+
+    #[test]
+    fn a_put_after_a_delete_survives_its_tombstone_through_a_flush() {
+        a_put_after_a_delete_survives_its_tombstone(false);
+    }
+
+    #[test]
+    fn a_put_after_a_delete_survives_its_tombstone_through_an_eviction() {
+        a_put_after_a_delete_survives_its_tombstone(true);
     }
 }

@@ -79,6 +79,8 @@ pub(crate) trait Hooks: Send + Sync {
     /// Whether the job is still wanted before it is written (not deleted,
     /// superseded or already written meanwhile).
     fn wanted(&self, job: &Job) -> bool;
+    /// The time of `id`'s pending cancellation, if any.
+    fn cancel_time(&self, id: &ChunkId) -> Option<Instant>;
     /// Whether the job was cancelled (its chunk deleted, or its atomic group
     /// broke) after it was queued. Asked under the index's write lock when
     /// the written job is indexed: a delete takes the cancellation before
@@ -129,6 +131,13 @@ pub(crate) struct Writer {
     depth: usize,
     io: Option<IoLink>,
     packer: Packer,
+    /// For ids with a pending cancellation: the newest `inserted` of the
+    /// jobs packed since that are newer than it (versions put after the
+    /// delete). A tombstone older than such a version is not written: its
+    /// record would come after the newer version's in the log and delete it
+    /// at recovery. Bounded by the pending cancellations; an entry goes with
+    /// the id's tombstone or forget.
+    newer: std::collections::HashMap<ChunkId, Instant>,
 }
 
 /// Batches in flight to the I/O thread: while it writes one, the next ones
@@ -270,6 +279,7 @@ impl Writer {
             depth: IO_DEPTH,
             io: None,
             packer: Packer::new(pack_helpers),
+            newer: std::collections::HashMap::new(),
         }
     }
 
@@ -292,8 +302,16 @@ impl Writer {
             }
             Err(e) => tracing::warn!(error = %e, "no kvtier-io thread; writing inline"),
         }
+        /// Marks the writer stopped however `serve` ends (a panic too), so
+        /// no flush waits for an answer that cannot come.
+        struct Stopped(Arc<Disk>);
+        impl Drop for Stopped {
+            fn drop(&mut self) {
+                self.0.writer_stopped.store(true, Ordering::SeqCst);
+            }
+        }
+        let _stopped = Stopped(self.disk.clone());
         self.serve(&rx);
-        self.disk.writer_stopped.store(true, Ordering::SeqCst);
         // Dropping the link ends the I/O thread.
         self.io = None;
     }
@@ -331,13 +349,16 @@ impl Writer {
                 }
             }
             if !items.is_empty() {
-                self.write_items(std::mem::take(&mut items));
+                // Tombstones superseded by a newer version are not written;
+                // their cancellations are forgotten like a `Forget`'s.
+                forgets.extend(self.write_items(std::mem::take(&mut items)));
             }
             if !forgets.is_empty() {
                 // Every job queued before these messages is written (or
                 // skipped) once the batches in flight are done.
                 self.drain();
                 for (id, at) in forgets.drain(..) {
+                    self.newer.remove(&id);
                     self.hooks.tombstone_done(&id, at);
                 }
             }
@@ -445,27 +466,49 @@ impl Writer {
         }
     }
 
-    fn write_items(&mut self, items: Vec<Item>) {
-        let mut items: std::collections::VecDeque<Item> = items
-            .into_iter()
-            .filter(|it| match it {
-                Item::Job(j) => self.hooks.wanted(j),
-                Item::Tomb(..) => true,
-            })
-            .collect();
+    /// Packs and submits `items` in order; returns the tombstones it did
+    /// not write because a newer version of their id was packed before them
+    /// (see `Writer::newer`).
+    fn write_items(&mut self, items: Vec<Item>) -> Vec<(ChunkId, Instant)> {
+        let mut superseded = Vec::new();
+        let mut kept = std::collections::VecDeque::with_capacity(items.len());
+        for it in items {
+            match it {
+                Item::Job(j) => {
+                    if !self.hooks.wanted(&j) {
+                        continue;
+                    }
+                    if let Some(t) = self.hooks.cancel_time(&j.id) {
+                        if j.inserted > t {
+                            let n = self.newer.entry(j.id).or_insert(j.inserted);
+                            *n = (*n).max(j.inserted);
+                        }
+                    }
+                    kept.push_back(Item::Job(j));
+                }
+                Item::Tomb(id, at) => {
+                    if self.newer.remove(&id).is_some_and(|n| n > at) {
+                        superseded.push((id, at));
+                    } else {
+                        kept.push_back(Item::Tomb(id, at));
+                    }
+                }
+            }
+        }
+        let mut items = kept;
         let rs = self.disk.region_size;
         while !items.is_empty() {
             if self.check_poison().is_err() {
                 self.drain();
                 self.fail_all(items.make_contiguous());
-                return;
+                return superseded;
             }
             if self.open.is_none() {
                 self.drain();
                 if let Err(e) = self.open_next_region() {
                     self.poison(format!("opening a region failed: {e}"));
                     self.fail_all(items.make_contiguous());
-                    return;
+                    return superseded;
                 }
             }
             let o = self.open.as_ref().expect("a region is open");
@@ -499,6 +542,7 @@ impl Writer {
             let batch: Vec<Item> = items.drain(..k).collect();
             self.submit(batch);
         }
+        superseded
     }
 
     /// Packs `items` into a batch and hands it to the I/O thread (after
@@ -823,13 +867,10 @@ impl Writer {
                             .fetch_add(u64::from(e.payload_len), Ordering::Relaxed);
                         self.disk.live_bytes.fetch_sub(old, Ordering::Relaxed);
                     }
-                    Item::Tomb(id, _) => {
-                        if let Some(p) = ix.remove(id) {
-                            self.disk
-                                .live_bytes
-                                .fetch_sub(u64::from(p.payload_len), Ordering::Relaxed);
-                        }
-                    }
+                    // The delete took the id out of the index itself; what is
+                    // indexed now is a version put after it (never a
+                    // cancelled one: see `Hooks::cancelled`).
+                    Item::Tomb(..) => {}
                 }
             }
         }
