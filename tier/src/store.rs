@@ -1259,6 +1259,7 @@ impl Inner {
                 name: e.entry.name,
                 data: e.entry.data,
                 ram_seq: None,
+                after_cancel: false,
                 spill_seq: e.spilled.then_some(e.entry.seq),
                 inserted: e.entry.inserted,
                 txn,
@@ -1373,23 +1374,28 @@ impl Inner {
         //    copy still there would be indexed. A version put after `t` and
         //    packed before the tombstone makes the writer drop the tombstone
         //    (its record would delete that version at recovery).
+        // Steps 1 and 2 under the index's write lock (then the cancel lock,
+        // the order `finish` takes them in): nothing put after `t` can be
+        // indexed before this removal, which would take it out.
+        let mut on_disk = false;
         let t = match &self.disk {
-            Some(_) => {
-                let mut c = self.cancel.lock();
-                let t = Instant::now();
-                c.insert(*id, t);
+            Some(d) => {
+                let mut ix = d.index.write();
+                let t = {
+                    let mut c = self.cancel.lock();
+                    let t = Instant::now();
+                    c.insert(*id, t);
+                    t
+                };
+                if let Some(l) = ix.remove(id) {
+                    d.live_bytes
+                        .fetch_sub(u64::from(l.payload_len), Ordering::Relaxed);
+                    on_disk = true;
+                }
                 t
             }
             None => Instant::now(),
         };
-        let mut on_disk = false;
-        if let Some(d) = &self.disk {
-            if let Some(l) = d.index.write().remove(id) {
-                d.live_bytes
-                    .fetch_sub(u64::from(l.payload_len), Ordering::Relaxed);
-                on_disk = true;
-            }
-        }
         let in_ram = self.ram.remove_if(id, |e| e.inserted <= t).is_some();
         if let (Some(_), Some(tx)) = (&self.disk, &self.tx) {
             let _ = tx.send(Msg::Tombstone(*id, t));
@@ -1478,6 +1484,7 @@ impl Inner {
             name: e.name,
             data: e.data,
             ram_seq: resident.then_some(e.seq),
+            after_cancel: false,
             spill_seq: (!resident).then_some(e.seq),
             inserted: e.inserted,
             txn,
@@ -1541,6 +1548,7 @@ impl Inner {
                 name: e.name,
                 data: e.data,
                 ram_seq: Some(e.seq),
+                after_cancel: false,
                 spill_seq: None,
                 inserted: e.inserted,
                 txn,
@@ -2310,5 +2318,80 @@ mod race_tests {
     #[test]
     fn a_put_after_a_delete_survives_its_tombstone_through_an_eviction() {
         a_put_after_a_delete_survives_its_tombstone(true);
+    }
+
+    /// Two deletes, both before sending their tombstones, then a put
+    /// written before both: neither tombstone is written (each would delete
+    /// the put at recovery), and the put survives a restart.
+    #[test]
+    fn a_put_after_two_deletes_survives_both_tombstones() {
+        let dir = tempfile::tempdir().unwrap();
+        let dev = file(dir.path(), 16 << 20);
+        let (s, ns) = open_on(dir.path(), dev.clone(), 1 << 20, NO_IDLE);
+        let inner = &s.inner;
+        let x = ChunkId::new(ns, key(0), 0);
+        s.put(x, data(0, 1)).unwrap();
+        s.flush().unwrap();
+        let d = inner.disk.as_ref().unwrap();
+        let t1 = Instant::now();
+        inner.cancel.lock().insert(x, t1);
+        d.index.write().remove(&x);
+        inner.ram.remove_if(&x, |e| e.inserted <= t1);
+        let t2 = Instant::now();
+        inner.cancel.lock().insert(x, t2);
+        d.index.write().remove(&x);
+        inner.ram.remove_if(&x, |e| e.inserted <= t2);
+        s.put(x, data(0, 3)).unwrap();
+        s.flush().unwrap();
+        inner.send(Msg::Tombstone(x, t1)).unwrap();
+        inner.send(Msg::Tombstone(x, t2)).unwrap();
+        s.flush().unwrap();
+        assert_eq!(s.get(&x).unwrap().data[0], data(0, 3)[0]);
+        s.close(WAIT).unwrap();
+        drop(s);
+        let (s, _) = open_on(dir.path(), dev, 1 << 20, NO_IDLE);
+        assert_eq!(
+            s.get(&x).map(|h| h.data[0]),
+            Some(data(0, 3)[0]),
+            "v3 lost at recovery"
+        );
+    }
+
+    /// A version put after a delete whose write fails (ENOSPC) does not
+    /// stand in for the delete's tombstone: the tombstone is written, so a
+    /// crash before the put is rewritten never brings the deleted version
+    /// back.
+    #[test]
+    fn a_failed_newer_write_leaves_the_tombstone_written() {
+        let dir = tempfile::tempdir().unwrap();
+        let faulty = Arc::new(crate::testdev::FaultyDevice::new(file(
+            dir.path(),
+            16 << 20,
+        )));
+        let (s, ns) = open_on(dir.path(), faulty.clone(), 1 << 20, NO_IDLE);
+        let inner = &s.inner;
+        let x = ChunkId::new(ns, key(0), 0);
+        s.put(x, data(0, 1)).unwrap();
+        s.flush().unwrap();
+        let d = inner.disk.as_ref().unwrap();
+        let t = Instant::now();
+        inner.cancel.lock().insert(x, t);
+        assert!(d.index.write().remove(&x).is_some());
+        s.put(x, data(0, 2)).unwrap();
+        assert!(inner.ram.remove_if(&x, |e| e.inserted <= t).is_none());
+        faulty.fail_writes_after(0, libc::ENOSPC);
+        let r = s.flush().unwrap();
+        assert_eq!((r.chunks, r.failed), (0, 1), "the put's write failed");
+        faulty.heal();
+        inner.send(Msg::Tombstone(x, t)).unwrap();
+        until("the cancellation pruned", || s.cancelled_writes() == 0);
+        std::thread::sleep(Duration::from_millis(200));
+        drop(s); // crash: no close
+        let (s, _) = open_on(dir.path(), file(dir.path(), 16 << 20), 1 << 20, NO_IDLE);
+        assert_eq!(
+            s.get(&x).map(|h| h.data[0]),
+            None,
+            "the deleted v1 came back"
+        );
     }
 }

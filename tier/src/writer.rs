@@ -46,6 +46,9 @@ pub(crate) struct Job {
     /// RAM sequence number when the job came from a RAM entry (flush, idle):
     /// the entry is marked clean after the write if its seq is unchanged.
     pub ram_seq: Option<u64>,
+    /// Set by the writer: the job's version was put after a cancellation of
+    /// its id that was pending when the job was packed.
+    pub after_cancel: bool,
     /// RAM sequence number of the spilled entry this job writes (an
     /// eviction's): the store unspills it once the job is written, failed
     /// or no longer wanted.
@@ -132,12 +135,15 @@ pub(crate) struct Writer {
     io: Option<IoLink>,
     packer: Packer,
     /// For ids with a pending cancellation: the newest `inserted` of the
-    /// jobs packed since that are newer than it (versions put after the
-    /// delete). A tombstone older than such a version is not written: its
-    /// record would come after the newer version's in the log and delete it
-    /// at recovery. Bounded by the pending cancellations; an entry goes with
-    /// the id's tombstone or forget.
+    /// jobs written (and indexed) since that are newer than it (versions put
+    /// after the delete). A tombstone older than such a version is not
+    /// written: its record would come after the newer version's in the log
+    /// and delete it at recovery. An entry goes once its id has no pending
+    /// cancellation left (after a tombstone or forget is handled).
     newer: std::collections::HashMap<ChunkId, Instant>,
+    /// Jobs marked `after_cancel` packed and not yet written or failed, per
+    /// id: a tombstone of that id waits for them before it is decided.
+    unfinished: std::collections::HashMap<ChunkId, u32>,
 }
 
 /// Batches in flight to the I/O thread: while it writes one, the next ones
@@ -280,6 +286,7 @@ impl Writer {
             io: None,
             packer: Packer::new(pack_helpers),
             newer: std::collections::HashMap::new(),
+            unfinished: std::collections::HashMap::new(),
         }
     }
 
@@ -358,8 +365,8 @@ impl Writer {
                 // skipped) once the batches in flight are done.
                 self.drain();
                 for (id, at) in forgets.drain(..) {
-                    self.newer.remove(&id);
                     self.hooks.tombstone_done(&id, at);
+                    self.forget_newer(&id);
                 }
             }
             if control.is_some() {
@@ -454,9 +461,10 @@ impl Writer {
         Ok(())
     }
 
-    fn fail_all(&self, items: &[Item]) {
+    fn fail_all(&mut self, items: &[Item]) {
         for it in items {
             if let Item::Job(j) = it {
+                self.settle(j);
                 self.disk
                     .counters
                     .write_failures
@@ -467,27 +475,38 @@ impl Writer {
     }
 
     /// Packs and submits `items` in order; returns the tombstones it did
-    /// not write because a newer version of their id was packed before them
+    /// not write because a newer version of their id is on disk before them
     /// (see `Writer::newer`).
     fn write_items(&mut self, items: Vec<Item>) -> Vec<(ChunkId, Instant)> {
         let mut superseded = Vec::new();
         let mut kept = std::collections::VecDeque::with_capacity(items.len());
         for it in items {
             match it {
-                Item::Job(j) => {
+                Item::Job(mut j) => {
                     if !self.hooks.wanted(&j) {
                         continue;
                     }
-                    if let Some(t) = self.hooks.cancel_time(&j.id) {
-                        if j.inserted > t {
-                            let n = self.newer.entry(j.id).or_insert(j.inserted);
-                            *n = (*n).max(j.inserted);
-                        }
+                    // A version put after a pending cancellation of its id:
+                    // counted until written (`finish`) or failed.
+                    if self
+                        .hooks
+                        .cancel_time(&j.id)
+                        .is_some_and(|t| j.inserted > t)
+                    {
+                        j.after_cancel = true;
+                        *self.unfinished.entry(j.id).or_default() += 1;
                     }
                     kept.push_back(Item::Job(j));
                 }
                 Item::Tomb(id, at) => {
-                    if self.newer.remove(&id).is_some_and(|n| n > at) {
+                    if self.unfinished.contains_key(&id) {
+                        // A newer version of `id` is packed or in flight:
+                        // write what comes before this tombstone and wait,
+                        // so the decision rests on what reached the disk.
+                        self.pack(std::mem::take(&mut kept));
+                        self.drain();
+                    }
+                    if self.newer.get(&id).is_some_and(|n| *n > at) {
                         superseded.push((id, at));
                     } else {
                         kept.push_back(Item::Tomb(id, at));
@@ -495,20 +514,47 @@ impl Writer {
                 }
             }
         }
-        let mut items = kept;
+        self.pack(kept);
+        superseded
+    }
+
+    /// A job marked `after_cancel` is written or failed.
+    fn settle(&mut self, j: &Job) {
+        if !j.after_cancel {
+            return;
+        }
+        if let Some(n) = self.unfinished.get_mut(&j.id) {
+            *n -= 1;
+            if *n == 0 {
+                self.unfinished.remove(&j.id);
+            }
+        }
+    }
+
+    /// Drops what `newer` keeps for `id` once no cancellation of it is
+    /// pending.
+    fn forget_newer(&mut self, id: &ChunkId) {
+        if self.hooks.cancel_time(id).is_none() {
+            self.newer.remove(id);
+        }
+    }
+
+    /// Packs `items` into batches in order and submits them (failing them
+    /// all when the disk is poisoned or no region opens).
+    fn pack(&mut self, mut items: std::collections::VecDeque<Item>) {
         let rs = self.disk.region_size;
         while !items.is_empty() {
             if self.check_poison().is_err() {
                 self.drain();
                 self.fail_all(items.make_contiguous());
-                return superseded;
+                return;
             }
             if self.open.is_none() {
                 self.drain();
                 if let Err(e) = self.open_next_region() {
                     self.poison(format!("opening a region failed: {e}"));
                     self.fail_all(items.make_contiguous());
-                    return superseded;
+                    return;
                 }
             }
             let o = self.open.as_ref().expect("a region is open");
@@ -542,7 +588,6 @@ impl Writer {
             let batch: Vec<Item> = items.drain(..k).collect();
             self.submit(batch);
         }
-        superseded
     }
 
     /// Packs `items` into a batch and hands it to the I/O thread (after
@@ -877,10 +922,21 @@ impl Writer {
         for it in items.iter() {
             match it {
                 Item::Job(j) => {
-                    c.disk_writes.fetch_add(1, Ordering::Relaxed);
+                    self.disk
+                        .counters
+                        .disk_writes
+                        .fetch_add(1, Ordering::Relaxed);
+                    if j.after_cancel && !self.hooks.cancelled(j) {
+                        let n = self.newer.entry(j.id).or_insert(j.inserted);
+                        *n = (*n).max(j.inserted);
+                    }
+                    self.settle(j);
                     self.hooks.written(j);
                 }
-                Item::Tomb(id, seq) => self.hooks.tombstone_done(id, *seq),
+                Item::Tomb(id, seq) => {
+                    self.hooks.tombstone_done(id, *seq);
+                    self.forget_newer(id);
+                }
             }
         }
         true
