@@ -270,10 +270,10 @@ pub(crate) struct Inner {
     observer: RwLock<Option<Arc<dyn ChunkObserver>>>,
     /// Deletes (and broken atomic groups) whose jobs may still be queued: a
     /// job inserted before the cancellation is skipped. An entry is pruned
-    /// when the writer has handled every job queued before it (the delete's
-    /// tombstone, or a `Msg::Forget` for a broken group, is written or
-    /// seen). parking_lot: short sections.
-    cancel: Mutex<HashMap<ChunkId, Instant>>,
+    /// when the writer has handled every tombstone or `Msg::Forget` sent for
+    /// it (so every job queued before the last of them). parking_lot: short
+    /// sections.
+    cancel: Mutex<HashMap<ChunkId, Cancel>>,
     /// `Msg::Forget`s that found the writer queue full (they are never sent
     /// blocking: the writer thread itself breaks groups); sent by the next
     /// flush or idle pass. parking_lot: short sections.
@@ -286,6 +286,28 @@ pub(crate) struct Inner {
     gate: RwLock<()>,
     closed: AtomicBool,
     recovery_micros: AtomicU64,
+}
+
+/// A pending cancellation of an id's queued writes.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Cancel {
+    /// The latest cancellation: versions put at or before it are cancelled.
+    at: Instant,
+    /// Tombstones and forgets sent for the id and not handled yet.
+    outstanding: u32,
+}
+
+/// Records a cancellation of `id` now (the caller then sends one tombstone
+/// or forget for it) and returns its time, taken under the lock.
+pub(crate) fn cancel_now(c: &mut HashMap<ChunkId, Cancel>, id: ChunkId) -> Instant {
+    let now = Instant::now();
+    let e = c.entry(id).or_insert(Cancel {
+        at: now,
+        outstanding: 0,
+    });
+    e.at = e.at.max(now);
+    e.outstanding += 1;
+    now
 }
 
 /// The local chunk store: a byte-budgeted RAM LRU over an NVMe segment store.
@@ -1132,11 +1154,7 @@ impl Inner {
             // index, then RAM (see `delete_inner`).
             let mut now = Instant::now();
             if self.disk.is_some() {
-                let mut c = self.cancel.lock();
-                // Taken under the lock; a later cancellation is kept.
-                now = Instant::now();
-                let t = c.entry(id).or_insert(now);
-                *t = (*t).max(now);
+                now = cancel_now(&mut self.cancel.lock(), id);
             }
             let on_disk = self.disk.as_ref().is_some_and(|d| {
                 let mut ix = d.index.write();
@@ -1381,12 +1399,7 @@ impl Inner {
         let t = match &self.disk {
             Some(d) => {
                 let mut ix = d.index.write();
-                let t = {
-                    let mut c = self.cancel.lock();
-                    let t = Instant::now();
-                    c.insert(*id, t);
-                    t
-                };
+                let t = cancel_now(&mut self.cancel.lock(), *id);
                 if let Some(l) = ix.remove(id) {
                     d.live_bytes
                         .fetch_sub(u64::from(l.payload_len), Ordering::Relaxed);
@@ -1590,14 +1603,14 @@ impl Hooks for Inner {
     }
 
     fn cancel_time(&self, id: &ChunkId) -> Option<Instant> {
-        self.cancel.lock().get(id).copied()
+        self.cancel.lock().get(id).map(|c| c.at)
     }
 
     fn cancelled(&self, job: &Job) -> bool {
         self.cancel
             .lock()
             .get(&job.id)
-            .is_some_and(|t| job.inserted <= *t)
+            .is_some_and(|c| job.inserted <= c.at)
     }
 
     fn written(&self, job: &Job) {
@@ -1640,10 +1653,13 @@ impl Hooks for Inner {
         }
     }
 
-    fn tombstone_done(&self, id: &ChunkId, at: Instant) {
+    fn tombstone_done(&self, id: &ChunkId, _at: Instant) {
         let mut c = self.cancel.lock();
-        if c.get(id).is_some_and(|t| *t <= at) {
-            c.remove(id);
+        if let Some(e) = c.get_mut(id) {
+            e.outstanding = e.outstanding.saturating_sub(1);
+            if e.outstanding == 0 {
+                c.remove(id);
+            }
         }
     }
 }
@@ -2268,8 +2284,7 @@ mod race_tests {
         s.put(x, data(0, 1)).unwrap();
         s.flush().unwrap();
         // 1, 2: the cancellation and the index.
-        let t = Instant::now();
-        inner.cancel.lock().insert(x, t);
+        let t = cancel_now(&mut inner.cancel.lock(), x);
         let d = inner.disk.as_ref().unwrap();
         assert!(d.index.write().remove(&x).is_some());
         // The put lands.
@@ -2333,17 +2348,16 @@ mod race_tests {
         s.put(x, data(0, 1)).unwrap();
         s.flush().unwrap();
         let d = inner.disk.as_ref().unwrap();
-        let t1 = Instant::now();
-        inner.cancel.lock().insert(x, t1);
+        let t1 = cancel_now(&mut inner.cancel.lock(), x);
         d.index.write().remove(&x);
         inner.ram.remove_if(&x, |e| e.inserted <= t1);
-        let t2 = Instant::now();
-        inner.cancel.lock().insert(x, t2);
+        let t2 = cancel_now(&mut inner.cancel.lock(), x);
         d.index.write().remove(&x);
         inner.ram.remove_if(&x, |e| e.inserted <= t2);
         s.put(x, data(0, 3)).unwrap();
         s.flush().unwrap();
         inner.send(Msg::Tombstone(x, t1)).unwrap();
+        s.flush().unwrap();
         inner.send(Msg::Tombstone(x, t2)).unwrap();
         s.flush().unwrap();
         assert_eq!(s.get(&x).unwrap().data[0], data(0, 3)[0]);
@@ -2374,8 +2388,7 @@ mod race_tests {
         s.put(x, data(0, 1)).unwrap();
         s.flush().unwrap();
         let d = inner.disk.as_ref().unwrap();
-        let t = Instant::now();
-        inner.cancel.lock().insert(x, t);
+        let t = cancel_now(&mut inner.cancel.lock(), x);
         assert!(d.index.write().remove(&x).is_some());
         s.put(x, data(0, 2)).unwrap();
         assert!(inner.ram.remove_if(&x, |e| e.inserted <= t).is_none());
@@ -2392,6 +2405,50 @@ mod race_tests {
             s.get(&x).map(|h| h.data[0]),
             None,
             "the deleted v1 came back"
+        );
+    }
+
+    /// Two deletes whose tombstones reach the writer out of order (the
+    /// first delete is preempted before sending its own): the later one's
+    /// tombstone does not end the cancellation the earlier one's still
+    /// needs, so a put written between the two tombstones is known as newer
+    /// and the earlier tombstone is not written after it.
+    #[test]
+    fn a_put_between_two_deletes_tombstones_out_of_order_survives() {
+        let dir = tempfile::tempdir().unwrap();
+        let dev = file(dir.path(), 16 << 20);
+        let (s, ns) = open_on(dir.path(), dev.clone(), 1 << 20, NO_IDLE);
+        let inner = &s.inner;
+        let x = ChunkId::new(ns, key(0), 0);
+        s.put(x, data(0, 1)).unwrap();
+        s.flush().unwrap();
+        let d = inner.disk.as_ref().unwrap();
+        // Delete A: steps 1-3, then preempted.
+        let ta = {
+            let mut ix = d.index.write();
+            let t = cancel_now(&mut inner.cancel.lock(), x);
+            ix.remove(&x);
+            t
+        };
+        inner.ram.remove_if(&x, |e| e.inserted <= ta);
+        // Delete B, whole.
+        assert!(!inner.delete_inner(&x, false));
+        s.flush().unwrap();
+        assert_eq!(s.cancelled_writes(), 1, "A's tombstone is still to come");
+        // A put after both, written.
+        s.put(x, data(0, 3)).unwrap();
+        s.flush().unwrap();
+        // A resumes.
+        inner.send(Msg::Tombstone(x, ta)).unwrap();
+        s.flush().unwrap();
+        assert_eq!(s.cancelled_writes(), 0);
+        s.close(WAIT).unwrap();
+        drop(s);
+        let (s, _) = open_on(dir.path(), dev, 1 << 20, NO_IDLE);
+        assert_eq!(
+            s.get(&x).map(|h| h.data),
+            Some(data(0, 3)),
+            "the earlier delete's tombstone deleted the later put at recovery"
         );
     }
 }

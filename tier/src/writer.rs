@@ -86,9 +86,10 @@ pub(crate) trait Hooks: Send + Sync {
     fn cancel_time(&self, id: &ChunkId) -> Option<Instant>;
     /// Whether the job was cancelled (its chunk deleted, or its atomic group
     /// broke) after it was queued. Asked under the index's write lock when
-    /// the written job is indexed: a delete takes the cancellation before
-    /// it takes the index lock, so a cancelled job is never indexed after
-    /// the delete removed the chunk from the index.
+    /// the written job is indexed: a delete records its cancellation and
+    /// removes the id from the index under that lock (a broken group
+    /// records it before taking the lock), so a cancelled job is never
+    /// indexed after the id was taken out of the index.
     fn cancelled(&self, job: &Job) -> bool;
     /// The job's chunk is written (not yet durable).
     fn written(&self, job: &Job);
@@ -891,8 +892,8 @@ impl Writer {
             let mut ix = self.disk.index.write();
             for (it, e) in items.iter().zip(&entries) {
                 match it {
-                    // Not indexed: its delete (or group break) has removed
-                    // the chunk, or will once it gets the index lock.
+                    // Not indexed: its delete has taken the id out of the
+                    // index (a group break will, once it gets the lock).
                     Item::Job(j) if self.hooks.cancelled(j) => {}
                     Item::Job(_) => {
                         let prev = ix.insert(
@@ -926,7 +927,15 @@ impl Writer {
                         .counters
                         .disk_writes
                         .fetch_add(1, Ordering::Relaxed);
-                    if j.after_cancel && !self.hooks.cancelled(j) {
+                    // Only while a cancellation it is newer than is pending
+                    // (a cancelled job is older; after the last tombstone
+                    // nothing needs it).
+                    if j.after_cancel
+                        && self
+                            .hooks
+                            .cancel_time(&j.id)
+                            .is_some_and(|t| j.inserted > t)
+                    {
                         let n = self.newer.entry(j.id).or_insert(j.inserted);
                         *n = (*n).max(j.inserted);
                     }
