@@ -2451,4 +2451,48 @@ mod race_tests {
             "the earlier delete's tombstone deleted the later put at recovery"
         );
     }
+
+    /// A tombstone that reaches the writer while a newer version of its id
+    /// is still being written waits for that write, then is not written
+    /// (the put survives a restart). The newer version's write is held on
+    /// the device while the tombstone arrives.
+    #[test]
+    fn a_tombstone_waits_for_a_newer_write_in_flight() {
+        let dir = tempfile::tempdir().unwrap();
+        let (s, ns, dev) = setup(dir.path(), NO_IDLE);
+        let inner = &s.inner;
+        let x = ChunkId::new(ns, key(0), 0);
+        s.put(x, data(0, 1)).unwrap();
+        s.flush().unwrap();
+        let d = inner.disk.as_ref().unwrap();
+        let t = {
+            let mut ix = d.index.write();
+            let t = cancel_now(&mut inner.cancel.lock(), x);
+            ix.remove(&x);
+            t
+        };
+        s.put(x, data(0, 2)).unwrap();
+        assert!(inner.ram.remove_if(&x, |e| e.inserted <= t).is_none());
+        // Evicted (no flush: a flush marker would make the writer wait for
+        // the write before it reads the tombstone).
+        dev.hold_writes();
+        for n in 100..104 {
+            s.put(ChunkId::new(ns, key(n), 0), data(n, 1)).unwrap();
+        }
+        assert!(dev.wait_held(1, WAIT), "the put's write reached the device");
+        inner.send(Msg::Tombstone(x, t)).unwrap();
+        // Give the writer time to take the tombstone (it then waits).
+        std::thread::sleep(Duration::from_millis(100));
+        dev.release();
+        s.flush().unwrap();
+        assert_eq!(s.cancelled_writes(), 0);
+        s.close(WAIT).unwrap();
+        drop(s);
+        let (s, _) = open_on(dir.path(), dev, 1 << 20, NO_IDLE);
+        assert_eq!(
+            s.get(&x).map(|h| h.data),
+            Some(data(0, 2)),
+            "the tombstone was written after the put's record"
+        );
+    }
 }
