@@ -145,6 +145,9 @@ pub(crate) struct Writer {
     /// Jobs marked `after_cancel` packed and not yet written or failed, per
     /// id: a tombstone of that id waits for them before it is decided.
     unfinished: std::collections::HashMap<ChunkId, u32>,
+    /// Tombstones whose batch failed while the disk was not poisoned (the
+    /// ENOSPC pause): written again ahead of the next items or flush.
+    retry_tombs: Vec<(ChunkId, Instant)>,
 }
 
 /// Batches in flight to the I/O thread: while it writes one, the next ones
@@ -288,6 +291,7 @@ impl Writer {
             packer: Packer::new(pack_helpers),
             newer: std::collections::HashMap::new(),
             unfinished: std::collections::HashMap::new(),
+            retry_tombs: Vec::new(),
         }
     }
 
@@ -355,6 +359,11 @@ impl Writer {
                     Ok(m) => control = push(m, &mut items, &mut forgets, &mut bytes),
                     Err(_) => break,
                 }
+            }
+            if !self.retry_tombs.is_empty() && (!items.is_empty() || control.is_some()) {
+                // Failed tombstones go first: they were queued before.
+                let retry = std::mem::take(&mut self.retry_tombs);
+                items.splice(0..0, retry.into_iter().map(|(id, at)| Item::Tomb(id, at)));
             }
             if !items.is_empty() {
                 // Tombstones superseded by a newer version are not written;
@@ -464,13 +473,22 @@ impl Writer {
 
     fn fail_all(&mut self, items: &[Item]) {
         for it in items {
-            if let Item::Job(j) = it {
-                self.settle(j);
-                self.disk
-                    .counters
-                    .write_failures
-                    .fetch_add(1, Ordering::Relaxed);
-                self.hooks.failed(j);
+            match it {
+                Item::Job(j) => {
+                    self.settle(j);
+                    self.disk
+                        .counters
+                        .write_failures
+                        .fetch_add(1, Ordering::Relaxed);
+                    self.hooks.failed(j);
+                }
+                // A delete must reach the disk, or the chunk comes back at
+                // recovery: retried unless disk writes have stopped.
+                Item::Tomb(id, at) => {
+                    if self.disk.poisoned().is_none() {
+                        self.retry_tombs.push((*id, *at));
+                    }
+                }
             }
         }
     }

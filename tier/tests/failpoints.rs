@@ -5,6 +5,8 @@
 //!
 //! - `tier::writer::batch_write=return(enospc)`: the writer pauses, RAM keeps
 //!   serving, writes go through again once the device has room;
+//! - a tombstone whose batch fails that way is written again once the
+//!   device has room (else the deleted chunk came back at recovery);
 //! - the same for a batch of a flush that spans several regions (each next
 //!   region is opened while the batch before may be in flight): after a
 //!   restart exactly the chunks the flush reported written are there (the
@@ -66,6 +68,7 @@ fn record() -> NamespaceRecord {
 fn failpoints() {
     let scenario = fail::FailScenario::setup();
     enospc_pauses_and_resumes();
+    a_tombstone_whose_batch_fails_is_written_later();
     a_failed_batch_across_a_region_switch_leaves_nothing_behind_it();
     eio_poisons_until_reopen();
     failed_fdatasync_fails_the_flush();
@@ -93,6 +96,31 @@ fn enospc_pauses_and_resumes() {
     drop(s);
     let s = ChunkStore::open(cfg(dir.path())).unwrap();
     assert_eq!(s.get(&id(ns, 1)).unwrap().data, payload(1));
+}
+
+fn a_tombstone_whose_batch_fails_is_written_later() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = ChunkStore::open(cfg(dir.path())).unwrap();
+    let ns = s.register_namespace(&record()).unwrap();
+    s.put(id(ns, 1), payload(1)).unwrap();
+    s.flush().unwrap();
+    fail::cfg("tier::writer::batch_write", "return(enospc)").unwrap();
+    assert!(s.delete(&id(ns, 1)));
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while !s.stats().writer_paused_nospace {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the tombstone's batch never failed"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    fail::remove("tier::writer::batch_write");
+    s.flush().unwrap();
+    assert!(!s.stats().writer_paused_nospace);
+    assert_eq!(s.cancelled_writes(), 0, "the tombstone was written");
+    drop(s);
+    let s = ChunkStore::open(cfg(dir.path())).unwrap();
+    assert!(s.get(&id(ns, 1)).is_none(), "the deleted chunk came back");
 }
 
 fn a_failed_batch_across_a_region_switch_leaves_nothing_behind_it() {
