@@ -727,25 +727,19 @@ impl RamCache {
         Ok((Some(seq), evicted))
     }
 
-    fn lookup(&self, id: &ChunkId, promote: bool, spilled_too: bool) -> Option<RamEntry> {
+    /// Reads a chunk without promoting it; a spilled one only with
+    /// `spilled_too`.
+    fn peek_inner(&self, id: &ChunkId, spilled_too: bool) -> Option<RamEntry> {
         let (slot, hash) = self.locate(id);
-        let mut shard = slot.inner.lock();
-        let i = shard.find(hash, id)?;
-        if shard.node(i).spilled {
-            return spilled_too.then(|| shard.node(i).entry.clone());
-        }
-        if promote {
-            let tick = self.tick();
-            shard.promote(i, tick);
-            slot.tail_tick.store(shard.tail_tick(), Ordering::Release);
-        }
-        Some(shard.node(i).entry.clone())
+        let shard = slot.inner.lock();
+        let n = shard.node(shard.find(hash, id)?);
+        (spilled_too || !n.spilled).then(|| n.entry.clone())
     }
 
     /// Reads a chunk and makes it the most recently used (a spilled one is
     /// read as it is; it has no LRU position).
     pub fn get(&self, id: &ChunkId) -> Option<RamEntry> {
-        self.lookup(id, true, true)
+        self.get_or_mark(id).ok()
     }
 
     /// [`RamCache::get`], or when `id` is absent, the mark for a later
@@ -774,13 +768,13 @@ impl RamCache {
     /// Reads a resident chunk (not a spilled one) without changing its LRU
     /// position.
     pub fn peek(&self, id: &ChunkId) -> Option<RamEntry> {
-        self.lookup(id, false, false)
+        self.peek_inner(id, false)
     }
 
     /// Reads a chunk, resident or spilled, without changing its LRU
     /// position.
     pub fn peek_any(&self, id: &ChunkId) -> Option<RamEntry> {
-        self.lookup(id, false, true)
+        self.peek_inner(id, true)
     }
 
     /// Drops the spilled entry of `id` if its sequence number is `seq`: the

@@ -288,6 +288,18 @@ pub(crate) struct Inner {
     recovery_micros: AtomicU64,
 }
 
+/// Where the version a write job carries is held in RAM, which says what
+/// becomes of that copy once written.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Held {
+    /// Resident: marked clean if still that version.
+    Resident,
+    /// Spilled: dropped from RAM once indexed.
+    Spilled,
+    /// Not in RAM (evicted with spilling off).
+    Gone,
+}
+
 /// A pending cancellation of an id's queued writes.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Cancel {
@@ -1271,20 +1283,9 @@ impl Inner {
             // hand-off to the writer (the window `flush_inner` covers).
             #[cfg(feature = "failpoints")]
             fail::fail_point!("tier::store::hand_off");
-            let (txn, txn_size) = self.txn_of(&e.id);
-            let job = Job {
-                id: e.id,
-                name: e.entry.name,
-                data: e.entry.data,
-                ram_seq: None,
-                after_cancel: false,
-                spill_seq: e.spilled.then_some(e.entry.seq),
-                inserted: e.entry.inserted,
-                txn,
-                txn_size,
-                created_ms: crate::layout::now_ms(),
-                ticket: None,
-            };
+            let (id, seq, spilled) = (e.id, e.entry.seq, e.spilled);
+            let held = if spilled { Held::Spilled } else { Held::Gone };
+            let job = self.write_job(id, e.entry, held, None);
             let sent = match self.config.write_policy {
                 WritePolicy::NoTax => match tx.try_send(Msg::Write(job)) {
                     Ok(()) => true,
@@ -1297,10 +1298,10 @@ impl Inner {
                 self.counters
                     .dropped_unwritten
                     .fetch_add(1, Ordering::Relaxed);
-                if e.spilled {
-                    self.ram.unspill(&e.id, e.entry.seq);
+                if spilled {
+                    self.ram.unspill(&id, seq);
                 }
-                self.lost(&e.id);
+                self.lost(&id);
             }
         }
     }
@@ -1458,7 +1459,12 @@ impl Inner {
         covered.reserve(dirty.len());
         for (id, e) in dirty {
             covered.push((id, e.seq));
-            self.send(self.flush_job(id, e, true, &ticket))?;
+            self.send(Msg::Write(self.write_job(
+                id,
+                e,
+                Held::Resident,
+                Some(ticket.clone()),
+            )))?;
         }
         self.flush_marker(deadline)?;
         let mut late = 0;
@@ -1466,7 +1472,12 @@ impl Inner {
         for (id, seq) in covered {
             if let Some(e) = self.ram.spilled(&id, seq) {
                 late += 1;
-                self.send(self.flush_job(id, e, false, &ticket))?;
+                self.send(Msg::Write(self.write_job(
+                    id,
+                    e,
+                    Held::Spilled,
+                    Some(ticket.clone()),
+                )))?;
             } else if !self.ram.peek(&id).is_some_and(|e| e.seq == seq && !e.dirty) {
                 // Spilled (or evicted) at some point: its eviction's write
                 // may have landed after the first marker's fdatasync.
@@ -1488,23 +1499,23 @@ impl Inner {
         })
     }
 
-    /// A flush's job for `e`: a resident entry's (`resident`, marked clean
-    /// once written) or a spilled one's (unspilled once written).
-    fn flush_job(&self, id: ChunkId, e: RamEntry, resident: bool, ticket: &Arc<Ticket>) -> Msg {
+    /// A write job for version `e` of `id` (flush, idle pass, eviction);
+    /// `held` says what becomes of its RAM copy once written.
+    fn write_job(&self, id: ChunkId, e: RamEntry, held: Held, ticket: Option<Arc<Ticket>>) -> Job {
         let (txn, txn_size) = self.txn_of(&id);
-        Msg::Write(Job {
+        Job {
             id,
             name: e.name,
             data: e.data,
-            ram_seq: resident.then_some(e.seq),
+            ram_seq: (held == Held::Resident).then_some(e.seq),
             after_cancel: false,
-            spill_seq: (!resident).then_some(e.seq),
+            spill_seq: (held == Held::Spilled).then_some(e.seq),
             inserted: e.inserted,
             txn,
             txn_size,
             created_ms: crate::layout::now_ms(),
-            ticket: Some(ticket.clone()),
-        })
+            ticket,
+        }
     }
 
     /// Sends a flush marker and waits (until `deadline`, if any) for the
@@ -1555,20 +1566,7 @@ impl Inner {
             .ram
             .dirty_entries(Some(self.config.idle_flush_after), limit)
         {
-            let (txn, txn_size) = self.txn_of(&id);
-            let job = Job {
-                id,
-                name: e.name,
-                data: e.data,
-                ram_seq: Some(e.seq),
-                after_cancel: false,
-                spill_seq: None,
-                inserted: e.inserted,
-                txn,
-                txn_size,
-                created_ms: crate::layout::now_ms(),
-                ticket: None,
-            };
+            let job = self.write_job(id, e, Held::Resident, None);
             if tx.try_send(Msg::Write(job)).is_err() {
                 break;
             }
