@@ -313,13 +313,16 @@ pub(crate) struct Cancel {
 /// or forget for it) and returns its time, taken under the lock.
 pub(crate) fn cancel_now(c: &mut HashMap<ChunkId, Cancel>, id: ChunkId) -> Instant {
     let now = Instant::now();
-    let e = c.entry(id).or_insert(Cancel {
-        at: now,
-        outstanding: 0,
-    });
-    e.at = e.at.max(now);
-    e.outstanding += 1;
+    cancel_at(c, id, now);
     now
+}
+
+/// Records a cancellation of `id`'s versions put at or before `at` (the
+/// caller then sends one tombstone or forget for it).
+fn cancel_at(c: &mut HashMap<ChunkId, Cancel>, id: ChunkId, at: Instant) {
+    let e = c.entry(id).or_insert(Cancel { at, outstanding: 0 });
+    e.at = e.at.max(at);
+    e.outstanding += 1;
 }
 
 /// The local chunk store: a byte-budgeted RAM LRU over an NVMe segment store.
@@ -1238,6 +1241,44 @@ impl Inner {
             .is_some_and(|d| d.index.read().contains(id))
     }
 
+    /// The version of `id` put at `inserted` is lost without reaching the
+    /// disk (dropped by the no-tax policy, or its write failed). An older
+    /// version, on disk or still on its way there, must not be served in its
+    /// place (a RESP key overwritten would read its earlier value): so, as a
+    /// delete of the versions put up to `inserted` would, this cancels their
+    /// writes still queued or in flight, takes the id out of the disk index
+    /// and bumps its RAM removal bucket (a disk read in flight does not
+    /// cache the older copy). Versions put later stay. Unlike a delete, no
+    /// tombstone is written: after a restart the older version, the last
+    /// one that reached the disk, is served again, as after a crash.
+    ///
+    /// Nothing to do (no locks taken) unless the id is indexed or the lost
+    /// version replaced a dirty one ([`RamEntry::replaced_dirty`]). Once the
+    /// version is lost nothing newer than it can have been written, except
+    /// by a put, eviction and write all completing between the loss and
+    /// this call: that newer version would read as a miss until a restart.
+    /// Never blocks: the writer thread calls it.
+    fn lost_unwritten(&self, id: ChunkId, inserted: Instant, replaced_dirty: bool) {
+        let Some(d) = &self.disk else {
+            return;
+        };
+        if !replaced_dirty && !self.on_disk(&id) {
+            return;
+        }
+        {
+            // The order of `delete_inner`: nothing cancelled is indexed
+            // after this removal (see `Hooks::cancelled`).
+            let mut ix = d.index.write();
+            cancel_at(&mut self.cancel.lock(), id, inserted);
+            if let Some(l) = ix.remove(&id) {
+                d.live_bytes
+                    .fetch_sub(u64::from(l.payload_len), Ordering::Relaxed);
+            }
+        }
+        self.ram.remove_if(&id, |e| e.inserted <= inserted);
+        self.forget_cancel(id, inserted);
+    }
+
     /// A chunk is gone from this node: tell the observer, break its group.
     fn lost(&self, id: &ChunkId) {
         if self.ram.contains(id) || self.on_disk(id) {
@@ -1278,6 +1319,7 @@ impl Inner {
                 self.lost(&e.id);
                 continue;
             };
+            let (replaced_dirty, inserted) = (e.entry.replaced_dirty, e.entry.inserted);
             // Failpoint `tier::store::hand_off` (feature `failpoints`): a
             // `pause` holds an evicted chunk between its eviction and its
             // hand-off to the writer (the window `flush_inner` covers).
@@ -1301,6 +1343,7 @@ impl Inner {
                 if spilled {
                     self.ram.unspill(&id, seq);
                 }
+                self.lost_unwritten(id, inserted, replaced_dirty);
                 self.lost(&id);
             }
         }
@@ -1511,6 +1554,7 @@ impl Inner {
             after_cancel: false,
             spill_seq: (held == Held::Spilled).then_some(e.seq),
             inserted: e.inserted,
+            replaced_dirty: e.replaced_dirty,
             txn,
             txn_size,
             created_ms: crate::layout::now_ms(),
@@ -1632,7 +1676,10 @@ impl Hooks for Inner {
         if let Some(seq) = job.spill_seq {
             self.ram.unspill(&job.id, seq);
         }
+        // A resident version stays dirty in RAM (written later); any other
+        // is lost.
         if job.ram_seq.is_none() {
+            self.lost_unwritten(job.id, job.inserted, job.replaced_dirty);
             self.lost(&job.id);
         }
     }
@@ -1811,7 +1858,18 @@ mod race_tests {
         region: u64,
         idle: Duration,
     ) -> (ChunkStore, Namespace) {
-        let cfg = TierConfig {
+        open_with(dir, dev, region, idle, |_| {})
+    }
+
+    /// [`open_on`] with the config changed by `tweak` first.
+    fn open_with(
+        dir: &std::path::Path,
+        dev: Arc<dyn Device>,
+        region: u64,
+        idle: Duration,
+        tweak: impl FnOnce(&mut TierConfig),
+    ) -> (ChunkStore, Namespace) {
+        let mut cfg = TierConfig {
             data_dir: dir.to_path_buf(),
             ram_budget: 1 << 20,
             disk_budget: dev.len(),
@@ -1820,6 +1878,7 @@ mod race_tests {
             direct_io: false,
             ..TierConfig::default()
         };
+        tweak(&mut cfg);
         let s = ChunkStore::open_with_device(cfg, dev).unwrap();
         let ns = s
             .register_namespace(&NamespaceRecord {
@@ -2492,5 +2551,176 @@ mod race_tests {
             Some(data(0, 2)),
             "the tombstone was written after the put's record"
         );
+    }
+
+    /// Releases a [`HoldingDevice`] when dropped (also when a test fails:
+    /// the store's threads would wait on it forever).
+    struct Released<'a>(&'a HoldingDevice);
+
+    impl Drop for Released<'_> {
+        fn drop(&mut self) {
+            self.0.release();
+        }
+    }
+
+    /// Fills the writer's queue of a store whose writes are held on its
+    /// device (the writer waits in one write, the queue of one is full):
+    /// puts 256 KiB fillers from key `from` until a dirty eviction is
+    /// dropped unwritten. Returns the next free filler key.
+    fn jam_writer(s: &ChunkStore, ns: Namespace, dev: &HoldingDevice, from: u64) -> u64 {
+        let dropped = s.stats().dropped_unwritten;
+        let mut n = from;
+        while s.stats().dropped_unwritten == dropped {
+            assert!(n < from + 64, "no eviction was dropped");
+            s.put(ChunkId::new(ns, key(n), 0), data(n, 9)).unwrap();
+            n += 1;
+            if n == from + 5 {
+                assert!(dev.wait_held(1, WAIT), "the writer is in a write");
+            }
+        }
+        n
+    }
+
+    /// Puts fillers from key `from` until `id` is evicted and dropped
+    /// unwritten (the writer jammed by [`jam_writer`]).
+    fn drop_unwritten(s: &ChunkStore, ns: Namespace, id: &ChunkId, from: u64) {
+        let dropped = s.stats().dropped_unwritten;
+        let mut n = from;
+        while s.inner.ram.peek_any(id).is_some() {
+            assert!(n < from + 8, "{id:?} was never evicted");
+            s.put(ChunkId::new(ns, key(n), 0), data(n, 9)).unwrap();
+            n += 1;
+        }
+        assert!(s.stats().dropped_unwritten > dropped, "nothing dropped");
+    }
+
+    /// A chunk on disk, overwritten by a put whose version is then dropped
+    /// unwritten (no-tax, the writer's queue full): the older version on
+    /// disk is no longer served as current. A read misses; after a restart
+    /// (nothing newer was ever written) the older version is back.
+    #[test]
+    fn an_overwrite_dropped_unwritten_never_serves_the_older_version() {
+        let dir = tempfile::tempdir().unwrap();
+        let dev = Arc::new(HoldingDevice::new(file(dir.path(), 16 << 20)));
+        let (s, ns) = open_with(dir.path(), dev.clone(), 1 << 20, NO_IDLE, |c| {
+            c.writer_queue = 1;
+        });
+        let x = ChunkId::new(ns, key(0), 0);
+        s.put(x, data(0, 1)).unwrap();
+        s.flush().unwrap();
+        dev.hold_writes();
+        let held = Released(&dev);
+        let next = jam_writer(&s, ns, &dev, 100);
+        s.put(x, data(0, 2)).unwrap();
+        drop_unwritten(&s, ns, &x, next);
+        assert_eq!(
+            (s.get(&x).map(|h| h.data[0]), s.locate(&x)),
+            (None, None),
+            "the version before the lost overwrite is served as current"
+        );
+        drop(held);
+        s.flush().unwrap();
+        assert_eq!(s.get(&x).map(|h| h.data[0]), None);
+        assert_eq!(s.cancelled_writes(), 0, "the cancellation is pruned");
+        s.close(WAIT).unwrap();
+        drop(s);
+        let (s, _) = open_on(dir.path(), dev, 1 << 20, NO_IDLE);
+        assert_eq!(s.get(&x).map(|h| h.data[0]), Some(data(0, 1)[0]));
+    }
+
+    /// An older version's write in flight when a newer version is put and
+    /// then dropped unwritten: the older one, written after the drop, is
+    /// not indexed (it would be served as current).
+    #[test]
+    fn an_older_write_landing_after_a_lost_overwrite_is_not_indexed() {
+        let dir = tempfile::tempdir().unwrap();
+        let dev = Arc::new(HoldingDevice::new(file(dir.path(), 16 << 20)));
+        let (s, ns) = open_with(dir.path(), dev.clone(), 1 << 20, NO_IDLE, |c| {
+            c.writer_queue = 1;
+        });
+        let x = ChunkId::new(ns, key(0), 0);
+        s.put(x, data(0, 1)).unwrap();
+        dev.hold_writes();
+        let held = Released(&dev);
+        // x's first version is evicted first: its write is the one held.
+        let next = jam_writer(&s, ns, &dev, 100);
+        assert!(
+            s.inner.ram.peek(&x).is_none() && s.inner.ram.peek_any(&x).is_some(),
+            "x's first version is spilled, its write held"
+        );
+        s.put(x, data(0, 2)).unwrap();
+        drop_unwritten(&s, ns, &x, next);
+        assert_eq!(s.get(&x).map(|h| h.data[0]), None);
+        drop(held);
+        s.flush().unwrap();
+        assert_eq!(
+            (s.get(&x).map(|h| h.data[0]), s.locate(&x)),
+            (None, None),
+            "the older version, written after the newer one was lost, is served"
+        );
+        assert_eq!(s.cancelled_writes(), 0, "the cancellation is pruned");
+    }
+
+    /// A newer version whose eviction write fails (ENOSPC while the region
+    /// is open: the writer pauses, the store keeps serving): the version
+    /// before it, on disk, is not served as current.
+    #[test]
+    fn an_overwrite_whose_write_fails_never_serves_the_older_version() {
+        let dir = tempfile::tempdir().unwrap();
+        let dev = Arc::new(crate::testdev::FaultyDevice::new(file(
+            dir.path(),
+            16 << 20,
+        )));
+        let (s, ns) = open_on(dir.path(), dev.clone(), 1 << 20, NO_IDLE);
+        let x = ChunkId::new(ns, key(0), 0);
+        s.put(x, data(0, 1)).unwrap();
+        s.flush().unwrap();
+        dev.fail_writes_after(0, libc::ENOSPC);
+        s.put(x, data(0, 2)).unwrap();
+        for n in 100..104 {
+            s.put(ChunkId::new(ns, key(n), 0), data(n, 1)).unwrap();
+        }
+        until("the write failed", || s.stats().disk_write_failures >= 1);
+        until("nothing spilled", || s.inner.ram.spilled_len() == 0);
+        assert_eq!(
+            (s.get(&x).map(|h| h.data[0]), s.locate(&x)),
+            (None, None),
+            "the version before the failed overwrite is served as current"
+        );
+    }
+
+    /// A read that found an older version on disk and is reading it when a
+    /// newer version is lost unwritten (staged here by calling
+    /// `lost_unwritten` directly, after the newer version left RAM) returns
+    /// what it read but does not cache it: the loss bumps the id's RAM
+    /// removal bucket.
+    #[test]
+    fn a_read_in_flight_when_an_overwrite_is_lost_does_not_cache_the_older_version() {
+        let dir = tempfile::tempdir().unwrap();
+        let (s, ns, dev) = setup(dir.path(), NO_IDLE);
+        let x = ChunkId::new(ns, key(0), 0);
+        s.put(x, data(0, 1)).unwrap();
+        s.flush().unwrap();
+        for n in 100..104 {
+            s.put(ChunkId::new(ns, key(n), 0), data(n, 1)).unwrap();
+        }
+        assert!(s.inner.ram.peek_any(&x).is_none(), "x is on disk only");
+        dev.hold_next_read();
+        let held = Released(&dev);
+        let read = std::thread::scope(|scope| {
+            let get = scope.spawn(|| s.get(&x).map(|h| h.data[0]));
+            assert!(dev.wait_held(1, WAIT), "the read reached the device");
+            s.inner.lost_unwritten(x, Instant::now(), false);
+            drop(held);
+            get.join().unwrap()
+        });
+        assert_eq!(read, Some(1));
+        assert_eq!(
+            (s.inner.ram.peek_any(&x).is_some(), s.get(&x).is_some()),
+            (false, false),
+            "the older version read meanwhile was cached"
+        );
+        s.flush().unwrap();
+        assert_eq!(s.cancelled_writes(), 0, "the cancellation is pruned");
     }
 }

@@ -55,6 +55,8 @@ pub(crate) struct Job {
     pub spill_seq: Option<u64>,
     /// When this version was put (a delete after it cancels the job).
     pub inserted: Instant,
+    /// The version replaced a dirty one ([`crate::ram::RamEntry::replaced_dirty`]).
+    pub replaced_dirty: bool,
     pub txn: u64,
     pub txn_size: u32,
     pub created_ms: u64,
