@@ -3,6 +3,8 @@
 //!
 //! `cargo bench -p kvtier-node --bench native` (full run, about a minute);
 //! `KVTIER_BENCH_QUICK=1 cargo bench -p kvtier-node --bench native` (CI smoke).
+//! `KVTIER_BENCH_PROFILE_LOOKUP=SECS` runs only empty-store LOOKUPs for that
+//! long after the PING phase (for `perf record`).
 //! `KVTIER_BENCH_CELLS=256K/1,4M/16` restricts the throughput table to those
 //! (size/batch) cells; `KVTIER_BENCH_CELLS=none` skips it. For A/B runs of
 //! the two round-trip and allocation fixes: `KVTIER_BENCH_SPIN_US=0` (no
@@ -549,6 +551,31 @@ fn main() {
         us(spin50),
         us(percentile(&raw_spin, 0.99)),
     );
+
+    // `KVTIER_BENCH_PROFILE_LOOKUP=SECS`: only LOOKUPs of 1,024 keys (in
+    // the frame) in the empty store, for that long, then exit (a profile
+    // of the transport and codec without the other phases).
+    if let Some(secs) = std::env::var("KVTIER_BENCH_PROFILE_LOOKUP").ok().map(|v| {
+        v.parse::<f64>()
+            .expect("KVTIER_BENCH_PROFILE_LOOKUP: seconds")
+    }) {
+        let keys: Vec<ChunkKey> = (0..1024u64).map(|i| key(i * 7919 + 1)).collect();
+        let until = Instant::now() + Duration::from_secs_f64(secs);
+        let mut lat = Vec::new();
+        while Instant::now() < until {
+            let t = Instant::now();
+            black_box(c.lookup(ns, 1, black_box(&keys)).expect("lookup"));
+            lat.push(t.elapsed());
+        }
+        lat.sort();
+        println!(
+            "RESULT profile loop: {} LOOKUPs of 1,024 keys in an empty store: p50 {:.1} us p99 {:.1} us",
+            lat.len(),
+            us(percentile(&lat, 0.5)),
+            us(percentile(&lat, 0.99)),
+        );
+        return;
+    }
 
     // LOOKUP of 1,024 keys in the still empty store: the index probes cost
     // next to nothing, so this is the request's transport and codec cost

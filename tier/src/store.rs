@@ -2563,6 +2563,16 @@ mod race_tests {
         }
     }
 
+    /// [`setup`] with a writer queue of one job (no idle flush), for
+    /// [`jam_writer`].
+    fn setup_queue_of_one(dir: &std::path::Path) -> (ChunkStore, Namespace, Arc<HoldingDevice>) {
+        let dev = Arc::new(HoldingDevice::new(file(dir, 16 << 20)));
+        let (s, ns) = open_with(dir, dev.clone(), 1 << 20, NO_IDLE, |c| {
+            c.writer_queue = 1;
+        });
+        (s, ns, dev)
+    }
+
     /// Fills the writer's queue of a store whose writes are held on its
     /// device (the writer waits in one write, the queue of one is full):
     /// puts 256 KiB fillers from key `from` until a dirty eviction is
@@ -2601,10 +2611,7 @@ mod race_tests {
     #[test]
     fn an_overwrite_dropped_unwritten_never_serves_the_older_version() {
         let dir = tempfile::tempdir().unwrap();
-        let dev = Arc::new(HoldingDevice::new(file(dir.path(), 16 << 20)));
-        let (s, ns) = open_with(dir.path(), dev.clone(), 1 << 20, NO_IDLE, |c| {
-            c.writer_queue = 1;
-        });
+        let (s, ns, dev) = setup_queue_of_one(dir.path());
         let x = ChunkId::new(ns, key(0), 0);
         s.put(x, data(0, 1)).unwrap();
         s.flush().unwrap();
@@ -2634,10 +2641,7 @@ mod race_tests {
     #[test]
     fn an_older_write_landing_after_a_lost_overwrite_is_not_indexed() {
         let dir = tempfile::tempdir().unwrap();
-        let dev = Arc::new(HoldingDevice::new(file(dir.path(), 16 << 20)));
-        let (s, ns) = open_with(dir.path(), dev.clone(), 1 << 20, NO_IDLE, |c| {
-            c.writer_queue = 1;
-        });
+        let (s, ns, dev) = setup_queue_of_one(dir.path());
         let x = ChunkId::new(ns, key(0), 0);
         s.put(x, data(0, 1)).unwrap();
         dev.hold_writes();
