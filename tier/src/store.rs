@@ -1916,7 +1916,7 @@ mod race_tests {
     }
 
     /// A chunk evicted dirty whose write fails (here ENOSPC on the first
-    /// region's open, which stops disk writes) is lost as before the spill
+    /// region's open, which pauses the writer) is lost as before the spill
     /// existed: its RAM copy goes too, counted as a write failure, and
     /// nothing spilled is left behind.
     #[test]

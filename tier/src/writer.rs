@@ -7,8 +7,9 @@
 //! after an fdatasync.
 //!
 //! A failed write or sync poisons the disk tier until reopen (STYLE.md rule
-//! 8), except ENOSPC, which pauses the writer: the batch fails, the writer
-//! keeps serving and tries again with the next batch.
+//! 8), except ENOSPC from a write, which pauses the writer: the batch fails
+//! (or the region switch: a full region whose seal failed takes no more
+//! batches), the writer keeps serving and tries again with the next batch.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -131,6 +132,9 @@ pub(crate) struct Writer {
     /// Spare batch buffers (reused: fresh ones pay page faults).
     spare: Vec<AlignedBuf>,
     recovered: Vec<Unsealed>,
+    /// A full region whose seal failed with ENOSPC (the writer paused): it
+    /// takes no more batches, and is sealed before any other region opens.
+    unsealed_full: Option<OpenRegion>,
     /// Batches handed to the I/O thread, oldest first (it writes them in
     /// order); at most `depth`.
     inflight: VecDeque<InFlight>,
@@ -287,6 +291,7 @@ impl Writer {
             batch_bytes,
             spare: Vec::new(),
             recovered: rec.unsealed,
+            unsealed_full: None,
             inflight: VecDeque::new(),
             depth: IO_DEPTH,
             io: None,
@@ -572,8 +577,13 @@ impl Writer {
             }
             if self.open.is_none() {
                 self.drain();
-                if let Err(e) = self.open_next_region() {
-                    self.poison(format!("opening a region failed: {e}"));
+                let opened = match self.unsealed_full.take() {
+                    Some(full) => self.seal_and_open_next(full),
+                    None => self.open_next_region(),
+                };
+                if !opened {
+                    // Poisoned, or paused by ENOSPC (tried again with the
+                    // next items).
                     self.fail_all(items.make_contiguous());
                     return;
                 }
@@ -601,8 +611,9 @@ impl Writer {
                         "chunk larger than a region; not written"
                     );
                     self.fail_all(&[it]);
-                } else {
-                    self.switch_region();
+                } else if !self.switch_region() {
+                    self.fail_all(items.make_contiguous());
+                    return;
                 }
                 continue;
             }
@@ -892,11 +903,7 @@ impl Writer {
         if let Err(e) = res {
             self.roll_back(r, start, entries_before);
             if e.raw_os_error() == Some(libc::ENOSPC) {
-                if !self.disk.paused_nospace.swap(true, Ordering::Relaxed) {
-                    tracing::warn!(
-                        "device full (ENOSPC): the disk writer pauses; reads keep working"
-                    );
-                }
+                self.pause_nospace();
             } else {
                 self.poison(format!(
                     "writing a batch of {total} bytes to region {r} failed: {e}"
@@ -981,31 +988,70 @@ impl Writer {
     /// switch, not one per seal and one per open). The syncs run on an idle
     /// device: a flush that overlapped the next batches' writes slowed them
     /// by as much as it saved.
-    fn switch_region(&mut self) {
+    ///
+    /// Returns whether a region is open now (`false`: poisoned, or paused
+    /// by ENOSPC with the full region kept for a later try).
+    fn switch_region(&mut self) -> bool {
         self.drain();
         if self.check_poison().is_err() {
             // A batch failed for good: nothing more is written.
-            return;
+            return false;
         }
+        let full = self.open.take().expect("a full region is open");
+        self.seal_and_open_next(full)
+    }
+
+    /// Seals `full` and opens the next region ([`switch_region`]'s writes).
+    /// On ENOSPC while writing them the writer pauses and `full` waits in
+    /// `unsealed_full` for the next try: the device is consistent either
+    /// way (a seal slot or open slot is only trusted whole and under its
+    /// generation, and `full` stays the last region opened, so a restart
+    /// walks its batches). The region picked as next is free by then (if
+    /// it was reclaimed, its chunks are out of the index already).
+    ///
+    /// [`switch_region`]: Self::switch_region
+    fn seal_and_open_next(&mut self, mut full: OpenRegion) -> bool {
         let (next, generation, open_slot, open_at) = self.next_open_slot();
-        let mut full = self.open.take().expect("a full region is open");
-        let res = self.seal_with(&mut full, Some((&open_slot, open_at)));
-        if let Err(e) = res {
-            tracing::error!(error = %e, "sealing a region failed");
-            return;
+        match self.seal_with(&mut full, Some((&open_slot, open_at)), true) {
+            Ok(()) => {
+                self.opened(next, generation);
+                true
+            }
+            Err(e) => {
+                if self.check_poison().is_ok() {
+                    self.unsealed_full = Some(full);
+                } else {
+                    tracing::error!(error = %e, "sealing a region failed");
+                }
+                false
+            }
         }
-        self.opened(next, generation);
+    }
+
+    /// The device is full (ENOSPC): the writer pauses (what it was writing
+    /// fails, later work tries again), reads go on.
+    fn pause_nospace(&self) {
+        if !self.disk.paused_nospace.swap(true, Ordering::Relaxed) {
+            tracing::warn!("device full (ENOSPC): the disk writer pauses; reads keep working");
+        }
     }
 
     /// Writes the summary and the seal slot, then fdatasync.
     fn seal(&mut self, o: &mut OpenRegion) -> Result<()> {
-        self.seal_with(o, None)
+        self.seal_with(o, None, false)
     }
 
     /// fdatasync (the region's batches first, so a durable summary never
     /// lists a chunk whose bytes could still be lost), the summary and the
     /// seal slot, then `also` (another region's open slot), then fdatasync.
-    fn seal_with(&mut self, o: &mut OpenRegion, also: Option<(&AlignedBuf, u64)>) -> Result<()> {
+    /// With `pause_on_nospace`, ENOSPC from a write pauses the writer
+    /// instead of poisoning the disk (a failed sync always poisons).
+    fn seal_with(
+        &mut self,
+        o: &mut OpenRegion,
+        also: Option<(&AlignedBuf, u64)>,
+        pause_on_nospace: bool,
+    ) -> Result<()> {
         let base = self.disk.region_base(o.r);
         let ents = encode_entries(&o.entries);
         let slen = block_up(ents.len() as u64);
@@ -1022,18 +1068,27 @@ impl Writer {
         };
         let mut slot = AlignedBuf::zeroed(BLOCK as usize);
         seal.encode_into(&mut slot);
-        let res = self
-            .disk
-            .sync()
-            .and_then(|()| self.disk.dev.write_at(&buf, base + o.data_end))
-            .and_then(|()| self.disk.dev.write_at(&slot, base + SEAL_SLOT))
-            .and_then(|()| match also {
+        let writes = || {
+            self.disk.dev.write_at(&buf, base + o.data_end)?;
+            self.disk.dev.write_at(&slot, base + SEAL_SLOT)?;
+            match also {
                 Some((b, at)) => self.disk.dev.write_at(b, at),
                 None => Ok(()),
-            })
-            .and_then(|()| self.disk.sync());
-        if let Err(e) = res {
-            self.poison(format!("sealing region {} failed: {e}", o.r));
+            }
+        };
+        let res = match self.disk.sync() {
+            Err(e) => Err((e, false)),
+            Ok(()) => match writes() {
+                Err(e) => Err((e, true)),
+                Ok(()) => self.disk.sync().map_err(|e| (e, false)),
+            },
+        };
+        if let Err((e, in_write)) = res {
+            if in_write && pause_on_nospace && e.raw_os_error() == Some(libc::ENOSPC) {
+                self.pause_nospace();
+            } else {
+                self.poison(format!("sealing region {} failed: {e}", o.r));
+            }
             return Err(Error::Io {
                 op: "seal a region of",
                 path: self.disk.dev.path().to_path_buf(),
@@ -1088,21 +1143,27 @@ impl Writer {
     }
 
     /// Opens a free region, or reclaims the oldest sealed one first.
-    fn open_next_region(&mut self) -> Result<()> {
+    /// Returns whether it did: ENOSPC writing its open slot pauses the
+    /// writer (the next try picks a free region again: this one, if it was
+    /// reclaimed), any other failure poisons the disk.
+    fn open_next_region(&mut self) -> bool {
         let (r, generation, slot, at) = self.next_open_slot();
         // The open slot is durable before any batch lands in the region, so
         // a crash can never pair the old summary with new data.
-        self.disk
-            .dev
-            .write_at(&slot, at)
-            .and_then(|()| self.disk.sync())
-            .map_err(|e| Error::Io {
-                op: "open a region of",
-                path: self.disk.dev.path().to_path_buf(),
-                source: e,
-            })?;
+        if let Err(e) = self.disk.dev.write_at(&slot, at) {
+            if e.raw_os_error() == Some(libc::ENOSPC) {
+                self.pause_nospace();
+            } else {
+                self.poison(format!("opening region {r} failed: {e}"));
+            }
+            return false;
+        }
+        if let Err(e) = self.disk.sync() {
+            self.poison(format!("opening region {r} failed: fdatasync: {e}"));
+            return false;
+        }
         self.opened(r, generation);
-        Ok(())
+        true
     }
 
     /// Removes every index entry of region `r` (its space is about to be

@@ -724,6 +724,105 @@ fn enospc_pauses_the_writer_and_reads_keep_working() {
     assert!(!s.stats().writer_paused_nospace);
 }
 
+/// ENOSPC writing the first region's open slot pauses the writer like a
+/// full batch write does (it poisoned the disk until reopen): the chunk
+/// stays dirty in RAM and is written once the device has room again.
+#[test]
+fn enospc_opening_a_region_pauses_the_writer() {
+    let dir = tempfile::tempdir().unwrap();
+    let inner: Arc<dyn Device> = Arc::new(CrashDevice::new(8 * MIB));
+    let dev = Arc::new(FaultyDevice::new(inner));
+    let s = ChunkStore::open_with_device(config(dir.path()), dev.clone()).unwrap();
+    let ns = s.register_namespace(&record(0)).unwrap();
+    dev.fail_writes_after(0, libc::ENOSPC);
+    s.put(id(ns, 1), payload(1, 5000)).unwrap();
+    let r = s.flush().unwrap();
+    assert_eq!(r.failed, 1);
+    let st = s.stats();
+    assert_eq!((st.writer_paused_nospace, st.disk_poisoned), (true, false));
+    assert!(s.get(&id(ns, 1)).is_some());
+    dev.heal();
+    let r = s.flush().unwrap();
+    assert_eq!((r.chunks, r.failed), (1, 0));
+    assert!(!s.stats().writer_paused_nospace);
+    s.close(Duration::from_secs(10)).unwrap();
+    drop(s);
+    let s = ChunkStore::open_with_device(config(dir.path()), dev).unwrap();
+    assert_eq!(s.get(&id(ns, 1)).unwrap().data, payload(1, 5000));
+}
+
+/// ENOSPC on any of the three writes that seal a full region and open the
+/// next (summary, seal slot, next open slot) pauses the writer; the full
+/// region takes no more batches, and its seal is written again once the
+/// device has room. Every chunk flushed before and after is there after a
+/// restart.
+#[test]
+fn enospc_sealing_a_region_pauses_and_the_seal_is_written_later() {
+    const LEN: usize = 300 * 1024;
+    // How many chunks the first region holds (the same on every store of
+    // this config).
+    let fits = {
+        let dir = tempfile::tempdir().unwrap();
+        let s = ChunkStore::open(config(dir.path())).unwrap();
+        let ns = s.register_namespace(&record(0)).unwrap();
+        let mut n = 0;
+        loop {
+            s.put(id(ns, n), payload(n, LEN)).unwrap();
+            s.flush().unwrap();
+            if s.disk_location(&id(ns, n)).unwrap().0 != s.disk_location(&id(ns, 0)).unwrap().0 {
+                break n;
+            }
+            n += 1;
+        }
+    };
+    assert!(fits >= 2, "{fits}");
+    for failing in 0..3 {
+        let dir = tempfile::tempdir().unwrap();
+        let inner: Arc<dyn Device> = Arc::new(CrashDevice::new(8 * MIB));
+        let dev = Arc::new(FaultyDevice::new(inner));
+        let s = ChunkStore::open_with_device(config(dir.path()), dev.clone()).unwrap();
+        let ns = s.register_namespace(&record(0)).unwrap();
+        for n in 0..fits {
+            s.put(id(ns, n), payload(n, LEN)).unwrap();
+            s.flush().unwrap();
+        }
+        let first = s.disk_location(&id(ns, 0)).unwrap().0;
+        dev.fail_writes_after(failing, libc::ENOSPC);
+        s.put(id(ns, fits), payload(fits, LEN)).unwrap();
+        let r = s.flush().unwrap();
+        let st = s.stats();
+        assert_eq!(
+            (r.failed, st.writer_paused_nospace, st.disk_poisoned),
+            (1, true, false),
+            "write {failing} of the switch failed"
+        );
+        // Room again, and only a small chunk to write, which would fit in
+        // the full region: it must not go there (the failed seal's summary
+        // and seal slot may be on the device already).
+        assert!(s.delete(&id(ns, fits)));
+        dev.heal();
+        s.put(id(ns, 100), payload(100, 100)).unwrap();
+        let r = s.flush().unwrap();
+        assert_eq!((r.chunks, r.failed), (1, 0), "write {failing}");
+        assert!(!s.stats().writer_paused_nospace);
+        s.put(id(ns, fits), payload(fits, LEN)).unwrap();
+        s.flush().unwrap();
+        for n in [fits, 100] {
+            assert_ne!(s.disk_location(&id(ns, n)).unwrap().0, first);
+        }
+        s.close(Duration::from_secs(10)).unwrap();
+        drop(s);
+        let s = ChunkStore::open_with_device(config(dir.path()), dev).unwrap();
+        for n in 0..=fits {
+            let hit = s
+                .get(&id(ns, n))
+                .unwrap_or_else(|| panic!("chunk {n} lost"));
+            assert_eq!(hit.data, payload(n, LEN), "chunk {n}");
+        }
+        assert_eq!(s.get(&id(ns, 100)).unwrap().data, payload(100, 100));
+    }
+}
+
 #[test]
 fn a_failed_write_or_sync_poisons_disk_io_until_reopen() {
     let dir = tempfile::tempdir().unwrap();
