@@ -134,10 +134,6 @@ pub struct RamEntry {
     pub seq: u64,
     /// When this version was inserted.
     pub inserted: Instant,
-    /// This version replaced a dirty one (resident or spilled) whose write
-    /// may still be queued or in flight: if this version is lost unwritten,
-    /// that older one must not become current again.
-    pub replaced_dirty: bool,
 }
 
 impl RamEntry {
@@ -657,7 +653,6 @@ impl RamCache {
                 seq,
                 // Stamped again under the final lock, below.
                 inserted: Instant::now(),
-                replaced_dirty: false,
             },
             tick: 0,
             spilled: false,
@@ -725,9 +720,6 @@ impl RamCache {
         // that removal is always newer than the cancellation (and its write
         // is not cancelled).
         node.entry.inserted = Instant::now();
-        node.entry.replaced_dirty = replaced
-            .iter()
-            .any(|n| n.entry.dirty || n.entry.replaced_dirty);
         shard.insert_new(node);
         slot.tail_tick.store(shard.tail_tick(), Ordering::Release);
         drop(shard);
@@ -1073,6 +1065,14 @@ impl RamCache {
             node?
         };
         Some(node.entry)
+    }
+
+    /// Bumps `id`'s removal bucket without removing anything: a
+    /// [`RamCache::insert_if_unchanged`] with an older mark (a disk read of
+    /// a version the caller just made obsolete) inserts nothing.
+    pub fn bump(&self, id: &ChunkId) {
+        let (slot, hash) = self.locate(id);
+        slot.inner.lock().bump(hash);
     }
 
     /// Marks a chunk clean after its version `seq` reached the disk. Returns

@@ -35,7 +35,7 @@ use crate::index::{Location, key_hash, seed};
 use crate::manifest::{self, NsEntry};
 use crate::ram::{AbsentMark, Evicted, RamCache, RamEntry, pipelined};
 use crate::segment::{Disk, ReadMiss};
-use crate::writer::{Hooks, Job, Msg, Ticket, Writer};
+use crate::writer::{Hooks, Job, Msg, PendingWrite, Ticket, Writer};
 use crate::{ChunkId, ChunkKey, Error, GroupId, Namespace, NamespaceRecord, Result, Tier};
 
 /// Name of the store file inside the data dir.
@@ -278,6 +278,9 @@ pub(crate) struct Inner {
     /// blocking: the writer thread itself breaks groups); sent by the next
     /// flush or idle pass. parking_lot: short sections.
     forget_later: Mutex<Vec<(ChunkId, Instant)>>,
+    /// Write jobs not done yet (queued, packed or in flight), per id
+    /// ([`PendingWrite`]). parking_lot: short sections.
+    pending: Arc<Mutex<HashMap<ChunkId, u32>>>,
     // parking_lot: short sections on atomic puts and group breaks.
     txns: Mutex<Txns>,
     /// Held for writing while an atomic group is inserted into RAM, for
@@ -438,6 +441,7 @@ impl ChunkStore {
             observer: RwLock::new(None),
             cancel: Mutex::new(HashMap::new()),
             forget_later: Mutex::new(Vec::new()),
+            pending: Arc::new(Mutex::new(HashMap::new())),
             txns: Mutex::new(txns),
             gate: RwLock::new(()),
             closed: AtomicBool::new(false),
@@ -671,6 +675,7 @@ impl ChunkStore {
         };
         let mut evicted = Vec::new();
         let mut res = Ok(());
+        let t = Instant::now();
         for (id, data) in chunks {
             match inner.ram_insert(id, None, data, true, &mut evicted) {
                 Ok(()) => {}
@@ -681,6 +686,9 @@ impl ChunkStore {
             }
         }
         drop(_gate);
+        for id in &ids {
+            inner.supersede(*id, t);
+        }
         if res.is_err() {
             inner.break_group(txn);
         }
@@ -1102,7 +1110,9 @@ impl Inner {
             }
         }
         let mut evicted = Vec::new();
+        let t = Instant::now();
         self.ram_insert(id, name, data, true, &mut evicted)?;
+        self.supersede(id, t);
         self.touch(&id.ns);
         self.handle_evicted(evicted);
         Ok(())
@@ -1116,7 +1126,9 @@ impl Inner {
         let Some(mark) = self.ram.mark_if_absent(&id) else {
             return Ok(false);
         };
-        if self.on_disk(&id) {
+        // Also while a write of a version that left RAM is on its way: it
+        // could be indexed over this copy.
+        if self.on_disk(&id) || self.pending.lock().contains_key(&id) {
             return Ok(false);
         }
         let len = data.len() as u64;
@@ -1241,42 +1253,48 @@ impl Inner {
             .is_some_and(|d| d.index.read().contains(id))
     }
 
-    /// The version of `id` put at `inserted` is lost without reaching the
-    /// disk (dropped by the no-tax policy, or its write failed). An older
-    /// version, on disk or still on its way there, must not be served in its
-    /// place (a RESP key overwritten would read its earlier value): so, as a
-    /// delete of the versions put up to `inserted` would, this cancels their
-    /// writes still queued or in flight, takes the id out of the disk index
-    /// and bumps its RAM removal bucket (a disk read in flight does not
-    /// cache the older copy). Versions put later stay. Unlike a delete, no
-    /// tombstone is written: after a restart the older version, the last
-    /// one that reached the disk, is served again, as after a crash.
+    /// A version of `id` was put (stamped after `t`): no older version may
+    /// become current again if this one is lost before it reaches the disk
+    /// (dropped by the no-tax policy, or its write failed), as a RESP key
+    /// overwritten would read its earlier value. So, like a delete of the
+    /// versions put up to `t` (whose protocol it follows, `delete_inner`),
+    /// this cancels their writes still queued or in flight (if the id has
+    /// any, [`PendingWrite`]), takes the id out of the disk index, and bumps
+    /// its RAM removal bucket (a disk read in flight does not cache the
+    /// older copy). No tombstone: after a restart the older version, the
+    /// last one the disk got, is served again if the new one never reached
+    /// the disk, as after a crash.
     ///
-    /// Nothing to do (no locks taken) unless the id is indexed or the lost
-    /// version replaced a dirty one ([`RamEntry::replaced_dirty`]). Once the
-    /// version is lost nothing newer than it can have been written, except
-    /// by a put, eviction and write all completing between the loss and
-    /// this call: that newer version would read as a miss until a restart.
-    /// Never blocks: the writer thread calls it.
-    fn lost_unwritten(&self, id: ChunkId, inserted: Instant, replaced_dirty: bool) {
+    /// Checked after the insert: a write of an older version that starts
+    /// later is skipped by the writer ([`Hooks::wanted`]: its version is no
+    /// longer in RAM). Nothing to do (two short lookups) for an id neither
+    /// indexed nor being written: a put of a new key, or a key overwritten
+    /// in RAM. Should the new version reach the index between its insert
+    /// and this call, it reads as a miss (a lost chunk, never an old one).
+    fn supersede(&self, id: ChunkId, t: Instant) {
         let Some(d) = &self.disk else {
             return;
         };
-        if !replaced_dirty && !self.on_disk(&id) {
+        let pending = self.pending.lock().contains_key(&id);
+        if !pending && !self.on_disk(&id) {
             return;
         }
         {
             // The order of `delete_inner`: nothing cancelled is indexed
             // after this removal (see `Hooks::cancelled`).
             let mut ix = d.index.write();
-            cancel_at(&mut self.cancel.lock(), id, inserted);
+            if pending {
+                cancel_at(&mut self.cancel.lock(), id, t);
+            }
             if let Some(l) = ix.remove(&id) {
                 d.live_bytes
                     .fetch_sub(u64::from(l.payload_len), Ordering::Relaxed);
             }
         }
-        self.ram.remove_if(&id, |e| e.inserted <= inserted);
-        self.forget_cancel(id, inserted);
+        self.ram.bump(&id);
+        if pending {
+            self.forget_cancel(id, t);
+        }
     }
 
     /// A chunk is gone from this node: tell the observer, break its group.
@@ -1319,7 +1337,6 @@ impl Inner {
                 self.lost(&e.id);
                 continue;
             };
-            let (replaced_dirty, inserted) = (e.entry.replaced_dirty, e.entry.inserted);
             // Failpoint `tier::store::hand_off` (feature `failpoints`): a
             // `pause` holds an evicted chunk between its eviction and its
             // hand-off to the writer (the window `flush_inner` covers).
@@ -1343,7 +1360,6 @@ impl Inner {
                 if spilled {
                     self.ram.unspill(&id, seq);
                 }
-                self.lost_unwritten(id, inserted, replaced_dirty);
                 self.lost(&id);
             }
         }
@@ -1554,7 +1570,7 @@ impl Inner {
             after_cancel: false,
             spill_seq: (held == Held::Spilled).then_some(e.seq),
             inserted: e.inserted,
-            replaced_dirty: e.replaced_dirty,
+            _pending: PendingWrite::new(&self.pending, id),
             txn,
             txn_size,
             created_ms: crate::layout::now_ms(),
@@ -1676,10 +1692,7 @@ impl Hooks for Inner {
         if let Some(seq) = job.spill_seq {
             self.ram.unspill(&job.id, seq);
         }
-        // A resident version stays dirty in RAM (written later); any other
-        // is lost.
         if job.ram_seq.is_none() {
-            self.lost_unwritten(job.id, job.inserted, job.replaced_dirty);
             self.lost(&job.id);
         }
     }
@@ -2005,8 +2018,11 @@ mod race_tests {
             b[0] ^= 0xff;
             f.write_all_at(&b, off + hl + 1000).unwrap();
         }
-        s.put(id(0), data(0, 2)).unwrap();
+        // A newer version in RAM over the bad one indexed (a put's window
+        // before its `supersede`; inserted directly to keep it open).
+        s.inner.ram.insert(id(0), data(0, 2), None, true).unwrap();
         dev.hold_writes();
+        let held = Released(&dev);
         for n in 1..=4 {
             s.put(id(n), data(n, 1)).unwrap();
         }
@@ -2016,7 +2032,7 @@ mod race_tests {
             .verify(&VerifyOptions { repair: true }, &mut |_, _| {})
             .unwrap();
         assert_eq!(r.dropped, 1);
-        dev.release();
+        drop(held);
         s.flush().unwrap();
         let leaked: Vec<u64> = (0..=4)
             .filter(|&n| {
@@ -2116,7 +2132,9 @@ mod race_tests {
         let x = ChunkId::new(ns, key(0), 0);
         s.put(x, data(0, 1)).unwrap();
         s.flush().unwrap();
-        s.put(x, data(0, 2)).unwrap();
+        // A dirty version in RAM with an older one indexed (a put's window
+        // before its `supersede`; inserted directly to keep it open).
+        inner.ram.insert(x, data(0, 2), None, true).unwrap();
         assert!(s.disk_location(&x).is_some());
         let held = inner.ram.hold_shard(shard_of(&x));
         std::thread::scope(|scope| {
@@ -2693,13 +2711,14 @@ mod race_tests {
         );
     }
 
-    /// A read that found an older version on disk and is reading it when a
-    /// newer version is lost unwritten (staged here by calling
-    /// `lost_unwritten` directly, after the newer version left RAM) returns
-    /// what it read but does not cache it: the loss bumps the id's RAM
-    /// removal bucket.
+    /// A read that found an older version in the disk index and is reading
+    /// it when a put makes that version obsolete returns what it read but
+    /// does not cache it: the put bumps the id's RAM removal bucket after
+    /// taking the index entry out. Staged: the put's insert, then the new
+    /// version leaving RAM (dropped unwritten), then the read, then the
+    /// put's `supersede`.
     #[test]
-    fn a_read_in_flight_when_an_overwrite_is_lost_does_not_cache_the_older_version() {
+    fn a_read_in_flight_when_a_put_supersedes_its_version_does_not_cache_it() {
         let dir = tempfile::tempdir().unwrap();
         let (s, ns, dev) = setup(dir.path(), NO_IDLE);
         let x = ChunkId::new(ns, key(0), 0);
@@ -2709,12 +2728,15 @@ mod race_tests {
             s.put(ChunkId::new(ns, key(n), 0), data(n, 1)).unwrap();
         }
         assert!(s.inner.ram.peek_any(&x).is_none(), "x is on disk only");
+        let t = Instant::now();
+        s.inner.ram.insert(x, data(0, 2), None, true).unwrap();
+        assert!(s.inner.ram.remove(&x).is_some());
         dev.hold_next_read();
         let held = Released(&dev);
         let read = std::thread::scope(|scope| {
             let get = scope.spawn(|| s.get(&x).map(|h| h.data[0]));
             assert!(dev.wait_held(1, WAIT), "the read reached the device");
-            s.inner.lost_unwritten(x, Instant::now(), false);
+            s.inner.supersede(x, t);
             drop(held);
             get.join().unwrap()
         });
@@ -2724,7 +2746,206 @@ mod race_tests {
             (false, false),
             "the older version read meanwhile was cached"
         );
+    }
+
+    /// One version with two spilled jobs (an eviction's, and a flush's
+    /// second round's) in two batches: the first is written and indexed,
+    /// the second fails (ENOSPC). The version written stays indexed.
+    #[test]
+    fn a_failed_duplicate_write_keeps_the_written_version() {
+        let dir = tempfile::tempdir().unwrap();
+        let faulty = Arc::new(crate::testdev::FaultyDevice::new(file(
+            dir.path(),
+            16 << 20,
+        )));
+        let dev = Arc::new(HoldingDevice::new(faulty.clone()));
+        let (s, ns) = open_on(dir.path(), dev.clone(), 1 << 20, NO_IDLE);
+        let inner = &s.inner;
+        let id = |n: u64| ChunkId::new(ns, key(n), 0);
+        // The first region is open (its open slot written).
+        s.put(id(100), Bytes::from(vec![1u8; 4096])).unwrap();
         s.flush().unwrap();
+        let x = id(0);
+        s.put(x, data(0, 1)).unwrap();
+        for n in 1..=3 {
+            s.put(id(n), data(n, 1)).unwrap();
+        }
+        // An insert of chunk 4 evicts x (spilled), before its hand-off.
+        let (_, evicted) = inner.ram.insert(id(4), data(4, 1), None, true).unwrap();
+        assert!(evicted.len() == 1 && evicted[0].id == x && evicted[0].spilled);
+        let e = evicted[0].entry.clone();
+        dev.hold_writes();
+        let held = Released(&dev);
+        // The eviction's hand-off: its batch is held in the device ...
+        inner.handle_evicted(evicted);
+        assert!(dev.wait_held(1, WAIT), "the first batch is in flight");
+        // ... and a second job of the same version goes to the next batch.
+        inner
+            .send(Msg::Write(inner.write_job(x, e, Held::Spilled, None)))
+            .unwrap();
+        until("the writer took the second job", || {
+            s.stats().writer_queue_depth == 0
+        });
+        std::thread::sleep(Duration::from_millis(200));
+        faulty.fail_writes_after(1, libc::ENOSPC);
+        drop(held);
+        until("the second write failed", || {
+            s.stats().disk_write_failures >= 1
+        });
+        faulty.heal();
+        assert!(inner.ram.peek_any(&x).is_none(), "x is on disk only");
+        assert_eq!(
+            (s.locate(&x), s.get(&x).map(|h| h.data[0])),
+            (Some(Tier::Disk), Some(data(0, 1)[0])),
+            "x, written and indexed, was taken out by its duplicate's failure"
+        );
+    }
+
+    /// An eviction dropped unwritten (no-tax) while a flush's write of the
+    /// same version is in flight: that write is indexed (the version is the
+    /// current one), and the flush reports it.
+    #[test]
+    fn a_dropped_eviction_keeps_the_flush_write_of_the_same_version() {
+        let dir = tempfile::tempdir().unwrap();
+        let (s, ns, dev) = setup_queue_of_one(dir.path());
+        let x = ChunkId::new(ns, key(0), 0);
+        s.put(x, data(0, 1)).unwrap();
+        s.flush().unwrap();
+        s.put(x, data(0, 2)).unwrap();
+        dev.hold_writes();
+        let held = Released(&dev);
+        std::thread::scope(|scope| {
+            let flush = scope.spawn(|| s.flush());
+            assert!(
+                dev.wait_held(1, WAIT),
+                "the flush's write of v2 is in flight"
+            );
+            // Puts go on; x stays most recently used until the queue jams.
+            let dropped = s.stats().dropped_unwritten;
+            let mut n = 100;
+            while s.stats().dropped_unwritten == dropped {
+                assert!(n < 164, "nothing dropped");
+                s.put(ChunkId::new(ns, key(n), 0), data(n, 9)).unwrap();
+                assert!(s.get(&x).is_some());
+                n += 1;
+            }
+            drop_unwritten(&s, ns, &x, n);
+            drop(held);
+            let report = flush.join().unwrap();
+            assert!(report.is_ok(), "{:?}", report.err());
+        });
+        s.flush().unwrap();
+        assert_eq!(
+            (s.locate(&x), s.get(&x).map(|h| h.data[0])),
+            (Some(Tier::Disk), Some(data(0, 2)[0])),
+            "v2, written by the flush, is lost"
+        );
+    }
+
+    /// A version's write can be in flight after the version left RAM
+    /// without being replaced: a flush's job of v1 (never on disk before)
+    /// is held when v1's eviction is dropped. v2 is put (nothing in RAM to
+    /// replace) and dropped too. The flush's write of v1 then lands: it is
+    /// not indexed (the put of v2 cancelled it), so v1 is not served after
+    /// v2, newer, was lost.
+    #[test]
+    fn a_write_in_flight_of_a_version_that_left_ram_is_cancelled_by_a_put() {
+        let dir = tempfile::tempdir().unwrap();
+        let (s, ns, dev) = setup_queue_of_one(dir.path());
+        // The first region is open (its open slot written).
+        s.put(ChunkId::new(ns, key(99), 0), Bytes::from(vec![1u8; 4096]))
+            .unwrap();
+        s.flush().unwrap();
+        let x = ChunkId::new(ns, key(0), 0);
+        s.put(x, data(0, 1)).unwrap();
+        dev.hold_writes();
+        let held = Released(&dev);
+        std::thread::scope(|scope| {
+            let flush = scope.spawn(|| s.flush());
+            assert!(
+                dev.wait_held(1, WAIT),
+                "the flush's write of v1 is in flight"
+            );
+            let dropped = s.stats().dropped_unwritten;
+            let mut n = 100;
+            while s.stats().dropped_unwritten == dropped {
+                assert!(n < 164, "nothing dropped");
+                s.put(ChunkId::new(ns, key(n), 0), data(n, 9)).unwrap();
+                assert!(s.get(&x).is_some());
+                n += 1;
+            }
+            drop_unwritten(&s, ns, &x, n);
+            assert!(s.inner.ram.peek_any(&x).is_none(), "v1 left RAM");
+            s.put(x, data(0, 2)).unwrap();
+            drop_unwritten(&s, ns, &x, n + 8);
+            drop(held);
+            let _ = flush.join().unwrap();
+        });
+        s.flush().unwrap();
+        assert_eq!(
+            s.get(&x).map(|h| h.data[0]),
+            None,
+            "v1 is served as current after v2 was lost"
+        );
         assert_eq!(s.cancelled_writes(), 0, "the cancellation is pruned");
+    }
+
+    /// An overwrite dropped unwritten while a read looks for the id in the
+    /// window between its unspill and its loss: the read never finds the
+    /// older version (the put took it out of the index).
+    #[test]
+    fn a_read_between_an_unspill_and_its_loss_never_finds_the_older_version() {
+        let dir = tempfile::tempdir().unwrap();
+        let (s, ns) = open_on(dir.path(), file(dir.path(), 16 << 20), 1 << 20, NO_IDLE);
+        let inner = &s.inner;
+        let id = |n: u64| ChunkId::new(ns, key(n), 0);
+        let x = id(0);
+        s.put(x, data(0, 1)).unwrap();
+        s.flush().unwrap();
+        s.put(x, data(0, 2)).unwrap();
+        for n in 1..=3 {
+            s.put(id(n), data(n, 1)).unwrap();
+        }
+        let (_, evicted) = inner.ram.insert(id(4), data(4, 1), None, true).unwrap();
+        assert!(evicted.len() == 1 && evicted[0].id == x && evicted[0].spilled);
+        // The drop branch of `handle_evicted` (the writer's queue full),
+        // with a read in the middle.
+        inner.ram.unspill(&x, evicted[0].entry.seq);
+        assert_eq!(s.get(&x).map(|h| h.data[0]), None);
+        inner.lost(&x);
+        assert_eq!(s.get(&x).map(|h| h.data[0]), None);
+    }
+
+    /// A clean copy (a peer's) is not cached while a write of a version
+    /// that left RAM is on its way to the disk: that write, indexed later,
+    /// would sit under the copy and be served once the copy is evicted.
+    #[test]
+    fn a_clean_copy_waits_for_a_write_in_flight() {
+        let dir = tempfile::tempdir().unwrap();
+        let (s, ns, dev) = setup_queue_of_one(dir.path());
+        let x = ChunkId::new(ns, key(0), 0);
+        s.put(x, data(0, 1)).unwrap();
+        dev.hold_writes();
+        let held = Released(&dev);
+        std::thread::scope(|scope| {
+            let flush = scope.spawn(|| s.flush());
+            assert!(
+                dev.wait_held(1, WAIT),
+                "the flush's write of x is in flight"
+            );
+            let dropped = s.stats().dropped_unwritten;
+            let mut n = 100;
+            while s.stats().dropped_unwritten == dropped {
+                assert!(n < 164, "nothing dropped");
+                s.put(ChunkId::new(ns, key(n), 0), data(n, 9)).unwrap();
+                assert!(s.get(&x).is_some());
+                n += 1;
+            }
+            drop_unwritten(&s, ns, &x, n);
+            assert!(!s.put_clean(x, None, data(0, 3)).unwrap());
+            drop(held);
+            flush.join().unwrap().unwrap();
+        });
+        assert_eq!(s.get(&x).map(|h| h.data[0]), Some(data(0, 1)[0]));
     }
 }

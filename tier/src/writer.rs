@@ -56,12 +56,49 @@ pub(crate) struct Job {
     pub spill_seq: Option<u64>,
     /// When this version was put (a delete after it cancels the job).
     pub inserted: Instant,
-    /// The version replaced a dirty one ([`crate::ram::RamEntry::replaced_dirty`]).
-    pub replaced_dirty: bool,
+    /// Counts the job among its id's writes not done yet
+    /// ([`PendingWrite`]) until it is dropped.
+    pub _pending: PendingWrite,
     pub txn: u64,
     pub txn_size: u32,
     pub created_ms: u64,
     pub ticket: Option<Arc<Ticket>>,
+}
+
+/// Counts one write job of `id` in the store's map of writes not done yet
+/// (queued, packed or in flight) until the job is dropped: after it was
+/// indexed, failed, skipped or not queued at all. A put of an id with a
+/// count asks for its older versions' writes to be cancelled
+/// (`Inner::supersede`).
+pub(crate) struct PendingWrite {
+    map: Arc<parking_lot::Mutex<std::collections::HashMap<ChunkId, u32>>>,
+    id: ChunkId,
+}
+
+impl PendingWrite {
+    /// Counts a job of `id` in `map`.
+    pub(crate) fn new(
+        map: &Arc<parking_lot::Mutex<std::collections::HashMap<ChunkId, u32>>>,
+        id: ChunkId,
+    ) -> Self {
+        *map.lock().entry(id).or_default() += 1;
+        Self {
+            map: Arc::clone(map),
+            id,
+        }
+    }
+}
+
+impl Drop for PendingWrite {
+    fn drop(&mut self) {
+        let mut m = self.map.lock();
+        if let Some(n) = m.get_mut(&self.id) {
+            *n -= 1;
+            if *n == 0 {
+                m.remove(&self.id);
+            }
+        }
+    }
 }
 
 /// Messages to the writer thread.
