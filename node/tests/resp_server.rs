@@ -26,13 +26,18 @@ struct Server {
 
 impl Server {
     async fn start(opts: RespOptions) -> Self {
+        Self::start_with(opts, |c| c).await
+    }
+
+    /// A server over a store configured by `tier` (RAM only by default).
+    async fn start_with(opts: RespOptions, tier: impl FnOnce(TierConfig) -> TierConfig) -> Self {
         let dir = tempfile::tempdir().expect("tempdir");
-        let cfg = TierConfig {
+        let cfg = tier(TierConfig {
             data_dir: dir.path().to_path_buf(),
             ram_budget: 256 << 20,
             disk_budget: 0,
             ..TierConfig::default()
-        };
+        });
         let store = Arc::new(ChunkStore::open(cfg).expect("open store"));
         let ctx = Arc::new(NodeContext::new(store, "test-node".into()));
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
@@ -421,6 +426,43 @@ async fn binary_keys_values_and_large_values_round_trip() {
     // Empty values are values.
     rt(&mut c, &cmd(&[b"SET", b"empty", b""]), b"+OK\r\n").await;
     rt(&mut c, &cmd(&[b"GET", b"empty"]), b"$0\r\n\r\n").await;
+    s.stop().await;
+}
+
+#[tokio::test]
+async fn a_value_larger_than_a_region_is_refused_with_a_reason() {
+    let s = Server::start_with(RespOptions::default(), |c| TierConfig {
+        disk_budget: 8 << 20,
+        region_size: 1 << 20,
+        ..c
+    })
+    .await;
+    let mut c = s.connect().await;
+    // Under `max_value` and the RAM budget, but no 1 MiB region holds it
+    // with its headers: it could never be written.
+    let val = vec![7u8; 1 << 20];
+    c.write_all(&cmd(&[b"SET", b"k", &val]))
+        .await
+        .expect("write");
+    let mut line = Vec::new();
+    tokio::time::timeout(T, async {
+        let mut b = [0u8; 1];
+        while !line.ends_with(b"\r\n") {
+            c.read_exact(&mut b).await.expect("read");
+            line.push(b[0]);
+        }
+    })
+    .await
+    .expect("reply in time");
+    let line = String::from_utf8(line).expect("utf-8");
+    assert!(
+        line.starts_with("-ERR kvtier could not store the value: ") && line.contains("region"),
+        "{line}"
+    );
+    // Nothing was stored, and the connection goes on.
+    rt(&mut c, &cmd(&[b"GET", b"k"]), b"$-1\r\n").await;
+    rt(&mut c, &cmd(&[b"SET", b"k", &val[..1000]]), b"+OK\r\n").await;
+    rt(&mut c, &cmd(&[b"GET", b"k"]), &bulk(&val[..1000])).await;
     s.stop().await;
 }
 

@@ -527,6 +527,17 @@ impl ChunkStore {
         &self.inner.config
     }
 
+    /// The largest chunk payload a put accepts with a name of `name_len`
+    /// bytes: the RAM budget, and with a disk what an empty region holds
+    /// after the headers.
+    pub fn max_chunk_len(&self, name_len: usize) -> u64 {
+        let ram = self.inner.config.ram_budget;
+        match &self.inner.disk {
+            Some(d) => ram.min(crate::writer::max_payload_len(d.region_size, name_len)),
+            None => ram,
+        }
+    }
+
     /// Installs the availability observer (replacing any previous one).
     pub fn set_observer(&self, observer: Arc<dyn ChunkObserver>) {
         *self.inner.observer.write() = Some(observer);
@@ -645,6 +656,7 @@ impl ChunkStore {
             if !inner.namespaces.read().contains_key(&id.ns) {
                 return Err(Error::UnknownNamespace(id.ns));
             }
+            inner.check_fits_region(0, data.len())?;
             total += data.len() as u64;
             if !ids.contains(id) {
                 ids.push(*id);
@@ -1103,6 +1115,7 @@ impl Inner {
         if !self.namespaces.read().contains_key(&id.ns) {
             return Err(Error::UnknownNamespace(id.ns));
         }
+        self.check_fits_region(name.as_ref().map_or(0, |n| n.len()), data.len())?;
         {
             let mut t = self.txns.lock();
             if t.of.contains_key(&id) {
@@ -1115,6 +1128,24 @@ impl Inner {
         self.supersede(id, t);
         self.touch(&id.ns);
         self.handle_evicted(evicted);
+        Ok(())
+    }
+
+    /// Refuses a dirty chunk that could never be written: larger than what
+    /// an empty region holds (it would stay dirty, and every flush would
+    /// fail, until it is overwritten or deleted).
+    fn check_fits_region(&self, name_len: usize, len: usize) -> Result<()> {
+        let Some(d) = &self.disk else {
+            return Ok(());
+        };
+        let limit = crate::writer::max_payload_len(d.region_size, name_len);
+        if len as u64 > limit {
+            return Err(Error::TooLarge {
+                len: len as u64,
+                limit_name: "the largest chunk a region holds (region-size less headers)",
+                limit,
+            });
+        }
         Ok(())
     }
 

@@ -236,6 +236,18 @@ impl Item {
     }
 }
 
+/// The largest payload a chunk with a name of `name_len` bytes may have to
+/// fit, with its header, one batch head and a summary entry, in an empty
+/// region of `region_size` bytes ([`Writer::pack`]'s test for one chunk).
+/// Larger chunks could never be written: the store refuses them at the put.
+pub(crate) fn max_payload_len(region_size: u64, name_len: usize) -> u64 {
+    let head = block_up(BATCH_FIXED as u64 + entries_len_bound(1));
+    let summary = block_up(entries_len_bound(1));
+    let room = region_size.saturating_sub(DATA_START + summary + head);
+    let record = room / RECORD_ALIGN * RECORD_ALIGN;
+    record.saturating_sub(ChunkHeader::encoded_len_for_name(name_len) as u64)
+}
+
 /// Writes one batch. Failpoint `tier::writer::batch_write` (feature
 /// `failpoints`): fails it with ENOSPC when its argument is `enospc`, else EIO.
 /// Its time goes into `counters.write_micros`.
@@ -640,7 +652,8 @@ impl Writer {
             }
             if k == 0 {
                 if o.data_end == DATA_START {
-                    // Does not fit even in an empty region.
+                    // Does not fit even in an empty region: puts refuse such
+                    // chunks (`max_payload_len`), so this is only a guard.
                     let it = items.pop_front().expect("not empty");
                     tracing::warn!(
                         len = it.record_len(),

@@ -938,6 +938,50 @@ fn unknown_namespace_and_oversized_chunks_are_refused() {
 }
 
 #[test]
+fn a_chunk_no_region_can_hold_is_refused_at_the_put() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = ChunkStore::open(config(dir.path())).unwrap();
+    let ns = s.register_namespace(&record(0)).unwrap();
+    let max = s.max_chunk_len(0) as usize;
+    let named = s.max_chunk_len(100) as usize;
+    // A region of 1 MiB less its slots, one batch head, the header and a
+    // summary: a few blocks.
+    assert!(
+        max < MIB as usize && max > (MIB - (32 << 10)) as usize,
+        "{max}"
+    );
+    assert!(named < max, "a name makes the header longer");
+    let too_large =
+        |r: tier::Result<()>| matches!(r, Err(Error::TooLarge { limit, .. }) if limit < MIB);
+    assert!(too_large(s.put(id(ns, 1), payload(1, max + 1))));
+    let name = Bytes::from(vec![b'n'; 100]);
+    assert!(too_large(s.put_named(
+        id(ns, 2),
+        name.clone(),
+        payload(2, named + 1)
+    )));
+    assert!(too_large(s.put_atomic(vec![
+        (id(ns, 3), payload(3, 10)),
+        (id(ns, 4), payload(4, max + 1)),
+    ])));
+    assert!(s.get(&id(ns, 3)).is_none(), "a refused group puts nothing");
+    // What is accepted is written.
+    s.put(id(ns, 1), payload(1, max)).unwrap();
+    s.put_named(id(ns, 2), name.clone(), payload(2, named))
+        .unwrap();
+    let r = s.flush().unwrap();
+    assert_eq!((r.chunks, r.failed), (2, 0));
+    assert_eq!(s.stats().dirty_bytes, 0);
+    s.close(Duration::from_secs(10)).unwrap();
+    let s = ChunkStore::open(config(dir.path())).unwrap();
+    let h = s.get(&id(ns, 1)).expect("written");
+    assert_eq!((h.tier, h.data.len()), (Tier::Disk, max));
+    assert!(h.data == payload(1, max));
+    let h = s.get_named(&id(ns, 2), &name).expect("written");
+    assert!(h.data == payload(2, named));
+}
+
+#[test]
 fn an_atomic_group_is_seen_whole_or_not_at_all() {
     let dir = tempfile::tempdir().unwrap();
     let s = Arc::new(ChunkStore::open(config(dir.path())).unwrap());
@@ -1057,25 +1101,6 @@ fn buffered_fallback_when_o_direct_is_refused() {
     let dev = Arc::new(FileDevice::open(&path, 8 * MIB, DirectMode::Auto).unwrap());
     let s = ChunkStore::open_with_device(config(dir.path()), dev).unwrap();
     assert_eq!(s.get(&id(ns, 1)).unwrap().data, payload(1, 70_000));
-}
-
-#[test]
-fn a_chunk_larger_than_a_region_stays_in_ram_and_is_counted() {
-    let dir = tempfile::tempdir().unwrap();
-    let mut cfg = config(dir.path());
-    cfg.region_size = 64 << 10;
-    let s = ChunkStore::open(cfg).unwrap();
-    let ns = s.register_namespace(&record(0)).unwrap();
-    s.put(id(ns, 1), payload(1, 100_000)).unwrap();
-    s.put(id(ns, 2), payload(2, 1000)).unwrap();
-    let r = s.flush().unwrap();
-    assert_eq!((r.chunks, r.failed), (1, 1));
-    let st = s.stats();
-    assert_eq!(st.disk_write_failures, 1);
-    assert!(!st.disk_poisoned);
-    assert_eq!(s.get(&id(ns, 1)).unwrap().tier, Tier::Ram);
-    assert_eq!(s.locate(&id(ns, 2)), Some(Tier::Ram));
-    assert_eq!(st.disk_chunks, 1);
 }
 
 #[test]
