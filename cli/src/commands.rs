@@ -9,7 +9,7 @@ use anyhow::{Context, Result, anyhow, bail};
 use node::config::{self, ConfigSources, Environment, Loaded, NodeConfig};
 use node::daemon::DataDirLock;
 use node::native::{Client, ErrorCode, LookupLocation};
-use node::tier::{ChunkStore, GcOptions, Namespace, NamespaceRecord, VerifyOptions};
+use node::tier::{self, ChunkStore, GcOptions, Namespace, NamespaceRecord, VerifyOptions};
 use node::{ByteSize, HumanDuration};
 
 use crate::args::*;
@@ -479,8 +479,13 @@ fn http_get(addr: std::net::SocketAddr, path: &str) -> Result<Vec<u8>> {
     Ok(buf[split + 4..].to_vec())
 }
 
-/// Opens the store offline (no daemon) under the data dir lock.
-fn open_offline(cfg: &NodeConfig, role: &str) -> Result<(ChunkStore, DataDirLock)> {
+/// Opens the store offline (no daemon) under the data dir lock;
+/// `grow_truncated` only for a repair (see [`tier::TierConfig`]).
+fn open_offline(
+    cfg: &NodeConfig,
+    role: &str,
+    grow_truncated: bool,
+) -> Result<(ChunkStore, DataDirLock)> {
     // Opening creates (and preallocates) a store: never do that by accident.
     let file = cfg.data_dir.join(config::STORE_FILE);
     if !file.exists() {
@@ -498,7 +503,11 @@ fn open_offline(cfg: &NodeConfig, role: &str) -> Result<(ChunkStore, DataDirLock
         ),
         other => other.into(),
     })?;
-    let store = ChunkStore::open(cfg.tier_config())
+    let tier_config = tier::TierConfig {
+        grow_truncated,
+        ..cfg.tier_config()
+    };
+    let store = ChunkStore::open(tier_config)
         .with_context(|| format!("open the chunk store in {}", cfg.data_dir.display()))?;
     Ok((store, lock))
 }
@@ -536,7 +545,7 @@ fn namespaces(args: &NamespacesArgs) -> Result<u8> {
             serde_json::Value::Array(vec![])
         }
         None => {
-            let (store, lock) = open_offline(&cfg, "namespaces")?;
+            let (store, lock) = open_offline(&cfg, "namespaces", false)?;
             let list = serde_json::to_value(store.namespaces())?;
             close_offline(store, lock)?;
             list
@@ -596,7 +605,31 @@ fn verify(args: &VerifyArgs) -> Result<u8> {
     // Recovery's own findings (a torn or corrupt chunk in the region that was
     // open at the last shutdown) are logged as the store opens.
     let _ = node::logging::init(node::logging::LogFormat::Human, "warn");
-    let (store, lock) = open_offline(&cfg, "verify")?;
+    let (store, lock) = match open_offline(&cfg, "verify", args.repair) {
+        Ok(opened) => opened,
+        // A store that cannot be opened because of what is on disk (a
+        // truncated file, a corrupt superblock) is a finding, not a usage
+        // error: reported as one (exit 5), with the fix in the message.
+        Err(e)
+            if matches!(
+                e.downcast_ref::<tier::Error>(),
+                Some(tier::Error::Corrupt { .. })
+            ) =>
+        {
+            let problem = format!("{:#}", e);
+            if args.json {
+                let doc = serde_json::json!({
+                    "checked": 0, "bad": 1, "dropped": 0, "dropped_at_open": 0,
+                    "problems": [problem],
+                });
+                outln!("{}", serde_json::to_string_pretty(&doc)?);
+            } else {
+                outln!("bad: {problem}");
+            }
+            return Ok(EXIT_VERIFY_FAILED);
+        }
+        Err(e) => return Err(e),
+    };
     // Chunks that failed their checks while the store opened: recovery has
     // already left them out, so the walk below never sees them.
     let at_open = store.stats().verify_failures;
@@ -660,7 +693,7 @@ fn gc(args: &GcArgs) -> Result<u8> {
         .into());
     }
     let (cfg, _) = load_resolved(&args.config)?;
-    let (store, lock) = open_offline(&cfg, "gc")?;
+    let (store, lock) = open_offline(&cfg, "gc", false)?;
     // An id that is not in this store (a typo, another node's store) is said,
     // not reported as "dropped: 1 namespace(s), 0 chunk(s)".
     let known: Vec<Namespace> = store.namespaces().iter().map(|n| n.id).collect();

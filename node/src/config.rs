@@ -803,9 +803,14 @@ impl NodeConfig {
 /// disk"); it is preallocated to exactly the disk budget.
 pub const STORE_FILE: &str = "store.kvt";
 
-/// Length of an existing store file in `data_dir`, 0 if there is none.
+/// Length of an existing store in `data_dir`, 0 if there is none: what its
+/// superblock describes (the file may have been grown or truncated since),
+/// else the length of a file not yet formatted.
 fn existing_store_len(data_dir: &Path) -> u64 {
-    std::fs::metadata(data_dir.join(STORE_FILE)).map_or(0, |m| m.len())
+    tier::store::existing_layout(data_dir).map_or_else(
+        || std::fs::metadata(data_dir.join(STORE_FILE)).map_or(0, |m| m.len()),
+        |l| l.bytes(),
+    )
 }
 
 struct DiskSpace {
@@ -1714,6 +1719,17 @@ mod tests {
         c3.resolve_with(&l, tight()).unwrap();
         assert_eq!(c3.region_size, ByteSize::mib(64));
         assert_eq!(c3.disk_budget, Some(ByteSize(48 << 26)));
+        // The superblock, not the file's length, gives the size: a file
+        // grown past its store (by an older version's refused open) or cut
+        // short still opens as the store it is.
+        for len in [50 << 26, 40 << 26] {
+            f.set_len(len).unwrap();
+            l = load_with(None, &[], flags.clone()).unwrap();
+            let mut c = l.config.clone();
+            c.resolve_with(&l, tight()).unwrap();
+            assert_eq!(c.disk_budget, Some(ByteSize(48 << 26)), "file of {len}");
+        }
+        f.set_len(48 << 26).unwrap();
         // The budget check counts the store's regions, not the default's.
         let small = Overrides {
             disk_budget: Some(ByteSize::mib(192)),

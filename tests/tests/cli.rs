@@ -419,6 +419,100 @@ fn verify_exits_5_on_corrupt_chunks_and_repair_drops_them() {
     );
 }
 
+/// A start refused for a larger budget leaves the store file as it was, so
+/// plain starts and offline commands go on working; a truncated file is
+/// reported, not silently grown, until `verify --repair`.
+#[test]
+fn refused_opens_leave_the_store_file_alone_and_truncation_is_reported() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let mut args = kvtier_tests::test_args(dir.path());
+    kvtier_tests::set_flag(&mut args, "--region-size", "1MiB");
+    let mut d = Daemon::start_args(dir.path(), &args, &[]).unwrap_or_else(|e| panic!("{e}"));
+    let mut c = d.client();
+    let ns = c.hello(&kvtier_tests::test_record(0)).expect("HELLO");
+    for i in 0..24 {
+        let (key, data) = kvtier_tests::chunk_bytes(402, i);
+        assert_eq!(c.put_bytes(ns, 0, &[(key, &data)]).expect("PUT"), vec![0]);
+    }
+    assert_eq!(c.flush().expect("FLUSH").failed, 0);
+    drop(c);
+    assert!(d.stop_with(libc::SIGTERM).success());
+    let path = d.data_dir.join("store.kvt");
+    let len = |p: &std::path::Path| std::fs::metadata(p).expect("store file").len();
+    assert_eq!(len(&path), 32 << 20);
+
+    let mut larger = args.clone();
+    kvtier_tests::set_flag(&mut larger, "--disk-budget", "64MiB");
+    let refs: Vec<&str> = larger.iter().map(String::as_str).collect();
+    let out = run_kvtier(&refs, &[]);
+    assert_ne!(out.status.code(), Some(0));
+    assert!(
+        text(&out.stderr).contains("disk-budget gives 64"),
+        "{}",
+        text(&out.stderr)
+    );
+    assert_eq!(
+        len(&path),
+        32 << 20,
+        "the refused start did not grow the file"
+    );
+    // No budget given: the store's own size, from its superblock.
+    let data = d.data_dir.to_string_lossy().into_owned();
+    let store = ["--data-dir", data.as_str(), "--ram-budget", "64MiB"];
+    let out = run_kvtier(&[&["verify"][..], &store].concat(), &[]);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}{}",
+        text(&out.stdout),
+        text(&out.stderr)
+    );
+
+    // Truncated into its fourth region: reported (exit 5), and neither
+    // verify nor namespaces touches the file.
+    let cut = 3 * (1 << 20) + 4096;
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&path)
+        .and_then(|f| f.set_len(cut))
+        .expect("truncate");
+    let out = run_kvtier(&[&["verify"][..], &store].concat(), &[]);
+    assert_eq!(out.status.code(), Some(5), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stdout).contains("truncated") && text(&out.stdout).contains("verify --repair"),
+        "{}",
+        text(&out.stdout)
+    );
+    let out = run_kvtier(&[&["namespaces"][..], &store].concat(), &[]);
+    assert_ne!(out.status.code(), Some(0));
+    assert!(
+        text(&out.stderr).contains("truncated"),
+        "{}",
+        text(&out.stderr)
+    );
+    assert_eq!(
+        len(&path),
+        cut,
+        "read-only commands leave the file as it is"
+    );
+    // The repair grows it back and keeps what was before the cut.
+    let out = run_kvtier(
+        &[&["verify", "--repair", "--json"][..], &store].concat(),
+        &[],
+    );
+    assert!(
+        matches!(out.status.code(), Some(0 | 5)),
+        "{}",
+        text(&out.stderr)
+    );
+    assert_eq!(len(&path), 32 << 20);
+    let out = run_kvtier(&[&["verify", "--json"][..], &store].concat(), &[]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stdout));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("verify --json");
+    let kept = v["checked"].as_u64().expect("checked");
+    assert!((1..24).contains(&kept), "{v}");
+}
+
 /// A chunk torn or corrupt in the region that was open at the last
 /// shutdown is left out by recovery when the store opens, before verify's
 /// walk: verify still reports it (exit 5, `dropped_at_open`) instead of a

@@ -69,6 +69,12 @@ pub struct TierConfig {
     /// TLB less. Takes effect where THP is `always` or `madvise`; with
     /// `never`, or on other systems, nothing changes. Default: true.
     pub huge_pages: bool,
+    /// Open a store file shorter than its superblock says (truncated by an
+    /// incomplete copy or restore) by growing it back; the chunks that were
+    /// past its end fail their checks and read as misses (`kvtier verify
+    /// --repair` sets this, then drops them). Unset, such a file is refused
+    /// and left as it is. Default: false.
+    pub grow_truncated: bool,
 }
 
 mod duration_ms {
@@ -97,6 +103,7 @@ impl Default for TierConfig {
             direct_io: true,
             pack_threads: None,
             huge_pages: true,
+            grow_truncated: false,
         }
     }
 }

@@ -143,6 +143,37 @@ pub(crate) struct Scan {
     pub io_error: bool,
 }
 
+/// Refuses to open the store at `path`, laid out as `found`, with another
+/// region size or region count than the configuration's.
+pub(crate) fn check_layout(
+    path: &std::path::Path,
+    found: crate::store::StoreLayout,
+    region_size: u64,
+    region_count: u64,
+) -> Result<()> {
+    if found.region_size != region_size {
+        return Err(Error::Config(format!(
+            "the store in {} was created with region-size {} but the config says {}; \
+             set region-size back to {} or move the store away",
+            path.display(),
+            found.region_size,
+            region_size,
+            found.region_size
+        )));
+    }
+    if u64::from(found.region_count) != region_count {
+        return Err(Error::Config(format!(
+            "the store in {} holds {} regions ({} bytes) but disk-budget gives {}; \
+             restore the disk-budget or move the store away",
+            path.display(),
+            found.region_count,
+            found.bytes(),
+            region_count
+        )));
+    }
+    Ok(())
+}
+
 impl Disk {
     /// fdatasync of the device, counted and timed.
     pub fn sync(&self) -> std::io::Result<()> {
@@ -303,26 +334,15 @@ impl Disk {
             .map_err(|e| disk.io_err("read the superblock of", e))?;
         match Superblock::decode(&block) {
             Ok(sb) => {
-                if sb.region_size != region_size {
-                    return Err(Error::Config(format!(
-                        "the store in {} was created with region-size {} but the config says {}; \
-                         set region-size back to {} or move the store away",
-                        disk.dev.path().display(),
-                        sb.region_size,
-                        region_size,
-                        sb.region_size
-                    )));
-                }
-                if sb.region_count != region_count {
-                    return Err(Error::Config(format!(
-                        "the store in {} holds {} regions ({} bytes) but disk-budget gives {}; \
-                         restore the disk-budget or move the store away",
-                        disk.dev.path().display(),
-                        sb.region_count,
-                        u64::from(sb.region_count) * region_size,
-                        region_count
-                    )));
-                }
+                check_layout(
+                    disk.dev.path(),
+                    crate::store::StoreLayout {
+                        region_size: sb.region_size,
+                        region_count: sb.region_count,
+                    },
+                    region_size,
+                    u64::from(region_count),
+                )?;
             }
             Err(SuperblockError::Version(v)) => {
                 return Err(Error::IncompatibleVersion {

@@ -41,10 +41,26 @@ use crate::{ChunkId, ChunkKey, Error, GroupId, Namespace, NamespaceRecord, Resul
 /// Name of the store file inside the data dir.
 pub const STORE_FILE: &str = "store.kvt";
 
-/// The region size of the store in `data_dir`, from its superblock; `None`
-/// when there is no store file or it holds no valid superblock (a fresh or
-/// foreign file: opening it says which).
-pub fn existing_region_size(data_dir: &std::path::Path) -> Option<u64> {
+/// The shape of an existing store, from its superblock.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StoreLayout {
+    /// Bytes per region.
+    pub region_size: u64,
+    /// Regions in the file.
+    pub region_count: u32,
+}
+
+impl StoreLayout {
+    /// The store's length in bytes: what its file should hold.
+    pub fn bytes(&self) -> u64 {
+        self.region_size * u64::from(self.region_count)
+    }
+}
+
+/// The layout of the store in `data_dir`, from its superblock; `None` when
+/// there is no store file or it holds no valid superblock (a fresh or
+/// foreign file: opening it says which). Reads one block, writes nothing.
+pub fn existing_layout(data_dir: &std::path::Path) -> Option<StoreLayout> {
     use std::io::Read;
     let mut block = [0u8; 64];
     std::fs::File::open(data_dir.join(STORE_FILE))
@@ -52,7 +68,65 @@ pub fn existing_region_size(data_dir: &std::path::Path) -> Option<u64> {
         .ok()?;
     crate::layout::Superblock::decode(&block)
         .ok()
-        .map(|sb| sb.region_size)
+        .map(|sb| StoreLayout {
+            region_size: sb.region_size,
+            region_count: sb.region_count,
+        })
+}
+
+/// The region size of the store in `data_dir`, from its superblock (see
+/// [`existing_layout`]).
+pub fn existing_region_size(data_dir: &std::path::Path) -> Option<u64> {
+    existing_layout(data_dir).map(|l| l.region_size)
+}
+
+/// Checks an existing store file against the configured layout before it is
+/// opened, so that a refused open leaves the file as it was: a different
+/// region size or budget is refused (growing the file first would make the
+/// next plain open fail too), and so is a file shorter than its superblock
+/// says (truncated: the chunks past its end are gone) unless
+/// `grow_truncated`. A file longer than its store (grown by an older
+/// version's refused open) is trimmed back.
+fn check_existing_file(path: &std::path::Path, config: &TierConfig, len: u64) -> Result<()> {
+    let Some(l) = existing_layout(&config.data_dir) else {
+        return Ok(());
+    };
+    crate::segment::check_layout(path, l, config.region_size, len / config.region_size)?;
+    let io = |op, e| Error::Io {
+        op,
+        path: path.to_path_buf(),
+        source: e,
+    };
+    let cur = std::fs::metadata(path)
+        .map_err(|e| io("read the size of", e))?
+        .len();
+    if cur < l.bytes() {
+        if !config.grow_truncated {
+            return Err(Error::Corrupt {
+                what: format!("store file {}", path.display()),
+                detail: format!(
+                    "it is {cur} bytes but its superblock describes {} regions of {} bytes \
+                     ({} bytes): it was truncated (an incomplete copy or restore?) and the chunks \
+                     past its end are gone. Restore the whole file, or run `kvtier verify \
+                     --repair` to grow it back and drop what was lost",
+                    l.region_count,
+                    l.region_size,
+                    l.bytes()
+                ),
+            });
+        }
+        tracing::warn!(path = %path.display(), len = cur, store_len = l.bytes(),
+            "the store file is truncated; growing it back (the chunks past its end are lost)");
+    } else if cur > l.bytes() {
+        tracing::info!(path = %path.display(), len = cur, store_len = l.bytes(),
+            "trimming the store file back to its store's length");
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(path)
+            .and_then(|f| f.set_len(l.bytes()))
+            .map_err(|e| io("trim", e))?;
+    }
+    Ok(())
 }
 
 /// A successful read.
@@ -362,6 +436,7 @@ impl ChunkStore {
             } else {
                 DirectMode::Off
             };
+            check_existing_file(&path, &config, len)?;
             let dev = FileDevice::open(&path, len, mode).map_err(|e| {
                 if e.raw_os_error() == Some(libc::ENOSPC) {
                     Error::NoSpace {

@@ -981,6 +981,109 @@ fn a_chunk_no_region_can_hold_is_refused_at_the_put() {
     assert!(h.data == payload(2, named));
 }
 
+/// Fills `n` chunks of 300 KiB (three to a 1 MiB region) and closes.
+fn fill_and_close(dir: &std::path::Path, n: u64) -> tier::Namespace {
+    let s = ChunkStore::open(config(dir)).unwrap();
+    let ns = s.register_namespace(&record(0)).unwrap();
+    for k in 0..n {
+        s.put(id(ns, k), payload(k, 300 << 10)).unwrap();
+    }
+    s.close(Duration::from_secs(10)).unwrap();
+    ns
+}
+
+fn file_len(dir: &std::path::Path) -> u64 {
+    std::fs::metadata(dir.join(tier::store::STORE_FILE))
+        .unwrap()
+        .len()
+}
+
+#[test]
+fn a_refused_reopen_leaves_the_store_file_as_it_was() {
+    let dir = tempfile::tempdir().unwrap();
+    let ns = fill_and_close(dir.path(), 6);
+    assert_eq!(file_len(dir.path()), 8 * MIB);
+    let larger = TierConfig {
+        disk_budget: 16 * MIB,
+        ..config(dir.path())
+    };
+    let e = ChunkStore::open(larger).err().expect("refused").to_string();
+    assert!(e.contains("disk-budget gives 16"), "{e}");
+    assert_eq!(file_len(dir.path()), 8 * MIB, "not grown by the refusal");
+    let other_regions = TierConfig {
+        disk_budget: 16 * MIB,
+        region_size: 2 * MIB,
+        ..config(dir.path())
+    };
+    let e = ChunkStore::open(other_regions)
+        .err()
+        .expect("refused")
+        .to_string();
+    assert!(e.contains("region-size"), "{e}");
+    assert_eq!(file_len(dir.path()), 8 * MIB);
+    // The store opens as it was.
+    let s = ChunkStore::open(config(dir.path())).unwrap();
+    for k in 0..6 {
+        assert!(s.get(&id(ns, k)).unwrap().data == payload(k, 300 << 10));
+    }
+    drop(s);
+    // A file an older version grew past its store is trimmed back.
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(dir.path().join(tier::store::STORE_FILE))
+        .unwrap()
+        .set_len(16 * MIB)
+        .unwrap();
+    let s = ChunkStore::open(config(dir.path())).unwrap();
+    assert_eq!(file_len(dir.path()), 8 * MIB);
+    assert_eq!(s.stats().disk_chunks, 6);
+}
+
+#[test]
+fn a_truncated_store_file_is_refused_until_grown_on_purpose() {
+    let dir = tempfile::tempdir().unwrap();
+    let ns = fill_and_close(dir.path(), 12);
+    let path = dir.path().join(tier::store::STORE_FILE);
+    // Cut into the third region: the chunks of regions 0 and 1 stay whole.
+    let cut = 2 * MIB + (100 << 10);
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&path)
+        .unwrap()
+        .set_len(cut)
+        .unwrap();
+    let e = ChunkStore::open(config(dir.path()))
+        .err()
+        .expect("refused")
+        .to_string();
+    assert!(
+        e.contains("truncated") && e.contains("verify --repair"),
+        "{e}"
+    );
+    assert_eq!(file_len(dir.path()), cut, "a refused open writes nothing");
+    let grow = TierConfig {
+        grow_truncated: true,
+        ..config(dir.path())
+    };
+    let s = ChunkStore::open(grow).unwrap();
+    assert_eq!(file_len(dir.path()), 8 * MIB);
+    let mut whole = 0;
+    for k in 0..12 {
+        if let Some(h) = s.get(&id(ns, k)) {
+            assert!(
+                h.data == payload(k, 300 << 10),
+                "chunk {k} is intact or a miss"
+            );
+            whole += 1;
+        }
+    }
+    // Regions 0 and 1 hold chunks 0..6 (three each); what was past the cut
+    // is gone.
+    assert!((6..12).contains(&whole), "{whole}");
+    s.close(Duration::from_secs(10)).unwrap();
+    ChunkStore::open(config(dir.path())).expect("whole again");
+}
+
 #[test]
 fn an_atomic_group_is_seen_whole_or_not_at_all() {
     let dir = tempfile::tempdir().unwrap();
