@@ -441,13 +441,17 @@ impl Writer {
             match control {
                 None => {}
                 Some(Msg::Flush(ack)) => {
-                    let _ = ack.send(self.sync());
+                    let _ = ack.send(self.sync().and_then(|()| self.deletes_written()));
                 }
                 Some(Msg::SealRecovered(ack)) => {
                     let _ = ack.send(self.seal_recovered());
                 }
                 Some(Msg::Stop(ack)) => {
-                    let _ = ack.send(self.sync());
+                    let r = self.sync().and_then(|()| self.deletes_written());
+                    if let Err(e) = &r {
+                        tracing::error!(error = %e, "the writer stops with deletes not on disk");
+                    }
+                    let _ = ack.send(r);
                     // Whatever raced the stop into the queue is not written:
                     // say so (a spilled chunk's RAM copy goes).
                     for m in rx.try_iter() {
@@ -510,6 +514,22 @@ impl Writer {
             });
         }
         Ok(())
+    }
+
+    /// Fails while tombstones wait to be written again (the disk refused
+    /// them with ENOSPC): until they are on disk, a restart brings the
+    /// deleted chunks back, so a flush must not report success.
+    fn deletes_written(&self) -> Result<()> {
+        match self.retry_tombs.len() {
+            0 => Ok(()),
+            n => Err(Error::NoSpace {
+                detail: format!(
+                    "{n} delete(s) are not on disk: the disk refused their tombstones, which are \
+                     written again with the next write once there is room; until then a restart \
+                     brings the deleted chunks back"
+                ),
+            }),
+        }
     }
 
     fn seal_recovered(&mut self) -> Result<()> {

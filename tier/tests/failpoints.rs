@@ -6,7 +6,8 @@
 //! - `tier::writer::batch_write=return(enospc)`: the writer pauses, RAM keeps
 //!   serving, writes go through again once the device has room;
 //! - a tombstone whose batch fails that way is written again once the
-//!   device has room (else the deleted chunk came back at recovery);
+//!   device has room (else the deleted chunk came back at recovery); until
+//!   then a flush, and a close, fail with `NoSpace`;
 //! - the same for a batch of a flush that spans several regions (each next
 //!   region is opened while the batch before may be in flight): after a
 //!   restart exactly the chunks the flush reported written are there (the
@@ -69,6 +70,7 @@ fn failpoints() {
     let scenario = fail::FailScenario::setup();
     enospc_pauses_and_resumes();
     a_tombstone_whose_batch_fails_is_written_later();
+    a_close_with_a_delete_not_on_disk_says_so();
     a_failed_batch_across_a_region_switch_leaves_nothing_behind_it();
     eio_poisons_until_reopen();
     failed_fdatasync_fails_the_flush();
@@ -114,6 +116,13 @@ fn a_tombstone_whose_batch_fails_is_written_later() {
         );
         std::thread::sleep(Duration::from_millis(5));
     }
+    // Until the tombstone is on disk, a flush does not report success:
+    // a restart would bring the chunk back.
+    let e = s.flush().expect_err("a delete is not on disk");
+    assert!(
+        matches!(&e, tier::Error::NoSpace { detail } if detail.contains("1 delete(s)")),
+        "{e}"
+    );
     fail::remove("tier::writer::batch_write");
     s.flush().unwrap();
     assert!(!s.stats().writer_paused_nospace);
@@ -121,6 +130,26 @@ fn a_tombstone_whose_batch_fails_is_written_later() {
     drop(s);
     let s = ChunkStore::open(cfg(dir.path())).unwrap();
     assert!(s.get(&id(ns, 1)).is_none(), "the deleted chunk came back");
+}
+
+fn a_close_with_a_delete_not_on_disk_says_so() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = ChunkStore::open(cfg(dir.path())).unwrap();
+    let ns = s.register_namespace(&record()).unwrap();
+    s.put(id(ns, 1), payload(1)).unwrap();
+    s.put(id(ns, 2), payload(2)).unwrap();
+    s.flush().unwrap();
+    fail::cfg("tier::writer::batch_write", "return(enospc)").unwrap();
+    assert!(s.delete(&id(ns, 1)));
+    let e = s
+        .close(Duration::from_secs(10))
+        .expect_err("a delete is not on disk");
+    assert!(matches!(e, tier::Error::NoSpace { .. }), "{e}");
+    fail::remove("tier::writer::batch_write");
+    // As the close said: the delete did not reach the disk.
+    let s = ChunkStore::open(cfg(dir.path())).unwrap();
+    assert_eq!(s.get(&id(ns, 1)).unwrap().data, payload(1));
+    assert_eq!(s.get(&id(ns, 2)).unwrap().data, payload(2));
 }
 
 fn a_failed_batch_across_a_region_switch_leaves_nothing_behind_it() {
