@@ -236,6 +236,13 @@ async fn basic_commands_reply_like_redis() {
         b"-ERR CLIENT TRACKING is not supported by kvtier (no invalidation messages); keep client-side caching off\r\n+OK\r\n",
     )
     .await;
+    // Hints are accepted; what kvtier does not do is refused, not "+OK".
+    rt(
+        &mut c,
+        b"CLIENT NO-EVICT on\r\nCLIENT no-touch\r\nCLIENT KILL ID 1\r\nCLIENT PAUSE 100\r\n",
+        b"+OK\r\n-ERR wrong number of arguments for 'client|no-touch' command\r\n-ERR unknown subcommand 'KILL'. Try CLIENT HELP.\r\n-ERR unknown subcommand 'PAUSE'. Try CLIENT HELP.\r\n",
+    )
+    .await;
     rt(
         &mut c,
         b"AUTH pw\r\n",

@@ -482,8 +482,19 @@ fn client(s: &mut Session, args: &[Bytes], out: &mut Output) -> Res {
                 "CLIENT TRACKING is not supported by kvtier (no invalidation messages); keep client-side caching off",
             );
         }
-        // Everything else (SETINFO, TRACKING OFF, NO-EVICT, ...) is accepted and ignored.
-        _ => out.ok(),
+        // Hints that change nothing here (a client library's name and
+        // version; eviction and LRU hints for a server that evicts by size;
+        // tracking off) are accepted and ignored.
+        b"setinfo" | b"no-evict" | b"no-touch" | b"tracking" if args.len() >= 3 => out.ok(),
+        b"setinfo" | b"no-evict" | b"no-touch" | b"tracking" => {
+            return Err(wrong_args(&format!(
+                "client|{}",
+                String::from_utf8_lossy(&sub)
+            )));
+        }
+        // Everything else (KILL, PAUSE, REPLY, LIST, ...) is not served:
+        // a client told "+OK" would believe it had happened.
+        _ => return Err(unknown_subcommand(&args[1], "CLIENT")),
     }
     Ok(())
 }
