@@ -72,11 +72,7 @@ pub(crate) fn gc(inner: &Inner, opts: &GcOptions) -> Result<GcReport> {
             }
         }
     }
-    let mut report = GcReport {
-        namespaces: chosen.iter().copied().collect(),
-        ..Default::default()
-    };
-    report.namespaces.sort();
+    let mut report = GcReport::default();
     if chosen.is_empty() {
         return Ok(report);
     }
@@ -96,6 +92,13 @@ pub(crate) fn gc(inner: &Inner, opts: &GcOptions) -> Result<GcReport> {
             }
         }
     }
+    // Only what the store holds is reported: a namespace in its manifest,
+    // or with chunks (a manifest entry can be missing); an id it does not
+    // hold (a typo, another node's) is not "dropped".
+    let mut held: HashSet<Namespace> = victims.iter().map(|(id, _)| id.ns).collect();
+    held.extend(inner.namespace_last_used().into_iter().map(|(ns, _)| ns));
+    report.namespaces = chosen.intersection(&held).copied().collect();
+    report.namespaces.sort();
     report.chunks = victims.len() as u64;
     report.bytes = victims.iter().map(|(_, l)| l).sum();
     if opts.dry_run {

@@ -866,7 +866,18 @@ fn gc_drops_namespaces_by_id_and_by_age() {
         })
         .unwrap();
     assert_eq!((dry.chunks, dry.bytes), (5, 5000));
+    assert_eq!(dry.namespaces, vec![a]);
     assert!(s.get(&id(a, 0)).is_some());
+    // An id the store does not hold is not reported as dropped.
+    let stranger = record(9).id();
+    let r = s
+        .gc(&GcOptions {
+            namespaces: vec![stranger, a],
+            older_than: None,
+            dry_run: true,
+        })
+        .unwrap();
+    assert_eq!((r.namespaces, r.chunks), (vec![a], 5));
     let r = s
         .gc(&GcOptions {
             namespaces: vec![a],
