@@ -122,7 +122,12 @@ impl Serialize for FileMode {
 impl<'de> Deserialize<'de> for FileMode {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         // Strings are read as octal; a TOML integer (e.g. `0o660`) as its value.
-        match StrOrNum::deserialize(d)? {
+        let v = StrOrNum::deserialize(d).map_err(|_| {
+            serde::de::Error::custom(
+                "expected a file mode: a string of octal digits such as \"0660\"",
+            )
+        })?;
+        match v {
             StrOrNum::Str(s) => s.parse().map_err(serde::de::Error::custom),
             StrOrNum::Num(n) if n <= 0o777 => Ok(FileMode(n as u32)),
             StrOrNum::Num(n) => Err(serde::de::Error::custom(format!(
@@ -151,7 +156,9 @@ fn lenient_string<'de, D: Deserializer<'de>>(d: D) -> Result<String, D::Error> {
         F(f64),
         B(bool),
     }
-    Ok(match Any::deserialize(d)? {
+    let v = Any::deserialize(d)
+        .map_err(|_| serde::de::Error::custom("expected a string, not a table or a list"))?;
+    Ok(match v {
         Any::S(s) => s,
         Any::U(n) => n.to_string(),
         Any::I(n) => n.to_string(),
@@ -314,7 +321,12 @@ impl<'de> Deserialize<'de> for PeerList {
             List(Vec<String>),
             One(String),
         }
-        let v = match Form::deserialize(d)? {
+        let v = match Form::deserialize(d).map_err(|_| {
+            serde::de::Error::custom(
+                "expected a list of \"host:port\" strings, or one string of them separated \
+                 by commas (e.g. peers = [\"10.0.0.2:7470\", \"10.0.0.3:7470\"])",
+            )
+        })? {
             Form::List(v) => v,
             Form::One(s) => s.split(',').map(str::to_owned).collect(),
         };
@@ -1515,6 +1527,15 @@ mod tests {
             Overrides::default(),
         ));
         assert!(e.contains("`direct-io`"), "{e}");
+        // Messages name what was expected, never a Rust type.
+        for (toml, what) in [
+            ("[peers]\nfoo = 1\n", "list of \"host:port\""),
+            ("socket-mode = [1]\n", "octal digits"),
+            ("node-name = { a = 1 }\n", "expected a string"),
+        ] {
+            let e = err_of(load_with(Some(toml), &[], Overrides::default()));
+            assert!(e.contains(what) && !e.contains("enum"), "{toml}: {e}");
+        }
         let e = err_of(load_with(
             Some("ram-budget = \n"),
             &[],

@@ -79,6 +79,11 @@ impl FromStr for ByteSize {
         if s.is_empty() {
             return Err(err("empty"));
         }
+        match s.as_bytes()[0] {
+            b'-' => return Err(err("a size cannot be negative")),
+            b'+' => return Err(err("write the number without a sign")),
+            _ => {}
+        }
         let split = s
             .find(|c: char| !(c.is_ascii_digit() || c == '.'))
             .unwrap_or(s.len());
@@ -100,9 +105,11 @@ impl FromStr for ByteSize {
         if num.is_empty() {
             return Err(err("no number"));
         }
-        if let Ok(n) = num.parse::<u64>() {
-            return n
-                .checked_mul(mult)
+        if num.bytes().all(|c| c.is_ascii_digit()) {
+            return num
+                .parse::<u64>()
+                .ok()
+                .and_then(|n| n.checked_mul(mult))
                 .map(ByteSize)
                 .ok_or_else(|| err("too large"));
         }
@@ -118,6 +125,9 @@ impl FromStr for ByteSize {
             int.parse().map_err(|_| err("not a number"))?
         };
         let frac_val: u64 = frac.parse().map_err(|_| err("not a number"))?;
+        if mult == 1 && frac_val != 0 {
+            return Err(err("a number of bytes has no fraction"));
+        }
         let scale = 10u64.pow(frac.len() as u32);
         let whole = int.checked_mul(mult).ok_or_else(|| err("too large"))?;
         let part = (u128::from(frac_val) * u128::from(mult)) / u128::from(scale);
@@ -311,6 +321,20 @@ mod tests {
             let e = s.parse::<ByteSize>().unwrap_err().to_string();
             assert!(e.contains("not a valid size"), "{s}: {e}");
         }
+        // The reason fits the mistake.
+        for (s, why) in [
+            ("-5GiB", "cannot be negative"),
+            ("+5GiB", "without a sign"),
+            ("99999999999999999999", "too large"),
+            ("20000000TiB", "too large"),
+            ("1.5", "no fraction"),
+            ("1.5B", "no fraction"),
+            ("12XB", "unknown unit \"XB\""),
+        ] {
+            let e = s.parse::<ByteSize>().unwrap_err().to_string();
+            assert!(e.contains(why), "{s}: {e}");
+        }
+        assert_eq!("1.0".parse::<ByteSize>().unwrap(), ByteSize(1));
     }
 
     #[test]
