@@ -216,6 +216,47 @@ impl ConfigArgs {
     }
 }
 
+/// The options that pick a store and open it offline (`namespaces`,
+/// `verify`, `gc`): the daemon's other options do not apply there.
+#[derive(Debug, Args, Clone, Default)]
+pub struct StoreArgs {
+    /// TOML configuration file (also `KVTIER_CONFIG`); only the store's
+    /// keys are used. Default: none, the built-in defaults.
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+    /// Directory of the chunk store. Default: /var/lib/kvtier as root, else
+    /// $XDG_DATA_HOME/kvtier or ~/.local/share/kvtier.
+    #[arg(long, value_name = "DIR")]
+    pub data_dir: Option<PathBuf>,
+    /// RAM budget of the offline store, e.g. 1GiB. Default: as for the daemon.
+    #[arg(long, value_name = "SIZE")]
+    pub ram_budget: Option<ByteSize>,
+    /// The store's disk budget. Default: the size of the existing store.
+    #[arg(long, value_name = "SIZE")]
+    pub disk_budget: Option<ByteSize>,
+    /// The store's region size. Default: the existing store's.
+    #[arg(long, value_name = "SIZE")]
+    pub region_size: Option<ByteSize>,
+    /// Not used here (kept to refuse it with the way to do it).
+    #[arg(long, value_name = "PATH", hide = true)]
+    pub socket: Option<PathBuf>,
+}
+
+impl StoreArgs {
+    /// As the daemon's options, the others left unset.
+    pub fn config_args(&self) -> ConfigArgs {
+        ConfigArgs {
+            config: self.config.clone(),
+            data_dir: self.data_dir.clone(),
+            ram_budget: self.ram_budget,
+            disk_budget: self.disk_budget,
+            region_size: self.region_size,
+            socket: self.socket.clone(),
+            ..ConfigArgs::default()
+        }
+    }
+}
+
 /// `kvtier config check`
 #[derive(Debug, Args)]
 pub struct ConfigCheckArgs {
@@ -389,9 +430,9 @@ pub struct NamespacesArgs {
     /// Print JSON (full records).
     #[arg(long)]
     pub json: bool,
-    /// Data dir and socket (the store is read offline when no daemon runs).
+    /// Which store (read offline when no daemon runs).
     #[command(flatten)]
-    pub config: ConfigArgs,
+    pub config: StoreArgs,
 }
 
 /// `kvtier verify`
@@ -405,7 +446,7 @@ pub struct VerifyArgs {
     pub json: bool,
     /// Which store (data dir, budgets).
     #[command(flatten)]
-    pub config: ConfigArgs,
+    pub config: StoreArgs,
 }
 
 /// `kvtier gc`
@@ -425,7 +466,7 @@ pub struct GcArgs {
     pub json: bool,
     /// Which store (data dir, budgets).
     #[command(flatten)]
-    pub config: ConfigArgs,
+    pub config: StoreArgs,
 }
 
 /// Shells for `kvtier completions`.

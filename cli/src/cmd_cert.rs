@@ -31,7 +31,7 @@ pub struct InitCaArgs {
     /// Directory to write into (created if missing).
     #[arg(long, value_name = "DIR")]
     pub out: PathBuf,
-    /// Validity in days. Default: 3650.
+    /// Validity in days.
     #[arg(long, default_value_t = 3650)]
     pub days: u32,
 }

@@ -521,7 +521,7 @@ fn close_offline(store: ChunkStore, lock: DataDirLock) -> Result<()> {
 }
 
 fn namespaces(args: &NamespacesArgs) -> Result<u8> {
-    let (cfg, _) = load_resolved(&args.config)?;
+    let (cfg, _) = load_resolved(&args.config.config_args())?;
     let list: serde_json::Value = match DataDirLock::holder(&cfg.data_dir) {
         // Counting every namespace's chunks walks the whole index: the
         // daemon does it for HTTP /status (found through the data dir's
@@ -601,7 +601,7 @@ fn progress(what: &str) -> Option<indicatif::ProgressBar> {
 }
 
 fn verify(args: &VerifyArgs) -> Result<u8> {
-    let (cfg, _) = load_resolved(&args.config)?;
+    let (cfg, _) = load_resolved(&args.config.config_args())?;
     // Recovery's own findings (a torn or corrupt chunk in the region that was
     // open at the last shutdown) are logged as the store opens.
     let _ = node::logging::init(node::logging::LogFormat::Human, "warn");
@@ -692,7 +692,7 @@ fn gc(args: &GcArgs) -> Result<u8> {
         )
         .into());
     }
-    let (cfg, _) = load_resolved(&args.config)?;
+    let (cfg, _) = load_resolved(&args.config.config_args())?;
     let (store, lock) = open_offline(&cfg, "gc", false)?;
     // An id that is not in this store (a typo, another node's store) is said,
     // not reported as "dropped: 1 namespace(s), 0 chunk(s)".

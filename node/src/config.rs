@@ -743,6 +743,8 @@ impl NodeConfig {
             .disk_reserve
             .map_or((space.total / 20).min(1 << 30), |r| r.0);
         let usable = space.available_to_store.saturating_sub(margin);
+        // The effective value, so `config check` prints it.
+        self.disk_reserve = Some(ByteSize(margin));
         match self.disk_budget {
             // An existing store keeps the size it was created with: the
             // automatic choice depends on free space, which changes, and the
