@@ -136,6 +136,7 @@ fn config_check(args: &ConfigCheckArgs) -> Result<u8> {
     let mut cfg = loaded.config.clone();
     let mut warnings = loaded.warnings.clone();
     warnings.extend(cfg.resolve(&loaded)?);
+    warnings.extend(cfg.data_dir_access_warning());
     if args.json {
         let doc = serde_json::json!({
             "file": loaded.file,

@@ -807,6 +807,38 @@ impl NodeConfig {
         Ok(warnings)
     }
 
+    /// A warning when this process could not create or write the data dir
+    /// (checked on the nearest existing directory): `node start` would fail
+    /// to open its store. A warning, not an error: `config check` may run as
+    /// another user than the service.
+    pub fn data_dir_access_warning(&self) -> Option<String> {
+        use std::os::unix::ffi::OsStrExt;
+        let mut dir = self.data_dir.as_path();
+        while !dir.exists() {
+            dir = dir.parent()?;
+        }
+        let c = std::ffi::CString::new(dir.as_os_str().as_bytes()).ok()?;
+        // SAFETY: a valid NUL-terminated path; access(2) only reads it.
+        let rc = unsafe { libc::access(c.as_ptr(), libc::W_OK | libc::X_OK) };
+        if rc == 0 {
+            return None;
+        }
+        let e = std::io::Error::last_os_error();
+        // SAFETY: plain syscalls without arguments.
+        let (uid, gid) = unsafe { (libc::geteuid(), libc::getegid()) };
+        Some(format!(
+            "data-dir {}: {} is not writable by this user (uid {uid}, gid {gid}: {e}); the \
+             daemon must create and write its store there: run it (and this check) as the \
+             service's user, or fix the ownership",
+            self.data_dir.display(),
+            if dir == self.data_dir {
+                "it".to_string()
+            } else {
+                format!("its parent {}", dir.display())
+            },
+        ))
+    }
+
     /// The configuration as TOML (unset optional keys are omitted).
     pub fn to_toml(&self) -> String {
         toml::to_string(self).expect("NodeConfig serializes to TOML")
@@ -1627,6 +1659,22 @@ mod tests {
         };
         let e = load(&sources, &env()).unwrap_err().to_string();
         assert!(e.contains("/nonexistent/b.toml"), "{e}");
+    }
+
+    #[test]
+    fn a_data_dir_that_cannot_be_created_is_warned_about() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut c = NodeConfig::defaults_for(&Environment::default());
+        c.data_dir = dir.path().join("new").join("data");
+        assert_eq!(c.data_dir_access_warning(), None, "creatable");
+        // Below a regular file: nobody can create it, root included.
+        std::fs::write(dir.path().join("file"), b"x").unwrap();
+        c.data_dir = dir.path().join("file").join("data");
+        let w = c.data_dir_access_warning().expect("a warning");
+        assert!(
+            w.contains("not writable") && w.contains("its parent"),
+            "{w}"
+        );
     }
 
     #[test]

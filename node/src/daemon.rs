@@ -12,6 +12,7 @@ use std::fs::File;
 use std::future::Future;
 use std::io::{Read, Seek, Write};
 use std::net::SocketAddr;
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -68,7 +69,7 @@ impl DataDirLock {
     /// Fails with [`NodeError::Locked`] naming the holder when another
     /// process has it.
     pub fn acquire(data_dir: &Path, role: &str) -> Result<Self> {
-        std::fs::create_dir_all(data_dir).map_err(|e| NodeError::Io {
+        tier::store::create_data_dir(data_dir).map_err(|e| NodeError::Io {
             op: "create data dir",
             path: data_dir.to_owned(),
             source: e,
@@ -79,6 +80,7 @@ impl DataDirLock {
             .write(true)
             .create(true)
             .truncate(false)
+            .mode(tier::store::DATA_FILE_MODE)
             .open(&path)
             .map_err(|e| NodeError::Io {
                 op: "open lock file",

@@ -203,6 +203,7 @@ impl FileDevice {
             .write(true)
             .create(true)
             .truncate(false)
+            .mode(crate::store::DATA_FILE_MODE)
             .open(path)?;
         let cur = file.metadata()?.len();
         if cur < len {

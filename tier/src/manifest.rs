@@ -92,7 +92,16 @@ pub fn store(dir: &Path, namespaces: &BTreeMap<Namespace, NsEntry>) -> Result<()
         what: "namespace manifest".into(),
         detail: e.to_string(),
     })?;
-    let mut f = File::create(&tmp).map_err(|e| io("create", &tmp, e))?;
+    let mut f = {
+        use std::os::unix::fs::OpenOptionsExt;
+        fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(crate::store::DATA_FILE_MODE)
+            .open(&tmp)
+    }
+    .map_err(|e| io("create", &tmp, e))?;
     f.write_all(&body).map_err(|e| io("write", &tmp, e))?;
     f.sync_all().map_err(|e| io("fsync", &tmp, e))?;
     drop(f);

@@ -41,6 +41,22 @@ use crate::{ChunkId, ChunkKey, Error, GroupId, Namespace, NamespaceRecord, Resul
 /// Name of the store file inside the data dir.
 pub const STORE_FILE: &str = "store.kvt";
 
+/// Mode of a data dir kvtier creates: the service's user and group only.
+/// The store holds KV caches of prompts; nobody else should read them.
+pub const DATA_DIR_MODE: u32 = 0o750;
+/// Mode of the files kvtier creates in it.
+pub const DATA_FILE_MODE: u32 = 0o640;
+
+/// Creates `dir` and its missing parents with [`DATA_DIR_MODE`] (an
+/// existing directory keeps its mode).
+pub fn create_data_dir(dir: &std::path::Path) -> std::io::Result<()> {
+    use std::os::unix::fs::DirBuilderExt;
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(DATA_DIR_MODE)
+        .create(dir)
+}
+
 /// The shape of an existing store, from its superblock.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct StoreLayout {
@@ -421,7 +437,7 @@ impl ChunkStore {
     /// Opens (or creates) the store in `config.data_dir`, rebuilding the index.
     pub fn open(config: TierConfig) -> Result<Self> {
         config.validate()?;
-        std::fs::create_dir_all(&config.data_dir).map_err(|e| Error::Io {
+        create_data_dir(&config.data_dir).map_err(|e| Error::Io {
             op: "create the data dir",
             path: config.data_dir.clone(),
             source: e,
@@ -461,7 +477,7 @@ impl ChunkStore {
     #[cfg(feature = "test_utils")]
     pub fn open_with_device(config: TierConfig, dev: Arc<dyn Device>) -> Result<Self> {
         config.validate()?;
-        std::fs::create_dir_all(&config.data_dir).map_err(|e| Error::Io {
+        create_data_dir(&config.data_dir).map_err(|e| Error::Io {
             op: "create the data dir",
             path: config.data_dir.clone(),
             source: e,

@@ -1096,6 +1096,28 @@ fn a_truncated_store_file_is_refused_until_grown_on_purpose() {
 }
 
 #[test]
+fn the_store_is_private_to_its_user_and_group() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("a").join("data");
+    let s = ChunkStore::open(config(&data)).unwrap();
+    s.register_namespace(&record(0)).unwrap();
+    s.close(Duration::from_secs(10)).unwrap();
+    let mode = |p: &std::path::Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    // Under any umask: nothing for others, nothing executable in files.
+    for d in [dir.path().join("a"), data.clone()] {
+        assert_eq!(mode(&d) & 0o027, 0, "{}: {:o}", d.display(), mode(&d));
+    }
+    let mut files = 0;
+    for e in std::fs::read_dir(&data).unwrap() {
+        let p = e.unwrap().path();
+        assert_eq!(mode(&p) & 0o137, 0, "{}: {:o}", p.display(), mode(&p));
+        files += 1;
+    }
+    assert!(files >= 2, "the store file and the manifest");
+}
+
+#[test]
 fn an_atomic_group_is_seen_whole_or_not_at_all() {
     let dir = tempfile::tempdir().unwrap();
     let s = Arc::new(ChunkStore::open(config(dir.path())).unwrap());
