@@ -365,9 +365,11 @@ pub(crate) struct Inner {
     /// sections.
     cancel: Mutex<HashMap<ChunkId, Cancel>>,
     /// `Msg::Forget`s that found the writer queue full (they are never sent
-    /// blocking: the writer thread itself breaks groups); sent by the next
-    /// flush or idle pass. parking_lot: short sections.
-    forget_later: Mutex<Vec<(ChunkId, Instant)>>,
+    /// blocking: the writer thread itself breaks groups), coalesced per id
+    /// (the latest time, how many): one entry per id however many
+    /// overwrites or deletes pile up under overload. Sent by the next flush
+    /// or idle pass. parking_lot: short sections.
+    forget_later: Mutex<HashMap<ChunkId, (Instant, u32)>>,
     /// Write jobs not done yet (queued, packed or in flight), per id
     /// ([`PendingWrite`]). parking_lot: short sections.
     pending: Arc<Mutex<HashMap<ChunkId, u32>>>,
@@ -531,7 +533,7 @@ impl ChunkStore {
             counters: Counters::default(),
             observer: RwLock::new(None),
             cancel: Mutex::new(HashMap::new()),
-            forget_later: Mutex::new(Vec::new()),
+            forget_later: Mutex::new(HashMap::new()),
             pending: Arc::new(Mutex::new(HashMap::new())),
             txns: Mutex::new(txns),
             gate: RwLock::new(()),
@@ -1334,9 +1336,14 @@ impl Inner {
     /// itself breaks groups when a write fails or a region is reclaimed).
     fn forget_cancel(&self, id: ChunkId, at: Instant) {
         match &self.tx {
-            Some(tx) => match tx.try_send(Msg::Forget(id, at)) {
+            Some(tx) => match tx.try_send(Msg::Forget(id, at, 1)) {
                 Ok(()) => {}
-                Err(TrySendError::Full(_)) => self.forget_later.lock().push((id, at)),
+                Err(TrySendError::Full(_)) => {
+                    let mut later = self.forget_later.lock();
+                    let e = later.entry(id).or_insert((at, 0));
+                    e.0 = e.0.max(at);
+                    e.1 += 1;
+                }
                 Err(TrySendError::Disconnected(_)) => self.tombstone_done(&id, at),
             },
             None => self.tombstone_done(&id, at),
@@ -1350,18 +1357,23 @@ impl Inner {
             return;
         };
         let mut rest = Vec::new();
-        for (id, at) in later {
+        for (id, (at, n)) in later {
             let sent = if blocking {
-                tx.send(Msg::Forget(id, at)).is_ok()
+                tx.send(Msg::Forget(id, at, n)).is_ok()
             } else {
-                tx.try_send(Msg::Forget(id, at)).is_ok()
+                tx.try_send(Msg::Forget(id, at, n)).is_ok()
             };
             if !sent {
-                rest.push((id, at));
+                rest.push((id, (at, n)));
             }
         }
         if !rest.is_empty() {
-            self.forget_later.lock().extend(rest);
+            let mut later = self.forget_later.lock();
+            for (id, (at, n)) in rest {
+                let e = later.entry(id).or_insert((at, 0));
+                e.0 = e.0.max(at);
+                e.1 += n;
+            }
         }
     }
 
@@ -2742,6 +2754,33 @@ mod race_tests {
             n += 1;
         }
         assert!(s.stats().dropped_unwritten > dropped, "nothing dropped");
+    }
+
+    /// Cancellations whose forgets find the writer's queue full wait as one
+    /// entry per id, however many pile up, and each is pruned once sent.
+    #[test]
+    fn forgets_that_find_the_queue_full_are_coalesced_per_id() {
+        let dir = tempfile::tempdir().unwrap();
+        let (s, ns, dev) = setup_queue_of_one(dir.path());
+        dev.hold_writes();
+        let held = Released(&dev);
+        jam_writer(&s, ns, &dev, 100);
+        let (x, y) = (ChunkId::new(ns, key(0), 0), ChunkId::new(ns, key(1), 0));
+        for _ in 0..1000 {
+            for id in [x, y] {
+                let at = cancel_now(&mut s.inner.cancel.lock(), id);
+                s.inner.forget_cancel(id, at);
+            }
+        }
+        {
+            let later = s.inner.forget_later.lock();
+            assert_eq!(later.len(), 2, "one entry per id");
+            assert!(later.values().all(|&(_, n)| n == 1000), "{later:?}");
+        }
+        drop(held);
+        s.flush().unwrap();
+        assert!(s.inner.forget_later.lock().is_empty());
+        assert_eq!(s.cancelled_writes(), 0, "every cancellation is pruned");
     }
 
     /// A chunk on disk, overwritten by a put whose version is then dropped

@@ -106,9 +106,10 @@ pub(crate) enum Msg {
     Write(Job),
     /// Persist the deletion of an id (deleted at `.1`).
     Tombstone(ChunkId, Instant),
-    /// The cancellation of `id`'s jobs made at `.1` (its atomic group broke)
-    /// may be forgotten once every job queued before this message is done.
-    Forget(ChunkId, Instant),
+    /// `.2` cancellations of `id`'s jobs, the latest made at `.1` (its
+    /// atomic group broke, or an overwrite superseded it), may be forgotten
+    /// once every job queued before this message is done.
+    Forget(ChunkId, Instant, u32),
     /// Write everything queued before, fdatasync, then answer.
     Flush(Sender<Result<()>>),
     /// Like `Flush`, then exit.
@@ -386,13 +387,13 @@ impl Writer {
 
     fn serve(&mut self, rx: &Receiver<Msg>) {
         let mut items: Vec<Item> = Vec::new();
-        let mut forgets: Vec<(ChunkId, Instant)> = Vec::new();
+        let mut forgets: Vec<(ChunkId, Instant, u32)> = Vec::new();
         while let Some(msg) = self.next_msg(rx) {
             let mut control = None;
             let mut bytes = 0usize;
             let push = |m: Msg,
                         items: &mut Vec<Item>,
-                        forgets: &mut Vec<(ChunkId, Instant)>,
+                        forgets: &mut Vec<(ChunkId, Instant, u32)>,
                         bytes: &mut usize| match m {
                 Msg::Write(j) => {
                     *bytes += j.data.len();
@@ -403,8 +404,8 @@ impl Writer {
                     items.push(Item::Tomb(id, seq));
                     None
                 }
-                Msg::Forget(id, at) => {
-                    forgets.push((id, at));
+                Msg::Forget(id, at, n) => {
+                    forgets.push((id, at, n));
                     None
                 }
                 other => Some(other),
@@ -424,14 +425,17 @@ impl Writer {
             if !items.is_empty() {
                 // Tombstones superseded by a newer version are not written;
                 // their cancellations are forgotten like a `Forget`'s.
-                forgets.extend(self.write_items(std::mem::take(&mut items)));
+                let superseded = self.write_items(std::mem::take(&mut items));
+                forgets.extend(superseded.into_iter().map(|(id, at)| (id, at, 1)));
             }
             if !forgets.is_empty() {
                 // Every job queued before these messages is written (or
                 // skipped) once the batches in flight are done.
                 self.drain();
-                for (id, at) in forgets.drain(..) {
-                    self.hooks.tombstone_done(&id, at);
+                for (id, at, n) in forgets.drain(..) {
+                    for _ in 0..n {
+                        self.hooks.tombstone_done(&id, at);
+                    }
                     self.forget_newer(&id);
                 }
             }
