@@ -237,6 +237,10 @@ pub struct StoreArgs {
     /// The store's region size. Default: the existing store's.
     #[arg(long, value_name = "SIZE")]
     pub region_size: Option<ByteSize>,
+    /// Space a disk budget given here must leave free on the filesystem.
+    /// Default: 5% of the filesystem, at most 1GiB.
+    #[arg(long, value_name = "SIZE")]
+    pub disk_reserve: Option<ByteSize>,
     /// Not used here (kept to refuse it with the way to do it).
     #[arg(long, value_name = "PATH", hide = true)]
     pub socket: Option<PathBuf>,
@@ -251,6 +255,7 @@ impl StoreArgs {
             ram_budget: self.ram_budget,
             disk_budget: self.disk_budget,
             region_size: self.region_size,
+            disk_reserve: self.disk_reserve,
             socket: self.socket.clone(),
             ..ConfigArgs::default()
         }

@@ -522,18 +522,11 @@ fn close_offline(store: ChunkStore, lock: DataDirLock) -> Result<()> {
 }
 
 fn namespaces(args: &NamespacesArgs) -> Result<u8> {
-    let (cfg, _) = load_resolved(&args.config.config_args())?;
+    // Counting every namespace's chunks walks the whole index: the daemon
+    // does it for HTTP /status (found through the data dir's LOCK file),
+    // not for native STATS, so a socket alone cannot tell.
+    let cfg = offline_config(&args.config, "namespaces")?;
     let list: serde_json::Value = match DataDirLock::holder(&cfg.data_dir) {
-        // Counting every namespace's chunks walks the whole index: the
-        // daemon does it for HTTP /status (found through the data dir's
-        // LOCK file), not for native STATS, so a socket alone cannot tell.
-        _ if args.config.socket.is_some() => {
-            return Err(crate::UsageError(
-                "`kvtier namespaces` finds the daemon through its data dir (--data-dir or --config), not --socket"
-                    .into(),
-            )
-            .into());
-        }
         Some(info) if info.role == "daemon" => namespaces_from_daemon(&info)?,
         Some(info) => bail!(
             "data dir {} is in use by `kvtier {}` (pid {}); try again when it is done",
@@ -601,8 +594,20 @@ fn progress(what: &str) -> Option<indicatif::ProgressBar> {
     Some(pb)
 }
 
+/// The store an offline command works on; `--socket` is refused: these
+/// commands open the store itself, found through its data dir.
+fn offline_config(args: &StoreArgs, cmd: &str) -> Result<NodeConfig> {
+    if args.socket.is_some() {
+        return Err(crate::UsageError(format!(
+            "`kvtier {cmd}` finds the store (and a daemon on it) through its data dir (--data-dir or --config), not --socket"
+        ))
+        .into());
+    }
+    Ok(load_resolved(&args.config_args())?.0)
+}
+
 fn verify(args: &VerifyArgs) -> Result<u8> {
-    let (cfg, _) = load_resolved(&args.config.config_args())?;
+    let cfg = offline_config(&args.config, "verify")?;
     // Recovery's own findings (a torn or corrupt chunk in the region that was
     // open at the last shutdown) are logged as the store opens.
     let _ = node::logging::init(node::logging::LogFormat::Human, "warn");
@@ -693,7 +698,7 @@ fn gc(args: &GcArgs) -> Result<u8> {
         )
         .into());
     }
-    let (cfg, _) = load_resolved(&args.config.config_args())?;
+    let cfg = offline_config(&args.config, "gc")?;
     let (store, lock) = open_offline(&cfg, "gc", false)?;
     // An id that is not in this store (a typo, another node's store) is said,
     // not reported as "dropped: 1 namespace(s), 0 chunk(s)".

@@ -815,7 +815,12 @@ impl NodeConfig {
         use std::os::unix::ffi::OsStrExt;
         let mut dir = self.data_dir.as_path();
         while !dir.exists() {
-            dir = dir.parent()?;
+            dir = match dir.parent() {
+                // A relative path's last parent is "": the working directory.
+                Some(p) if p.as_os_str().is_empty() => Path::new("."),
+                Some(p) => p,
+                None => return None,
+            };
         }
         let c = std::ffi::CString::new(dir.as_os_str().as_bytes()).ok()?;
         // SAFETY: a valid NUL-terminated path; access(2) only reads it.

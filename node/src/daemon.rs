@@ -87,6 +87,11 @@ impl DataDirLock {
                 path: path.clone(),
                 source: e,
             })?;
+        tier::store::own_like_dir(&file, data_dir).map_err(|e| NodeError::Io {
+            op: "chown lock file",
+            path: path.clone(),
+            source: e,
+        })?;
         match rustix::fs::flock(&file, rustix::fs::FlockOperation::NonBlockingLockExclusive) {
             Ok(()) => {}
             Err(e) if e == rustix::io::Errno::WOULDBLOCK => {
@@ -190,6 +195,9 @@ pub struct StartupInfo {
     pub ram_budget: ByteSize,
     /// Disk budget.
     pub disk_budget: ByteSize,
+    /// The largest chunk a put accepts (unnamed): the RAM budget, and with
+    /// a disk what one region holds after its headers.
+    pub max_chunk: ByteSize,
     /// Where it listens.
     pub addrs: BoundAddrs,
 }
@@ -200,7 +208,7 @@ impl StartupInfo {
         let ms = self.recovery.as_secs_f64() * 1e3;
         let mut s = format!(
             "kvtier {} ready\n  data dir   {}\n  store      {} namespace(s), {} chunk(s) ({}) recovered in {ms:.1} ms; \
-             RAM budget {}, disk budget {}, direct I/O {}\n  native     {}\n",
+             RAM budget {}, disk budget {}, direct I/O {}, chunks up to {}\n  native     {}\n",
             self.version,
             self.data_dir.display(),
             self.namespaces,
@@ -209,6 +217,7 @@ impl StartupInfo {
             self.ram_budget.approx(),
             self.disk_budget.approx(),
             if self.direct_io { "on" } else { "off" },
+            self.max_chunk.approx(),
             self.addrs.socket.display(),
         );
         match self.addrs.resp {
@@ -446,6 +455,7 @@ pub async fn start(config: NodeConfig) -> Result<NodeHandle> {
         direct_io: stats.direct_io,
         ram_budget: config.ram_budget,
         disk_budget: ByteSize(stats.disk_budget),
+        max_chunk: ByteSize(ctx.store.max_chunk_len(0)),
         addrs,
     };
     Ok(NodeHandle {

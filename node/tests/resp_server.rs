@@ -236,6 +236,12 @@ async fn basic_commands_reply_like_redis() {
         b"-ERR CLIENT TRACKING is not supported by kvtier (no invalidation messages); keep client-side caching off\r\n+OK\r\n",
     )
     .await;
+    rt(
+        &mut c,
+        b"CLIENT HELP\r\n",
+        b"*5\r\n+CLIENT <subcommand> [<arg> ...]. kvtier serves:\r\n+ID\r\n+GETNAME\r\n+SETNAME <name>\r\n+SETINFO, NO-EVICT, NO-TOUCH, TRACKING OFF: accepted and ignored\r\n",
+    )
+    .await;
     // Hints are accepted; what kvtier does not do is refused, not "+OK".
     rt(
         &mut c,

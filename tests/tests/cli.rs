@@ -174,13 +174,19 @@ fn client_commands_round_trip_and_use_documented_exit_codes() {
         "{v}"
     );
     // Not through the socket: refused, saying how.
-    let out = run_kvtier(&[&["namespaces", "--json"][..], &s].concat(), &[]);
-    assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
-    assert!(
-        text(&out.stderr).contains("through its data dir"),
-        "{}",
-        text(&out.stderr)
-    );
+    for cmd in [
+        &["namespaces"][..],
+        &["verify"],
+        &["gc", "--older-than", "1h"],
+    ] {
+        let out = run_kvtier(&[cmd, &s[..]].concat(), &[]);
+        assert_eq!(out.status.code(), Some(2), "{cmd:?}: {}", text(&out.stderr));
+        assert!(
+            text(&out.stderr).contains("through its data dir"),
+            "{cmd:?}: {}",
+            text(&out.stderr)
+        );
+    }
 
     let out = run_kvtier(
         &[&["delete", "--namespace", &ns, &key, &other][..], &s].concat(),

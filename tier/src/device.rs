@@ -206,6 +206,11 @@ impl FileDevice {
             .mode(crate::store::DATA_FILE_MODE)
             .open(path)?;
         let cur = file.metadata()?.len();
+        if !existed {
+            if let Some(dir) = path.parent() {
+                crate::store::own_like_dir(&file, dir)?;
+            }
+        }
         if cur < len {
             preallocate(&file, len)?;
         }

@@ -102,6 +102,7 @@ pub fn store(dir: &Path, namespaces: &BTreeMap<Namespace, NsEntry>) -> Result<()
             .open(&tmp)
     }
     .map_err(|e| io("create", &tmp, e))?;
+    crate::store::own_like_dir(&f, dir).map_err(|e| io("chown", &tmp, e))?;
     f.write_all(&body).map_err(|e| io("write", &tmp, e))?;
     f.sync_all().map_err(|e| io("fsync", &tmp, e))?;
     drop(f);

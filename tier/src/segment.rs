@@ -45,6 +45,9 @@ pub(crate) struct DiskCounters {
     pub read_bytes: AtomicU64,
     /// Time chunk reads spent waiting for the device, in microseconds.
     pub read_micros: AtomicU64,
+    /// Tombstones the disk refused (ENOSPC) waiting to be written again, as
+    /// the writer last answered a flush.
+    pub tombstones_unwritten: AtomicU64,
 }
 
 impl DiskCounters {
@@ -141,6 +144,29 @@ pub(crate) struct Scan {
     /// what lies beyond is unknown: such a region is neither sealed nor
     /// re-opened (nothing is written to it).
     pub io_error: bool,
+}
+
+/// The superblock in `block` (the first block of the store at `path`):
+/// `None` for a zeroed block (a fresh file), an error for another format
+/// version, a corrupt superblock or a file that is not a kvtier store.
+pub(crate) fn read_superblock(path: &std::path::Path, block: &[u8]) -> Result<Option<Superblock>> {
+    match Superblock::decode(block) {
+        Ok(sb) => Ok(Some(sb)),
+        Err(SuperblockError::Version(v)) => Err(Error::IncompatibleVersion {
+            found: v,
+            supported: STORE_VERSION.to_string(),
+            hint: "move the store away (or delete it) to start a fresh one",
+        }),
+        Err(SuperblockError::Corrupt(detail)) => Err(Error::Corrupt {
+            what: format!("superblock of {}", path.display()),
+            detail,
+        }),
+        Err(SuperblockError::NoMagic) if block.iter().any(|&b| b != 0) => Err(Error::Corrupt {
+            what: format!("superblock of {}", path.display()),
+            detail: "no kvtier magic and not zeroed: not a kvtier store".into(),
+        }),
+        Err(SuperblockError::NoMagic) => Ok(None),
+    }
 }
 
 /// Refuses to open the store at `path`, laid out as `found`, with another
@@ -332,8 +358,8 @@ impl Disk {
         disk.dev
             .read_at(&mut block, 0)
             .map_err(|e| disk.io_err("read the superblock of", e))?;
-        match Superblock::decode(&block) {
-            Ok(sb) => {
+        match read_superblock(disk.dev.path(), &block)? {
+            Some(sb) => {
                 check_layout(
                     disk.dev.path(),
                     crate::store::StoreLayout {
@@ -344,26 +370,7 @@ impl Disk {
                     u64::from(region_count),
                 )?;
             }
-            Err(SuperblockError::Version(v)) => {
-                return Err(Error::IncompatibleVersion {
-                    found: v,
-                    supported: STORE_VERSION.to_string(),
-                    hint: "move the store away (or delete it) to start a fresh one",
-                });
-            }
-            Err(SuperblockError::Corrupt(detail)) => {
-                return Err(Error::Corrupt {
-                    what: format!("superblock of {}", disk.dev.path().display()),
-                    detail,
-                });
-            }
-            Err(SuperblockError::NoMagic) => {
-                if block.iter().any(|&b| b != 0) {
-                    return Err(Error::Corrupt {
-                        what: format!("superblock of {}", disk.dev.path().display()),
-                        detail: "no kvtier magic and not zeroed: not a kvtier store".into(),
-                    });
-                }
+            None => {
                 // A fresh device. Regions carry no valid open slot (zeroed),
                 // except after a crash of a previous format attempt, which
                 // wrote nothing but the superblock.

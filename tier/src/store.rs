@@ -57,6 +57,23 @@ pub fn create_data_dir(dir: &std::path::Path) -> std::io::Result<()> {
         .create(dir)
 }
 
+/// Gives a file kvtier just created in `dir` the owner and group of `dir`
+/// when this process runs as root and `dir` belongs to someone else: an
+/// offline command run with `sudo` (`kvtier verify`) must not leave files
+/// (0640) the service's user cannot read. Otherwise does nothing.
+pub fn own_like_dir(file: &std::fs::File, dir: &std::path::Path) -> std::io::Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    // SAFETY: a plain syscall without arguments.
+    if unsafe { libc::geteuid() } != 0 {
+        return Ok(());
+    }
+    let m = std::fs::metadata(dir)?;
+    if m.uid() == 0 {
+        return Ok(());
+    }
+    std::os::unix::fs::fchown(file, Some(m.uid()), Some(m.gid()))
+}
+
 /// The shape of an existing store, from its superblock.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct StoreLayout {
@@ -104,15 +121,37 @@ pub fn existing_region_size(data_dir: &std::path::Path) -> Option<u64> {
 /// `grow_truncated`. A file longer than its store (grown by an older
 /// version's refused open) is trimmed back.
 fn check_existing_file(path: &std::path::Path, config: &TierConfig, len: u64) -> Result<()> {
-    let Some(l) = existing_layout(&config.data_dir) else {
-        return Ok(());
-    };
-    crate::segment::check_layout(path, l, config.region_size, len / config.region_size)?;
+    use std::io::Read;
     let io = |op, e| Error::Io {
         op,
         path: path.to_path_buf(),
         source: e,
     };
+    let mut block = vec![0u8; crate::device::BLOCK as usize];
+    match std::fs::File::open(path) {
+        Ok(f) => {
+            // Up to one block; what a short file lacks reads as zeros.
+            f.take(block.len() as u64)
+                .read_exact(&mut block)
+                .or_else(|e| match e.kind() {
+                    std::io::ErrorKind::UnexpectedEof => Ok(()),
+                    _ => Err(e),
+                })
+                .map_err(|e| io("read the superblock of", e))?;
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(io("open the store file", e)),
+    }
+    // Another version, a corrupt superblock, a foreign file: refused here,
+    // before the device would grow the file to the configured budget.
+    let Some(sb) = crate::segment::read_superblock(path, &block)? else {
+        return Ok(());
+    };
+    let l = StoreLayout {
+        region_size: sb.region_size,
+        region_count: sb.region_count,
+    };
+    crate::segment::check_layout(path, l, config.region_size, len / config.region_size)?;
     let cur = std::fs::metadata(path)
         .map_err(|e| io("read the size of", e))?
         .len();
@@ -1685,6 +1724,18 @@ impl Inner {
             self.flush_marker(deadline)?;
         }
         self.persist_last_used();
+        // Until a delete's tombstone is on disk, a restart can bring the
+        // chunk back: a flush with such deletes does not report success.
+        let n = d.counters.tombstones_unwritten.load(Ordering::Relaxed);
+        if n > 0 {
+            return Err(Error::NoSpace {
+                detail: format!(
+                    "{n} delete(s) are not on disk: the disk refused their tombstones, which are \
+                     written again with the next write once there is room; until then a restart \
+                     may bring back chunks they deleted"
+                ),
+            });
+        }
         Ok(FlushReport {
             chunks: ticket.written.load(Ordering::Relaxed),
             bytes: ticket.bytes.load(Ordering::Relaxed),

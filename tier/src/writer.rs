@@ -445,17 +445,21 @@ impl Writer {
             match control {
                 None => {}
                 Some(Msg::Flush(ack)) => {
-                    let _ = ack.send(self.sync().and_then(|()| self.deletes_written()));
+                    self.count_unwritten_tombstones();
+                    let _ = ack.send(self.sync());
                 }
                 Some(Msg::SealRecovered(ack)) => {
                     let _ = ack.send(self.seal_recovered());
                 }
                 Some(Msg::Stop(ack)) => {
-                    let r = self.sync().and_then(|()| self.deletes_written());
-                    if let Err(e) = &r {
-                        tracing::error!(error = %e, "the writer stops with deletes not on disk");
+                    if self.count_unwritten_tombstones() > 0 {
+                        tracing::error!(
+                            deletes = self.retry_tombs.len(),
+                            "the writer stops with deletes the disk refused (ENOSPC) not written: \
+                             chunks they deleted may be back after the restart"
+                        );
                     }
-                    let _ = ack.send(r);
+                    let _ = ack.send(self.sync());
                     // Whatever raced the stop into the queue is not written:
                     // say so (a spilled chunk's RAM copy goes).
                     for m in rx.try_iter() {
@@ -520,20 +524,15 @@ impl Writer {
         Ok(())
     }
 
-    /// Fails while tombstones wait to be written again (the disk refused
-    /// them with ENOSPC): until they are on disk, a restart brings the
-    /// deleted chunks back, so a flush must not report success.
-    fn deletes_written(&self) -> Result<()> {
-        match self.retry_tombs.len() {
-            0 => Ok(()),
-            n => Err(Error::NoSpace {
-                detail: format!(
-                    "{n} delete(s) are not on disk: the disk refused their tombstones, which are \
-                     written again with the next write once there is room; until then a restart \
-                     brings the deleted chunks back"
-                ),
-            }),
-        }
+    /// Publishes how many tombstones wait to be written again (the disk
+    /// refused them with ENOSPC), for the flush that is answered next.
+    fn count_unwritten_tombstones(&self) -> usize {
+        let n = self.retry_tombs.len();
+        self.disk
+            .counters
+            .tombstones_unwritten
+            .store(n as u64, Ordering::Relaxed);
+        n
     }
 
     fn seal_recovered(&mut self) -> Result<()> {

@@ -1032,6 +1032,28 @@ fn a_refused_reopen_leaves_the_store_file_as_it_was() {
         .to_string();
     assert!(e.contains("region-size"), "{e}");
     assert_eq!(file_len(dir.path()), 8 * MIB);
+    // A superblock that does not decode is refused before anything grows.
+    let path = dir.path().join(tier::store::STORE_FILE);
+    let flip = |at: u64| {
+        use std::os::unix::fs::FileExt;
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&path)
+            .unwrap();
+        let mut b = [0u8; 1];
+        f.read_exact_at(&mut b, at).unwrap();
+        f.write_all_at(&[b[0] ^ 0xff], at).unwrap();
+    };
+    flip(20);
+    let larger = TierConfig {
+        disk_budget: 16 * MIB,
+        ..config(dir.path())
+    };
+    let e = ChunkStore::open(larger).err().expect("refused").to_string();
+    assert!(e.contains("superblock"), "{e}");
+    assert_eq!(file_len(dir.path()), 8 * MIB, "not grown by the refusal");
+    flip(20);
     // The store opens as it was.
     let s = ChunkStore::open(config(dir.path())).unwrap();
     for k in 0..6 {
@@ -1112,6 +1134,32 @@ fn the_store_is_private_to_its_user_and_group() {
     for e in std::fs::read_dir(&data).unwrap() {
         let p = e.unwrap().path();
         assert_eq!(mode(&p) & 0o137, 0, "{}: {:o}", p.display(), mode(&p));
+        files += 1;
+    }
+    assert!(files >= 2, "the store file and the manifest");
+}
+
+/// Run as root on a data dir of another user (`sudo kvtier verify`), the
+/// store leaves files that user owns, so the service can still read them.
+#[test]
+fn files_made_as_root_in_another_users_data_dir_belong_to_that_user() {
+    use std::os::unix::fs::MetadataExt;
+    // SAFETY: a plain syscall without arguments.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("SKIPPED: needs root to chown");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    std::fs::create_dir(&data).unwrap();
+    std::os::unix::fs::chown(&data, Some(4242), Some(4343)).unwrap();
+    let s = ChunkStore::open(config(&data)).unwrap();
+    s.register_namespace(&record(0)).unwrap();
+    s.close(Duration::from_secs(10)).unwrap();
+    let mut files = 0;
+    for e in std::fs::read_dir(&data).unwrap() {
+        let m = e.unwrap().metadata().unwrap();
+        assert_eq!((m.uid(), m.gid()), (4242, 4343));
         files += 1;
     }
     assert!(files >= 2, "the store file and the manifest");

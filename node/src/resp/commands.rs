@@ -485,6 +485,19 @@ fn client(s: &mut Session, args: &[Bytes], out: &mut Output) -> Res {
         // Hints that change nothing here (a client library's name and
         // version; eviction and LRU hints for a server that evicts by size;
         // tracking off) are accepted and ignored.
+        b"help" if args.len() == 2 => {
+            let lines = [
+                "CLIENT <subcommand> [<arg> ...]. kvtier serves:",
+                "ID",
+                "GETNAME",
+                "SETNAME <name>",
+                "SETINFO, NO-EVICT, NO-TOUCH, TRACKING OFF: accepted and ignored",
+            ];
+            out.array_header(lines.len());
+            for l in lines {
+                out.simple(l);
+            }
+        }
         b"setinfo" | b"no-evict" | b"no-touch" | b"tracking" if args.len() >= 3 => out.ok(),
         b"setinfo" | b"no-evict" | b"no-touch" | b"tracking" => {
             return Err(wrong_args(&format!(
