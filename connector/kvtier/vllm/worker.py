@@ -199,10 +199,33 @@ class KvtierWorker:
                 link.namespace(self.record or {})
             except Exception:  # noqa: BLE001 - warned by the link
                 pass
+        # A chunk the daemon cannot store (larger than one region of its disk
+        # store) would be refused on every save: say so once, and stay off.
+        limit = self._daemon_max_chunk()
+        if limit is not None and biggest > limit:
+            logger.error(
+                "kvtier: a chunk is %d bytes, more than the daemon's largest chunk (%d bytes: its "
+                "region-size less headers); raise the daemon's region-size (a disk-budget under 2GiB "
+                "picks small regions) or lower chunk_blocks; the connector disables itself on this worker",
+                biggest, limit,
+            )
+            self.enabled = False
+            for link in (*self._save_links, *self._load_links):
+                link.close()
+            return
         for name, q, fn in (("kvtier-save", self._save_q, self._run_save), ("kvtier-load", self._load_q, self._run_load)):
             t = threading.Thread(target=self._loop, args=(q, fn), name=name, daemon=True)
             t.start()
             self._threads.append(t)
+
+    def _daemon_max_chunk(self) -> int | None:
+        """The daemon's largest chunk (STATS `max-chunk-bytes`); None when it
+        cannot be asked (down: the links warn) or is older."""
+        try:
+            v = self._save_links[0].client().stats().get("max-chunk-bytes")
+        except Exception:  # noqa: BLE001 - a daemon that is down is warned about by the link
+            return None
+        return int(v) if isinstance(v, int) else None
 
     def _staging_for(self, link: DaemonLink) -> Staging:
         client = link.client()

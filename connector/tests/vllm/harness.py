@@ -48,18 +48,23 @@ class Daemon:
         self.log = self.dir / "daemon.log"
 
     def start(self, timeout_s: float = 30.0) -> Daemon:
-        args = [
-            kvtier_bin(), "node", "start",
-            "--data-dir", str(self.data),
-            "--socket", self.socket,
-            "--resp-listen", "off",
-            "--http-listen", "off",
-            "--ram-budget", "256MiB",
-            "--disk-budget", "256MiB", "--region-size", "16MiB",
+        defaults = {
+            "--data-dir": str(self.data),
+            "--socket": self.socket,
+            "--resp-listen": "off",
+            "--http-listen": "off",
+            "--ram-budget": "256MiB",
+            "--disk-budget": "256MiB",
+            "--region-size": "16MiB",
             # Tests must start on a nearly full disk too (CI has had 258 MiB free).
-            "--disk-reserve", "0",
-            *self.extra,
-        ]
+            "--disk-reserve": "0",
+        }
+        # A flag in `extra` replaces its default (the CLI refuses a flag twice).
+        args = [kvtier_bin(), "node", "start"]
+        for flag, value in defaults.items():
+            if flag not in self.extra:
+                args += [flag, value]
+        args += self.extra
         if os.path.exists(self.socket):
             os.unlink(self.socket)
         # The daemon reads every KVTIER_* variable as a config key: keep ours out.

@@ -45,3 +45,21 @@ def test_preemption_cancels_queued_saves(daemon: Daemon):
     finally:
         gate.set()
         w.shutdown()
+
+
+def test_a_chunk_larger_than_the_daemons_regions_disables_the_worker(short_tmp, caplog):
+    # 1 MiB regions hold a little less than 1 MiB chunks (256 blocks of the
+    # test layout's 4 KiB).
+    d = Daemon(short_tmp, "small", ["--region-size", "1MiB", "--disk-budget", "8MiB"]).start()
+    try:
+        cfg = KvtierConfig(socket=d.socket, chunk_blocks=256)
+        kcc = make_kv_cache_config(512)
+        layout = engine_layout(make_vllm_config({}), kcc, cfg)
+        w = KvtierWorker(cfg, layout, SimpleNamespace(parallel_config=SimpleNamespace(rank=0)), True, StatsRecorder())
+        with caplog.at_level("ERROR"):
+            w.register_kv_caches(make_kv_caches(kcc))
+        assert not w.enabled
+        assert "more than the daemon's largest chunk" in caplog.text
+        w.shutdown()
+    finally:
+        d.stop(graceful=False)

@@ -915,6 +915,9 @@ pub fn stats_json(ctx: &NodeContext) -> serde_json::Value {
     serde_json::json!({
         "node": ctx.node_name,
         "uptime-secs": ctx.started.elapsed().as_secs(),
+        // The largest chunk a PUT accepts (unnamed; region-size less its
+        // headers): clients check their chunk size against it at start.
+        "max-chunk-bytes": ctx.store.max_chunk_len(0),
         "store": ctx.store.stats(),
         "peers": ctx.peers_json(),
         "counters": {
