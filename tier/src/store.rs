@@ -821,7 +821,7 @@ impl ChunkStore {
         let mut res = Ok(());
         let t = Instant::now();
         for (id, data) in chunks {
-            match inner.ram_insert(id, None, data, true, &mut evicted) {
+            match inner.ram_insert(id, None, data, &mut evicted) {
                 Ok(()) => {}
                 Err(e) => {
                     res = Err(e);
@@ -1215,23 +1215,24 @@ impl Inner {
             .collect()
     }
 
+    /// Inserts a put chunk into RAM: dirty (owed to the disk) when there is
+    /// a disk, clean on a RAM-only store, where there is nothing to owe (an
+    /// eviction then is a plain eviction, not a dropped write, and a flush
+    /// has nothing to do).
     fn ram_insert(
         &self,
         id: ChunkId,
         name: Option<Bytes>,
         data: Bytes,
-        dirty: bool,
         evicted: &mut Vec<Evicted>,
     ) -> Result<()> {
         let len = data.len() as u64;
-        let (_, ev) = self.ram.insert(id, data, name, dirty)?;
+        let (_, ev) = self.ram.insert(id, data, name, self.disk.is_some())?;
         evicted.extend(ev);
-        if dirty {
-            self.counters.puts.fetch_add(1, Ordering::Relaxed);
-            self.counters.bytes_in.fetch_add(len, Ordering::Relaxed);
-            if let Some(o) = self.observer() {
-                o.added(&id, len);
-            }
+        self.counters.puts.fetch_add(1, Ordering::Relaxed);
+        self.counters.bytes_in.fetch_add(len, Ordering::Relaxed);
+        if let Some(o) = self.observer() {
+            o.added(&id, len);
         }
         Ok(())
     }
@@ -1256,7 +1257,7 @@ impl Inner {
         }
         let mut evicted = Vec::new();
         let t = Instant::now();
-        self.ram_insert(id, name, data, true, &mut evicted)?;
+        self.ram_insert(id, name, data, &mut evicted)?;
         self.supersede(id, t);
         self.touch(&id.ns);
         self.handle_evicted(evicted);
@@ -1677,10 +1678,8 @@ impl Inner {
         let dirty = self.ram.dirty_entries(None, usize::MAX);
         let spilled = self.ram.spilled_ids();
         let Some(d) = &self.disk else {
-            return Ok(FlushReport {
-                failed: dirty.len() as u64,
-                ..Default::default()
-            });
+            // RAM-only: nothing is owed to a disk (puts are clean).
+            return Ok(FlushReport::default());
         };
         if let Some(p) = d.poisoned() {
             return Err(Error::Poisoned(p));
