@@ -283,6 +283,11 @@ pub struct ClientArgs {
     /// TOML configuration file to read `socket` from (also `KVTIER_CONFIG`).
     #[arg(long, value_name = "FILE")]
     pub config: Option<PathBuf>,
+    /// How long to wait for each reply before giving up with exit code 3
+    /// (a stopped or overloaded daemon); 0 waits forever. Default: 60s,
+    /// and forever for `flush`, which takes as long as the disk needs.
+    #[arg(long, value_name = "DURATION")]
+    pub timeout: Option<HumanDuration>,
 }
 
 /// A namespace given by id.

@@ -31,8 +31,8 @@ pub struct InitCaArgs {
     /// Directory to write into (created if missing).
     #[arg(long, value_name = "DIR")]
     pub out: PathBuf,
-    /// Validity in days.
-    #[arg(long, default_value_t = 3650)]
+    /// Validity in days (1-36500).
+    #[arg(long, default_value_t = 3650, value_parser = clap::value_parser!(u32).range(1..=36500))]
     pub days: u32,
 }
 
@@ -54,8 +54,8 @@ pub struct IssueArgs {
     /// Directory to write into. Default: ./NODE.
     #[arg(long, value_name = "DIR")]
     pub out: Option<PathBuf>,
-    /// Validity in days. Default: 365.
-    #[arg(long, default_value_t = 365)]
+    /// Validity in days (1-36500; never past the CA's own end).
+    #[arg(long, default_value_t = 365, value_parser = clap::value_parser!(u32).range(1..=36500))]
     pub days: u32,
 }
 
@@ -76,7 +76,18 @@ pub fn run(cmd: &CertCommand) -> Result<u8> {
         CertCommand::Issue(a) => {
             let ca = CaMaterial::read_from(&a.ca)
                 .with_context(|| format!("read the CA from {}", a.ca.display()))?;
-            let node = cert::issue(&ca, &a.node, &a.ip, &a.dns, Validity::days(a.days))
+            let validity = Validity::days(a.days);
+            let ca_end = ca.not_after().context("read the CA's validity")?;
+            if validity.not_after > ca_end {
+                let left = ca_end
+                    .duration_since(std::time::SystemTime::now())
+                    .map_or(0, |d| d.as_secs() / 86_400);
+                errln!(
+                    "note: the CA expires in {left} day(s), before --days {}: the certificate ends with it (renew the CA before then)",
+                    a.days
+                );
+            }
+            let node = cert::issue(&ca, &a.node, &a.ip, &a.dns, validity)
                 .with_context(|| format!("issue a certificate for {}", a.node))?;
             let out = a.out.clone().unwrap_or_else(|| PathBuf::from(&a.node));
             node.write_to(&out)

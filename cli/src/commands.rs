@@ -95,6 +95,7 @@ fn node_start(args: &ConfigArgs) -> Result<u8> {
 struct Signals {
     term: tokio::signal::unix::Signal,
     int: tokio::signal::unix::Signal,
+    hup: tokio::signal::unix::Signal,
 }
 
 impl Signals {
@@ -103,24 +104,31 @@ impl Signals {
         Ok(Self {
             term: signal(SignalKind::terminate())?,
             int: signal(SignalKind::interrupt())?,
+            // The terminal that started a foreground daemon went away (an
+            // ssh session dropped): a graceful stop, not the default death
+            // that would lose every dirty chunk.
+            hup: signal(SignalKind::hangup())?,
         })
     }
 
-    /// Completes on the first SIGTERM or SIGINT; a second one exits the
-    /// process at once with code 130, without flushing.
-    async fn first(mut self) {
-        let name = tokio::select! {
+    /// The name of the next stop signal to arrive.
+    async fn next(&mut self) -> &'static str {
+        tokio::select! {
             _ = self.term.recv() => "SIGTERM",
             _ = self.int.recv() => "SIGINT",
-        };
+            _ = self.hup.recv() => "SIGHUP",
+        }
+    }
+
+    /// Completes on the first SIGTERM, SIGINT or SIGHUP; a second one exits
+    /// the process at once with code 130, without flushing.
+    async fn first(mut self) {
+        let name = self.next().await;
         tracing::info!(
             "received {name}: shutting down gracefully (send another signal to exit at once)"
         );
         tokio::spawn(async move {
-            let name = tokio::select! {
-                _ = self.term.recv() => "SIGTERM",
-                _ = self.int.recv() => "SIGINT",
-            };
+            let name = self.next().await;
             node::logging::eprint_lossy(&format!(
                 "kvtier: second signal ({name}): exiting now without finishing the flush\n"
             ));
@@ -136,7 +144,7 @@ fn config_check(args: &ConfigCheckArgs) -> Result<u8> {
     let mut cfg = loaded.config.clone();
     let mut warnings = loaded.warnings.clone();
     warnings.extend(cfg.resolve(&loaded)?);
-    warnings.extend(cfg.data_dir_access_warning());
+    warnings.extend(cfg.access_warnings());
     if args.json {
         let doc = serde_json::json!({
             "file": loaded.file,
@@ -175,9 +183,24 @@ fn socket_of(args: &ClientArgs) -> Result<PathBuf> {
     Ok(loaded.config.socket)
 }
 
+/// Per-reply timeout when `--timeout` is not given.
+const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
+
 pub(crate) fn connect(args: &ClientArgs) -> Result<Client> {
+    connect_with_default(args, Some(DEFAULT_TIMEOUT))
+}
+
+/// Connects with `--timeout`, or `default` (`None`: forever) without it.
+fn connect_with_default(args: &ClientArgs, default: Option<Duration>) -> Result<Client> {
     let socket = socket_of(args)?;
-    Ok(Client::connect(&socket)?)
+    let client = Client::connect(&socket)?;
+    let timeout = match args.timeout {
+        Some(t) if t.0.is_zero() => None,
+        Some(t) => Some(t.0),
+        None => default,
+    };
+    client.set_timeout(timeout)?;
+    Ok(client)
 }
 
 fn stats(args: &StatsArgs) -> Result<u8> {
@@ -352,6 +375,22 @@ fn put(args: &PutArgs) -> Result<u8> {
             outln!("stored {key} ({} bytes) in namespace {ns}", data.len());
             Ok(EXIT_OK)
         }
+        Some(&code) if ErrorCode::from_code(code) == ErrorCode::TooLarge => {
+            // The status is a bare code: say what the limit is.
+            let max = client
+                .stats()
+                .ok()
+                .and_then(|s| s.get("max-chunk-bytes").and_then(|v| v.as_u64()));
+            Err(match max {
+                Some(max) => anyhow!(
+                    "{}: the chunk is {} bytes, this daemon takes chunks up to {max} bytes ({}; region-size and ram-budget set it)",
+                    status_error(code),
+                    data.len(),
+                    ByteSize(max).approx()
+                ),
+                None => status_error(code),
+            })
+        }
         Some(code) => Err(status_error(*code)),
         None => bail!("the daemon sent an empty PUT reply"),
     }
@@ -413,9 +452,8 @@ fn delete(args: &DeleteArgs) -> Result<u8> {
 }
 
 fn flush(args: &FlushArgs) -> Result<u8> {
-    let mut client = connect(&args.client)?;
     // A flush of a large dirty RAM tier takes as long as the disk needs.
-    client.set_timeout(None)?;
+    let mut client = connect_with_default(&args.client, None)?;
     let r = client.flush().context("flush")?;
     if args.json {
         outln!("{}", serde_json::to_string(&r)?);

@@ -46,7 +46,8 @@ pub const EXIT_OK: u8 = 0;
 pub const EXIT_ERROR: u8 = 1;
 /// Exit code: bad usage (unknown flag, missing argument, malformed value).
 pub const EXIT_USAGE: u8 = 2;
-/// Exit code: the daemon could not be reached on its socket.
+/// Exit code: the daemon could not be reached on its socket, did not
+/// answer within `--timeout`, or closed the connection.
 pub const EXIT_UNREACHABLE: u8 = 3;
 /// Exit code: a key was not found (lookup, get, delete).
 pub const EXIT_MISS: u8 = 4;
@@ -141,13 +142,18 @@ pub fn main_with(bin: &'static str) -> ExitCode {
 }
 
 /// The exit code for an error: 2 for a usage error, 3 when the daemon is
-/// unreachable, else 1.
+/// unreachable or stopped answering, else 1.
 fn exit_code_of(err: &anyhow::Error) -> u8 {
     for cause in err.chain() {
         if cause.downcast_ref::<UsageError>().is_some() {
             return EXIT_USAGE;
         }
-        if let Some(node::native::NativeError::Unavailable { .. }) = cause.downcast_ref() {
+        if let Some(
+            node::native::NativeError::Unavailable { .. }
+            | node::native::NativeError::Timeout { .. }
+            | node::native::NativeError::Closed,
+        ) = cause.downcast_ref()
+        {
             return EXIT_UNREACHABLE;
         }
     }

@@ -68,6 +68,25 @@ pub fn validate_name(kind: &str, name: &str) -> Result<(), Error> {
     }
 }
 
+/// Checks an extra DNS name for a certificate: dot-separated labels of
+/// 1-63 characters of [A-Za-z0-9-], none starting or ending with `-`, at
+/// most 253 characters in all (a name a TLS client could ever match).
+pub fn validate_dns_name(name: &str) -> Result<(), Error> {
+    let label_ok = |l: &str| {
+        (1..=63).contains(&l.len())
+            && l.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
+            && !l.starts_with('-')
+            && !l.ends_with('-')
+    };
+    if name.len() <= 253 && name.split('.').all(label_ok) {
+        Ok(())
+    } else {
+        Err(Error::Config(format!(
+            "invalid DNS name {name:?}: use dot-separated labels of 1-63 characters of [A-Za-z0-9-], not starting or ending with '-'"
+        )))
+    }
+}
+
 /// Validity window of a new certificate.
 #[derive(Debug, Clone, Copy)]
 pub struct Validity {
@@ -187,6 +206,7 @@ pub fn issue(
         SanType::DnsName(node.try_into().map_err(|e| cert_err("node DNS name", e))?),
     ];
     for d in dns {
+        validate_dns_name(d)?;
         sans.push(SanType::DnsName(
             d.as_str()
                 .try_into()
@@ -198,7 +218,8 @@ pub fn issue(
     }
     p.subject_alt_names = sans;
     p.not_before = validity.not_before.into();
-    p.not_after = validity.not_after.into();
+    // A node certificate is worth nothing past its CA's end.
+    p.not_after = validity.not_after.min(ca.not_after()?).into();
     let cert = p
         .signed_by(&key, &ca_cert, &ca_key)
         .map_err(|e| cert_err("sign node certificate", e))?;
@@ -207,6 +228,23 @@ pub fn issue(
         cert_pem: cert.pem(),
         key_pem: key.serialize_pem(),
     })
+}
+
+/// Refuses before anything is written when one of `files` exists in
+/// `dir`, so a refused write leaves no partial set behind.
+fn check_none_exist(dir: &Path, files: &[&str]) -> Result<(), Error> {
+    for f in files {
+        let path = dir.join(f);
+        if path.symlink_metadata().is_ok() {
+            return Err(io_err(format!("create {}", path.display()))(
+                std::io::Error::new(
+                    std::io::ErrorKind::AlreadyExists,
+                    "file exists; nothing was written (move it away or pick another --out)",
+                ),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// Writes `contents` to `path`, refusing to overwrite; `secret` files get
@@ -231,9 +269,23 @@ impl CaMaterial {
     /// Writes `ca.pem` and `ca.key` (0600) into `dir` (created if needed);
     /// refuses to overwrite existing files.
     pub fn write_to(&self, dir: &Path) -> Result<(), Error> {
+        check_none_exist(dir, &[CA_KEY_FILE, CA_CERT_FILE])?;
         fs::create_dir_all(dir).map_err(io_err(format!("create {}", dir.display())))?;
         write_new(&dir.join(CA_KEY_FILE), &self.key_pem, true)?;
         write_new(&dir.join(CA_CERT_FILE), &self.cert_pem, false)
+    }
+
+    /// When the CA certificate expires (a node certificate it issues ends
+    /// then at the latest).
+    pub fn not_after(&self) -> Result<SystemTime, Error> {
+        let der = pem_certs(&self.cert_pem, "CA certificate")?;
+        let first = der
+            .first()
+            .ok_or_else(|| cert_err("CA certificate", "no certificate in ca.pem"))?;
+        let (_, c) = x509_parser::parse_x509_certificate(first)
+            .map_err(|e| cert_err("parse CA certificate", e))?;
+        let secs = u64::try_from(c.validity().not_after.timestamp()).unwrap_or(0);
+        Ok(SystemTime::UNIX_EPOCH + Duration::from_secs(secs))
     }
 
     /// Reads `ca.pem` and `ca.key` from `dir`; the cluster id comes from the
@@ -260,6 +312,7 @@ impl CaMaterial {
 impl NodeMaterial {
     /// Writes `ca.pem`, `node.pem` and `node.key` (0600) into `dir`.
     pub fn write_to(&self, dir: &Path) -> Result<(), Error> {
+        check_none_exist(dir, &[NODE_KEY_FILE, NODE_CERT_FILE, CA_CERT_FILE])?;
         fs::create_dir_all(dir).map_err(io_err(format!("create {}", dir.display())))?;
         write_new(&dir.join(NODE_KEY_FILE), &self.key_pem, true)?;
         write_new(&dir.join(NODE_CERT_FILE), &self.cert_pem, false)?;
@@ -401,5 +454,71 @@ mod tests {
             assert!(validate_name("node", bad).is_err(), "{bad:?}");
         }
         validate_name("node", "spark-2.lan").expect("ok");
+    }
+
+    #[test]
+    fn bad_dns_names_are_refused_before_signing() {
+        let ca = init_ca("c1", Validity::days(1)).expect("ca");
+        for bad in [
+            "",
+            "a b",
+            "a..b",
+            "-a.lan",
+            "a-.lan",
+            "x/y",
+            "ä.lan",
+            &"a".repeat(64),
+        ] {
+            assert!(validate_dns_name(bad).is_err(), "{bad:?}");
+            let e = issue(&ca, "n1", &[], &[bad.to_string()], Validity::days(1))
+                .err()
+                .unwrap_or_else(|| panic!("{bad:?} was signed"));
+            assert!(e.to_string().contains("invalid DNS name"), "{e}");
+        }
+        for good in ["n1", "spark-2.lan", "10-0-0-1.nodes.example.com"] {
+            validate_dns_name(good).unwrap_or_else(|e| panic!("{good}: {e}"));
+        }
+    }
+
+    #[test]
+    fn a_refused_write_leaves_nothing_behind() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let ca = init_ca("c1", Validity::days(1)).expect("ca");
+        ca.write_to(dir.path()).expect("write ca");
+        // Issuing into the CA's own directory: ca.pem is there, so none of
+        // the node files may be written (they were, before the check).
+        let n = issue(&ca, "n1", &[], &[], Validity::days(1)).expect("issue");
+        let e = n.write_to(dir.path()).expect_err("ca.pem exists");
+        assert!(e.to_string().contains("nothing was written"), "{e}");
+        for f in [NODE_KEY_FILE, NODE_CERT_FILE] {
+            assert!(!dir.path().join(f).exists(), "{f} was written");
+        }
+        // And a CA over a node key alone is refused whole too.
+        let other = tempfile::tempdir().expect("tmp");
+        fs::write(other.path().join(CA_CERT_FILE), "x").expect("write");
+        assert!(ca.write_to(other.path()).is_err());
+        assert!(!other.path().join(CA_KEY_FILE).exists());
+    }
+
+    #[test]
+    fn a_node_certificate_ends_no_later_than_its_ca() {
+        let ca = init_ca("c1", Validity::days(2)).expect("ca");
+        let ca_end = ca.not_after().expect("ca end");
+        let n = issue(&ca, "n1", &[], &[], Validity::days(400)).expect("issue");
+        let der = pem_certs(&n.cert_pem, "node").expect("pem");
+        let (_, c) = x509_parser::parse_x509_certificate(&der[0]).expect("parse");
+        let end =
+            SystemTime::UNIX_EPOCH + Duration::from_secs(c.validity().not_after.timestamp() as u64);
+        assert_eq!(end, ca_end);
+        let n = issue(&ca, "n1", &[], &[], Validity::days(1)).expect("issue");
+        let der = pem_certs(&n.cert_pem, "node").expect("pem");
+        let (_, c) = x509_parser::parse_x509_certificate(&der[0]).expect("parse");
+        assert!(
+            (c.validity().not_after.timestamp() as u64)
+                < ca_end
+                    .duration_since(SystemTime::UNIX_EPOCH)
+                    .expect("epoch")
+                    .as_secs()
+        );
     }
 }

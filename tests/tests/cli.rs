@@ -204,6 +204,21 @@ fn client_commands_round_trip_and_use_documented_exit_codes() {
     );
     assert_eq!(out.status.code(), Some(4), "deleted");
 
+    // A chunk larger than a region (4 MiB here): refused, naming the limit.
+    let big = dir.path().join("big.bin");
+    std::fs::write(&big, vec![7u8; 5 << 20]).expect("write big");
+    let b = big.to_string_lossy().into_owned();
+    let out = run_kvtier(
+        &[&["put", &b, "--namespace", &ns, "--name", "big"][..], &s].concat(),
+        &[],
+    );
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("too-large") && err.contains("this daemon takes chunks up to "),
+        "{err}"
+    );
+
     let out = run_kvtier(&["put", &p, "--namespace", &ns, "--key"], &[]);
     assert_eq!(
         out.status.code(),
@@ -225,6 +240,113 @@ fn an_unreachable_daemon_exits_3() {
         "{err}"
     );
     assert!(!err.contains("panicked"), "{err}");
+}
+
+#[test]
+fn a_daemon_that_stopped_answering_exits_3_after_the_timeout() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let d = Daemon::start(dir.path(), &[], &[]).unwrap_or_else(|e| panic!("{e}"));
+    let sock = d.socket.to_string_lossy().into_owned();
+    kvtier_tests::signal(d.pid(), libc::SIGSTOP);
+    // `flush` waits forever by default; `--timeout` bounds it too.
+    for cmd in ["stats", "flush", "peers"] {
+        let t = std::time::Instant::now();
+        let out = run_kvtier(&[cmd, "--socket", &sock, "--timeout", "1s"], &[]);
+        let err = text(&out.stderr);
+        kvtier_tests::signal(d.pid(), libc::SIGCONT);
+        assert_eq!(out.status.code(), Some(3), "{cmd}: {err}");
+        assert!(err.contains("did not answer in time"), "{cmd}: {err}");
+        assert!(
+            t.elapsed() < std::time::Duration::from_secs(20),
+            "{cmd} took {:?}",
+            t.elapsed()
+        );
+        kvtier_tests::signal(d.pid(), libc::SIGSTOP);
+    }
+    kvtier_tests::signal(d.pid(), libc::SIGCONT);
+    // Answering again: 0 waits forever, and gets the reply.
+    let out = run_kvtier(&["stats", "--socket", &sock, "--timeout", "0"], &[]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+}
+
+#[test]
+fn cert_refuses_bad_input_before_writing_anything() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let ca = dir.path().join("ca");
+    let ca_s = ca.to_string_lossy().into_owned();
+    for days in ["0", "99999999", "-1"] {
+        let out = run_kvtier(
+            &[
+                "cert",
+                "init-ca",
+                "--cluster",
+                "c1",
+                "--out",
+                &ca_s,
+                "--days",
+                days,
+            ],
+            &[],
+        );
+        let err = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "--days {days}: {err}");
+        assert!(!err.contains("panicked"), "{err}");
+        assert!(!ca.exists(), "--days {days} wrote {}", ca.display());
+    }
+    let out = run_kvtier(
+        &[
+            "cert",
+            "init-ca",
+            "--cluster",
+            "c1",
+            "--out",
+            &ca_s,
+            "--days",
+            "2",
+        ],
+        &[],
+    );
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let node = dir.path().join("n1");
+    let node_s = node.to_string_lossy().into_owned();
+    for (extra, want) in [
+        (&["--dns", "a b"][..], "invalid DNS name"),
+        (&["--days", "0"][..], "0 is not in 1..=36500"),
+    ] {
+        let out = run_kvtier(
+            &[
+                &[
+                    "cert", "issue", "--ca", &ca_s, "--node", "n1", "--out", &node_s,
+                ][..],
+                extra,
+            ]
+            .concat(),
+            &[],
+        );
+        let err = text(&out.stderr);
+        assert_ne!(out.status.code(), Some(0), "{extra:?}");
+        assert!(err.contains(want), "{extra:?}: {err}");
+        assert!(!node.exists(), "{extra:?} wrote {}", node.display());
+    }
+    // Into the CA's own directory (ca.pem is there): refused whole.
+    let out = run_kvtier(
+        &[
+            "cert", "issue", "--ca", &ca_s, "--node", "n1", "--out", &ca_s,
+        ],
+        &[],
+    );
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out.stderr));
+    assert!(!ca.join("node.key").exists() && !ca.join("node.pem").exists());
+    // Longer than the CA: issued, ending with the CA, and said so.
+    let out = run_kvtier(
+        &[
+            "cert", "issue", "--ca", &ca_s, "--node", "n1", "--out", &node_s,
+        ],
+        &[],
+    );
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    assert!(err.contains("the CA expires in 1 day(s)"), "{err}");
 }
 
 #[test]

@@ -1,5 +1,5 @@
 //! Crash and restart of a real `kvtier` daemon: every flushed chunk survives
-//! SIGKILL byte-exact, a SIGTERM flushes dirty chunks and exits 0, nothing
+//! SIGKILL byte-exact, a SIGTERM (or SIGHUP) flushes dirty chunks and exits 0, nothing
 //! corrupt is ever served, and bad configuration fails the start naming the
 //! key and its source.
 
@@ -108,22 +108,43 @@ fn sigkill_keeps_every_flushed_chunk_byte_exact() {
     check(&d, ns.expect("namespace"), &model);
 }
 
-#[test]
-fn sigterm_flushes_dirty_chunks_and_exits_0() {
+fn a_stop_signal_flushes_dirty_chunks_and_exits_0(sig: libc::c_int, name: &str) {
     let dir = tempfile::tempdir().expect("temp dir");
     let mut d = Daemon::start(dir.path(), &[], &[]).unwrap_or_else(|e| panic!("{e}"));
     let ns = d.client().hello(&test_record(0)).expect("HELLO");
     let chunks = put_round(&d, ns, 100, 32);
-    let status = d.stop_with(libc::SIGTERM);
+    let status = d.stop_with(sig);
     assert_eq!(
         status.code(),
         Some(0),
-        "exit status after SIGTERM; log:\n{}",
+        "exit status after {name}; log:\n{}",
         d.log()
     );
+    let log = d.log();
+    assert!(log.contains(&format!("received {name}")), "{log}");
+    // The JSON `kvtier ready` event carries the sizes the human summary shows.
+    for field in [
+        "\"ram_budget\":",
+        "\"disk_budget\":",
+        "\"max_chunk\":",
+        "\"bytes\":",
+    ] {
+        assert!(log.contains(field), "{field} missing: {log}");
+    }
     assert!(!d.socket.exists(), "the socket file is removed at shutdown");
     let d = Daemon::start(dir.path(), &[], &[]).unwrap_or_else(|e| panic!("{e}"));
     check_durable(&d, ns, chunks);
+}
+
+#[test]
+fn sigterm_flushes_dirty_chunks_and_exits_0() {
+    a_stop_signal_flushes_dirty_chunks_and_exits_0(libc::SIGTERM, "SIGTERM");
+}
+
+/// The terminal of a foreground daemon closed (a dropped ssh session).
+#[test]
+fn sighup_flushes_dirty_chunks_and_exits_0() {
+    a_stop_signal_flushes_dirty_chunks_and_exits_0(libc::SIGHUP, "SIGHUP");
 }
 
 #[test]
