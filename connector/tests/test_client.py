@@ -172,7 +172,7 @@ def record(rank: int) -> dict:
     return {
         "model": "py-test",
         "engine": "pytest",
-        "tp-size": 2,
+        "tp-size": max(2, rank + 1),  # ranks past 1 are distinct namespaces here
         "rank": rank,
         "kv-dtype": "bfloat16",
         "block-size": 16,

@@ -812,42 +812,70 @@ impl NodeConfig {
     /// to open its store. A warning, not an error: `config check` may run as
     /// another user than the service.
     pub fn data_dir_access_warning(&self) -> Option<String> {
-        use std::os::unix::ffi::OsStrExt;
-        let mut dir = self.data_dir.as_path();
-        while !dir.exists() {
-            dir = match dir.parent() {
-                // A relative path's last parent is "": the working directory.
-                Some(p) if p.as_os_str().is_empty() => Path::new("."),
-                Some(p) => p,
-                None => return None,
-            };
-        }
-        let c = std::ffi::CString::new(dir.as_os_str().as_bytes()).ok()?;
-        // SAFETY: a valid NUL-terminated path; access(2) only reads it.
-        let rc = unsafe { libc::access(c.as_ptr(), libc::W_OK | libc::X_OK) };
-        if rc == 0 {
-            return None;
-        }
-        let e = std::io::Error::last_os_error();
-        // SAFETY: plain syscalls without arguments.
-        let (uid, gid) = unsafe { (libc::geteuid(), libc::getegid()) };
-        Some(format!(
-            "data-dir {}: {} is not writable by this user (uid {uid}, gid {gid}: {e}); the \
-             daemon must create and write its store there: run it (and this check) as the \
-             service's user, or fix the ownership",
-            self.data_dir.display(),
-            if dir == self.data_dir {
-                "it".to_string()
-            } else {
-                format!("its parent {}", dir.display())
-            },
-        ))
+        dir_access_warning(
+            "data-dir",
+            &self.data_dir,
+            "the daemon must create and write its store there",
+        )
+    }
+
+    /// Every directory the daemon must create or write that this user
+    /// could not: the data dir, and the native socket's directory.
+    pub fn access_warnings(&self) -> Vec<String> {
+        let socket_dir = match self.socket.parent() {
+            Some(p) if p.as_os_str().is_empty() => Path::new("."),
+            Some(p) => p,
+            None => Path::new("/"),
+        };
+        self.data_dir_access_warning()
+            .into_iter()
+            .chain(dir_access_warning(
+                "socket",
+                socket_dir,
+                "the daemon must create its socket there",
+            ))
+            .collect()
     }
 
     /// The configuration as TOML (unset optional keys are omitted).
     pub fn to_toml(&self) -> String {
         toml::to_string(self).expect("NodeConfig serializes to TOML")
     }
+}
+
+/// A warning when this user could not create or write `target` (checked on
+/// its nearest existing ancestor); `key` names the setting, `why` says what
+/// the daemon does there.
+fn dir_access_warning(key: &str, target: &Path, why: &str) -> Option<String> {
+    use std::os::unix::ffi::OsStrExt;
+    let mut dir = target;
+    while !dir.exists() {
+        dir = match dir.parent() {
+            // A relative path's last parent is "": the working directory.
+            Some(p) if p.as_os_str().is_empty() => Path::new("."),
+            Some(p) => p,
+            None => return None,
+        };
+    }
+    let c = std::ffi::CString::new(dir.as_os_str().as_bytes()).ok()?;
+    // SAFETY: a valid NUL-terminated path; access(2) only reads it.
+    let rc = unsafe { libc::access(c.as_ptr(), libc::W_OK | libc::X_OK) };
+    if rc == 0 {
+        return None;
+    }
+    let e = std::io::Error::last_os_error();
+    // SAFETY: plain syscalls without arguments.
+    let (uid, gid) = unsafe { (libc::geteuid(), libc::getegid()) };
+    Some(format!(
+        "{key} {}: {} is not writable by this user (uid {uid}, gid {gid}: {e}); {why}: run \
+         it (and this check) as the service's user, or fix the ownership",
+        target.display(),
+        if dir == target {
+            "it".to_string()
+        } else {
+            format!("its parent {}", dir.display())
+        },
+    ))
 }
 
 /// The store file's name in the data dir (see the README, "The store on
@@ -1173,13 +1201,15 @@ pub fn load(sources: &ConfigSources, env: &Environment) -> Result<Loaded> {
         }
         let key = name.to_ascii_lowercase().replace('_', "-");
         // Text with a leading zero ("0660", "007") stays text: it is a mode
-        // or an identifier, not a decimal number.
-        let value: Value =
-            if v.len() > 1 && v.starts_with('0') && v.bytes().all(|b| b.is_ascii_digit()) {
-                Value::from(v.clone())
-            } else {
-                v.parse().expect("figment's value parser is infallible")
-            };
+        // or an identifier, not a decimal number. A socket mode is always
+        // octal text ("660" too), never a decimal number.
+        let value: Value = if key == "socket-mode"
+            || (v.len() > 1 && v.starts_with('0') && v.bytes().all(|b| b.is_ascii_digit()))
+        {
+            Value::from(v.clone())
+        } else {
+            v.parse().expect("figment's value parser is infallible")
+        };
         env_dict.insert(key, value);
     }
     layers.push(Layer {
@@ -1492,6 +1522,17 @@ mod tests {
         assert_eq!(c.shutdown_deadline, HumanDuration::secs(5));
         assert_eq!(c.log_format, LogFormat::Json);
         assert_eq!(c.node_name.as_deref(), Some("spark1"));
+        // A mode without its leading zero is octal too, as `chmod` reads it.
+        for (text, mode) in [("660", 0o660), ("777", 0o777), ("0o640", 0o640)] {
+            let vars = [("KVTIER_SOCKET_MODE", text)];
+            let c = load_with(None, &vars, Overrides::default())
+                .unwrap_or_else(|e| panic!("{text}: {e}"))
+                .config;
+            assert_eq!(c.socket_mode, FileMode(mode), "{text}");
+        }
+        let vars = [("KVTIER_SOCKET_MODE", "999")];
+        let e = load_with(None, &vars, Overrides::default()).unwrap_err();
+        assert!(e.to_string().contains("octal digits"), "{e}");
         // The TOML rendering parses back to the same configuration.
         let back = load_with(Some(&c.to_toml()), &[], Overrides::default())
             .unwrap()
@@ -1679,6 +1720,16 @@ mod tests {
         assert!(
             w.contains("not writable") && w.contains("its parent"),
             "{w}"
+        );
+        // The socket's directory likewise.
+        c.data_dir = dir.path().join("data");
+        c.socket = dir.path().join("run").join("kvtier.sock");
+        assert_eq!(c.access_warnings(), Vec::<String>::new());
+        c.socket = dir.path().join("file").join("kvtier.sock");
+        let w = c.access_warnings();
+        assert!(
+            w.len() == 1 && w[0].starts_with("socket ") && w[0].contains("create its socket"),
+            "{w:?}"
         );
     }
 

@@ -221,7 +221,7 @@ impl StartupInfo {
             self.addrs.socket.display(),
         );
         match self.addrs.resp {
-            Some(a) => s.push_str(&format!("  resp       {a} (redis-cli -p {})\n", a.port())),
+            Some(a) => s.push_str(&format!("  resp       {a} ({})\n", redis_cli_hint(a))),
             None => s.push_str("  resp       off\n"),
         }
         match self.addrs.http {
@@ -231,6 +231,22 @@ impl StartupInfo {
             None => s.push_str("  http       off\n"),
         }
         s
+    }
+}
+
+/// The `redis-cli` command line that reaches a RESP listener on `a`: its
+/// default host is 127.0.0.1, so other addresses need `-h` (a wildcard is
+/// reached on the loopback address of its family).
+fn redis_cli_hint(a: SocketAddr) -> String {
+    let ip = a.ip();
+    let host = match ip {
+        _ if ip == std::net::Ipv4Addr::LOCALHOST || ip == std::net::Ipv4Addr::UNSPECIFIED => None,
+        std::net::IpAddr::V6(v6) if v6.is_unspecified() => Some("::1".to_string()),
+        _ => Some(ip.to_string()),
+    };
+    match host {
+        None => format!("redis-cli -p {}", a.port()),
+        Some(h) => format!("redis-cli -h {h} -p {}", a.port()),
     }
 }
 
@@ -624,8 +640,12 @@ pub async fn run(config: NodeConfig, shutdown: impl Future<Output = ()>) -> Resu
             data_dir = %st.data_dir.display(),
             namespaces = st.namespaces,
             chunks = st.chunks,
+            bytes = st.bytes,
             recovery_ms = st.recovery.as_secs_f64() * 1e3,
             direct_io = st.direct_io,
+            ram_budget = st.ram_budget.0,
+            disk_budget = st.disk_budget.0,
+            max_chunk = st.max_chunk.0,
             socket = %st.addrs.socket.display(),
             resp = %st.addrs.resp.map_or_else(|| "off".to_string(), |a| a.to_string()),
             http = %st.addrs.http.map_or_else(|| "off".to_string(), |a| a.to_string()),
@@ -692,6 +712,20 @@ mod tests {
         c
     }
 
+    #[test]
+    fn the_redis_cli_hint_names_the_host_unless_it_is_the_default() {
+        for (addr, want) in [
+            ("127.0.0.1:6379", "redis-cli -p 6379"),
+            ("0.0.0.0:6380", "redis-cli -p 6380"),
+            ("10.0.0.5:6379", "redis-cli -h 10.0.0.5 -p 6379"),
+            ("127.0.0.2:7000", "redis-cli -h 127.0.0.2 -p 7000"),
+            ("[::1]:6379", "redis-cli -h ::1 -p 6379"),
+            ("[::]:6379", "redis-cli -h ::1 -p 6379"),
+        ] {
+            assert_eq!(redis_cli_hint(addr.parse().expect("addr")), want, "{addr}");
+        }
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn start_binds_everything_and_shutdown_releases_everything() {
         let dir = tempfile::tempdir().expect("temp dir");
@@ -704,6 +738,14 @@ mod tests {
         let info = DataDirLock::holder(&cfg.data_dir).expect("daemon holds the lock");
         assert!(info.ready && info.pid == std::process::id() && info.resp == addrs.resp);
         assert!(node.startup().render().contains("ready"));
+        assert!(
+            node.startup().render().contains(&format!(
+                "(redis-cli -p {})",
+                addrs.resp.expect("resp").port()
+            )),
+            "{}",
+            node.startup().render()
+        );
 
         // A second node on the same data dir is refused, naming the first.
         let mut other = cfg.clone();

@@ -237,8 +237,14 @@ async fn write_response(
     resp: &Response,
     head_only: bool,
 ) -> std::io::Result<()> {
+    // RFC 9110: a 405 lists the methods the resource supports.
+    let allow = if resp.status == 405 {
+        "Allow: GET, HEAD\r\n"
+    } else {
+        ""
+    };
     let head = format!(
-        "HTTP/1.1 {} {}\r\nContent-Type: {}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        "HTTP/1.1 {} {}\r\nContent-Type: {}\r\nContent-Length: {}\r\n{allow}Connection: close\r\n\r\n",
         resp.status,
         reason(resp.status),
         resp.content_type,

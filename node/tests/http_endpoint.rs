@@ -14,7 +14,8 @@ use tokio::net::{TcpListener, TcpStream};
 
 const T: Duration = Duration::from_secs(10);
 
-async fn request(addr: SocketAddr, raw: &[u8]) -> (u16, String) {
+/// The whole response to `raw`, status line and headers included.
+async fn request_text(addr: SocketAddr, raw: &[u8]) -> String {
     let mut c = TcpStream::connect(addr).await.expect("connect");
     let _ = c.write_all(raw).await;
     let mut out = Vec::new();
@@ -22,7 +23,11 @@ async fn request(addr: SocketAddr, raw: &[u8]) -> (u16, String) {
         .await
         .expect("response in time")
         .expect("read");
-    let text = String::from_utf8(out).expect("utf8");
+    String::from_utf8(out).expect("utf8")
+}
+
+async fn request(addr: SocketAddr, raw: &[u8]) -> (u16, String) {
+    let text = request_text(addr, raw).await;
     let status = text
         .split(' ')
         .nth(1)
@@ -128,8 +133,10 @@ async fn metrics_status_and_health() {
 
     let (st, _) = get(addr, "/nope").await;
     assert_eq!(st, 404);
-    let (st, _) = request(addr, b"POST /metrics HTTP/1.1\r\nContent-Length: 0\r\n\r\n").await;
-    assert_eq!(st, 405);
+    let text = request_text(addr, b"POST /metrics HTTP/1.1\r\nContent-Length: 0\r\n\r\n").await;
+    assert!(text.starts_with("HTTP/1.1 405 "), "{text}");
+    let head = text.split_once("\r\n\r\n").map_or("", |(h, _)| h);
+    assert!(head.contains("\r\nAllow: GET, HEAD"), "{text}");
     let (st, body) = request(addr, b"HEAD /healthz HTTP/1.1\r\n\r\n").await;
     assert_eq!((st, body.as_str()), (200, ""));
     let (st, _) = request(addr, b"\x16\x03\x01garbage\r\n\r\n").await;

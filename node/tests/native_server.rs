@@ -150,6 +150,25 @@ fn atomic_put_and_namespaces_are_separate() {
         "{err}"
     );
     assert_eq!(c.lookup(other.id(), 0, &[key(1)]).unwrap().prefix, 0);
+    // A RESP namespace's chunks carry their key's bytes, which PUT cannot
+    // store: refused, so RESP never sees an EXISTS hit that GET misses.
+    for engine in ["resp", "lmcache-resp"] {
+        let mut resp = record(0);
+        resp.engine = engine.into();
+        let ns = c.hello(&resp).unwrap();
+        let err = c.put(ns, 0, &entries, false).unwrap_err();
+        assert!(
+            matches!(
+                &err,
+                NativeError::Remote {
+                    code: ErrorCode::BadRequest,
+                    message,
+                } if message.contains("SET over RESP")
+            ),
+            "{engine}: {err}"
+        );
+        assert_eq!(c.lookup(ns, 0, &[key(1)]).unwrap().prefix, 0, "{engine}");
+    }
 }
 
 #[test]

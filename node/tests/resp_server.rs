@@ -284,6 +284,19 @@ async fn basic_commands_reply_like_redis() {
     )
     .await;
     rt(&mut c, b"CONFIG GET nothing\r\n", b"*0\r\n").await;
+    // Patterns, as redis-cli users type them.
+    rt(
+        &mut c,
+        b"CONFIG GET maxmemory-p*\r\n",
+        b"*2\r\n$16\r\nmaxmemory-policy\r\n$11\r\nallkeys-lru\r\n",
+    )
+    .await;
+    rt(
+        &mut c,
+        b"CONFIG GET app?ndonly s[a]ve\r\n",
+        b"*4\r\n$4\r\nsave\r\n$0\r\n\r\n$10\r\nappendonly\r\n$2\r\nno\r\n",
+    )
+    .await;
     rt(
         &mut c,
         b"CONFIG GET\r\n",

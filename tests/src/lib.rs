@@ -384,7 +384,8 @@ pub fn test_record(rank: u32) -> node::tier::NamespaceRecord {
         model: "kvtier-test/model".into(),
         engine: "kvtier-tests".into(),
         engine_version: "1".into(),
-        tp_size: 2,
+        // Ranks past 1 are distinct namespaces in tests; a rank is below tp-size.
+        tp_size: 2.max(rank + 1),
         rank,
         kv_dtype: "bfloat16".into(),
         block_size: 16,

@@ -129,7 +129,7 @@ pub enum NativeError {
     #[error("the daemon closed the connection")]
     Closed,
     /// The operation timed out.
-    #[error("timed out waiting for the daemon ({op})")]
+    #[error("the daemon did not answer in time ({op}); is it stopped or overloaded?")]
     Timeout {
         /// What was being done.
         op: &'static str,

@@ -717,10 +717,21 @@ impl Connection {
         }
         let region = Arc::clone(self.checked_region("PUT", &entries)?);
         let store = Arc::clone(&self.ctx.store);
-        if store.namespace_record(&ns).is_none() {
+        let Some(record) = store.namespace_record(&ns) else {
             return Err((
                 ErrorCode::UnknownNamespace,
                 format!("namespace {ns} is not registered: send HELLO with its record first"),
+            ));
+        };
+        if crate::resp::keys::is_resp_engine(&record.engine) {
+            // RESP chunks carry their key's bytes, which a GET checks; an
+            // unnamed chunk there would be an EXISTS hit and a GET miss.
+            return Err((
+                ErrorCode::BadRequest,
+                format!(
+                    "namespace {ns} holds RESP keys (engine {:?}), which carry their names: write them with SET over RESP",
+                    record.engine
+                ),
             ));
         }
         let total: u64 = entries.iter().map(|e| e.len).sum();

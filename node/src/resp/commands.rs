@@ -14,7 +14,7 @@ use bytes::Bytes;
 use tier::{ChunkId, WritePolicy};
 
 use super::RespOptions;
-use super::keys::{KeyMapper, LMCACHE_ENGINE, MAX_KEY_LEN, RESP_ENGINE};
+use super::keys::{KeyMapper, MAX_KEY_LEN};
 use super::reply::Output;
 use crate::NodeContext;
 use crate::context::NodeCounters;
@@ -541,19 +541,19 @@ fn config(shared: &Shared, args: &[Bytes], out: &mut Output) -> Res {
                 return Err(wrong_args("config|get"));
             }
             let st = shared.ctx.store.stats();
-            let params: [(&str, String); 5] = [
+            let params: [(&str, String); 6] = [
                 ("save", String::new()),
                 ("appendonly", "no".into()),
                 ("maxmemory", st.ram_budget.to_string()),
+                // RAM evicts the least recently used chunk of any key (to
+                // the disk tier, where there is one).
+                ("maxmemory-policy", "allkeys-lru".into()),
                 ("databases", "1".into()),
                 ("maxclients", shared.opts.max_connections.to_string()),
             ];
             let mut found = Vec::new();
             for (k, v) in &params {
-                if args[2..]
-                    .iter()
-                    .any(|p| &p[..] == b"*" || p.eq_ignore_ascii_case(k.as_bytes()))
-                {
+                if args[2..].iter().any(|p| glob_match(p, k.as_bytes())) {
                     found.push((*k, v.clone()));
                 }
             }
@@ -571,6 +571,88 @@ fn config(shared: &Shared, args: &[Bytes], out: &mut Output) -> Res {
     }
 }
 
+/// Redis's pattern match (`*`, `?`, `[abc]`, `[a-z]`, `[^a]`, `\\x`),
+/// without case, as CONFIG GET uses it. Iterative, backtracking only to the
+/// last `*`: O(pattern × name) whatever the pattern.
+fn glob_match(pattern: &[u8], name: &[u8]) -> bool {
+    let lower = |b: u8| b.to_ascii_lowercase();
+    // The length of the pattern element at the start of `p`.
+    let elem_len = |p: &[u8]| match p[0] {
+        b'\\' if p.len() > 1 => 2,
+        b'[' => {
+            let mut end = 1;
+            while end < p.len() && p[end] != b']' {
+                end += if p[end] == b'\\' { 2 } else { 1 };
+            }
+            (end + 1).min(p.len())
+        }
+        _ => 1,
+    };
+    // Whether the element `e` (not a `*`) matches the byte `c`.
+    let one = |e: &[u8], c: u8| -> bool {
+        let c = lower(c);
+        match e {
+            [b'?'] => true,
+            [b'\\', x] => lower(*x) == c,
+            [b'[', rest @ ..] => {
+                let set = rest.strip_suffix(b"]").unwrap_or(rest);
+                let (negate, set) = match set.split_first() {
+                    Some((b'^', tail)) => (true, tail),
+                    _ => (false, set),
+                };
+                let mut hit = false;
+                let mut k = 0;
+                while k < set.len() {
+                    if set[k] == b'\\' && k + 1 < set.len() {
+                        hit |= lower(set[k + 1]) == c;
+                        k += 2;
+                    } else if k + 2 < set.len() && set[k + 1] == b'-' {
+                        let (a, z) = (lower(set[k]), lower(set[k + 2]));
+                        hit |= (a.min(z)..=a.max(z)).contains(&c);
+                        k += 3;
+                    } else {
+                        hit |= lower(set[k]) == c;
+                        k += 1;
+                    }
+                }
+                hit != negate
+            }
+            [x, ..] => lower(*x) == c,
+            [] => false,
+        }
+    };
+    let (mut pi, mut ni) = (0, 0);
+    // Where to resume after the last `*`: (pattern after it, name index).
+    let mut star: Option<(usize, usize)> = None;
+    while ni < name.len() {
+        if pi < pattern.len() {
+            if pattern[pi] == b'*' {
+                star = Some((pi + 1, ni));
+                pi += 1;
+                continue;
+            }
+            let len = elem_len(&pattern[pi..]);
+            if one(&pattern[pi..pi + len], name[ni]) {
+                pi += len;
+                ni += 1;
+                continue;
+            }
+        }
+        match star {
+            Some((sp, sn)) => {
+                star = Some((sp, sn + 1));
+                pi = sp;
+                ni = sn + 1;
+            }
+            None => return false,
+        }
+    }
+    while pi < pattern.len() && pattern[pi] == b'*' {
+        pi += 1;
+    }
+    pi == pattern.len()
+}
+
 /// Chunks held in RESP namespaces.
 pub(super) fn resp_keys(shared: &Shared) -> u64 {
     shared
@@ -578,7 +660,7 @@ pub(super) fn resp_keys(shared: &Shared) -> u64 {
         .store
         .namespaces()
         .iter()
-        .filter(|n| n.record.engine == RESP_ENGINE || n.record.engine == LMCACHE_ENGINE)
+        .filter(|n| super::keys::is_resp_engine(&n.record.engine))
         .map(|n| n.chunks)
         .sum()
 }
@@ -758,6 +840,35 @@ async fn set(shared: &Shared, args: &[Bytes], out: &mut Output) -> Res {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn glob_match_is_redis_s_pattern_match() {
+        for (p, name, want) in [
+            ("*", "maxmemory", true),
+            ("max*", "maxmemory", true),
+            ("max*", "maxmemory-policy", true),
+            ("MAXMEMORY", "maxmemory", true),
+            ("*policy", "maxmemory-policy", true),
+            ("*memory", "maxmemory-policy", false),
+            ("max?emory", "maxmemory", true),
+            ("max?emory", "maxemory", false),
+            ("[ms]ave", "save", true),
+            ("[^s]ave", "save", false),
+            ("[a-t]ave", "save", true),
+            ("[t-z]ave", "save", false),
+            ("sav\\e", "save", true),
+            ("*a*a*a*a*a*a*a*a*a*a*b", "aaaaaaaaaaaaaaaaaaaa", false),
+            ("", "save", false),
+            ("save*", "save", true),
+            ("save?", "save", false),
+        ] {
+            assert_eq!(
+                glob_match(p.as_bytes(), name.as_bytes()),
+                want,
+                "{p} ~ {name}"
+            );
+        }
+    }
 
     fn b(v: &[&str]) -> Vec<Bytes> {
         v.iter()

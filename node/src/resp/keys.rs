@@ -21,6 +21,13 @@ use crate::NodeContext;
 pub const LMCACHE_ENGINE: &str = "lmcache-resp";
 /// Engine name of the default namespace of other RESP keys.
 pub const RESP_ENGINE: &str = "resp";
+
+/// Whether a namespace's `engine` is one the RESP server writes (chunks
+/// named by their key's bytes; the native PUT, which stores no names,
+/// refuses them).
+pub fn is_resp_engine(engine: &str) -> bool {
+    engine == RESP_ENGINE || engine == LMCACHE_ENGINE
+}
 /// Longest key accepted (the full key is kept in the chunk header).
 pub const MAX_KEY_LEN: usize = 4096;
 /// Namespace ids cached at most (registered ones always stay).

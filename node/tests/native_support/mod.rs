@@ -126,7 +126,8 @@ pub fn record(rank: u32) -> NamespaceRecord {
     NamespaceRecord {
         model: "test-model".into(),
         engine: "test".into(),
-        tp_size: 2,
+        // Ranks past 1 are distinct namespaces in tests; a rank is below tp-size.
+        tp_size: 2.max(rank + 1),
         rank,
         kv_dtype: "bfloat16".into(),
         block_size: 16,

@@ -27,7 +27,15 @@ fn decode_record(json: &[u8], op: &'static str) -> Result<NamespaceRecord, Codec
             names.join(", ")
         )));
     }
-    serde_json::from_value(value).map_err(|e| bad(format!("invalid namespace record: {e}")))
+    let record: NamespaceRecord =
+        serde_json::from_value(value).map_err(|e| bad(format!("invalid namespace record: {e}")))?;
+    if record.tp_size > 0 && record.rank >= record.tp_size {
+        return Err(bad(format!(
+            "namespace record has rank {} but tp-size {}: ranks count from 0 to tp-size - 1",
+            record.rank, record.tp_size
+        )));
+    }
+    Ok(record)
 }
 
 fn check_flags(op: Op, flags: u16, allowed: u16) -> Result<(), CodecError> {
