@@ -172,6 +172,8 @@ pub struct BoundAddrs {
     pub resp: Option<SocketAddr>,
     /// The HTTP listener, if enabled.
     pub http: Option<SocketAddr>,
+    /// The peer layer's QUIC endpoint, if `peer-listen` is set.
+    pub peer: Option<SocketAddr>,
 }
 
 /// What the node found when it started.
@@ -229,6 +231,12 @@ impl StartupInfo {
                 "  http       http://{a}/metrics  /status  /healthz\n"
             )),
             None => s.push_str("  http       off\n"),
+        }
+        match self.addrs.peer {
+            Some(a) => s.push_str(&format!(
+                "  peers      {a} (QUIC; `kvtier peers` lists the cluster)\n"
+            )),
+            None => s.push_str("  peers      off (single node)\n"),
         }
         s
     }
@@ -351,12 +359,14 @@ pub async fn start(config: NodeConfig) -> Result<NodeHandle> {
     let stats = store.stats();
     let namespaces = store.namespaces();
     let mut ctx = NodeContext::new(Arc::clone(&store), config.node_name());
+    let mut peer_addr = None;
     if let Some(prepared) = prepared {
         // The peer cascade: starts the QUIC endpoint on the bound port and
         // registers the store's availability observer.
         match prepared.start(Arc::clone(&store)) {
             Ok(c) => {
                 ctx.node_name = c.handle().node_name().to_owned();
+                peer_addr = c.handle().local_addr().ok();
                 ctx = ctx.with_cluster(Arc::new(c));
             }
             Err(e) => {
@@ -451,6 +461,7 @@ pub async fn start(config: NodeConfig) -> Result<NodeHandle> {
         socket: config.socket.clone(),
         resp: resp_addr,
         http: http_addr,
+        peer: peer_addr,
     };
     let mut lock = lock;
     lock.write(&LockInfo {
@@ -649,6 +660,7 @@ pub async fn run(config: NodeConfig, shutdown: impl Future<Output = ()>) -> Resu
             socket = %st.addrs.socket.display(),
             resp = %st.addrs.resp.map_or_else(|| "off".to_string(), |a| a.to_string()),
             http = %st.addrs.http.map_or_else(|| "off".to_string(), |a| a.to_string()),
+            peer = %st.addrs.peer.map_or_else(|| "off".to_string(), |a| a.to_string()),
                     "kvtier ready"
         );
     }
@@ -738,6 +750,11 @@ mod tests {
         let info = DataDirLock::holder(&cfg.data_dir).expect("daemon holds the lock");
         assert!(info.ready && info.pid == std::process::id() && info.resp == addrs.resp);
         assert!(node.startup().render().contains("ready"));
+        assert!(
+            node.startup()
+                .render()
+                .contains("  peers      off (single node)\n")
+        );
         assert!(
             node.startup().render().contains(&format!(
                 "(redis-cli -p {})",

@@ -96,7 +96,13 @@ fn start_node(
     if !peers.is_empty() {
         extra.extend(["--peers", &peers]);
     }
-    Daemon::start(&nd, &extra, &ENV)
+    let d = Daemon::start(&nd, &extra, &ENV)?;
+    // The ready event names the bound peer endpoint.
+    let want = format!("\"peer\":\"{listen}\"");
+    if !d.log().contains(&want) {
+        return Err(format!("{want} not in the ready event; log:\n{}", d.log()));
+    }
+    Ok(d)
 }
 
 /// Two peered nodes, `a` and `b`, with certificates of one CA, in `dir`.
