@@ -212,7 +212,7 @@ impl ErrorCode {
 #[non_exhaustive]
 pub enum CodecError {
     /// The first bytes are not `KVTN`.
-    #[error("bad frame magic {found:02x?} (expected \"KVTN\"): not a kvtier native client")]
+    #[error("bad frame magic {found:02x?} (expected \"KVTN\"): the other side does not speak the kvtier native protocol")]
     BadMagic {
         /// The bytes found.
         found: [u8; 4],
