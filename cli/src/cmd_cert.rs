@@ -78,10 +78,12 @@ pub fn run(cmd: &CertCommand) -> Result<u8> {
                 .with_context(|| format!("read the CA from {}", a.ca.display()))?;
             let validity = Validity::days(a.days);
             let ca_end = ca.not_after().context("read the CA's validity")?;
-            if validity.not_after > ca_end {
+            // (An expired CA is refused by the issue below.)
+            if validity.not_after > ca_end && ca_end > std::time::SystemTime::now() {
+                // Rounded up: a CA with hours left has "1 day" left.
                 let left = ca_end
                     .duration_since(std::time::SystemTime::now())
-                    .map_or(0, |d| d.as_secs() / 86_400);
+                    .map_or(0, |d| d.as_secs().div_ceil(86_400));
                 errln!(
                     "note: the CA expires in {left} day(s), before --days {}: the certificate ends with it (renew the CA before then)",
                     a.days

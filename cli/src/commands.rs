@@ -95,7 +95,19 @@ fn node_start(args: &ConfigArgs) -> Result<u8> {
 struct Signals {
     term: tokio::signal::unix::Signal,
     int: tokio::signal::unix::Signal,
-    hup: tokio::signal::unix::Signal,
+    /// `None` when SIGHUP was ignored at start (`nohup`): it stays ignored.
+    hup: Option<tokio::signal::unix::Signal>,
+}
+
+/// Whether this process inherited SIGHUP as ignored (`nohup`).
+fn sighup_ignored() -> bool {
+    // SAFETY: a zeroed sigaction is a valid out-parameter; a null new
+    // action only reads the current one.
+    unsafe {
+        let mut old: libc::sigaction = std::mem::zeroed();
+        libc::sigaction(libc::SIGHUP, std::ptr::null(), &mut old) == 0
+            && old.sa_sigaction == libc::SIG_IGN
+    }
 }
 
 impl Signals {
@@ -106,29 +118,45 @@ impl Signals {
             int: signal(SignalKind::interrupt())?,
             // The terminal that started a foreground daemon went away (an
             // ssh session dropped): a graceful stop, not the default death
-            // that would lose every dirty chunk.
-            hup: signal(SignalKind::hangup())?,
+            // that would lose every dirty chunk. Under `nohup` the operator
+            // asked to outlive the terminal: registering would undo that.
+            hup: if sighup_ignored() {
+                None
+            } else {
+                Some(signal(SignalKind::hangup())?)
+            },
         })
     }
 
-    /// The name of the next stop signal to arrive.
-    async fn next(&mut self) -> &'static str {
+    /// The name of the first stop signal to arrive.
+    async fn first_stop(&mut self) -> &'static str {
+        let hup = async {
+            match &mut self.hup {
+                Some(h) => h.recv().await,
+                None => std::future::pending().await,
+            }
+        };
         tokio::select! {
             _ = self.term.recv() => "SIGTERM",
             _ = self.int.recv() => "SIGINT",
-            _ = self.hup.recv() => "SIGHUP",
+            _ = hup => "SIGHUP",
         }
     }
 
-    /// Completes on the first SIGTERM, SIGINT or SIGHUP; a second one exits
-    /// the process at once with code 130, without flushing.
+    /// Completes on the first SIGTERM, SIGINT or SIGHUP; a second SIGTERM
+    /// or SIGINT exits the process at once with code 130, without flushing.
+    /// A SIGHUP during the shutdown does not (Ctrl-C, then the terminal
+    /// closes: the flush goes on).
     async fn first(mut self) {
-        let name = self.next().await;
+        let name = self.first_stop().await;
         tracing::info!(
-            "received {name}: shutting down gracefully (send another signal to exit at once)"
+            "received {name}: shutting down gracefully (send SIGTERM or SIGINT again to exit at once)"
         );
         tokio::spawn(async move {
-            let name = self.next().await;
+            let name = tokio::select! {
+                _ = self.term.recv() => "SIGTERM",
+                _ = self.int.recv() => "SIGINT",
+            };
             node::logging::eprint_lossy(&format!(
                 "kvtier: second signal ({name}): exiting now without finishing the flush\n"
             ));

@@ -703,10 +703,20 @@ class KvtierClient:
         """Removes chunks; per key whether it existed."""
         return list(self._call(fr.delete, ns, group, keys, reply_bytes=36 + len(keys)))
 
-    def flush(self) -> dict[str, int]:
+    def flush(self, timeout: float | None = None) -> dict[str, int]:
         """Returns once every chunk dirty at the call is durable:
-        ``{"chunks", "bytes", "failed"}``."""
-        return dict(self._call(fr.flush))
+        ``{"chunks", "bytes", "failed"}``. ``timeout`` (seconds) bounds the
+        wait; by default it waits as long as the disk needs (a large dirty
+        RAM tier takes minutes), whatever the client's own timeout."""
+        if self._sock is None:
+            raise KvtierUnavailable("the client is closed")
+        sock, before = self._sock, self._sock.gettimeout()
+        sock.settimeout(timeout)
+        try:
+            return dict(self._call(fr.flush))
+        finally:
+            if self._sock is sock:
+                sock.settimeout(before)
 
     def stats(self) -> dict[str, Any]:
         """Store and node counters (``node``, ``uptime-secs``, ``store``, ``counters``)."""

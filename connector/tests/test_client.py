@@ -290,6 +290,30 @@ def test_stats_and_flush(client: KvtierClient) -> None:
     assert client.get_bytes(ns, key(200)) == payload(200, 8192)
 
 
+def test_flush_waits_past_the_client_timeout_unless_bounded(daemon) -> None:  # type: ignore[no-untyped-def]
+    with KvtierClient(daemon.socket_path, region_size=1 << 20, timeout=0.3) as c:
+        ns = c.hello(record(0))
+        c.put(ns, [(key(201), payload(201, 4096))])
+        # A daemon that takes longer than the client's timeout (stopped for
+        # 0.6 s here) still gets its flush answered...
+        daemon.proc.send_signal(signal.SIGSTOP)
+        threading.Timer(0.6, daemon.proc.send_signal, args=(signal.SIGCONT,)).start()
+        t0 = time.monotonic()
+        assert c.flush()["failed"] == 0
+        assert time.monotonic() - t0 >= 0.5
+        # ... and the client's own timeout is back for the other requests.
+        assert c._sock is not None and c._sock.gettimeout() == 0.3
+    with KvtierClient(daemon.socket_path, region_size=0) as c:
+        daemon.proc.send_signal(signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(KvtierUnavailable, match="timed out"):
+                c.flush(timeout=0.3)
+            assert time.monotonic() - t0 < 5
+        finally:
+            daemon.proc.send_signal(signal.SIGCONT)
+
+
 def test_many_clients_at_once(daemon) -> None:  # type: ignore[no-untyped-def]
     errors: list[BaseException] = []
 

@@ -82,7 +82,7 @@ pub fn validate_dns_name(name: &str) -> Result<(), Error> {
         Ok(())
     } else {
         Err(Error::Config(format!(
-            "invalid DNS name {name:?}: use dot-separated labels of 1-63 characters of [A-Za-z0-9-], not starting or ending with '-'"
+            "invalid DNS name {name:?}: use dot-separated labels of 1-63 characters of [A-Za-z0-9-], not starting or ending with '-' (no wildcards, no trailing dot; addresses go to --ip)"
         )))
     }
 }
@@ -218,8 +218,16 @@ pub fn issue(
     }
     p.subject_alt_names = sans;
     p.not_before = validity.not_before.into();
-    // A node certificate is worth nothing past its CA's end.
-    p.not_after = validity.not_after.min(ca.not_after()?).into();
+    // A node certificate is worth nothing past its CA's end; from an
+    // expired CA it would be worth nothing at all.
+    let ca_end = ca.not_after()?;
+    if ca_end <= SystemTime::now() {
+        return Err(Error::Config(format!(
+            "the CA of cluster {} has expired: create a new one with `kvtier cert init-ca` and reissue every node's certificate",
+            ca.cluster
+        )));
+    }
+    p.not_after = validity.not_after.min(ca_end).into();
     let cert = p
         .signed_by(&key, &ca_cert, &ca_key)
         .map_err(|e| cert_err("sign node certificate", e))?;
@@ -510,6 +518,20 @@ mod tests {
         let end =
             SystemTime::UNIX_EPOCH + Duration::from_secs(c.validity().not_after.timestamp() as u64);
         assert_eq!(end, ca_end);
+        // An expired CA signs nothing.
+        let now = SystemTime::now();
+        let old = init_ca(
+            "c1",
+            Validity {
+                not_before: now - Duration::from_secs(7200),
+                not_after: now - Duration::from_secs(60),
+            },
+        )
+        .expect("ca");
+        let e = issue(&old, "n1", &[], &[], Validity::days(1))
+            .err()
+            .expect("an expired CA is refused");
+        assert!(e.to_string().contains("has expired"), "{e}");
         let n = issue(&ca, "n1", &[], &[], Validity::days(1)).expect("issue");
         let der = pem_certs(&n.cert_pem, "node").expect("pem");
         let (_, c) = x509_parser::parse_x509_certificate(&der[0]).expect("parse");

@@ -346,7 +346,7 @@ fn cert_refuses_bad_input_before_writing_anything() {
     );
     let err = text(&out.stderr);
     assert_eq!(out.status.code(), Some(0), "{err}");
-    assert!(err.contains("the CA expires in 1 day(s)"), "{err}");
+    assert!(err.contains("the CA expires in 2 day(s)"), "{err}");
 }
 
 #[test]

@@ -123,13 +123,17 @@ fn a_stop_signal_flushes_dirty_chunks_and_exits_0(sig: libc::c_int, name: &str) 
     let log = d.log();
     assert!(log.contains(&format!("received {name}")), "{log}");
     // The JSON `kvtier ready` event carries the sizes the human summary shows.
+    let ready = log
+        .lines()
+        .find(|l| l.contains("kvtier ready"))
+        .unwrap_or_else(|| panic!("no ready event: {log}"));
     for field in [
         "\"ram_budget\":",
         "\"disk_budget\":",
         "\"max_chunk\":",
         "\"bytes\":",
     ] {
-        assert!(log.contains(field), "{field} missing: {log}");
+        assert!(ready.contains(field), "{field} missing: {ready}");
     }
     assert!(!d.socket.exists(), "the socket file is removed at shutdown");
     let d = Daemon::start(dir.path(), &[], &[]).unwrap_or_else(|e| panic!("{e}"));
@@ -145,6 +149,22 @@ fn sigterm_flushes_dirty_chunks_and_exits_0() {
 #[test]
 fn sighup_flushes_dirty_chunks_and_exits_0() {
     a_stop_signal_flushes_dirty_chunks_and_exits_0(libc::SIGHUP, "SIGHUP");
+}
+
+/// Under `nohup` (SIGHUP ignored when it starts) the daemon outlives its
+/// terminal: a SIGHUP leaves it serving.
+#[test]
+fn under_nohup_a_sighup_leaves_the_daemon_serving() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let args = kvtier_tests::test_args(dir.path());
+    let mut d =
+        Daemon::start_wrapped(dir.path(), &["nohup"], &args, &[]).unwrap_or_else(|e| panic!("{e}"));
+    kvtier_tests::signal(d.pid(), libc::SIGHUP);
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    d.client().ping().expect("still serving after SIGHUP");
+    assert!(!d.log().contains("received SIGHUP"), "{}", d.log());
+    let status = d.stop_with(libc::SIGTERM);
+    assert_eq!(status.code(), Some(0), "{}", d.log());
 }
 
 #[test]

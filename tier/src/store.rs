@@ -1,7 +1,8 @@
 //! [`ChunkStore`]: the facade over the RAM LRU ([`crate::ram::RamCache`])
 //! and the NVMe segment store (`segment.rs`, `writer.rs`).
 //!
-//! Write policy (no tax): a PUT lands in RAM (dirty) and returns. Disk
+//! Write policy (no tax): a PUT lands in RAM (dirty; clean on a store
+//! without a disk, which owes nothing) and returns. Disk
 //! writes happen (a) when RAM evicts a dirty chunk (queued to the writer
 //! thread with `try_send`: under [`WritePolicy::NoTax`] a full queue drops the
 //! chunk and counts it in `dropped_unwritten`; under
@@ -733,7 +734,8 @@ impl ChunkStore {
             .collect()
     }
 
-    /// Stores a chunk in RAM (dirty). Replaces an existing chunk with the same id.
+    /// Stores a chunk in RAM (dirty; clean without a disk). Replaces an
+    /// existing chunk with the same id.
     /// Never waits for the disk under the default write policy.
     pub fn put(&self, id: ChunkId, data: Bytes) -> Result<()> {
         self.inner.put_inner(id, None, data, None)

@@ -553,7 +553,15 @@ fn config(shared: &Shared, args: &[Bytes], out: &mut Output) -> Res {
             ];
             let mut found = Vec::new();
             for (k, v) in &params {
-                if args[2..].iter().any(|p| glob_match(p, k.as_bytes())) {
+                // As Redis 7: a pattern without `[`, `*` or `?` is a name.
+                let matches = |p: &Bytes| {
+                    if p.iter().any(|b| matches!(b, b'[' | b'*' | b'?')) {
+                        glob_match(p, k.as_bytes())
+                    } else {
+                        p.eq_ignore_ascii_case(k.as_bytes())
+                    }
+                };
+                if args[2..].iter().any(matches) {
                     found.push((*k, v.clone()));
                 }
             }
@@ -576,49 +584,42 @@ fn config(shared: &Shared, args: &[Bytes], out: &mut Output) -> Res {
 /// last `*`: O(pattern × name) whatever the pattern.
 fn glob_match(pattern: &[u8], name: &[u8]) -> bool {
     let lower = |b: u8| b.to_ascii_lowercase();
-    // The length of the pattern element at the start of `p`.
-    let elem_len = |p: &[u8]| match p[0] {
-        b'\\' if p.len() > 1 => 2,
-        b'[' => {
-            let mut end = 1;
-            while end < p.len() && p[end] != b']' {
-                end += if p[end] == b'\\' { 2 } else { 1 };
-            }
-            (end + 1).min(p.len())
-        }
-        _ => 1,
-    };
-    // Whether the element `e` (not a `*`) matches the byte `c`.
-    let one = |e: &[u8], c: u8| -> bool {
-        let c = lower(c);
-        match e {
-            [b'?'] => true,
-            [b'\\', x] => lower(*x) == c,
-            [b'[', rest @ ..] => {
-                let set = rest.strip_suffix(b"]").unwrap_or(rest);
-                let (negate, set) = match set.split_first() {
-                    Some((b'^', tail)) => (true, tail),
-                    _ => (false, set),
-                };
+    // Whether the element at the start of `p` (not a `*`) matches `c`, and
+    // its length. Brackets follow Redis's `stringmatchlen` byte for byte:
+    // `\x` inside compares with case, `a-z` takes any end (`]` too), an
+    // unclosed bracket runs to the end of the pattern.
+    let one = |p: &[u8], c: u8| -> (bool, usize) {
+        match p {
+            [b'?', ..] => (true, 1),
+            [b'\\', x, ..] => (lower(*x) == lower(c), 2),
+            [b'[', ..] => {
+                let not = p.get(1) == Some(&b'^');
+                let mut i = if not { 2 } else { 1 };
                 let mut hit = false;
-                let mut k = 0;
-                while k < set.len() {
-                    if set[k] == b'\\' && k + 1 < set.len() {
-                        hit |= lower(set[k + 1]) == c;
-                        k += 2;
-                    } else if k + 2 < set.len() && set[k + 1] == b'-' {
-                        let (a, z) = (lower(set[k]), lower(set[k + 2]));
-                        hit |= (a.min(z)..=a.max(z)).contains(&c);
-                        k += 3;
-                    } else {
-                        hit |= lower(set[k]) == c;
-                        k += 1;
+                loop {
+                    if i >= p.len() {
+                        // Unclosed: the last byte ends the element.
+                        i = p.len() - 1;
+                        break;
                     }
+                    if p[i] == b'\\' && p.len() - i >= 2 {
+                        i += 1;
+                        hit |= p[i] == c;
+                    } else if p[i] == b']' {
+                        break;
+                    } else if p.len() - i >= 3 && p[i + 1] == b'-' {
+                        let (a, z) = (p[i].min(p[i + 2]), p[i].max(p[i + 2]));
+                        hit |= (lower(a)..=lower(z)).contains(&lower(c));
+                        i += 2;
+                    } else {
+                        hit |= lower(p[i]) == lower(c);
+                    }
+                    i += 1;
                 }
-                hit != negate
+                (hit != not, i + 1)
             }
-            [x, ..] => lower(*x) == c,
-            [] => false,
+            [x, ..] => (lower(*x) == lower(c), 1),
+            [] => (false, 0),
         }
     };
     let (mut pi, mut ni) = (0, 0);
@@ -631,8 +632,8 @@ fn glob_match(pattern: &[u8], name: &[u8]) -> bool {
                 pi += 1;
                 continue;
             }
-            let len = elem_len(&pattern[pi..]);
-            if one(&pattern[pi..pi + len], name[ni]) {
+            let (hit, len) = one(&pattern[pi..], name[ni]);
+            if hit {
                 pi += len;
                 ni += 1;
                 continue;
@@ -861,6 +862,16 @@ mod tests {
             ("", "save", false),
             ("save*", "save", true),
             ("save?", "save", false),
+            // Redis's bracket edges: a range may end at `]`, an escape
+            // inside compares with case, an unclosed bracket ends the pattern.
+            // (`s-]` is the range: the bracket then runs to the end.)
+            ("[s-]ave", "save", false),
+            ("[s-]]ave", "save", true),
+            ("[\\S]ave", "save", false),
+            ("[\\s]ave", "save", true),
+            ("sav[e", "save", true),
+            ("sav[^", "save", true),
+            ("[^a-r]ave", "save", true),
         ] {
             assert_eq!(
                 glob_match(p.as_bytes(), name.as_bytes()),

@@ -27,15 +27,22 @@ fn decode_record(json: &[u8], op: &'static str) -> Result<NamespaceRecord, Codec
             names.join(", ")
         )));
     }
-    let record: NamespaceRecord =
-        serde_json::from_value(value).map_err(|e| bad(format!("invalid namespace record: {e}")))?;
+    serde_json::from_value(value).map_err(|e| bad(format!("invalid namespace record: {e}")))
+}
+
+/// HELLO's record also names a rank that exists (CLUSTER_LOOKUP ignores its
+/// record's rank).
+fn check_rank(record: &NamespaceRecord, op: &'static str) -> Result<(), CodecError> {
     if record.tp_size > 0 && record.rank >= record.tp_size {
-        return Err(bad(format!(
-            "namespace record has rank {} but tp-size {}: ranks count from 0 to tp-size - 1",
-            record.rank, record.tp_size
-        )));
+        return Err(CodecError::BadBody {
+            op,
+            detail: format!(
+                "namespace record has rank {} but tp-size {}: ranks count from 0 to tp-size - 1",
+                record.rank, record.tp_size
+            ),
+        });
     }
-    Ok(record)
+    Ok(())
 }
 
 fn check_flags(op: Op, flags: u16, allowed: u16) -> Result<(), CodecError> {
@@ -83,9 +90,9 @@ pub fn decode_request(
         Op::Stats => Request::Stats,
         Op::Hello => {
             c.pos = body.len();
-            Request::Hello {
-                record: decode_record(body, op.name())?,
-            }
+            let record = decode_record(body, op.name())?;
+            check_rank(&record, op.name())?;
+            Request::Hello { record }
         }
         Op::RegisterRegion => Request::RegisterRegion {
             len: c.u64("region length")?,

@@ -212,7 +212,9 @@ impl ErrorCode {
 #[non_exhaustive]
 pub enum CodecError {
     /// The first bytes are not `KVTN`.
-    #[error("bad frame magic {found:02x?} (expected \"KVTN\"): the other side does not speak the kvtier native protocol")]
+    #[error(
+        "bad frame magic {found:02x?} (expected \"KVTN\"): the other side does not speak the kvtier native protocol"
+    )]
     BadMagic {
         /// The bytes found.
         found: [u8; 4],
@@ -1003,6 +1005,23 @@ mod tests {
                 assert!(e.to_string().contains("ranks count from 0"), "{e}");
             }
         }
+        // CLUSTER_LOOKUP ignores its record's rank.
+        let req = Request::ClusterLookup {
+            record: NamespaceRecord {
+                model: "m".into(),
+                tp_size: 2,
+                rank: 5,
+                ..Default::default()
+            },
+            ranks: vec![0, 1],
+            group: 0,
+            keys: vec![key(1)],
+        };
+        let out = frame(&req);
+        let Decoded::Frame { header, body, .. } = decode_frame(&out, 1 << 20).unwrap() else {
+            panic!()
+        };
+        decode_request(&header, body, &LIMITS).expect("the rank is not checked");
     }
 
     mod props {
