@@ -16,6 +16,7 @@
 mod aio;
 pub mod buffers;
 pub mod config;
+pub mod deletes;
 pub mod device;
 mod error;
 pub mod format;

@@ -593,7 +593,14 @@ impl ChunkStore {
                     std::thread::available_parallelism().map_or(1, |n| n.get()),
                 )
             });
-            let writer = Writer::new(d.clone(), hooks, rec, WRITE_BATCH, helpers);
+            let journal =
+                crate::deletes::Journal::open(&inner.config.data_dir).map_err(|e| Error::Io {
+                    op: "read the deletes journal in",
+                    path: inner.config.data_dir.clone(),
+                    source: e,
+                })?;
+            let replay = crate::deletes::read(&inner.config.data_dir).unwrap_or_default();
+            let writer = Writer::new(d.clone(), hooks, rec, WRITE_BATCH, helpers, journal);
             let h = std::thread::Builder::new()
                 .name("kvtier-writer".into())
                 .spawn(move || writer.run(rx))
@@ -610,6 +617,22 @@ impl ChunkStore {
                 let (ack, wait) = bounded(1);
                 inner.send(Msg::SealRecovered(ack))?;
                 wait.recv().map_err(|_| Error::Closed)??;
+            }
+            if !replay.is_empty() {
+                // Deletes a poisoned or full disk did not take before the
+                // last stop: deleted again, their tombstones written (the
+                // writer removes the journal once they are durable).
+                for id in &replay {
+                    inner.delete_inner(id, false);
+                }
+                match inner.flush_inner(None) {
+                    Ok(_) => tracing::info!(deletes = replay.len(), "replayed the deletes journal"),
+                    Err(e) => tracing::warn!(
+                        deletes = replay.len(),
+                        error = %e,
+                        "replayed the deletes journal; their tombstones are not on disk yet (the journal stays)"
+                    ),
+                }
             }
             let (stop_tx, stop_rx) = bounded::<()>(1);
             let weak = Arc::downgrade(&inner);
@@ -1725,15 +1748,17 @@ impl Inner {
             self.flush_marker(deadline)?;
         }
         self.persist_last_used();
-        // Until a delete's tombstone is on disk, a restart can bring the
-        // chunk back: a flush with such deletes does not report success.
+        // Until a delete's tombstone is on disk (or in the deletes journal),
+        // a restart can bring the chunk back: a flush with such deletes does
+        // not report success.
         let n = d.counters.tombstones_unwritten.load(Ordering::Relaxed);
         if n > 0 {
             return Err(Error::NoSpace {
                 detail: format!(
-                    "{n} delete(s) are not on disk: the disk refused their tombstones, which are \
-                     written again with the next write once there is room; until then a restart \
-                     may bring back chunks they deleted"
+                    "{n} delete(s) are not on disk: the disk refused their tombstones and the \
+                     deletes journal could not take them either; the tombstones are written \
+                     again with the next write once there is room; until then a restart may \
+                     bring back chunks they deleted"
                 ),
             });
         }

@@ -192,6 +192,9 @@ pub(crate) struct Writer {
     /// Tombstones whose batch failed while the disk was not poisoned (the
     /// ENOSPC pause): written again ahead of the next items or flush.
     retry_tombs: Vec<(ChunkId, Instant)>,
+    /// Deletes whose tombstone failed, kept durable until one is written
+    /// (`crate::deletes`).
+    journal: crate::deletes::Journal,
 }
 
 /// Batches in flight to the I/O thread: while it writes one, the next ones
@@ -314,6 +317,7 @@ impl Writer {
         rec: Recovered,
         batch_bytes: usize,
         pack_helpers: usize,
+        journal: crate::deletes::Journal,
     ) -> Self {
         let open = rec.reopen.map(|u| {
             tracing::info!(
@@ -349,6 +353,7 @@ impl Writer {
             newer: std::collections::HashMap::new(),
             unfinished: std::collections::HashMap::new(),
             retry_tombs: Vec::new(),
+            journal,
         }
     }
 
@@ -446,20 +451,25 @@ impl Writer {
                 None => {}
                 Some(Msg::Flush(ack)) => {
                     self.count_unwritten_tombstones();
-                    let _ = ack.send(self.sync());
+                    let r = self.sync();
+                    self.clear_journal(&r);
+                    let _ = ack.send(r);
                 }
                 Some(Msg::SealRecovered(ack)) => {
                     let _ = ack.send(self.seal_recovered());
                 }
                 Some(Msg::Stop(ack)) => {
-                    if self.count_unwritten_tombstones() > 0 {
+                    let unwritten = self.count_unwritten_tombstones();
+                    if unwritten > 0 {
                         tracing::error!(
-                            deletes = self.retry_tombs.len(),
-                            "the writer stops with deletes the disk refused (ENOSPC) not written: \
-                             chunks they deleted may be back after the restart"
+                            deletes = unwritten,
+                            "the writer stops with deletes neither the disk (ENOSPC) nor the \
+                             deletes journal took: chunks they deleted may be back after the restart"
                         );
                     }
-                    let _ = ack.send(self.sync());
+                    let r = self.sync();
+                    self.clear_journal(&r);
+                    let _ = ack.send(r);
                     // Whatever raced the stop into the queue is not written:
                     // say so (a spilled chunk's RAM copy goes).
                     for m in rx.try_iter() {
@@ -524,10 +534,25 @@ impl Writer {
         Ok(())
     }
 
+    /// Removes the deletes journal once a sync succeeded with no tombstone
+    /// left to write: every delete in it is on disk.
+    fn clear_journal(&mut self, synced: &Result<()>) {
+        if synced.is_ok() && self.retry_tombs.is_empty() && self.disk.poisoned().is_none() {
+            if let Err(e) = self.journal.clear() {
+                tracing::warn!(error = %e, "cannot remove the deletes journal (replayed again at the next open)");
+            }
+        }
+    }
+
     /// Publishes how many tombstones wait to be written again (the disk
-    /// refused them with ENOSPC), for the flush that is answered next.
+    /// refused them with ENOSPC) and are not in the deletes journal either,
+    /// for the flush that is answered next.
     fn count_unwritten_tombstones(&self) -> usize {
-        let n = self.retry_tombs.len();
+        let n = self
+            .retry_tombs
+            .iter()
+            .filter(|(id, _)| !self.journal.contains(id))
+            .count();
         self.disk
             .counters
             .tombstones_unwritten
@@ -562,8 +587,15 @@ impl Writer {
                     self.hooks.failed(j);
                 }
                 // A delete must reach the disk, or the chunk comes back at
-                // recovery: retried unless disk writes have stopped.
+                // recovery: kept in the deletes journal, and retried unless
+                // disk writes have stopped.
                 Item::Tomb(id, at) => {
+                    if let Err(e) = self.journal.add(id) {
+                        tracing::error!(
+                            error = %e,
+                            "cannot record a delete in the deletes journal: the chunk may be back after a restart"
+                        );
+                    }
                     if self.disk.poisoned().is_none() {
                         self.retry_tombs.push((*id, *at));
                     }

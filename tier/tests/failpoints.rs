@@ -6,8 +6,11 @@
 //! - `tier::writer::batch_write=return(enospc)`: the writer pauses, RAM keeps
 //!   serving, writes go through again once the device has room;
 //! - a tombstone whose batch fails that way is written again once the
-//!   device has room (else the deleted chunk came back at recovery); until
-//!   then a flush, and a close, fail with `NoSpace`;
+//!   device has room (else the deleted chunk came back at recovery);
+//!   meanwhile the deletes journal holds it (`tier::deletes::append=return`
+//!   refuses that too: then a flush, and a close, fail with `NoSpace`); a
+//!   delete made while writes are poisoned is journaled too, and the next
+//!   open replays the journal, even after a crash;
 //! - the same for a batch of a flush that spans several regions (each next
 //!   region is opened while the batch before may be in flight): after a
 //!   restart exactly the chunks the flush reported written are there (the
@@ -71,6 +74,7 @@ fn failpoints() {
     enospc_pauses_and_resumes();
     a_tombstone_whose_batch_fails_is_written_later();
     a_close_with_a_delete_not_on_disk_says_so();
+    deletes_the_disk_did_not_take_survive_a_restart_in_the_journal();
     a_failed_batch_across_a_region_switch_leaves_nothing_behind_it();
     eio_poisons_until_reopen();
     failed_fdatasync_fails_the_flush();
@@ -106,7 +110,12 @@ fn a_tombstone_whose_batch_fails_is_written_later() {
     let ns = s.register_namespace(&record()).unwrap();
     s.put(id(ns, 1), payload(1)).unwrap();
     s.flush().unwrap();
+    s.put(id(ns, 2), payload(2)).unwrap();
+    s.flush().unwrap();
+    let journal = dir.path().join(tier::deletes::FILE_NAME);
     fail::cfg("tier::writer::batch_write", "return(enospc)").unwrap();
+    // The journal refuses too: nothing holds the delete.
+    fail::cfg("tier::deletes::append", "return(enospc)").unwrap();
     assert!(s.delete(&id(ns, 1)));
     let deadline = std::time::Instant::now() + Duration::from_secs(20);
     while !s.stats().writer_paused_nospace {
@@ -123,13 +132,26 @@ fn a_tombstone_whose_batch_fails_is_written_later() {
         matches!(&e, tier::Error::NoSpace { detail } if detail.contains("1 delete(s)")),
         "{e}"
     );
+    assert!(!journal.exists());
+    // With the journal taking deletes, a delete the disk refuses is
+    // durable there: the flush succeeds.
+    fail::remove("tier::deletes::append");
+    assert!(s.delete(&id(ns, 2)));
+    s.flush().expect("both deletes are in the journal");
+    assert_eq!(
+        tier::deletes::read(dir.path()).unwrap().len(),
+        2,
+        "the retried tombstone and the new one"
+    );
     fail::remove("tier::writer::batch_write");
     s.flush().unwrap();
     assert!(!s.stats().writer_paused_nospace);
-    assert_eq!(s.cancelled_writes(), 0, "the tombstone was written");
+    assert_eq!(s.cancelled_writes(), 0, "the tombstones were written");
+    assert!(!journal.exists(), "removed once the tombstones are on disk");
     drop(s);
     let s = ChunkStore::open(cfg(dir.path())).unwrap();
     assert!(s.get(&id(ns, 1)).is_none(), "the deleted chunk came back");
+    assert!(s.get(&id(ns, 2)).is_none(), "the deleted chunk came back");
 }
 
 fn a_close_with_a_delete_not_on_disk_says_so() {
@@ -140,16 +162,71 @@ fn a_close_with_a_delete_not_on_disk_says_so() {
     s.put(id(ns, 2), payload(2)).unwrap();
     s.flush().unwrap();
     fail::cfg("tier::writer::batch_write", "return(enospc)").unwrap();
+    fail::cfg("tier::deletes::append", "return(enospc)").unwrap();
     assert!(s.delete(&id(ns, 1)));
     let e = s
         .close(Duration::from_secs(10))
         .expect_err("a delete is not on disk");
     assert!(matches!(e, tier::Error::NoSpace { .. }), "{e}");
     fail::remove("tier::writer::batch_write");
+    fail::remove("tier::deletes::append");
     // As the close said: the delete did not reach the disk.
     let s = ChunkStore::open(cfg(dir.path())).unwrap();
     assert_eq!(s.get(&id(ns, 1)).unwrap().data, payload(1));
     assert_eq!(s.get(&id(ns, 2)).unwrap().data, payload(2));
+    drop(s);
+}
+
+/// A delete the disk refuses (ENOSPC) when the store closes, and one made
+/// while disk writes are poisoned, are kept by the deletes journal: the
+/// next open deletes them again and writes their tombstones.
+fn deletes_the_disk_did_not_take_survive_a_restart_in_the_journal() {
+    let dir = tempfile::tempdir().unwrap();
+    let journal = dir.path().join(tier::deletes::FILE_NAME);
+    let s = ChunkStore::open(cfg(dir.path())).unwrap();
+    let ns = s.register_namespace(&record()).unwrap();
+    for i in 1..=4 {
+        s.put(id(ns, i), payload(i)).unwrap();
+    }
+    s.flush().unwrap();
+    fail::cfg("tier::writer::batch_write", "return(enospc)").unwrap();
+    assert!(s.delete(&id(ns, 1)));
+    s.close(Duration::from_secs(10))
+        .expect("the delete is durable in the journal");
+    fail::remove("tier::writer::batch_write");
+    assert!(journal.exists());
+    let s = ChunkStore::open(cfg(dir.path())).unwrap();
+    assert!(s.get(&id(ns, 1)).is_none(), "the deleted chunk came back");
+    assert!(!journal.exists(), "its tombstone is on disk now");
+    assert_eq!(s.get(&id(ns, 2)).unwrap().data, payload(2));
+    // Poisoned (EIO): a delete cannot reach the disk until a reopen.
+    fail::cfg("tier::writer::batch_write", "return").unwrap();
+    s.put(id(ns, 5), payload(5)).unwrap();
+    assert!(s.flush().is_err());
+    assert!(s.stats().disk_poisoned);
+    assert!(s.delete(&id(ns, 2)));
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while tier::deletes::read(dir.path()).unwrap().is_empty() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the delete never reached the journal"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // A crash now: the journal is all that holds the delete.
+    std::mem::forget(s);
+    fail::remove("tier::writer::batch_write");
+    let s = ChunkStore::open(cfg(dir.path())).unwrap();
+    assert!(!s.stats().disk_poisoned);
+    assert!(s.get(&id(ns, 2)).is_none(), "the deleted chunk came back");
+    assert_eq!(s.get(&id(ns, 3)).unwrap().data, payload(3));
+    assert_eq!(s.get(&id(ns, 4)).unwrap().data, payload(4));
+    assert!(!journal.exists());
+    drop(s);
+    // And it stays deleted across a plain restart.
+    let s = ChunkStore::open(cfg(dir.path())).unwrap();
+    assert!(s.get(&id(ns, 2)).is_none());
+    assert!(s.get(&id(ns, 1)).is_none());
 }
 
 fn a_failed_batch_across_a_region_switch_leaves_nothing_behind_it() {
