@@ -72,8 +72,9 @@ pub enum Command {
 #[derive(Debug, Subcommand)]
 pub enum NodeCommand {
     /// Start the daemon in the foreground. Works with no configuration at
-    /// all; prints a start-up summary. SIGTERM / SIGINT flush dirty chunks
-    /// within --shutdown-deadline and exit 0; a second signal exits at once
+    /// all; prints a start-up summary. SIGTERM / SIGINT / SIGHUP flush
+    /// dirty chunks within --shutdown-deadline and exit 0 (1 if the flush
+    /// did not finish in time); a second SIGTERM / SIGINT exits at once
     /// (130).
     Start(ConfigArgs),
 }

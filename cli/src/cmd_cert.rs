@@ -79,7 +79,10 @@ pub fn run(cmd: &CertCommand) -> Result<u8> {
             let validity = Validity::days(a.days);
             let ca_end = ca.not_after().context("read the CA's validity")?;
             // (An expired CA is refused by the issue below.)
-            if validity.not_after > ca_end && ca_end > std::time::SystemTime::now() {
+            // Worth a note when it cuts at least a day (`--days 10` of a
+            // 10-day CA issued a minute later ends a minute early: no note).
+            let day = std::time::Duration::from_secs(86_400);
+            if validity.not_after > ca_end + day && ca_end > std::time::SystemTime::now() {
                 // Rounded up: a CA with hours left has "1 day" left.
                 let left = ca_end
                     .duration_since(std::time::SystemTime::now())

@@ -529,12 +529,28 @@ fn namespaces_from_daemon(info: &node::daemon::LockInfo) -> Result<serde_json::V
 
 /// A minimal HTTP/1.0 GET on loopback (bounded time and size).
 fn http_get(addr: std::net::SocketAddr, path: &str) -> Result<Vec<u8>> {
-    let mut s = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(5))?;
+    // A daemon that cannot be reached or does not answer exits 3, as on
+    // the native socket.
+    let unreachable = |e: std::io::Error| {
+        let why = match e.kind() {
+            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {
+                "did not answer in time; is it stopped or overloaded?".to_string()
+            }
+            _ => format!("cannot be reached: {e}"),
+        };
+        anyhow::Error::new(crate::Unreachable(format!(
+            "the kvtier daemon's HTTP endpoint http://{addr}{path} {why}"
+        )))
+    };
+    let mut s =
+        std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(5)).map_err(unreachable)?;
     s.set_read_timeout(Some(Duration::from_secs(10)))?;
     s.set_write_timeout(Some(Duration::from_secs(10)))?;
-    write!(s, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n")?;
+    write!(s, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").map_err(unreachable)?;
     let mut buf = Vec::new();
-    s.take(64 << 20).read_to_end(&mut buf)?;
+    s.take(64 << 20)
+        .read_to_end(&mut buf)
+        .map_err(unreachable)?;
     let split = buf
         .windows(4)
         .position(|w| w == b"\r\n\r\n")

@@ -91,6 +91,19 @@ impl StdoutClosed {
     }
 }
 
+/// The daemon could not be reached or did not answer, other than on its
+/// native socket (its HTTP `/status`): exit code 3.
+#[derive(Debug)]
+pub struct Unreachable(pub String);
+
+impl std::fmt::Display for Unreachable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for Unreachable {}
+
 /// A command used wrongly in a way clap cannot check (exit code 2).
 #[derive(Debug)]
 pub struct UsageError(pub String);
@@ -147,6 +160,9 @@ fn exit_code_of(err: &anyhow::Error) -> u8 {
     for cause in err.chain() {
         if cause.downcast_ref::<UsageError>().is_some() {
             return EXIT_USAGE;
+        }
+        if cause.downcast_ref::<Unreachable>().is_some() {
+            return EXIT_UNREACHABLE;
         }
         if let Some(
             node::native::NativeError::Unavailable { .. }

@@ -100,6 +100,10 @@ impl FromStr for FileMode {
         let t = s.trim().trim_start_matches("0o");
         match u32::from_str_radix(t, 8) {
             Ok(m) if m <= 0o777 && !t.is_empty() => Ok(FileMode(m)),
+            Ok(m) if m <= 0o7777 => Err(format!(
+                "{s:?} sets setuid, setgid or sticky bits, which a socket does not take: use \
+                 permission bits only (0 to 0777, such as \"0660\")"
+            )),
             _ => Err(format!(
                 "{s:?} is not a file mode: use octal digits such as \"0660\""
             )),
@@ -785,6 +789,16 @@ impl NodeConfig {
                     ByteSize(space.available_to_store).approx(),
                     ByteSize(margin).approx(),
                 )));
+            }
+            Some(b) if b.0 == 0 && existing_store_len(&self.data_dir) > 0 => {
+                warnings.push(format!(
+                    "disk-budget is 0 (RAM only) but data dir {} holds a store of {}: it is left \
+                     as it is and unused; drop `disk-budget 0` to serve it, or remove {} to \
+                     free the space",
+                    self.data_dir.display(),
+                    ByteSize(existing_store_len(&self.data_dir)).approx(),
+                    self.data_dir.join(STORE_FILE).display(),
+                ));
             }
             Some(_) => {}
         }
@@ -1533,6 +1547,9 @@ mod tests {
         let vars = [("KVTIER_SOCKET_MODE", "999")];
         let e = load_with(None, &vars, Overrides::default()).unwrap_err();
         assert!(e.to_string().contains("octal digits"), "{e}");
+        let vars = [("KVTIER_SOCKET_MODE", "1777")];
+        let e = load_with(None, &vars, Overrides::default()).unwrap_err();
+        assert!(e.to_string().contains("sticky bits"), "{e}");
         // The TOML rendering parses back to the same configuration.
         let back = load_with(Some(&c.to_toml()), &[], Overrides::default())
             .unwrap()
@@ -1734,6 +1751,34 @@ mod tests {
     }
 
     #[test]
+    fn a_ram_only_start_over_an_existing_store_warns() {
+        let dir = tempfile::tempdir().unwrap();
+        let flags = Overrides {
+            data_dir: Some(dir.path().to_path_buf()),
+            disk_budget: Some(ByteSize(0)),
+            ..Default::default()
+        };
+        let l = load_with(None, &[], flags).unwrap();
+        let space = || DiskSpace {
+            total: 100 << 30,
+            available_to_store: 40 << 30,
+        };
+        assert!(
+            l.config
+                .clone()
+                .resolve_with(&l, space())
+                .unwrap()
+                .is_empty()
+        );
+        std::fs::write(dir.path().join(STORE_FILE), vec![0u8; 1 << 20]).unwrap();
+        let w = l.config.clone().resolve_with(&l, space()).unwrap();
+        assert!(
+            w.len() == 1 && w[0].contains("holds a store of 1.0 MiB") && w[0].contains("unused"),
+            "{w:?}"
+        );
+    }
+
+    #[test]
     fn resolve_fills_the_disk_budget_and_rejects_what_does_not_fit() {
         let dir = tempfile::tempdir().unwrap();
         let flags = Overrides {
@@ -1880,8 +1925,10 @@ mod tests {
         };
         l = load_with(None, &[], ram_only).unwrap();
         let w = l.config.clone().resolve(&l).unwrap();
-        assert_eq!(w.len(), 1, "{w:?}");
-        assert!(w[0].contains("NOT larger than the GPU KV pool"), "{}", w[0]);
+        // (The store made above stays in the data dir, unused: said too.)
+        assert_eq!(w.len(), 2, "{w:?}");
+        assert!(w[0].contains("holds a store"), "{}", w[0]);
+        assert!(w[1].contains("NOT larger than the GPU KV pool"), "{}", w[1]);
     }
 
     #[test]

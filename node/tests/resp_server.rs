@@ -238,6 +238,12 @@ async fn basic_commands_reply_like_redis() {
     .await;
     rt(
         &mut c,
+        b"CONFIG HELP\r\n",
+        b"*3\r\n+CONFIG <subcommand> [<arg> ...]. kvtier serves:\r\n+GET <pattern> [<pattern> ...]\r\n+SET, RESETSTAT, REWRITE: refused (kvtier is configured by its file)\r\n",
+    )
+    .await;
+    rt(
+        &mut c,
         b"CLIENT HELP\r\n",
         b"*5\r\n+CLIENT <subcommand> [<arg> ...]. kvtier serves:\r\n+ID\r\n+GETNAME\r\n+SETNAME <name>\r\n+SETINFO, NO-EVICT, NO-TOUCH, TRACKING OFF: accepted and ignored\r\n",
     )

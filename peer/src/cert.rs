@@ -72,6 +72,11 @@ pub fn validate_name(kind: &str, name: &str) -> Result<(), Error> {
 /// 1-63 characters of [A-Za-z0-9-], none starting or ending with `-`, at
 /// most 253 characters in all (a name a TLS client could ever match).
 pub fn validate_dns_name(name: &str) -> Result<(), Error> {
+    if name.parse::<IpAddr>().is_ok() {
+        return Err(Error::Config(format!(
+            "{name:?} is an IP address, not a DNS name: give it with --ip"
+        )));
+    }
     let label_ok = |l: &str| {
         (1..=63).contains(&l.len())
             && l.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
@@ -483,6 +488,8 @@ mod tests {
                 .unwrap_or_else(|| panic!("{bad:?} was signed"));
             assert!(e.to_string().contains("invalid DNS name"), "{e}");
         }
+        let e = validate_dns_name("10.0.0.1").unwrap_err();
+        assert!(e.to_string().contains("--ip"), "{e}");
         for good in ["n1", "spark-2.lan", "10-0-0-1.nodes.example.com"] {
             validate_dns_name(good).unwrap_or_else(|e| panic!("{good}: {e}"));
         }

@@ -263,7 +263,13 @@ fn a_daemon_that_stopped_answering_exits_3_after_the_timeout() {
         );
         kvtier_tests::signal(d.pid(), libc::SIGSTOP);
     }
+    // `namespaces` on a running daemon asks its HTTP /status: the same exit.
+    let data = d.data_dir.to_string_lossy().into_owned();
+    let out = run_kvtier(&["namespaces", "--data-dir", &data], &[]);
+    let err = text(&out.stderr);
     kvtier_tests::signal(d.pid(), libc::SIGCONT);
+    assert_eq!(out.status.code(), Some(3), "namespaces: {err}");
+    assert!(err.contains("did not answer in time"), "namespaces: {err}");
     // Answering again: 0 waits forever, and gets the reply.
     let out = run_kvtier(&["stats", "--socket", &sock, "--timeout", "0"], &[]);
     assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));

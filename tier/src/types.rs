@@ -91,7 +91,7 @@ fn parse_hex<const N: usize>(s: &str) -> Option<[u8; N]> {
 }
 
 macro_rules! hex_id {
-    ($t:ident, $n:expr) => {
+    ($t:ident, $n:expr, $what:expr) => {
         impl fmt::Display for $t {
             fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
                 write_hex(f, &self.0)
@@ -121,16 +121,16 @@ macro_rules! hex_id {
                 parse_hex::<$n>(s)
                     .map($t)
                     .ok_or_else(|| crate::Error::InvalidArgument {
-                        what: concat!(stringify!($t), " must be ", stringify!($n), " bytes of hex"),
+                        what: $what,
                         value: s.chars().take(80).collect(),
                     })
             }
         }
     };
 }
-hex_id!(Namespace, 16);
-hex_id!(NamespaceFamily, 16);
-hex_id!(ChunkKey, 32);
+hex_id!(Namespace, 16, "namespace id (32 hex digits)");
+hex_id!(NamespaceFamily, 16, "namespace family id (32 hex digits)");
+hex_id!(ChunkKey, 32, "chunk key (64 hex digits)");
 
 impl ChunkKey {
     /// Hashes a string key (e.g. a RESP key) to a chunk key. The full name

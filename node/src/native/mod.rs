@@ -99,7 +99,8 @@ pub enum NativeError {
     NotASocket(PathBuf),
     /// The daemon is not reachable.
     #[error(
-        "cannot connect to the kvtier daemon at {path}: {source} (is `kvtier node start` running?)"
+        "cannot connect to the kvtier daemon at {path}: {source} ({})",
+        unavailable_hint(source)
     )]
     Unavailable {
         /// Socket path.
@@ -129,7 +130,10 @@ pub enum NativeError {
     #[error("the daemon closed the connection")]
     Closed,
     /// The operation timed out.
-    #[error("the daemon did not answer in time ({op}); is it stopped or overloaded?")]
+    #[error(
+        "the daemon did not answer in time ({op}); is it stopped or overloaded? (a request it \
+         already received may still take effect)"
+    )]
     Timeout {
         /// What was being done.
         op: &'static str,
@@ -137,6 +141,17 @@ pub enum NativeError {
     /// A local request that cannot be sent (no region, too big for it).
     #[error("invalid request: {0}")]
     Invalid(String),
+}
+
+/// What to check when connecting failed with `e`.
+fn unavailable_hint(e: &io::Error) -> &'static str {
+    match e.kind() {
+        io::ErrorKind::PermissionDenied => {
+            "this user may not use the socket: run as the daemon's user or a member of its group \
+             (see socket-mode)"
+        }
+        _ => "is `kvtier node start` running?",
+    }
 }
 
 impl NativeError {
@@ -189,4 +204,27 @@ pub fn bind(path: &Path, mode: u32) -> Result<UnixListener, NativeError> {
         .map_err(|e| NativeError::io("set the listener non-blocking", e))?;
     UnixListener::from_std(listener)
         .map_err(|e| NativeError::io("register the listener with tokio", e))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_unreachable_socket_says_what_to_check() {
+        let e = |kind| NativeError::Unavailable {
+            path: "/run/kvtier/kvtier.sock".into(),
+            source: io::Error::from(kind),
+        };
+        let denied = e(io::ErrorKind::PermissionDenied).to_string();
+        assert!(
+            denied.contains("socket-mode") && !denied.contains("running?"),
+            "{denied}"
+        );
+        let missing = e(io::ErrorKind::NotFound).to_string();
+        assert!(
+            missing.contains("is `kvtier node start` running?"),
+            "{missing}"
+        );
+    }
 }

@@ -572,6 +572,18 @@ fn config(shared: &Shared, args: &[Bytes], out: &mut Output) -> Res {
             }
             Ok(())
         }
+        b"help" if args.len() == 2 => {
+            let lines = [
+                "CONFIG <subcommand> [<arg> ...]. kvtier serves:",
+                "GET <pattern> [<pattern> ...]",
+                "SET, RESETSTAT, REWRITE: refused (kvtier is configured by its file)",
+            ];
+            out.array_header(lines.len());
+            for l in lines {
+                out.simple(l);
+            }
+            Ok(())
+        }
         b"set" | b"resetstat" | b"rewrite" => err(
             "CONFIG SET, RESETSTAT and REWRITE are not supported by kvtier; use its config file",
         ),
