@@ -66,10 +66,16 @@ pub fn parse_lmcache_key(key: &[u8]) -> Option<LmcacheKey<'_>> {
     if it.next().is_some() || model.is_empty() || hash.is_empty() || dtype.is_empty() {
         return None;
     }
+    let (world_size, worker_id) = (decimal_u32(ws)?, decimal_u32(wid)?);
+    // A worker outside its world is no LMCache key (HELLO refuses such a
+    // rank too): a plain key of the default namespace.
+    if worker_id >= world_size {
+        return None;
+    }
     Some(LmcacheKey {
         model,
-        world_size: decimal_u32(ws)?,
-        worker_id: decimal_u32(wid)?,
+        world_size,
+        worker_id,
         chunk_hash: hash,
         dtype,
     })
@@ -232,6 +238,8 @@ mod tests {
             b"m@2@1@@bf16",
             b"m@2@1@abc@",
             b"m@2@1@abc@\xff",
+            b"m@2@2@abc@bf16",
+            b"m@0@0@abc@bf16",
         ] {
             assert_eq!(parse_lmcache_key(other), None, "{other:?}");
         }
