@@ -637,7 +637,12 @@ impl RamCache {
         if size > self.budget {
             return Err(crate::Error::TooLarge {
                 len: size,
-                limit_name: "ram-budget",
+                // A named chunk (a RESP value) counts its key too.
+                limit_name: if name.is_some() {
+                    "ram-budget (for the value and its key together)"
+                } else {
+                    "ram-budget"
+                },
                 limit: self.budget,
             });
         }

@@ -944,6 +944,18 @@ fn ram_only_store_works_without_a_disk() {
     assert_eq!(s.flush().unwrap().failed, 0);
     assert!(s.get(&id(ns, 11)).is_some());
     assert!(s.get(&id(ns, 0)).is_none());
+    // A value as large as the budget does not fit beside its key: said so.
+    let e = s
+        .put_named(
+            id(ns, 99),
+            Bytes::from_static(b"key"),
+            payload(99, 4 * MIB as usize),
+        )
+        .unwrap_err();
+    assert!(
+        e.to_string().contains("the value and its key together"),
+        "{e}"
+    );
     assert!(!dir.path().join("store.kvt").exists());
 }
 
