@@ -280,8 +280,8 @@ fn cert_refuses_bad_input_before_writing_anything() {
     let dir = tempfile::tempdir().expect("temp dir");
     let ca = dir.path().join("ca");
     let ca_s = ca.to_string_lossy().into_owned();
-    for days in ["0", "99999999", "-1"] {
-        let out = run_kvtier(
+    let init_ca = |days: &str| {
+        run_kvtier(
             &[
                 "cert",
                 "init-ca",
@@ -293,25 +293,16 @@ fn cert_refuses_bad_input_before_writing_anything() {
                 days,
             ],
             &[],
-        );
+        )
+    };
+    for days in ["0", "99999999", "-1"] {
+        let out = init_ca(days);
         let err = text(&out.stderr);
         assert_eq!(out.status.code(), Some(2), "--days {days}: {err}");
         assert!(!err.contains("panicked"), "{err}");
         assert!(!ca.exists(), "--days {days} wrote {}", ca.display());
     }
-    let out = run_kvtier(
-        &[
-            "cert",
-            "init-ca",
-            "--cluster",
-            "c1",
-            "--out",
-            &ca_s,
-            "--days",
-            "2",
-        ],
-        &[],
-    );
+    let out = init_ca("2");
     assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
     let node = dir.path().join("n1");
     let node_s = node.to_string_lossy().into_owned();

@@ -493,10 +493,7 @@ fn client(s: &mut Session, args: &[Bytes], out: &mut Output) -> Res {
                 "SETNAME <name>",
                 "SETINFO, NO-EVICT, NO-TOUCH, TRACKING OFF: accepted and ignored",
             ];
-            out.array_header(lines.len());
-            for l in lines {
-                out.simple(l);
-            }
+            help_reply(out, &lines);
         }
         b"setinfo" | b"no-evict" | b"no-touch" | b"tracking" if args.len() >= 3 => out.ok(),
         b"setinfo" | b"no-evict" | b"no-touch" | b"tracking" => {
@@ -578,16 +575,21 @@ fn config(shared: &Shared, args: &[Bytes], out: &mut Output) -> Res {
                 "GET <pattern> [<pattern> ...]",
                 "SET, RESETSTAT, REWRITE: refused (kvtier is configured by its file)",
             ];
-            out.array_header(lines.len());
-            for l in lines {
-                out.simple(l);
-            }
+            help_reply(out, &lines);
             Ok(())
         }
         b"set" | b"resetstat" | b"rewrite" => err(
             "CONFIG SET, RESETSTAT and REWRITE are not supported by kvtier; use its config file",
         ),
         _ => Err(unknown_subcommand(&args[1], "CONFIG")),
+    }
+}
+
+/// A `HELP` subcommand's reply: one simple string per line.
+fn help_reply(out: &mut Output, lines: &[&str]) {
+    out.array_header(lines.len());
+    for l in lines {
+        out.simple(l);
     }
 }
 
