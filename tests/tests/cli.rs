@@ -275,6 +275,48 @@ fn a_daemon_that_stopped_answering_exits_3_after_the_timeout() {
     assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
 }
 
+/// A listener that never accepts, its backlog full (a stopped or swamped
+/// daemon): the connect itself is bounded by `--timeout`.
+#[test]
+fn a_full_listen_backlog_times_out_the_connect() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("full.sock");
+    let listener = std::os::unix::net::UnixListener::bind(&path).expect("bind");
+    let mut held = Vec::new();
+    // The backlog (SOMAXCONN, 4096 at most) fills; then connects block.
+    let t0 = std::time::Instant::now();
+    loop {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let p = path.clone();
+        std::thread::spawn(move || {
+            let _ = tx.send(std::os::unix::net::UnixStream::connect(p));
+        });
+        match rx.recv_timeout(std::time::Duration::from_millis(200)) {
+            Ok(s) => held.push(s.expect("connect while the backlog has room")),
+            Err(_) => break,
+        }
+        assert!(held.len() <= 5000, "the backlog never filled");
+        assert!(t0.elapsed() < std::time::Duration::from_secs(60));
+    }
+    let sock = path.to_string_lossy().into_owned();
+    for cmd in ["stats", "flush"] {
+        let t = std::time::Instant::now();
+        let out = run_kvtier(&[cmd, "--socket", &sock, "--timeout", "1s"], &[]);
+        let err = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(3), "{cmd}: {err}");
+        assert!(
+            err.contains("did not answer in time (connect)"),
+            "{cmd}: {err}"
+        );
+        assert!(
+            t.elapsed() < std::time::Duration::from_secs(20),
+            "{cmd} took {:?}",
+            t.elapsed()
+        );
+    }
+    drop(listener);
+}
+
 #[test]
 fn cert_refuses_bad_input_before_writing_anything() {
     let dir = tempfile::tempdir().expect("temp dir");

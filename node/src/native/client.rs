@@ -84,6 +84,37 @@ impl Client {
             path: path.to_owned(),
             source,
         })?;
+        Self::with_stream(stream)
+    }
+
+    /// [`Client::connect`] with the connect itself bounded by `timeout`
+    /// (`None`: unbounded), which then also bounds every reply: a daemon
+    /// whose listen backlog is full (stopped, or swamped) blocks a plain
+    /// connect for good.
+    pub fn connect_timeout(
+        path: impl AsRef<Path>,
+        timeout: Option<Duration>,
+    ) -> Result<Self, NativeError> {
+        let path = path.as_ref();
+        let stream = match timeout {
+            None => UnixStream::connect(path),
+            Some(t) => connect_bounded(path, t),
+        }
+        .map_err(|source| match source.kind() {
+            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {
+                NativeError::Timeout { op: "connect" }
+            }
+            _ => NativeError::Unavailable {
+                path: path.to_owned(),
+                source,
+            },
+        })?;
+        let c = Self::with_stream(stream)?;
+        c.set_timeout(timeout)?;
+        Ok(c)
+    }
+
+    fn with_stream(stream: UnixStream) -> Result<Self, NativeError> {
         let c = Self {
             stream,
             next_id: 1,
@@ -501,6 +532,63 @@ impl Client {
                 .map_err(|e| NativeError::Protocol(format!("STATS reply is not JSON: {e}"))),
             other => Err(unexpected("STATS", &other)),
         }
+    }
+}
+
+/// A Unix stream connect that gives up after `timeout`: the socket's send
+/// timeout bounds a blocking `connect(2)` on Linux (EAGAIN when it passes).
+fn connect_bounded(path: &Path, timeout: Duration) -> std::io::Result<UnixStream> {
+    use std::os::fd::{FromRawFd, OwnedFd};
+    use std::os::unix::ffi::OsStrExt;
+    let bytes = path.as_os_str().as_bytes();
+    // SAFETY: sockaddr_un is plain data; zeroed is a valid value.
+    let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+    if bytes.is_empty() || bytes.len() >= addr.sun_path.len() || bytes.contains(&0) {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            "socket path is empty, too long or holds a NUL byte",
+        ));
+    }
+    addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
+    for (d, s) in addr.sun_path.iter_mut().zip(bytes) {
+        *d = *s as libc::c_char;
+    }
+    // SAFETY: plain syscalls; the fd is owned at once, every pointer points
+    // at a live local of the size passed.
+    unsafe {
+        let fd = libc::socket(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        let fd = OwnedFd::from_raw_fd(fd);
+        let tv = libc::timeval {
+            tv_sec: timeout.as_secs().min(i64::MAX as u64) as libc::time_t,
+            tv_usec: libc::suseconds_t::from(timeout.subsec_micros().max(
+                // A zero timeval means "forever": at least 1 µs.
+                u32::from(timeout.is_zero()),
+            )),
+        };
+        let fd_raw = std::os::fd::AsRawFd::as_raw_fd(&fd);
+        if libc::setsockopt(
+            fd_raw,
+            libc::SOL_SOCKET,
+            libc::SO_SNDTIMEO,
+            (&tv as *const libc::timeval).cast(),
+            std::mem::size_of::<libc::timeval>() as libc::socklen_t,
+        ) != 0
+        {
+            return Err(std::io::Error::last_os_error());
+        }
+        let len = std::mem::size_of::<libc::sa_family_t>() + bytes.len() + 1;
+        if libc::connect(
+            fd_raw,
+            (&addr as *const libc::sockaddr_un).cast(),
+            len as libc::socklen_t,
+        ) != 0
+        {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(UnixStream::from(fd))
     }
 }
 
