@@ -16,7 +16,7 @@
 
 use std::collections::HashSet;
 use std::fs::{self, File, OpenOptions};
-use std::io::{self, Write};
+use std::io;
 use std::path::{Path, PathBuf};
 
 use crate::format::crc32c;
@@ -80,31 +80,49 @@ fn sync_dir(dir: &Path) -> io::Result<()> {
 /// The writer's handle on the journal.
 pub(crate) struct Journal {
     dir: PathBuf,
-    /// The ids in the file (each appended once).
+    /// The ids in the file (each appended once), in file order.
+    order: Vec<ChunkId>,
     ids: HashSet<ChunkId>,
+    /// The file, once this process has written to it.
+    file: Option<File>,
+    /// Length of the good records: the next one is written there.
+    len: u64,
     exists: bool,
 }
 
 impl Journal {
-    /// The journal of `dir`, with the ids its file already holds; a torn
-    /// tail is cut off, so that appends land after the last good record.
+    /// The journal of `dir`, with the ids its file already holds. A torn
+    /// or corrupt tail is cut off (the file is opened for writing only
+    /// then), so that appends land right after the last good record.
     pub(crate) fn open(dir: &Path) -> io::Result<Self> {
-        let good = read(dir)?;
         let path = dir.join(FILE_NAME);
-        let exists = path.exists();
-        if exists {
-            let len = (good.len() * RECORD) as u64;
-            let f = OpenOptions::new().write(true).open(&path)?;
-            if f.metadata()?.len() != len {
-                f.set_len(len)?;
-                f.sync_all()?;
+        let (order, exists) = match fs::metadata(&path) {
+            Ok(m) => {
+                let good = read(dir)?;
+                let len = (good.len() * RECORD) as u64;
+                if m.len() != len {
+                    let f = OpenOptions::new().write(true).open(&path)?;
+                    f.set_len(len)?;
+                    f.sync_all()?;
+                }
+                (good, true)
             }
-        }
+            Err(e) if e.kind() == io::ErrorKind::NotFound => (Vec::new(), false),
+            Err(e) => return Err(e),
+        };
         Ok(Self {
             dir: dir.to_path_buf(),
+            len: (order.len() * RECORD) as u64,
+            ids: order.iter().copied().collect(),
+            order,
+            file: None,
             exists,
-            ids: good.into_iter().collect(),
         })
+    }
+
+    /// The ids the journal holds, in the order they were added.
+    pub(crate) fn ids(&self) -> &[ChunkId] {
+        &self.order
     }
 
     /// Whether `id`'s delete is durable in the journal.
@@ -112,35 +130,57 @@ impl Journal {
         self.ids.contains(id)
     }
 
-    /// Appends `id` (once) and makes it durable. Failpoint
+    /// Appends the ids not in the journal yet, with one write and one
+    /// fdatasync, right after the last good record (a failed write is cut
+    /// back off, so it never hides later records). Failpoint
     /// `tier::deletes::append` (feature `failpoints`) fails it.
-    pub(crate) fn add(&mut self, id: &ChunkId) -> io::Result<()> {
-        if self.ids.contains(id) {
+    pub(crate) fn add_all(&mut self, ids: &[ChunkId]) -> io::Result<()> {
+        let mut new: Vec<ChunkId> = Vec::new();
+        for id in ids {
+            if !self.ids.contains(id) && !new.contains(id) {
+                new.push(*id);
+            }
+        }
+        if new.is_empty() {
             return Ok(());
         }
         #[cfg(feature = "failpoints")]
         fail::fail_point!("tier::deletes::append", |arg| Err(
             crate::segment::failpoint_error(arg)
         ));
-        let path = self.dir.join(FILE_NAME);
-        let mut f = {
-            use std::os::unix::fs::OpenOptionsExt;
-            OpenOptions::new()
-                .create(true)
-                .append(true)
-                .mode(crate::store::DATA_FILE_MODE)
-                .open(&path)?
+        let created = !self.exists;
+        let file = match &mut self.file {
+            Some(f) => f,
+            None => {
+                use std::os::unix::fs::OpenOptionsExt;
+                let f = OpenOptions::new()
+                    .create(true)
+                    .write(true)
+                    .mode(crate::store::DATA_FILE_MODE)
+                    .open(self.dir.join(FILE_NAME))?;
+                self.exists = true;
+                if created {
+                    crate::store::own_like_dir(&f, &self.dir)?;
+                }
+                self.file.insert(f)
+            }
         };
-        if !self.exists {
-            crate::store::own_like_dir(&f, &self.dir)?;
+        let mut buf = Vec::with_capacity(new.len() * RECORD);
+        for id in &new {
+            buf.extend_from_slice(&encode(id));
         }
-        f.write_all(&encode(id))?;
-        f.sync_data()?;
-        if !self.exists {
-            sync_dir(&self.dir)?;
-            self.exists = true;
+        use std::os::unix::fs::FileExt;
+        let written = file
+            .write_all_at(&buf, self.len)
+            .and_then(|()| file.sync_data())
+            .and_then(|()| if created { sync_dir(&self.dir) } else { Ok(()) });
+        if let Err(e) = written {
+            let _ = file.set_len(self.len);
+            return Err(e);
         }
-        self.ids.insert(*id);
+        self.len += buf.len() as u64;
+        self.ids.extend(new.iter().copied());
+        self.order.extend(new);
         Ok(())
     }
 
@@ -155,10 +195,14 @@ impl Journal {
             Err(e) if e.kind() == io::ErrorKind::NotFound => {}
             Err(e) => return Err(e),
         }
-        sync_dir(&self.dir)?;
+        // Gone: whatever the directory sync says, a later delete of one of
+        // these ids must be written again.
         self.exists = false;
+        self.file = None;
+        self.len = 0;
         self.ids.clear();
-        Ok(())
+        self.order.clear();
+        sync_dir(&self.dir)
     }
 }
 
@@ -175,14 +219,14 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         assert!(read(dir.path()).unwrap().is_empty());
         let mut j = Journal::open(dir.path()).unwrap();
-        j.add(&id(1)).unwrap();
-        j.add(&id(2)).unwrap();
-        j.add(&id(1)).unwrap();
+        j.add_all(&[id(1), id(2), id(1)]).unwrap();
+        j.add_all(&[id(2)]).unwrap();
         assert!(j.contains(&id(2)) && !j.contains(&id(3)));
         assert_eq!(read(dir.path()).unwrap(), vec![id(1), id(2)]);
         // A reopened journal knows its ids (no second append).
         let mut j = Journal::open(dir.path()).unwrap();
-        j.add(&id(2)).unwrap();
+        assert_eq!(j.ids(), &[id(1), id(2)]);
+        j.add_all(&[id(2)]).unwrap();
         assert_eq!(read(dir.path()).unwrap(), vec![id(1), id(2)]);
         // A torn tail, then a flipped bit: what comes before is kept.
         let path = dir.path().join(FILE_NAME);
@@ -195,10 +239,35 @@ mod tests {
         assert_eq!(read(dir.path()).unwrap(), vec![id(1)]);
         // Opening cuts the bad tail off: a new record follows the good one.
         let mut j = Journal::open(dir.path()).unwrap();
-        j.add(&id(4)).unwrap();
+        j.add_all(&[id(4)]).unwrap();
         assert_eq!(read(dir.path()).unwrap(), vec![id(1), id(4)]);
         j.clear().unwrap();
         assert!(!path.exists());
         assert!(read(dir.path()).unwrap().is_empty());
+        // Cleared means forgotten: the same ids are written again.
+        j.add_all(&[id(1)]).unwrap();
+        assert_eq!(read(dir.path()).unwrap(), vec![id(1)]);
+    }
+
+    #[test]
+    fn a_partial_record_left_by_a_failed_append_never_hides_later_ones() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut j = Journal::open(dir.path()).unwrap();
+        j.add_all(&[id(1)]).unwrap();
+        // As if a write had landed half a record and failed.
+        let path = dir.path().join(FILE_NAME);
+        let mut bytes = fs::read(&path).unwrap();
+        bytes.extend_from_slice(&encode(&id(9))[..30]);
+        fs::write(&path, &bytes).unwrap();
+        // The next append goes right after the last good record.
+        j.add_all(&[id(2)]).unwrap();
+        assert_eq!(read(dir.path()).unwrap(), vec![id(1), id(2)]);
+    }
+
+    #[test]
+    fn a_journal_that_cannot_be_read_is_an_error() {
+        let dir = tempfile::tempdir().unwrap();
+        fs::create_dir(dir.path().join(FILE_NAME)).unwrap();
+        assert!(Journal::open(dir.path()).is_err());
     }
 }

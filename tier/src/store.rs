@@ -560,6 +560,18 @@ impl ChunkStore {
             }
         }
         txns.next = txns.next.max(1);
+        // Before the writer's channel exists: a failure here must not leave
+        // a store whose drop waits for a writer that never started.
+        let journal = match &disk {
+            Some(_) => Some(
+                crate::deletes::Journal::open(&config.data_dir).map_err(|e| Error::Io {
+                    op: "open the deletes journal (deletes.pending) in",
+                    path: config.data_dir.clone(),
+                    source: e,
+                })?,
+            ),
+            None => None,
+        };
         let (tx, rx) = bounded(config.writer_queue);
         let has_disk = disk.is_some();
         let inner = Arc::new(Inner {
@@ -593,13 +605,8 @@ impl ChunkStore {
                     std::thread::available_parallelism().map_or(1, |n| n.get()),
                 )
             });
-            let journal =
-                crate::deletes::Journal::open(&inner.config.data_dir).map_err(|e| Error::Io {
-                    op: "read the deletes journal in",
-                    path: inner.config.data_dir.clone(),
-                    source: e,
-                })?;
-            let replay = crate::deletes::read(&inner.config.data_dir).unwrap_or_default();
+            let journal = journal.expect("opened with the disk");
+            let replay = journal.ids().to_vec();
             let writer = Writer::new(d.clone(), hooks, rec, WRITE_BATCH, helpers, journal);
             let h = std::thread::Builder::new()
                 .name("kvtier-writer".into())

@@ -471,16 +471,20 @@ impl Writer {
                     self.clear_journal(&r);
                     let _ = ack.send(r);
                     // Whatever raced the stop into the queue is not written:
-                    // say so (a spilled chunk's RAM copy goes).
+                    // say so (a spilled chunk's RAM copy goes); deletes go
+                    // to the journal, for the next open to replay.
+                    let mut tombs = Vec::new();
                     for m in rx.try_iter() {
                         match m {
                             Msg::Write(j) => self.hooks.failed(&j),
                             Msg::Flush(ack) | Msg::Stop(ack) | Msg::SealRecovered(ack) => {
                                 let _ = ack.send(Err(Error::Closed));
                             }
-                            Msg::Tombstone(..) | Msg::Forget(..) => {}
+                            Msg::Tombstone(id, _) => tombs.push(id),
+                            Msg::Forget(..) => {}
                         }
                     }
+                    self.journal_deletes(&tombs);
                     return;
                 }
                 Some(Msg::Write(_) | Msg::Tombstone(..) | Msg::Forget(..)) => {
@@ -576,6 +580,7 @@ impl Writer {
     }
 
     fn fail_all(&mut self, items: &[Item]) {
+        let mut tombs = Vec::new();
         for it in items {
             match it {
                 Item::Job(j) => {
@@ -590,17 +595,28 @@ impl Writer {
                 // recovery: kept in the deletes journal, and retried unless
                 // disk writes have stopped.
                 Item::Tomb(id, at) => {
-                    if let Err(e) = self.journal.add(id) {
-                        tracing::error!(
-                            error = %e,
-                            "cannot record a delete in the deletes journal: the chunk may be back after a restart"
-                        );
-                    }
+                    tombs.push(*id);
                     if self.disk.poisoned().is_none() {
                         self.retry_tombs.push((*id, *at));
                     }
                 }
             }
+        }
+        self.journal_deletes(&tombs);
+    }
+
+    /// Makes the deletes of `ids` durable in the deletes journal (one write
+    /// and one fdatasync for all of them).
+    fn journal_deletes(&mut self, ids: &[ChunkId]) {
+        if ids.is_empty() {
+            return;
+        }
+        if let Err(e) = self.journal.add_all(ids) {
+            tracing::error!(
+                error = %e,
+                deletes = ids.len(),
+                "cannot record deletes in the deletes journal: the chunks may be back after a restart"
+            );
         }
     }
 

@@ -917,6 +917,22 @@ fn gc_drops_namespaces_by_id_and_by_age() {
 }
 
 #[test]
+fn a_deletes_journal_that_cannot_be_opened_fails_the_open_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::create_dir(dir.path().join(tier::deletes::FILE_NAME)).unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let path = dir.path().to_path_buf();
+    std::thread::spawn(move || {
+        let _ = tx.send(ChunkStore::open(config(&path)).map(|_| ()));
+    });
+    let r = rx
+        .recv_timeout(Duration::from_secs(30))
+        .expect("the open returned (it used to hang in the drop of the half-built store)");
+    let e = r.expect_err("a journal that is a directory");
+    assert!(e.to_string().contains("deletes journal"), "{e}");
+}
+
+#[test]
 fn ram_only_store_works_without_a_disk() {
     let dir = tempfile::tempdir().unwrap();
     let mut cfg = config(dir.path());
