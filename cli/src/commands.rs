@@ -221,20 +221,16 @@ pub(crate) fn connect(args: &ClientArgs) -> Result<Client> {
 /// Connects with `--timeout`, or `default` (`None`: forever) without it.
 fn connect_with_default(args: &ClientArgs, default: Option<Duration>) -> Result<Client> {
     let socket = socket_of(args)?;
-    let timeout = match args.timeout {
+    // `--timeout` as given (0: none), or `default` when not given.
+    let timeout_or = |default| match args.timeout {
         Some(t) if t.0.is_zero() => None,
         Some(t) => Some(t.0),
         None => default,
     };
     // `flush` waits forever for its reply, but not for the connect (unless
     // told `--timeout 0`).
-    let connect = match args.timeout {
-        Some(t) if t.0.is_zero() => None,
-        Some(t) => Some(t.0),
-        None => Some(DEFAULT_TIMEOUT),
-    };
-    let client = Client::connect_timeout(&socket, connect)?;
-    client.set_timeout(timeout)?;
+    let client = Client::connect_timeout(&socket, timeout_or(Some(DEFAULT_TIMEOUT)))?;
+    client.set_timeout(timeout_or(default))?;
     Ok(client)
 }
 

@@ -537,11 +537,20 @@ impl ChunkStore {
             None => (None, None),
             Some(dev) => {
                 let (d, rec) = Disk::open(dev, config.region_size, Arc::clone(&buffers))?;
-                (Some(Arc::new(d)), Some(rec))
+                // Before the writer's channel exists: a failure here must not
+                // leave a store whose drop waits for a writer that never
+                // started.
+                let journal =
+                    crate::deletes::Journal::open(&config.data_dir).map_err(|e| Error::Io {
+                        op: "open the deletes journal (deletes.pending) in",
+                        path: config.data_dir.clone(),
+                        source: e,
+                    })?;
+                (Some(Arc::new(d)), Some((rec, journal)))
             }
         };
         let mut txns = Txns::default();
-        if let (Some(d), Some(rec)) = (&disk, &rec) {
+        if let (Some(d), Some((rec, _))) = (&disk, &rec) {
             txns.next = rec.max_txn + 1;
             for (id, loc) in d.index.read().iter() {
                 if loc.txn != 0 {
@@ -560,18 +569,6 @@ impl ChunkStore {
             }
         }
         txns.next = txns.next.max(1);
-        // Before the writer's channel exists: a failure here must not leave
-        // a store whose drop waits for a writer that never started.
-        let journal = match &disk {
-            Some(_) => Some(
-                crate::deletes::Journal::open(&config.data_dir).map_err(|e| Error::Io {
-                    op: "open the deletes journal (deletes.pending) in",
-                    path: config.data_dir.clone(),
-                    source: e,
-                })?,
-            ),
-            None => None,
-        };
         let (tx, rx) = bounded(config.writer_queue);
         let has_disk = disk.is_some();
         let inner = Arc::new(Inner {
@@ -597,7 +594,7 @@ impl ChunkStore {
             threads: Mutex::new(Vec::new()),
             idle_stop: Mutex::new(None),
         };
-        if let (Some(d), Some(rec)) = (disk, rec) {
+        if let (Some(d), Some((rec, journal))) = (disk, rec) {
             let needs_seal = !rec.unsealed.is_empty();
             let hooks: Arc<dyn Hooks> = inner.clone();
             let helpers = inner.config.pack_threads.unwrap_or_else(|| {
@@ -605,7 +602,6 @@ impl ChunkStore {
                     std::thread::available_parallelism().map_or(1, |n| n.get()),
                 )
             });
-            let journal = journal.expect("opened with the disk");
             let replay = journal.ids().to_vec();
             let writer = Writer::new(d.clone(), hooks, rec, WRITE_BATCH, helpers, journal);
             let h = std::thread::Builder::new()
@@ -1529,17 +1525,9 @@ impl Inner {
             if let Some(o) = &obs {
                 o.in_ram(&e.id, false);
             }
-            if !e.entry.dirty {
-                self.lost(&e.id);
-                continue;
-            }
-            let Some(tx) = &self.tx else {
-                self.counters
-                    .dropped_unwritten
-                    .fetch_add(1, Ordering::Relaxed);
-                if e.spilled {
-                    self.ram.unspill(&e.id, e.entry.seq);
-                }
+            // A store without a disk has no writer and inserts clean: only a
+            // dirty chunk of a store with a disk goes on.
+            let (true, Some(tx)) = (e.entry.dirty, &self.tx) else {
                 self.lost(&e.id);
                 continue;
             };
@@ -1705,14 +1693,14 @@ impl Inner {
     /// write may have landed after the first marker's fdatasync), a second
     /// marker syncs again.
     fn flush_inner(&self, deadline: Option<Instant>) -> Result<FlushReport> {
-        // Dirty first: an entry evicted between the two walks is in the
-        // second one (a spilled entry never becomes resident again).
-        let dirty = self.ram.dirty_entries(None, usize::MAX);
-        let spilled = self.ram.spilled_ids();
         let Some(d) = &self.disk else {
             // RAM-only: nothing is owed to a disk (puts are clean).
             return Ok(FlushReport::default());
         };
+        // Dirty first: an entry evicted between the two walks is in the
+        // second one (a spilled entry never becomes resident again).
+        let dirty = self.ram.dirty_entries(None, usize::MAX);
+        let spilled = self.ram.spilled_ids();
         if let Some(p) = d.poisoned() {
             return Err(Error::Poisoned(p));
         }

@@ -422,7 +422,8 @@ impl Writer {
                     Err(_) => break,
                 }
             }
-            if !self.retry_tombs.is_empty() && (!items.is_empty() || control.is_some()) {
+            let retried = !self.retry_tombs.is_empty() && (!items.is_empty() || control.is_some());
+            if retried {
                 // Failed tombstones go first: they were queued before.
                 let retry = std::mem::take(&mut self.retry_tombs);
                 items.splice(0..0, retry.into_iter().map(|(id, at)| Item::Tomb(id, at)));
@@ -432,6 +433,19 @@ impl Writer {
                 // their cancellations are forgotten like a `Forget`'s.
                 let superseded = self.write_items(std::mem::take(&mut items));
                 forgets.extend(superseded.into_iter().map(|(id, at)| (id, at, 1)));
+            }
+            if retried && control.is_none() && !self.journal.ids().is_empty() {
+                // The journal holds deletes the disk refused (all retried
+                // with this batch; the ones replayed at open are cleared by
+                // the open's flush, or failed again into the retries): once
+                // this batch is on disk and synced, the journal goes without
+                // waiting for a flush or the stop (until then a crash's
+                // replay also deletes versions put after those deletes).
+                self.drain();
+                if self.retry_tombs.is_empty() {
+                    let r = self.sync();
+                    self.clear_journal(&r);
+                }
             }
             if !forgets.is_empty() {
                 // Every job queued before these messages is written (or
