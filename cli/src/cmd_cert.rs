@@ -26,7 +26,7 @@ pub enum CertCommand {
 pub struct InitCaArgs {
     /// Cluster id carried by every certificate of this CA (1-63 characters
     /// of [A-Za-z0-9.-]).
-    #[arg(long, value_name = "NAME")]
+    #[arg(long, value_name = "NAME", value_parser = cluster_name)]
     pub cluster: String,
     /// Directory to write into (created if missing).
     #[arg(long, value_name = "DIR")]
@@ -43,13 +43,13 @@ pub struct IssueArgs {
     #[arg(long, value_name = "DIR")]
     pub ca: PathBuf,
     /// Node name (the daemon's --node-name; CN and SAN DNS name).
-    #[arg(long, value_name = "NAME")]
+    #[arg(long, value_name = "NAME", value_parser = node_name)]
     pub node: String,
     /// Extra IP address SANs (repeatable).
     #[arg(long, value_name = "IP")]
     pub ip: Vec<IpAddr>,
     /// Extra DNS name SANs (repeatable).
-    #[arg(long, value_name = "NAME")]
+    #[arg(long, value_name = "NAME", value_parser = dns_name)]
     pub dns: Vec<String>,
     /// Directory to write into. Default: ./NODE.
     #[arg(long, value_name = "DIR")]
@@ -57,6 +57,28 @@ pub struct IssueArgs {
     /// Validity in days (1-36500; never past the CA's own end).
     #[arg(long, default_value_t = 365, value_parser = clap::value_parser!(u32).range(1..=36500))]
     pub days: u32,
+}
+
+// Malformed names are usage errors (exit 2), checked as the flags are
+// parsed, with the rules `cert` itself applies.
+fn cluster_name(s: &str) -> Result<String, String> {
+    name_rule(cert::validate_name("cluster", s), s)
+}
+
+fn node_name(s: &str) -> Result<String, String> {
+    name_rule(cert::validate_name("node", s), s)
+}
+
+fn dns_name(s: &str) -> Result<String, String> {
+    name_rule(cert::validate_dns_name(s), s)
+}
+
+fn name_rule(r: Result<(), node::peer::Error>, s: &str) -> Result<String, String> {
+    match r {
+        Ok(()) => Ok(s.to_owned()),
+        Err(node::peer::Error::Config(why)) => Err(why),
+        Err(e) => Err(e.to_string()),
+    }
 }
 
 /// Runs a `kvtier cert` command.

@@ -350,6 +350,7 @@ fn cert_refuses_bad_input_before_writing_anything() {
     let node_s = node.to_string_lossy().into_owned();
     for (extra, want) in [
         (&["--dns", "a b"][..], "invalid DNS name"),
+        (&["--dns", "10.0.0.1"][..], "give it with --ip"),
         (&["--days", "0"][..], "0 is not in 1..=36500"),
     ] {
         let out = run_kvtier(
@@ -363,10 +364,21 @@ fn cert_refuses_bad_input_before_writing_anything() {
             &[],
         );
         let err = text(&out.stderr);
-        assert_ne!(out.status.code(), Some(0), "{extra:?}");
+        // Malformed values are usage errors.
+        assert_eq!(out.status.code(), Some(2), "{extra:?}: {err}");
         assert!(err.contains(want), "{extra:?}: {err}");
         assert!(!node.exists(), "{extra:?} wrote {}", node.display());
     }
+    let out = run_kvtier(
+        &[
+            "cert", "issue", "--ca", &ca_s, "--node", "n_1", "--out", &node_s,
+        ],
+        &[],
+    );
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("invalid node name"), "{err}");
+    assert!(!node.exists());
     // Into the CA's own directory (ca.pem is there): refused whole.
     let out = run_kvtier(
         &[
