@@ -75,18 +75,21 @@ impl DataDirLock {
             source: e,
         })?;
         let path = data_dir.join(LOCK_FILE);
-        let mut file = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .mode(tier::store::DATA_FILE_MODE)
-            .open(&path)
-            .map_err(|e| NodeError::Io {
-                op: "open lock file",
-                path: path.clone(),
-                source: e,
-            })?;
+        let mut file = tier::store::open_data_file(
+            &path,
+            std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(false)
+                .mode(tier::store::DATA_FILE_MODE),
+            0,
+        )
+        .map_err(|e| NodeError::Io {
+            op: "open lock file",
+            path: path.clone(),
+            source: e,
+        })?;
         tier::store::own_like_dir(&file, data_dir).map_err(|e| NodeError::Io {
             op: "chown lock file",
             path: path.clone(),
@@ -148,7 +151,8 @@ impl DataDirLock {
     /// nobody does (or the directory has no lock file).
     pub fn holder(data_dir: &Path) -> Option<LockInfo> {
         let path = data_dir.join(LOCK_FILE);
-        let mut file = File::open(&path).ok()?;
+        let mut file =
+            tier::store::open_data_file(&path, std::fs::OpenOptions::new().read(true), 0).ok()?;
         match rustix::fs::flock(&file, rustix::fs::FlockOperation::NonBlockingLockShared) {
             // Nobody holds it exclusively; our shared lock ends with `file`.
             Ok(()) => None,
@@ -709,6 +713,19 @@ mod tests {
         drop(lock);
         assert!(DataDirLock::holder(&data).is_none(), "released on drop");
         let _again = DataDirLock::acquire(&data, "gc").expect("free again");
+    }
+
+    #[test]
+    fn a_lock_file_planted_as_a_link_is_refused_not_followed() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let victim = dir.path().join("victim");
+        std::fs::write(&victim, b"SECRET").expect("write");
+        let data = dir.path().join("data");
+        std::fs::create_dir(&data).expect("mkdir");
+        std::os::unix::fs::symlink(&victim, data.join(LOCK_FILE)).expect("symlink");
+        let e = DataDirLock::acquire(&data, "daemon").expect_err("a link");
+        assert!(e.to_string().contains("symbolic link"), "{e}");
+        assert_eq!(std::fs::read(&victim).expect("read"), b"SECRET");
     }
 
     fn test_config(dir: &Path) -> NodeConfig {

@@ -52,7 +52,7 @@ fn decode(r: &[u8]) -> Option<ChunkId> {
 /// The ids in the journal of `dir` (none when there is no journal), up to
 /// the first torn or corrupt record.
 pub fn read(dir: &Path) -> io::Result<Vec<ChunkId>> {
-    let bytes = match fs::read(dir.join(FILE_NAME)) {
+    let bytes = match crate::store::read_data_file(&dir.join(FILE_NAME)) {
         Ok(b) => b,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
         Err(e) => return Err(e),
@@ -96,12 +96,12 @@ impl Journal {
     /// then), so that appends land right after the last good record.
     pub(crate) fn open(dir: &Path) -> io::Result<Self> {
         let path = dir.join(FILE_NAME);
-        let (order, exists) = match fs::metadata(&path) {
+        let (order, exists) = match fs::symlink_metadata(&path) {
             Ok(m) => {
                 let good = read(dir)?;
                 let len = (good.len() * RECORD) as u64;
                 if m.len() != len {
-                    let f = OpenOptions::new().write(true).open(&path)?;
+                    let f = crate::store::open_data_file(&path, OpenOptions::new().write(true), 0)?;
                     f.set_len(len)?;
                     f.sync_all()?;
                 }
@@ -153,11 +153,17 @@ impl Journal {
             Some(f) => f,
             None => {
                 use std::os::unix::fs::OpenOptionsExt;
-                let f = OpenOptions::new()
-                    .create(true)
-                    .write(true)
-                    .mode(crate::store::DATA_FILE_MODE)
-                    .open(self.dir.join(FILE_NAME))?;
+                // A new journal is created here (`O_EXCL`: nothing planted
+                // under its name is written, or chowned).
+                let f = crate::store::open_data_file(
+                    &self.dir.join(FILE_NAME),
+                    OpenOptions::new()
+                        .create(created)
+                        .create_new(created)
+                        .write(true)
+                        .mode(crate::store::DATA_FILE_MODE),
+                    0,
+                )?;
                 self.exists = true;
                 if created {
                     crate::store::own_like_dir(&f, &self.dir)?;

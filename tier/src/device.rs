@@ -197,14 +197,17 @@ impl FileDevice {
     /// aligned read; a filesystem that refuses either is logged and served
     /// buffered ([`Device::direct_io`] tells which).
     pub fn open(path: &Path, len: u64, mode: DirectMode) -> io::Result<Self> {
-        let existed = path.exists();
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .mode(crate::store::DATA_FILE_MODE)
-            .open(path)?;
+        let existed = path.symlink_metadata().is_ok();
+        let file = crate::store::open_data_file(
+            path,
+            OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(false)
+                .mode(crate::store::DATA_FILE_MODE),
+            0,
+        )?;
         let cur = file.metadata()?.len();
         if !existed {
             if let Some(dir) = path.parent() {
@@ -248,11 +251,11 @@ impl FileDevice {
     }
 
     fn try_direct(path: &Path) -> io::Result<File> {
-        let f = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .custom_flags(libc::O_DIRECT)
-            .open(path)?;
+        let f = crate::store::open_data_file(
+            path,
+            OpenOptions::new().read(true).write(true),
+            libc::O_DIRECT,
+        )?;
         let mut probe = AlignedBuf::zeroed(BLOCK as usize);
         f.read_exact_at(&mut probe, 0)?;
         Ok(f)

@@ -53,7 +53,7 @@ pub fn path_in(dir: &Path) -> PathBuf {
 /// Loads the manifest (empty when absent).
 pub fn load(dir: &Path) -> Result<BTreeMap<Namespace, NsEntry>> {
     let path = path_in(dir);
-    let text = match fs::read(&path) {
+    let text = match crate::store::read_data_file(&path) {
         Ok(t) => t,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(BTreeMap::new()),
         Err(e) => return Err(io("read", &path, e)),
@@ -92,14 +92,23 @@ pub fn store(dir: &Path, namespaces: &BTreeMap<Namespace, NsEntry>) -> Result<()
         what: "namespace manifest".into(),
         detail: e.to_string(),
     })?;
+    // Created afresh (`O_EXCL`, after removing a leftover): nothing planted
+    // under the temporary name is written, or chowned.
+    match fs::remove_file(&tmp) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(io("remove the leftover", &tmp, e)),
+    }
     let mut f = {
         use std::os::unix::fs::OpenOptionsExt;
-        fs::OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .mode(crate::store::DATA_FILE_MODE)
-            .open(&tmp)
+        crate::store::open_data_file(
+            &tmp,
+            fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(crate::store::DATA_FILE_MODE),
+            0,
+        )
     }
     .map_err(|e| io("create", &tmp, e))?;
     crate::store::own_like_dir(&f, dir).map_err(|e| io("chown", &tmp, e))?;

@@ -58,6 +58,53 @@ pub fn create_data_dir(dir: &std::path::Path) -> std::io::Result<()> {
         .create(dir)
 }
 
+/// Opens a file of the data dir, never through a symbolic link
+/// (`O_NOFOLLOW`) and never one that is not a regular file (`O_NONBLOCK`,
+/// which regular files ignore, keeps a FIFO from blocking the open). A
+/// daemon or a `sudo kvtier verify` running as root on a data dir that
+/// another user can write would otherwise write, and chown, whatever a
+/// link planted there points to. `flags`: more `open(2)` flags (`O_DIRECT`).
+pub fn open_data_file(
+    path: &std::path::Path,
+    opts: &mut std::fs::OpenOptions,
+    flags: i32,
+) -> std::io::Result<std::fs::File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let f = opts
+        .custom_flags(flags | libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(path)
+        .map_err(|e| {
+            if e.raw_os_error() == Some(libc::ELOOP) {
+                std::io::Error::new(
+                    e.kind(),
+                    format!(
+                        "{} is a symbolic link: kvtier opens the files of its data dir only as \
+                         regular files (point data-dir at the directory the link leads to)",
+                        path.display()
+                    ),
+                )
+            } else {
+                e
+            }
+        })?;
+    if !f.metadata()?.is_file() {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!("{} is not a regular file", path.display()),
+        ));
+    }
+    Ok(f)
+}
+
+/// Reads a whole file of the data dir, opened as [`open_data_file`] does.
+pub fn read_data_file(path: &std::path::Path) -> std::io::Result<Vec<u8>> {
+    use std::io::Read;
+    let mut f = open_data_file(path, std::fs::OpenOptions::new().read(true), 0)?;
+    let mut buf = Vec::new();
+    f.read_to_end(&mut buf)?;
+    Ok(buf)
+}
+
 /// Gives a file kvtier just created in `dir` the owner and group of `dir`
 /// when this process runs as root and `dir` belongs to someone else: an
 /// offline command run with `sudo` (`kvtier verify`) must not leave files
@@ -70,6 +117,14 @@ pub fn own_like_dir(file: &std::fs::File, dir: &std::path::Path) -> std::io::Res
     }
     let m = std::fs::metadata(dir)?;
     if m.uid() == 0 {
+        return Ok(());
+    }
+    // Never a file with other names (a hard link planted in the data dir
+    // to a file of root's).
+    let f = file.metadata()?;
+    if !f.is_file() || f.nlink() != 1 {
+        tracing::warn!(dir = %dir.display(), links = f.nlink(),
+            "not giving a data file with other names to the data dir's owner");
         return Ok(());
     }
     std::os::unix::fs::fchown(file, Some(m.uid()), Some(m.gid()))
@@ -97,9 +152,13 @@ impl StoreLayout {
 pub fn existing_layout(data_dir: &std::path::Path) -> Option<StoreLayout> {
     use std::io::Read;
     let mut block = [0u8; 64];
-    std::fs::File::open(data_dir.join(STORE_FILE))
-        .and_then(|mut f| f.read_exact(&mut block))
-        .ok()?;
+    open_data_file(
+        &data_dir.join(STORE_FILE),
+        std::fs::OpenOptions::new().read(true),
+        0,
+    )
+    .and_then(|mut f| f.read_exact(&mut block))
+    .ok()?;
     crate::layout::Superblock::decode(&block)
         .ok()
         .map(|sb| StoreLayout {
@@ -129,7 +188,7 @@ fn check_existing_file(path: &std::path::Path, config: &TierConfig, len: u64) ->
         source: e,
     };
     let mut block = vec![0u8; crate::device::BLOCK as usize];
-    match std::fs::File::open(path) {
+    match open_data_file(path, std::fs::OpenOptions::new().read(true), 0) {
         Ok(f) => {
             // Up to one block; what a short file lacks reads as zeros.
             f.take(block.len() as u64)
@@ -176,9 +235,7 @@ fn check_existing_file(path: &std::path::Path, config: &TierConfig, len: u64) ->
     } else if cur > l.bytes() {
         tracing::info!(path = %path.display(), len = cur, store_len = l.bytes(),
             "trimming the store file back to its store's length");
-        std::fs::OpenOptions::new()
-            .write(true)
-            .open(path)
+        open_data_file(path, std::fs::OpenOptions::new().write(true), 0)
             .and_then(|f| f.set_len(l.bytes()))
             .map_err(|e| io("trim", e))?;
     }

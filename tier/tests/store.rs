@@ -1416,3 +1416,49 @@ fn restarts_append_to_the_open_region_instead_of_wasting_it() {
     }
     assert!(regions.len() <= 3, "regions used: {regions:?}");
 }
+
+/// Files planted in the data dir under the store's names are never
+/// followed or waited on: a symbolic link (to a file root owns, say) is
+/// refused or replaced, never written through, and a FIFO is refused at
+/// once (the open used to block on it for good).
+#[test]
+fn links_and_fifos_planted_in_the_data_dir_are_never_followed() {
+    let outside = tempfile::tempdir().unwrap();
+    let victim = outside.path().join("victim");
+    std::fs::write(&victim, b"SECRET").unwrap();
+    let open_in_thread = |dir: &std::path::Path| {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let path = dir.to_path_buf();
+        std::thread::spawn(move || {
+            let _ = tx.send(ChunkStore::open(config(&path)).map(|_| ()));
+        });
+        rx.recv_timeout(Duration::from_secs(30))
+            .expect("the open returned")
+    };
+    for name in [
+        tier::store::STORE_FILE,
+        tier::deletes::FILE_NAME,
+        "namespaces.json",
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        std::os::unix::fs::symlink(&victim, dir.path().join(name)).unwrap();
+        let e = open_in_thread(dir.path()).expect_err(name);
+        assert!(e.to_string().contains("symbolic link"), "{name}: {e}");
+        assert_eq!(std::fs::read(&victim).unwrap(), b"SECRET", "{name}");
+        let dir = tempfile::tempdir().unwrap();
+        let fifo =
+            std::ffi::CString::new(dir.path().join(name).as_os_str().as_encoded_bytes()).unwrap();
+        // SAFETY: a valid C string.
+        assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o600) }, 0);
+        let e = open_in_thread(dir.path()).expect_err(name);
+        assert!(e.to_string().contains("not a regular file"), "{name}: {e}");
+    }
+    // The manifest's temporary file: a link there is removed, not written
+    // through, and the manifest is saved.
+    let dir = tempfile::tempdir().unwrap();
+    std::os::unix::fs::symlink(&victim, dir.path().join("namespaces.json.tmp")).unwrap();
+    let s = ChunkStore::open(config(dir.path())).unwrap();
+    s.register_namespace(&record(0)).unwrap();
+    assert_eq!(std::fs::read(&victim).unwrap(), b"SECRET");
+    assert!(tier::manifest::load(dir.path()).unwrap().len() == 1);
+}
