@@ -723,7 +723,8 @@ fn verify(args: &VerifyArgs) -> Result<u8> {
     };
     // Chunks that failed their checks while the store opened: recovery has
     // already left them out, so the walk below never sees them.
-    let at_open = store.stats().verify_failures;
+    let opened = store.stats();
+    let (at_open, damaged) = (opened.verify_failures, opened.damaged_metadata);
     let pb = progress("verifying");
     let mut cb = |done: u64, total: u64| {
         if let Some(pb) = &pb {
@@ -745,6 +746,7 @@ fn verify(args: &VerifyArgs) -> Result<u8> {
     if args.json {
         let mut doc = serde_json::to_value(&report)?;
         doc["dropped_at_open"] = at_open.into();
+        doc["damaged_metadata"] = damaged.into();
         outln!("{}", serde_json::to_string_pretty(&doc)?);
     } else {
         for p in &report.problems {
@@ -754,6 +756,13 @@ fn verify(args: &VerifyArgs) -> Result<u8> {
             outln!(
                 "dropped at open: {at_open} chunk(s) torn or corrupt in the region open at the last shutdown \
                  (never served; see the warnings above; counted at every open until that region is sealed)"
+            );
+        }
+        if damaged > 0 {
+            outln!(
+                "damaged at open: {damaged} region slot(s), summary(ies) or batch record(s) \
+                 (see the warnings above for what was recovered; counted at every open until \
+                 the region is reused)"
             );
         }
         outln!(
@@ -768,7 +777,7 @@ fn verify(args: &VerifyArgs) -> Result<u8> {
             }
         );
     }
-    Ok(if report.bad > 0 || at_open > 0 {
+    Ok(if report.bad > 0 || at_open > 0 || damaged > 0 {
         EXIT_VERIFY_FAILED
     } else {
         EXIT_OK

@@ -395,6 +395,12 @@ impl Collector for NodeCollector {
         )?;
         counter(
             &mut enc,
+            "damaged_metadata",
+            "Region slots, summaries or batch records found damaged when the store opened",
+            s.damaged_metadata,
+        )?;
+        counter(
+            &mut enc,
             "disk_writes",
             "Chunks written to disk",
             s.disk_writes,

@@ -737,6 +737,56 @@ fn verify_reports_chunks_recovery_dropped_in_the_open_region() {
     );
 }
 
+#[test]
+fn verify_reports_damaged_region_metadata() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let mut args = kvtier_tests::test_args(dir.path());
+    kvtier_tests::set_flag(&mut args, "--region-size", "16MiB");
+    let mut d = Daemon::start_args(dir.path(), &args, &[]).unwrap_or_else(|e| panic!("{e}"));
+    let mut c = d.client();
+    let ns = c.hello(&kvtier_tests::test_record(0)).expect("HELLO");
+    for i in 0..8 {
+        let (key, data) = kvtier_tests::chunk_bytes(402, i);
+        assert_eq!(c.put_bytes(ns, 0, &[(key, &data)]).expect("PUT"), vec![0]);
+    }
+    assert_eq!(c.flush().expect("FLUSH").failed, 0);
+    d.kill9();
+    // One bit of the open slot of region 0 (the open region).
+    use std::os::unix::fs::FileExt;
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(d.data_dir.join("store.kvt"))
+        .expect("open store");
+    let mut b = [0u8; 1];
+    f.read_exact_at(&mut b, 4096 + 20).expect("read");
+    f.write_all_at(&[b[0] ^ 1], 4096 + 20).expect("flip");
+    f.sync_all().expect("sync");
+    let data = d.data_dir.to_string_lossy().into_owned();
+    let store = [
+        "--data-dir",
+        data.as_str(),
+        "--disk-budget",
+        "32MiB",
+        "--region-size",
+        "16MiB",
+    ];
+    let out = run_kvtier(&[&["verify", "--json"][..], &store].concat(), &[]);
+    let all = format!("{}{}", text(&out.stdout), text(&out.stderr));
+    assert_eq!(out.status.code(), Some(5), "{all}");
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("verify --json");
+    assert_eq!(v["damaged_metadata"], 1, "{v}");
+    assert_eq!(v["checked"], 8, "nothing lost: {v}");
+    assert!(all.contains("damaged open slot"), "{all}");
+    let out = run_kvtier(&[&["verify"][..], &store].concat(), &[]);
+    assert_eq!(out.status.code(), Some(5));
+    assert!(
+        text(&out.stdout).contains("damaged at open: 1"),
+        "{}",
+        text(&out.stdout)
+    );
+}
+
 /// Every metric the Grafana dashboard (`docs/grafana/kvtier.json`) queries
 /// is one a running daemon exports, so the dashboard cannot drift from
 /// the daemon silently.

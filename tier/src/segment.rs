@@ -48,6 +48,9 @@ pub(crate) struct DiskCounters {
     /// Tombstones the disk refused (ENOSPC) waiting to be written again, as
     /// the writer last answered a flush.
     pub tombstones_unwritten: AtomicU64,
+    /// Region slots or batch records found damaged at open (bit rot: a
+    /// crash never produces one), see [`Disk::recover`].
+    pub damaged_metadata: AtomicU64,
 }
 
 impl DiskCounters {
@@ -399,7 +402,9 @@ impl Disk {
             self.dev
                 .read_at(&mut slots, self.region_base(r) + OPEN_SLOT)
                 .map_err(|e| self.io_err("read region slots of", e))?;
-            let Some(generation) = decode_open_slot(&slots[..BLOCK as usize], r) else {
+            let Some(generation) = decode_open_slot(&slots[..BLOCK as usize], r)
+                .or_else(|| self.generation_of_damaged(r, &slots))
+            else {
                 continue;
             };
             let seal = SealSlot::decode(&slots[BLOCK as usize..])
@@ -447,12 +452,21 @@ impl Disk {
         };
         for (generation, r, seal) in order {
             let summary = seal.and_then(|s| self.read_summary(r, &s).ok());
-            match summary {
-                Some(buf) => {
-                    let arch = decode_entries(&buf).map_err(|e| Error::Corrupt {
-                        what: format!("summary of region {r}"),
-                        detail: e,
-                    })?;
+            // A summary that passes its CRC but not validation (a writer bug,
+            // a crafted file) is walked around like one that fails its CRC.
+            let arch = summary.as_ref().and_then(|buf| {
+                decode_entries(buf)
+                    .inspect_err(|e| {
+                        self.counters
+                            .damaged_metadata
+                            .fetch_add(1, Ordering::Relaxed);
+                        tracing::warn!(region = r, error = %e,
+                            "region summary passes its crc but does not decode; scanning batches");
+                    })
+                    .ok()
+            });
+            match arch {
+                Some(arch) => {
                     for a in arch.iter() {
                         apply(
                             r,
@@ -531,6 +545,37 @@ impl Disk {
         Ok(rec)
     }
 
+    /// The generation of region `r` whose open slot (first block of
+    /// `slots`) is not valid: `None` for a free region (a zeroed slot);
+    /// else the slot is damaged, counted and logged, and the generation is
+    /// taken from the region's own records: the newer of its seal slot and
+    /// its first batch record, where they name this region (`None` when
+    /// neither does: nothing durable is known there).
+    fn generation_of_damaged(&self, r: u32, slots: &[u8]) -> Option<u64> {
+        if slots[..BLOCK as usize].iter().all(|&b| b == 0) {
+            return None;
+        }
+        self.counters
+            .damaged_metadata
+            .fetch_add(1, Ordering::Relaxed);
+        let seal = SealSlot::decode(&slots[BLOCK as usize..])
+            .filter(|s| s.region == r)
+            .map(|s| s.generation);
+        let mut head = AlignedBuf::zeroed(BLOCK as usize);
+        let first = scan_read(&*self.dev, &mut head, self.region_base(r) + DATA_START)
+            .ok()
+            .and_then(|()| BatchHead::decode(&head[..BATCH_FIXED]))
+            .filter(|h| h.region == r)
+            .map(|h| h.generation);
+        let generation = seal.max(first);
+        tracing::warn!(
+            region = r,
+            ?generation,
+            "damaged open slot: the region's generation is taken from its seal slot and first batch record"
+        );
+        generation
+    }
+
     /// Reads and checks a sealed region's summary; Err means "scan instead".
     pub fn read_summary(&self, r: u32, s: &SealSlot) -> Result<AlignedBuf, String> {
         let off = u64::from(s.summary_offset);
@@ -565,6 +610,19 @@ impl Disk {
                 break;
             }
             let Some(h) = BatchHead::decode(&head_buf[..BATCH_FIXED]) else {
+                if head_buf[..4] == crate::layout::BATCH_MAGIC {
+                    // A record the walk reached that fails its own CRC: not
+                    // a torn write (its first sector lands whole), damage.
+                    // What follows it is lost: where it ends is in it.
+                    self.counters
+                        .damaged_metadata
+                        .fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(
+                        region = r,
+                        offset = off,
+                        "damaged batch record in an unsealed region: the chunks from here to the region's end are not recovered"
+                    );
+                }
                 break;
             };
             let blen = u64::from(h.batch_len);

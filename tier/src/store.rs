@@ -312,6 +312,9 @@ pub struct StoreStats {
     pub dropped_unwritten: u64,
     /// Reads that failed verification (CRC, identity, length) or I/O.
     pub verify_failures: u64,
+    /// Region slots, summaries or batch records found damaged (bit rot) when
+    /// the store opened; logged with what was done about each.
+    pub damaged_metadata: u64,
     /// Chunks currently queued for the writer.
     pub writer_queue_depth: u64,
     /// Time the last open spent rebuilding the index, in microseconds.
@@ -1106,6 +1109,7 @@ impl ChunkStore {
             s.disk_write_bytes = dc.disk_write_bytes.load(Ordering::Relaxed);
             s.disk_reads = dc.disk_reads.load(Ordering::Relaxed);
             s.verify_failures = dc.verify_failures.load(Ordering::Relaxed);
+            s.damaged_metadata = dc.damaged_metadata.load(Ordering::Relaxed);
             s.disk_write_failures = dc.write_failures.load(Ordering::Relaxed);
             s.disk_syncs = dc.syncs.load(Ordering::Relaxed);
             s.disk_sync_micros = dc.sync_micros.load(Ordering::Relaxed);

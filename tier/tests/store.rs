@@ -1462,3 +1462,83 @@ fn links_and_fifos_planted_in_the_data_dir_are_never_followed() {
     assert_eq!(std::fs::read(&victim).unwrap(), b"SECRET");
     assert!(tier::manifest::load(dir.path()).unwrap().len() == 1);
 }
+
+/// Damaged region metadata (bit rot, not a crash): a flipped bit in an open
+/// slot loses nothing (the generation comes from the region's own records),
+/// a summary that passes its CRC but not validation is walked around, and a
+/// damaged batch record is counted (`damaged_metadata`, which fails
+/// `verify`); it used to read as a free region or a clean end of the chain,
+/// losing flushed chunks without a word, or to make the store unopenable.
+#[test]
+fn damaged_region_metadata_is_recovered_around_or_counted() {
+    use tier::format::crc32c;
+    const REGION: u64 = 64 << 10;
+    let make = || {
+        let dir = tempfile::tempdir().unwrap();
+        let mut cfg = config(dir.path());
+        cfg.direct_io = false;
+        cfg.region_size = REGION; // chunks 0..3 in a sealed region, 3 in the open one
+        let s = ChunkStore::open(cfg.clone()).unwrap();
+        let ns = s.register_namespace(&record(0)).unwrap();
+        for n in 0..4 {
+            s.put(id(ns, n), payload(n, 12_000)).unwrap();
+        }
+        s.flush().unwrap();
+        let regions: Vec<u32> = (0..4)
+            .map(|n| s.disk_location(&id(ns, n)).unwrap().0)
+            .collect();
+        s.close(Duration::from_secs(5)).unwrap();
+        assert_eq!(regions[0], regions[2]);
+        assert_ne!(regions[0], regions[3]);
+        (dir, cfg, ns, u64::from(regions[0]), u64::from(regions[3]))
+    };
+    let reopen = |cfg: &TierConfig, ns, lost: &[u64]| {
+        let s = ChunkStore::open(cfg.clone()).unwrap();
+        for n in 0..4 {
+            match s.get(&id(ns, n)) {
+                Some(h) => {
+                    assert!(!lost.contains(&n), "chunk {n} is back");
+                    assert_eq!(h.data, payload(n, 12_000), "chunk {n}");
+                }
+                None => assert!(lost.contains(&n), "chunk {n} lost"),
+            }
+        }
+        s.stats().damaged_metadata
+    };
+    let slot_of = |r: u64| r * REGION + 4096;
+    // The open slot of the sealed region, then of the open one.
+    for which in [0, 1] {
+        let (dir, cfg, ns, sealed, open) = make();
+        let r = if which == 0 { sealed } else { open };
+        flip_byte(&dir.path().join("store.kvt"), slot_of(r) + 20);
+        assert_eq!(reopen(&cfg, ns, &[]), 1, "open slot of region {r}");
+        assert_eq!(reopen(&cfg, ns, &[]), 1, "the same at the next open");
+    }
+    // The first batch record of the open region: its chunk is lost, said.
+    let (dir, cfg, ns, _, open) = make();
+    flip_byte(&dir.path().join("store.kvt"), open * REGION + 3 * 4096 + 20);
+    assert_eq!(reopen(&cfg, ns, &[3]), 1);
+    // The sealed region's summary replaced by bytes that pass its CRC but
+    // do not decode: its batches are walked instead.
+    let (dir, cfg, ns, sealed, _) = make();
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(dir.path().join("store.kvt"))
+        .unwrap();
+    let seal_at = sealed * REGION + 2 * 4096;
+    let mut seal = [0u8; 44];
+    file.read_exact_at(&mut seal, seal_at).unwrap();
+    let le32 = |b: &[u8], at: usize| u32::from_le_bytes(b[at..at + 4].try_into().unwrap());
+    let (off, len) = (le32(&seal, 24), le32(&seal, 28));
+    let garbage = vec![0xa5u8; len as usize];
+    file.write_all_at(&garbage, sealed * REGION + u64::from(off))
+        .unwrap();
+    seal[32..36].copy_from_slice(&crc32c(&garbage).to_le_bytes());
+    let crc = crc32c(&seal[..40]);
+    seal[40..44].copy_from_slice(&crc.to_le_bytes());
+    file.write_all_at(&seal, seal_at).unwrap();
+    file.sync_all().unwrap();
+    drop(file);
+    assert_eq!(reopen(&cfg, ns, &[]), 1, "summary");
+}
