@@ -149,10 +149,25 @@ impl Superblock {
                 le32(b, 28)
             )));
         }
+        // The shape any store kvtier writes has (what the config accepts,
+        // at least two regions): anything else is corrupt, not a setting.
+        let (region_size, region_count) = (le64(b, 16), le32(b, 24));
+        use crate::config::{MAX_REGION_SIZE, MIN_REGION_SIZE};
+        if region_size % BLOCK != 0 || !(MIN_REGION_SIZE..=MAX_REGION_SIZE).contains(&region_size) {
+            return Err(SuperblockError::Corrupt(format!(
+                "region size {region_size} is not a multiple of {BLOCK} between \
+                 {MIN_REGION_SIZE} and {MAX_REGION_SIZE}"
+            )));
+        }
+        if region_count < 2 {
+            return Err(SuperblockError::Corrupt(format!(
+                "region count {region_count}, at least 2"
+            )));
+        }
         Ok(Self {
             version,
-            region_size: le64(b, 16),
-            region_count: le32(b, 24),
+            region_size,
+            region_count,
             created_ms: le64(b, 32),
         })
     }
@@ -487,6 +502,29 @@ mod tests {
         b[range].fill(0xa5);
         let crc = crc32c(&b[..crc_at]);
         b[crc_at..crc_at + 4].copy_from_slice(&crc.to_le_bytes());
+    }
+
+    /// A superblock whose CRC matches but whose shape no store has (a
+    /// region size the config refuses, fewer than two regions) is corrupt:
+    /// it used to reach the config, whose error blamed the built-in default.
+    #[test]
+    fn a_superblock_with_an_impossible_shape_is_corrupt() {
+        let mut b = vec![0u8; BLOCK as usize];
+        for (region_size, region_count) in
+            [(0, 9), (4096, 9), (12345, 9), (2 << 30, 9), (1 << 20, 1)]
+        {
+            Superblock {
+                version: STORE_VERSION,
+                region_size,
+                region_count,
+                created_ms: 5,
+            }
+            .encode_into(&mut b);
+            assert!(
+                matches!(Superblock::decode(&b), Err(SuperblockError::Corrupt(_))),
+                "{region_size} x {region_count}"
+            );
+        }
     }
 
     /// Encoders write zeros into reserved bytes; a block with anything else
