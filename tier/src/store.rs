@@ -242,6 +242,23 @@ fn check_existing_file(path: &std::path::Path, config: &TierConfig, len: u64) ->
     Ok(())
 }
 
+/// Warns when the store file is missing or empty while the manifest beside
+/// it lists namespaces: their chunks are gone (a deleted or replaced file,
+/// an incomplete restore) and the store starts empty.
+fn warn_if_store_file_lost(path: &std::path::Path, data_dir: &std::path::Path) {
+    let empty = match path.symlink_metadata() {
+        Ok(m) => m.len() == 0,
+        Err(e) => e.kind() == std::io::ErrorKind::NotFound,
+    };
+    let listed = crate::manifest::load(data_dir).map_or(0, |m| m.len());
+    if empty && listed > 0 {
+        tracing::warn!(path = %path.display(), namespaces = listed,
+            "the store file is missing or empty but namespaces.json lists namespaces: \
+             their chunks are gone and the store starts empty (restore the whole store file \
+             from a backup, with the daemon stopped, to get them back)");
+    }
+}
+
 /// A successful read.
 #[derive(Clone, Debug)]
 pub struct Hit {
@@ -555,6 +572,7 @@ impl ChunkStore {
                 DirectMode::Off
             };
             check_existing_file(&path, &config, len)?;
+            warn_if_store_file_lost(&path, &config.data_dir);
             let dev = FileDevice::open(&path, len, mode).map_err(|e| {
                 if e.raw_os_error() == Some(libc::ENOSPC) {
                     Error::NoSpace {
