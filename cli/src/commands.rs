@@ -742,20 +742,35 @@ fn verify(args: &VerifyArgs) -> Result<u8> {
         pb.finish_and_clear();
     }
     let report = report.context("verify the store")?;
+    // The chunks recovery dropped from the open region would be dropped
+    // again at every open (and counted here) until the region is sealed.
+    let sealed = args.repair && at_open > 0;
+    if sealed {
+        store
+            .seal_open_region()
+            .context("seal the open region (its summary leaves out the dropped chunks)")?;
+    }
     close_offline(store, lock)?;
     if args.json {
         let mut doc = serde_json::to_value(&report)?;
         doc["dropped_at_open"] = at_open.into();
         doc["damaged_metadata"] = damaged.into();
+        doc["sealed_open_region"] = sealed.into();
         outln!("{}", serde_json::to_string_pretty(&doc)?);
     } else {
         for p in &report.problems {
             outln!("bad: {p}");
         }
-        if at_open > 0 {
+        if sealed {
             outln!(
                 "dropped at open: {at_open} chunk(s) torn or corrupt in the region open at the last shutdown \
-                 (never served; see the warnings above; counted at every open until that region is sealed)"
+                 (never served; see the warnings above); that region is sealed now without them"
+            );
+        } else if at_open > 0 {
+            outln!(
+                "dropped at open: {at_open} chunk(s) torn or corrupt in the region open at the last shutdown \
+                 (never served; see the warnings above; counted at every open until that region is sealed: \
+                 `verify --repair` seals it)"
             );
         }
         if damaged > 0 {

@@ -735,6 +735,23 @@ fn verify_reports_chunks_recovery_dropped_in_the_open_region() {
         "{}",
         text(&out.stdout)
     );
+    // `--repair` seals that region without the chunk: later opens are clean
+    // (they dropped and counted it again every time).
+    let out = run_kvtier(&[&["verify", "--repair"][..], &store].concat(), &[]);
+    assert_eq!(out.status.code(), Some(5), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stdout).contains("sealed now without them"),
+        "{}",
+        text(&out.stdout)
+    );
+    let out = run_kvtier(&[&["verify", "--json"][..], &store].concat(), &[]);
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("verify --json");
+    assert_eq!(out.status.code(), Some(0), "{v}{}", text(&out.stderr));
+    assert_eq!(
+        (v["dropped_at_open"].as_u64(), v["checked"].as_u64()),
+        (Some(0), Some(7)),
+        "{v}"
+    );
 }
 
 #[test]

@@ -1182,6 +1182,21 @@ impl ChunkStore {
         crate::maintenance::verify(&self.inner, opts, progress)
     }
 
+    /// Writes what is queued and seals the region open for appends (the next
+    /// write opens another). `verify --repair` uses it so that a chunk that
+    /// recovery dropped from the open region (torn or corrupt) is gone for
+    /// good: the summary lists only what recovery kept, and later opens read
+    /// it instead of walking the batches again.
+    pub fn seal_open_region(&self) -> Result<()> {
+        self.inner.check_open()?;
+        if self.inner.disk.is_none() {
+            return Ok(());
+        }
+        let (ack, wait) = bounded(1);
+        self.inner.send(Msg::SealOpen(ack))?;
+        wait.recv().map_err(|_| Error::Closed)?
+    }
+
     /// Drops namespaces by id or age.
     pub fn gc(&self, opts: &GcOptions) -> Result<GcReport> {
         self.inner.check_open()?;

@@ -116,6 +116,9 @@ pub(crate) enum Msg {
     Stop(Sender<Result<()>>),
     /// Seal regions recovered from batch records, then answer.
     SealRecovered(Sender<Result<()>>),
+    /// Write everything queued before, seal the open region (the next
+    /// batch opens another), then answer.
+    SealOpen(Sender<Result<()>>),
 }
 
 /// What the writer tells the store about.
@@ -472,6 +475,24 @@ impl Writer {
                 Some(Msg::SealRecovered(ack)) => {
                     let _ = ack.send(self.seal_recovered());
                 }
+                Some(Msg::SealOpen(ack)) => {
+                    let r = match self.open.take() {
+                        // An empty region stays open: nothing to list.
+                        Some(o) if o.entries.is_empty() => {
+                            self.open = Some(o);
+                            Ok(())
+                        }
+                        Some(mut o) => {
+                            let r = self.seal(&mut o);
+                            if r.is_err() {
+                                self.open = Some(o);
+                            }
+                            r
+                        }
+                        None => Ok(()),
+                    };
+                    let _ = ack.send(r);
+                }
                 Some(Msg::Stop(ack)) => {
                     let unwritten = self.count_unwritten_tombstones();
                     if unwritten > 0 {
@@ -491,7 +512,10 @@ impl Writer {
                     for m in rx.try_iter() {
                         match m {
                             Msg::Write(j) => self.hooks.failed(&j),
-                            Msg::Flush(ack) | Msg::Stop(ack) | Msg::SealRecovered(ack) => {
+                            Msg::Flush(ack)
+                            | Msg::Stop(ack)
+                            | Msg::SealRecovered(ack)
+                            | Msg::SealOpen(ack) => {
                                 let _ = ack.send(Err(Error::Closed));
                             }
                             Msg::Tombstone(id, _) => tombs.push(id),
