@@ -820,7 +820,7 @@ fn gc(args: &GcArgs) -> Result<u8> {
         .collect();
     if !unknown.is_empty() {
         errln!(
-            "kvtier: warning: not in the store at {}: {} (`kvtier namespaces --data-dir ...` lists its namespaces)",
+            "kvtier: warning: not in the namespace manifest of the store at {}: {} (`kvtier namespaces --data-dir ...` lists its namespaces; chunks of such an id that a lost manifest left on disk are counted below)",
             cfg.data_dir.display(),
             unknown.join(", ")
         );

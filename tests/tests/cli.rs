@@ -482,7 +482,7 @@ fn verify_and_gc_work_offline_and_report_bad_chunks() {
     );
     assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
     assert!(
-        text(&out.stderr).contains("not in the store"),
+        text(&out.stderr).contains("not in the namespace manifest"),
         "{}",
         text(&out.stderr)
     );
