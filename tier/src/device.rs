@@ -13,7 +13,7 @@ use std::alloc::{Layout, alloc_zeroed, dealloc};
 use std::fs::{File, OpenOptions};
 use std::io;
 use std::ops::{Deref, DerefMut};
-use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::ptr::NonNull;
 
@@ -216,6 +216,16 @@ impl FileDevice {
         }
         if cur < len {
             preallocate(&file, len)?;
+        } else if file.metadata()?.blocks() * 512 < len {
+            // Sparse (copied without its holes, or they were punched): backed
+            // again, so that a full filesystem shows now, not as a paused
+            // writer later. Where it cannot be, the store still opens; its
+            // writes pause on ENOSPC when they reach a hole.
+            if let Err(e) = preallocate(&file, len) {
+                tracing::warn!(path = %path.display(), error = %e,
+                    "the store file is sparse and cannot be preallocated again; \
+                     disk writes pause (ENOSPC) if the filesystem fills");
+            }
         }
         if !existed {
             // Make the new file's directory entry durable.

@@ -1542,3 +1542,34 @@ fn damaged_region_metadata_is_recovered_around_or_counted() {
     drop(file);
     assert_eq!(reopen(&cfg, ns, &[]), 1, "summary");
 }
+
+/// A store file that lost its preallocation (copied sparse, holes punched)
+/// is backed again when it opens.
+#[test]
+fn a_sparse_store_file_is_preallocated_again_at_open() {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::MetadataExt;
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config(dir.path());
+    let file = dir.path().join("store.kvt");
+    drop(ChunkStore::open(cfg.clone()).unwrap());
+    let full = std::fs::metadata(&file).unwrap().blocks();
+    let f = OpenOptions::new().write(true).open(&file).unwrap();
+    // SAFETY: a plain syscall on a valid descriptor.
+    let rc = unsafe {
+        libc::fallocate(
+            f.as_raw_fd(),
+            libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+            4 << 20,
+            2 << 20,
+        )
+    };
+    if rc != 0 {
+        eprintln!("skipped: this filesystem cannot punch holes");
+        return;
+    }
+    drop(f);
+    assert!(std::fs::metadata(&file).unwrap().blocks() < full);
+    drop(ChunkStore::open(cfg).unwrap());
+    assert!(std::fs::metadata(&file).unwrap().blocks() >= full);
+}
