@@ -565,13 +565,14 @@ fn http_get(addr: std::net::SocketAddr, path: &str) -> Result<Vec<u8>> {
     Ok(buf[split + 4..].to_vec())
 }
 
-/// Opens the store offline (no daemon) under the data dir lock;
-/// `grow_truncated` only for a repair (see [`tier::TierConfig`]).
+/// Opens the store offline (no daemon) under the data dir lock. A repair
+/// first salvages a corrupt namespace manifest (returned: what it did) and
+/// grows a truncated store file (see [`tier::TierConfig`]).
 fn open_offline(
     cfg: &NodeConfig,
     role: &str,
-    grow_truncated: bool,
-) -> Result<(ChunkStore, DataDirLock)> {
+    repair: bool,
+) -> Result<(ChunkStore, DataDirLock, Option<tier::manifest::Salvaged>)> {
     // Opening creates (and preallocates) a store: never do that by accident.
     let file = cfg.data_dir.join(config::STORE_FILE);
     if !file.exists() {
@@ -589,13 +590,18 @@ fn open_offline(
         ),
         other => other.into(),
     })?;
+    let salvaged = if repair {
+        tier::manifest::salvage(&cfg.data_dir).context("repair the namespace manifest")?
+    } else {
+        None
+    };
     let tier_config = tier::TierConfig {
-        grow_truncated,
+        grow_truncated: repair,
         ..cfg.tier_config()
     };
     let store = ChunkStore::open(tier_config)
         .with_context(|| format!("open the chunk store in {}", cfg.data_dir.display()))?;
-    Ok((store, lock))
+    Ok((store, lock, salvaged))
 }
 
 fn close_offline(store: ChunkStore, lock: DataDirLock) -> Result<()> {
@@ -624,7 +630,7 @@ fn namespaces(args: &NamespacesArgs) -> Result<u8> {
             serde_json::Value::Array(vec![])
         }
         None => {
-            let (store, lock) = open_offline(&cfg, "namespaces", false)?;
+            let (store, lock, _) = open_offline(&cfg, "namespaces", false)?;
             let list = serde_json::to_value(store.namespaces())?;
             close_offline(store, lock)?;
             list
@@ -696,15 +702,16 @@ fn verify(args: &VerifyArgs) -> Result<u8> {
     // Recovery's own findings (a torn or corrupt chunk in the region that was
     // open at the last shutdown) are logged as the store opens.
     let _ = node::logging::init(node::logging::LogFormat::Human, "warn");
-    let (store, lock) = match open_offline(&cfg, "verify", args.repair) {
+    let (store, lock, salvaged) = match open_offline(&cfg, "verify", args.repair) {
         Ok(opened) => opened,
         // A store that cannot be opened because of what is on disk (a
-        // truncated file, a corrupt superblock) is a finding, not a usage
-        // error: reported as one (exit 5), with the fix in the message.
+        // truncated file, a corrupt superblock or namespace manifest) is a
+        // finding, not a usage error: reported as one (exit 5), with the fix
+        // in the message.
         Err(e)
             if matches!(
                 e.downcast_ref::<tier::Error>(),
-                Some(tier::Error::Corrupt { .. })
+                Some(tier::Error::Corrupt { .. } | tier::Error::ManifestCorrupt { .. })
             ) =>
         {
             let problem = format!("{:#}", e);
@@ -756,8 +763,23 @@ fn verify(args: &VerifyArgs) -> Result<u8> {
         doc["dropped_at_open"] = at_open.into();
         doc["damaged_metadata"] = damaged.into();
         doc["sealed_open_region"] = sealed.into();
+        doc["manifest_repaired"] = match &salvaged {
+            Some(s) => serde_json::json!({
+                "set_aside": s.set_aside, "records_kept": s.kept, "records_lost": s.lost,
+            }),
+            None => serde_json::Value::Null,
+        };
         outln!("{}", serde_json::to_string_pretty(&doc)?);
     } else {
+        if let Some(s) = &salvaged {
+            outln!(
+                "namespace manifest: corrupt; set aside as {}, {} record(s) kept, {} unreadable \
+                 (chunks are not affected; a client registers its namespace again at HELLO)",
+                s.set_aside.display(),
+                s.kept,
+                s.lost
+            );
+        }
         for p in &report.problems {
             outln!("bad: {p}");
         }
@@ -792,11 +814,13 @@ fn verify(args: &VerifyArgs) -> Result<u8> {
             }
         );
     }
-    Ok(if report.bad > 0 || at_open > 0 || damaged > 0 {
-        EXIT_VERIFY_FAILED
-    } else {
-        EXIT_OK
-    })
+    Ok(
+        if report.bad > 0 || at_open > 0 || damaged > 0 || salvaged.is_some() {
+            EXIT_VERIFY_FAILED
+        } else {
+            EXIT_OK
+        },
+    )
 }
 
 fn gc(args: &GcArgs) -> Result<u8> {
@@ -808,7 +832,7 @@ fn gc(args: &GcArgs) -> Result<u8> {
         .into());
     }
     let cfg = offline_config(&args.config, "gc")?;
-    let (store, lock) = open_offline(&cfg, "gc", false)?;
+    let (store, lock, _) = open_offline(&cfg, "gc", false)?;
     // An id that is not in this store (a typo, another node's store) is said,
     // not reported as "dropped: 1 namespace(s), 0 chunk(s)".
     let known: Vec<Namespace> = store.namespaces().iter().map(|n| n.id).collect();

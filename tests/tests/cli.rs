@@ -7,6 +7,11 @@ fn text(b: &[u8]) -> String {
     String::from_utf8_lossy(b).into_owned()
 }
 
+/// A command's stdout and stderr, for assertion messages.
+fn text_of(out: &std::process::Output) -> String {
+    format!("{}{}", text(&out.stdout), text(&out.stderr))
+}
+
 #[test]
 fn client_commands_round_trip_and_use_documented_exit_codes() {
     let dir = tempfile::tempdir().expect("temp dir");
@@ -802,6 +807,76 @@ fn verify_reports_damaged_region_metadata() {
         "{}",
         text(&out.stdout)
     );
+}
+
+/// A corrupt `namespaces.json` stops the daemon from starting with a message
+/// that names the repair; `verify` reports it, `verify --repair` sets the file
+/// aside, and the chunks serve again once a client registers its namespace.
+#[test]
+fn verify_repair_sets_a_corrupt_namespace_manifest_aside() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let args = kvtier_tests::test_args(dir.path());
+    let mut d = Daemon::start_args(dir.path(), &args, &[]).unwrap_or_else(|e| panic!("{e}"));
+    let mut c = d.client();
+    let record = kvtier_tests::test_record(0);
+    let ns = c.hello(&record).expect("HELLO");
+    let chunks: Vec<_> = (0..4).map(|i| kvtier_tests::chunk_bytes(403, i)).collect();
+    for (key, data) in &chunks {
+        assert_eq!(c.put_bytes(ns, 0, &[(*key, data)]).expect("PUT"), vec![0]);
+    }
+    drop(c);
+    assert!(d.stop_with(libc::SIGTERM).success(), "{}", d.log());
+    let manifest = d.data_dir.join("namespaces.json");
+    let json = std::fs::read(&manifest).expect("read namespaces.json");
+    std::fs::write(&manifest, &json[..json.len() / 2]).expect("cut namespaces.json");
+
+    let refused = Daemon::start_args(dir.path(), &args, &[])
+        .map(|_| ())
+        .expect_err("refused");
+    assert!(refused.contains("corrupt namespace manifest"), "{refused}");
+    assert!(refused.contains("kvtier verify --repair"), "{refused}");
+    let data = d.data_dir.to_string_lossy().into_owned();
+    let store = [&["--data-dir", data.as_str()][..], &TEST_STORE].concat();
+    let out = run_kvtier(&[&["verify"][..], &store].concat(), &[]);
+    assert_eq!(out.status.code(), Some(5), "{}", text_of(&out));
+    assert!(
+        text(&out.stdout).contains("corrupt namespace manifest"),
+        "{}",
+        text_of(&out)
+    );
+    assert_eq!(
+        std::fs::read(&manifest).expect("left as it was").len(),
+        json.len() / 2
+    );
+
+    let out = run_kvtier(
+        &[&["verify", "--repair", "--json"][..], &store].concat(),
+        &[],
+    );
+    assert_eq!(
+        out.status.code(),
+        Some(5),
+        "a repair that found something: {}",
+        text_of(&out)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("verify --json");
+    let repaired = &v["manifest_repaired"];
+    assert_eq!(repaired["records_kept"], 0, "{v}");
+    assert_eq!(v["checked"], 4, "no chunk lost: {v}");
+    let aside = repaired["set_aside"].as_str().expect("set_aside");
+    assert_eq!(
+        std::fs::read(aside).expect("set aside").len(),
+        json.len() / 2
+    );
+    let out = run_kvtier(&[&["verify"][..], &store].concat(), &[]);
+    assert_eq!(out.status.code(), Some(0), "{}", text_of(&out));
+
+    let d = Daemon::start_args(dir.path(), &args, &[]).unwrap_or_else(|e| panic!("{e}"));
+    let mut c = d.client();
+    assert_eq!(c.hello(&record).expect("HELLO again"), ns);
+    for (key, data) in &chunks {
+        assert_eq!(c.get_bytes(ns, 0, *key).expect("GET").as_ref(), Some(data));
+    }
 }
 
 /// Every metric the Grafana dashboard (`docs/grafana/kvtier.json`) queries

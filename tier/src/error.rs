@@ -29,6 +29,21 @@ pub enum Error {
         /// What check failed, with the numbers.
         detail: String,
     },
+    /// `namespaces.json` does not parse, or a record in it does not hash to
+    /// the id it is listed under. The chunks are not affected (they carry
+    /// their namespace id); only the records are. Never replaced silently:
+    /// [`crate::manifest::salvage`] sets the file aside.
+    #[error(
+        "corrupt namespace manifest {path}: {detail}; the chunks are not affected: \
+         `kvtier verify --repair` sets the file aside and keeps the records it can still read \
+         (a client registers its namespace again at HELLO)"
+    )]
+    ManifestCorrupt {
+        /// The manifest file.
+        path: PathBuf,
+        /// What failed to parse or check.
+        detail: String,
+    },
     /// The store was written by an incompatible format version.
     #[error(
         "store format version {found} is not supported by this build (supports {supported}); {hint}"

@@ -3,8 +3,10 @@
 //!
 //! Written atomically: a temporary file, fsync, rename over the old one,
 //! fsync of the directory. A crash leaves either the old or the new file.
-//! A file that does not parse is refused at open with [`Error::Corrupt`]
-//! (never silently replaced: it is the only copy of the records).
+//! A file that does not parse is refused at open with
+//! [`Error::ManifestCorrupt`] (never silently replaced: it is the only copy
+//! of the records); [`salvage`] (`kvtier verify --repair`) sets it aside and
+//! keeps the records that still check.
 
 use std::collections::BTreeMap;
 use std::fs::{self, File};
@@ -58,8 +60,8 @@ pub fn load(dir: &Path) -> Result<BTreeMap<Namespace, NsEntry>> {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(BTreeMap::new()),
         Err(e) => return Err(io("read", &path, e)),
     };
-    let f: FileFormat = serde_json::from_slice(&text).map_err(|e| Error::Corrupt {
-        what: path.display().to_string(),
+    let f: FileFormat = serde_json::from_slice(&text).map_err(|e| Error::ManifestCorrupt {
+        path: path.clone(),
         detail: e.to_string(),
     })?;
     if f.version != VERSION {
@@ -71,13 +73,85 @@ pub fn load(dir: &Path) -> Result<BTreeMap<Namespace, NsEntry>> {
     }
     for (id, e) in &f.namespaces {
         if e.record.id() != *id {
-            return Err(Error::Corrupt {
-                what: path.display().to_string(),
+            return Err(Error::ManifestCorrupt {
+                path: path.clone(),
                 detail: format!("record listed under {id} hashes to {}", e.record.id()),
             });
         }
     }
     Ok(f.namespaces)
+}
+
+/// What [`salvage`] did with a corrupt manifest.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Salvaged {
+    /// Where the corrupt file was moved (`namespaces.json.corrupt-N`).
+    pub set_aside: PathBuf,
+    /// Records that parsed and hash to the id they are listed under: kept.
+    pub kept: usize,
+    /// Entries that did not: left out of the new manifest.
+    pub lost: usize,
+}
+
+/// Repairs a manifest that [`load`] refuses as corrupt: keeps every record
+/// that still parses and hashes to the id it is listed under, moves the
+/// corrupt file aside (`namespaces.json.corrupt-N`, never overwriting one)
+/// and writes a manifest of the kept records. `None` when the file is
+/// absent or loads cleanly (nothing to do). A file of another manifest
+/// version is refused as by [`load`], not salvaged. The caller holds the
+/// data dir's lock.
+pub fn salvage(dir: &Path) -> Result<Option<Salvaged>> {
+    match load(dir) {
+        Err(Error::ManifestCorrupt { .. }) => {}
+        Err(e) => return Err(e),
+        Ok(_) => return Ok(None),
+    }
+    let path = path_in(dir);
+    let text = crate::store::read_data_file(&path).map_err(|e| io("read", &path, e))?;
+    let mut kept = BTreeMap::new();
+    let mut lost = 0;
+    // Entry by entry: bit rot in one record leaves the others readable.
+    if let Ok(serde_json::Value::Object(top)) = serde_json::from_slice(&text) {
+        if let Some(v) = top.get("version").and_then(serde_json::Value::as_u64) {
+            if v != u64::from(VERSION) {
+                return Err(Error::IncompatibleVersion {
+                    found: u32::try_from(v).unwrap_or(u32::MAX),
+                    supported: VERSION.to_string(),
+                    hint: "namespaces.json was written by another kvtier version",
+                });
+            }
+        }
+        if let Some(serde_json::Value::Object(list)) = top.get("namespaces") {
+            for (key, entry) in list {
+                let id = key.parse::<Namespace>().ok();
+                match (id, serde_json::from_value::<NsEntry>(entry.clone())) {
+                    (Some(id), Ok(e)) if e.record.id() == id => {
+                        kept.insert(id, e);
+                    }
+                    _ => lost += 1,
+                }
+            }
+        } else {
+            lost += 1;
+        }
+    } else {
+        // Nothing parses: how many records there were is unknown.
+        lost += 1;
+    }
+    let set_aside = (0u32..1000)
+        .map(|n| dir.join(format!("{FILE_NAME}.corrupt-{n}")))
+        .find(|p| fs::symlink_metadata(p).is_err())
+        .ok_or_else(|| Error::Corrupt {
+            what: dir.display().to_string(),
+            detail: format!("1000 {FILE_NAME}.corrupt-N files already set aside: remove some"),
+        })?;
+    fs::rename(&path, &set_aside).map_err(|e| io("set aside", &path, e))?;
+    store(dir, &kept)?;
+    Ok(Some(Salvaged {
+        set_aside,
+        kept: kept.len(),
+        lost,
+    }))
 }
 
 /// Writes the manifest atomically.
@@ -145,6 +219,67 @@ mod tests {
         store(dir.path(), &m).unwrap();
         assert_eq!(load(dir.path()).unwrap(), m);
         fs::write(path_in(dir.path()), b"{not json").unwrap();
-        assert!(matches!(load(dir.path()), Err(Error::Corrupt { .. })));
+        assert!(matches!(
+            load(dir.path()),
+            Err(Error::ManifestCorrupt { .. })
+        ));
+    }
+
+    fn entry(model: &str) -> (Namespace, NsEntry) {
+        let record = NamespaceRecord {
+            model: model.into(),
+            ..Default::default()
+        };
+        (
+            record.id(),
+            NsEntry {
+                record,
+                last_used_ms: 7,
+            },
+        )
+    }
+
+    #[test]
+    fn salvage_keeps_the_records_that_check_and_sets_the_file_aside() {
+        let dir = tempfile::tempdir().unwrap();
+        assert_eq!(salvage(dir.path()).unwrap(), None, "absent: nothing to do");
+        let m: BTreeMap<_, _> = [entry("alpha"), entry("beta")].into_iter().collect();
+        store(dir.path(), &m).unwrap();
+        assert_eq!(salvage(dir.path()).unwrap(), None, "clean: nothing to do");
+        // Bit rot in one record: it no longer hashes to its id.
+        let path = path_in(dir.path());
+        let text = fs::read_to_string(&path)
+            .unwrap()
+            .replace("\"beta\"", "\"bet\\u0061x\"");
+        fs::write(&path, &text).unwrap();
+        assert!(matches!(
+            load(dir.path()),
+            Err(Error::ManifestCorrupt { .. })
+        ));
+        let s = salvage(dir.path()).unwrap().expect("salvaged");
+        assert_eq!((s.kept, s.lost), (1, 1));
+        assert_eq!(
+            fs::read_to_string(&s.set_aside).unwrap(),
+            text,
+            "kept as it was"
+        );
+        let (alpha, _) = entry("alpha");
+        let loaded = load(dir.path()).unwrap();
+        assert_eq!(loaded.keys().copied().collect::<Vec<_>>(), vec![alpha]);
+        // Nothing parses: no record kept; an earlier set-aside file is not
+        // overwritten.
+        fs::write(&path, b"{\"version\": 1, \"namesp").unwrap();
+        let s2 = salvage(dir.path()).unwrap().expect("salvaged");
+        assert_eq!((s2.kept, s2.lost), (0, 1));
+        assert_ne!(s2.set_aside, s.set_aside);
+        assert!(s.set_aside.exists() && s2.set_aside.exists());
+        assert!(load(dir.path()).unwrap().is_empty());
+        // Another version is refused, not salvaged.
+        fs::write(&path, b"{\"version\": 9, \"namespaces\": 3}").unwrap();
+        assert!(matches!(
+            salvage(dir.path()),
+            Err(Error::IncompatibleVersion { found: 9, .. })
+        ));
+        assert!(path.exists(), "left in place");
     }
 }
