@@ -517,6 +517,10 @@ enum Held {
 pub(crate) struct Cancel {
     /// The latest cancellation: versions put at or before it are cancelled.
     at: Instant,
+    /// The latest delete or group break (an overwrite's cancellation is not
+    /// one): a flush's job of a version put at or before it is not written
+    /// at all (see [`Hooks::wanted`]).
+    hard: Option<Instant>,
     /// Tombstones and forgets sent for the id and not handled yet.
     outstanding: u32,
 }
@@ -526,13 +530,21 @@ pub(crate) struct Cancel {
 pub(crate) fn cancel_now(c: &mut HashMap<ChunkId, Cancel>, id: ChunkId) -> Instant {
     let now = Instant::now();
     cancel_at(c, id, now);
+    if let Some(e) = c.get_mut(&id) {
+        e.hard = Some(e.hard.map_or(now, |h| h.max(now)));
+    }
     now
 }
 
 /// Records a cancellation of `id`'s versions put at or before `at` (the
-/// caller then sends one tombstone or forget for it).
+/// caller then sends one tombstone or forget for it); an overwrite's, unless
+/// [`cancel_now`] records it.
 fn cancel_at(c: &mut HashMap<ChunkId, Cancel>, id: ChunkId, at: Instant) {
-    let e = c.entry(id).or_insert(Cancel { at, outstanding: 0 });
+    let e = c.entry(id).or_insert(Cancel {
+        at,
+        hard: None,
+        outstanding: 0,
+    });
     e.at = e.at.max(at);
     e.outstanding += 1;
 }
@@ -1254,6 +1266,12 @@ impl ChunkStore {
         self.inner.cancel.lock().len()
     }
 
+    /// Test hook: write jobs of `id` queued, packed or in flight.
+    #[cfg(feature = "test_utils")]
+    pub fn pending_writes(&self, id: &ChunkId) -> usize {
+        self.inner.pending.lock().get(id).map_or(0, |n| *n as usize)
+    }
+
     /// Test hook: header length of the chunk `id` on disk.
     #[cfg(feature = "test_utils")]
     pub fn disk_header_len(&self, id: &ChunkId) -> Option<u32> {
@@ -1868,6 +1886,7 @@ impl Inner {
             data: e.data,
             ram_seq: (held == Held::Resident).then_some(e.seq),
             after_cancel: false,
+            superseded: false,
             spill_seq: (held == Held::Spilled).then_some(e.seq),
             inserted: e.inserted,
             _pending: PendingWrite::new(&self.pending, id),
@@ -1935,7 +1954,28 @@ impl Inner {
 }
 
 impl Hooks for Inner {
-    fn wanted(&self, job: &Job) -> bool {
+    fn wanted(&self, job: &mut Job) -> bool {
+        // A flush's job of a version overwritten since the flush was called
+        // (the new version need not reach the disk before the flush
+        // returns): written all the same, never indexed, so that after a
+        // crash the id reads as this version or a newer one, not as an
+        // older one still on disk. A delete or a group break still drops it.
+        if job.ticket.is_some() && job.ram_seq.is_some() {
+            let (soft, hard) = self.cancel.lock().get(&job.id).map_or((false, false), |c| {
+                (
+                    job.inserted <= c.at,
+                    c.hard.is_some_and(|h| job.inserted <= h),
+                )
+            });
+            let newer_in_ram = self
+                .ram
+                .peek(&job.id)
+                .is_some_and(|e| Some(e.seq) != job.ram_seq);
+            if !hard && (soft || newer_in_ram) {
+                job.superseded = true;
+                return true;
+            }
+        }
         if self.cancelled(job) {
             // Deleted or its group broke: a spilled copy goes too (the
             // delete removed it already; this covers every other path).

@@ -50,6 +50,9 @@ pub(crate) struct Job {
     /// Set by the writer: the job's version was put after a cancellation of
     /// its id that was pending when the job was packed.
     pub after_cancel: bool,
+    /// Set by [`Hooks::wanted`]: a flush's job of a version overwritten
+    /// since; written (the flush covers it) but never indexed.
+    pub superseded: bool,
     /// RAM sequence number of the spilled entry this job writes (an
     /// eviction's): the store unspills it once the job is written, failed
     /// or no longer wanted.
@@ -124,8 +127,9 @@ pub(crate) enum Msg {
 /// What the writer tells the store about.
 pub(crate) trait Hooks: Send + Sync {
     /// Whether the job is still wanted before it is written (not deleted,
-    /// superseded or already written meanwhile).
-    fn wanted(&self, job: &Job) -> bool;
+    /// superseded or already written meanwhile); sets `job.superseded` for
+    /// a flush's job whose version was overwritten since.
+    fn wanted(&self, job: &mut Job) -> bool;
     /// The time of `id`'s pending cancellation, if any.
     fn cancel_time(&self, id: &ChunkId) -> Option<Instant>;
     /// Whether the job was cancelled (its chunk deleted, or its atomic group
@@ -667,7 +671,7 @@ impl Writer {
         for it in items {
             match it {
                 Item::Job(mut j) => {
-                    if !self.hooks.wanted(&j) {
+                    if !self.hooks.wanted(&mut j) {
                         continue;
                     }
                     // A version put after a pending cancellation of its id:
@@ -1080,7 +1084,9 @@ impl Writer {
                 match it {
                     // Not indexed: its delete has taken the id out of the
                     // index (a group break will, once it gets the lock).
-                    Item::Job(j) if self.hooks.cancelled(j) => {}
+                    // Nor a flush's write of a version overwritten since
+                    // (`Job::superseded`): only a restart reads it.
+                    Item::Job(j) if j.superseded || self.hooks.cancelled(j) => {}
                     Item::Job(_) => {
                         let prev = ix.insert(
                             e.id(),
