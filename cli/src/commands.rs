@@ -595,6 +595,15 @@ fn open_offline(
     } else {
         None
     };
+    if let Some(s) = &salvaged {
+        // Said at once: the store's own open may still fail below.
+        errln!(
+            "kvtier: the namespace manifest was corrupt: copied aside to {}; {} record(s) kept, {} unreadable",
+            s.set_aside.display(),
+            s.kept,
+            s.lost
+        );
+    }
     let tier_config = tier::TierConfig {
         grow_truncated: repair,
         ..cfg.tier_config()
@@ -751,12 +760,11 @@ fn verify(args: &VerifyArgs) -> Result<u8> {
     let report = report.context("verify the store")?;
     // The chunks recovery dropped from the open region would be dropped
     // again at every open (and counted here) until the region is sealed.
-    let sealed = args.repair && at_open > 0;
-    if sealed {
-        store
+    let sealed = args.repair
+        && at_open > 0
+        && store
             .seal_open_region()
             .context("seal the open region (its summary leaves out the dropped chunks)")?;
-    }
     close_offline(store, lock)?;
     if args.json {
         let mut doc = serde_json::to_value(&report)?;
@@ -773,7 +781,7 @@ fn verify(args: &VerifyArgs) -> Result<u8> {
     } else {
         if let Some(s) = &salvaged {
             outln!(
-                "namespace manifest: corrupt; set aside as {}, {} record(s) kept, {} unreadable \
+                "namespace manifest: corrupt; copied aside to {}, {} record(s) kept, {} unreadable \
                  (chunks are not affected; a client registers its namespace again at HELLO)",
                 s.set_aside.display(),
                 s.kept,
@@ -786,7 +794,8 @@ fn verify(args: &VerifyArgs) -> Result<u8> {
         if sealed {
             outln!(
                 "dropped at open: {at_open} chunk(s) torn or corrupt in the region open at the last shutdown \
-                 (never served; see the warnings above); that region is sealed now without them"
+                 (never served; see the warnings above); that region is sealed now without them \
+                 (or freed, when it held nothing else)"
             );
         } else if at_open > 0 {
             outln!(

@@ -94,9 +94,11 @@ pub struct Salvaged {
 }
 
 /// Repairs a manifest that [`load`] refuses as corrupt: keeps every record
-/// that still parses and hashes to the id it is listed under, moves the
-/// corrupt file aside (`namespaces.json.corrupt-N`, never overwriting one)
-/// and writes a manifest of the kept records. `None` when the file is
+/// that still parses and hashes to the id it is listed under, copies the
+/// corrupt file aside (`namespaces.json.corrupt-N`, never overwriting one,
+/// synced), then replaces it atomically with a manifest of the kept
+/// records: a failure or crash at any step leaves the corrupt file in
+/// place (and a repair to run again), never no manifest at all. `None` when the file is
 /// absent or loads cleanly (nothing to do). A file of another manifest
 /// version is refused as by [`load`], not salvaged. The caller holds the
 /// data dir's lock.
@@ -138,20 +140,42 @@ pub fn salvage(dir: &Path) -> Result<Option<Salvaged>> {
         // Nothing parses: how many records there were is unknown.
         lost += 1;
     }
-    let set_aside = (0u32..1000)
-        .map(|n| dir.join(format!("{FILE_NAME}.corrupt-{n}")))
-        .find(|p| fs::symlink_metadata(p).is_err())
-        .ok_or_else(|| Error::Corrupt {
-            what: dir.display().to_string(),
-            detail: format!("1000 {FILE_NAME}.corrupt-N files already set aside: remove some"),
-        })?;
-    fs::rename(&path, &set_aside).map_err(|e| io("set aside", &path, e))?;
+    let set_aside = keep_copy(dir, &text)?;
     store(dir, &kept)?;
     Ok(Some(Salvaged {
         set_aside,
         kept: kept.len(),
         lost,
     }))
+}
+
+/// Writes `text` to the first free `namespaces.json.corrupt-N` (created
+/// `O_EXCL`: nothing there is overwritten or followed) and syncs it.
+fn keep_copy(dir: &Path, text: &[u8]) -> Result<PathBuf> {
+    use std::os::unix::fs::OpenOptionsExt;
+    for n in 0u32..1000 {
+        let p = dir.join(format!("{FILE_NAME}.corrupt-{n}"));
+        let mut f = match crate::store::open_data_file(
+            &p,
+            fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(crate::store::DATA_FILE_MODE),
+            0,
+        ) {
+            Ok(f) => f,
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
+            Err(e) => return Err(io("create", &p, e)),
+        };
+        crate::store::own_like_dir(&f, dir).map_err(|e| io("chown", &p, e))?;
+        f.write_all(text).map_err(|e| io("write", &p, e))?;
+        f.sync_all().map_err(|e| io("fsync", &p, e))?;
+        return Ok(p);
+    }
+    Err(Error::Corrupt {
+        what: dir.display().to_string(),
+        detail: format!("1000 {FILE_NAME}.corrupt-N files already set aside: remove some"),
+    })
 }
 
 /// Writes the manifest atomically.

@@ -108,6 +108,11 @@ pub(crate) struct Recovered {
     pub regions: Vec<(u64, bool)>,
     /// Regions recovered from batch records that must be sealed now.
     pub unsealed: Vec<Unsealed>,
+    /// Regions whose open slot names a generation but that hold nothing
+    /// durable (no batch, or only torn or corrupt chunks): free in memory,
+    /// walked again at every open until reused, or until
+    /// [`crate::ChunkStore::seal_open_region`] clears their slot.
+    pub emptied: Vec<u32>,
     /// The region that was open at the last shutdown or crash, recovered
     /// from its batch records, to be re-opened for appends at its data end
     /// (so restarts do not waste its remainder). Only the newest region
@@ -421,6 +426,7 @@ impl Disk {
         let mut rec = Recovered {
             regions: Vec::new(),
             unsealed: Vec::new(),
+            emptied: Vec::new(),
             reopen: None,
             max_generation: order.last().map_or(0, |o| o.0),
             max_txn: 0,
@@ -481,6 +487,7 @@ impl Disk {
                     let scan = self.scan_batches(r, generation)?;
                     if scan.entries.is_empty() && !scan.io_error {
                         // Nothing durable: the region is free again.
+                        rec.emptied.push(r);
                         continue;
                     }
                     for e in &scan.entries {

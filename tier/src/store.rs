@@ -1198,11 +1198,13 @@ impl ChunkStore {
     /// write opens another). `verify --repair` uses it so that a chunk that
     /// recovery dropped from the open region (torn or corrupt) is gone for
     /// good: the summary lists only what recovery kept, and later opens read
-    /// it instead of walking the batches again.
-    pub fn seal_open_region(&self) -> Result<()> {
+    /// it instead of walking the batches again. A region recovery found
+    /// open but without a durable chunk (all of its chunks torn) gets its
+    /// open slot cleared instead. Returns whether anything was written.
+    pub fn seal_open_region(&self) -> Result<bool> {
         self.inner.check_open()?;
         if self.inner.disk.is_none() {
-            return Ok(());
+            return Ok(false);
         }
         let (ack, wait) = bounded(1);
         self.inner.send(Msg::SealOpen(ack))?;

@@ -120,8 +120,10 @@ pub(crate) enum Msg {
     /// Seal regions recovered from batch records, then answer.
     SealRecovered(Sender<Result<()>>),
     /// Write everything queued before, seal the open region (the next
-    /// batch opens another), then answer.
-    SealOpen(Sender<Result<()>>),
+    /// batch opens another) and clear the open slots of the regions
+    /// recovery found empty ([`Recovered::emptied`]), then answer whether
+    /// anything was written.
+    SealOpen(Sender<Result<bool>>),
 }
 
 /// What the writer tells the store about.
@@ -177,6 +179,8 @@ pub(crate) struct Writer {
     /// Spare batch buffers (reused: fresh ones pay page faults).
     spare: Vec<AlignedBuf>,
     recovered: Vec<Unsealed>,
+    /// [`Recovered::emptied`], until `SealOpen` clears their open slots.
+    emptied: Vec<u32>,
     /// A full region whose seal failed with ENOSPC (the writer paused): it
     /// takes no more batches, and is sealed before any other region opens.
     unsealed_full: Option<OpenRegion>,
@@ -352,6 +356,7 @@ impl Writer {
             batch_bytes,
             spare: Vec::new(),
             recovered: rec.unsealed,
+            emptied: rec.emptied,
             unsealed_full: None,
             inflight: VecDeque::new(),
             depth: IO_DEPTH,
@@ -484,17 +489,18 @@ impl Writer {
                         // An empty region stays open: nothing to list.
                         Some(o) if o.entries.is_empty() => {
                             self.open = Some(o);
-                            Ok(())
+                            Ok(false)
                         }
                         Some(mut o) => {
                             let r = self.seal(&mut o);
                             if r.is_err() {
                                 self.open = Some(o);
                             }
-                            r
+                            r.map(|()| true)
                         }
-                        None => Ok(()),
+                        None => Ok(false),
                     };
+                    let r = r.and_then(|sealed| Ok(self.clear_emptied()? || sealed));
                     let _ = ack.send(r);
                 }
                 Some(Msg::Stop(ack)) => {
@@ -516,10 +522,10 @@ impl Writer {
                     for m in rx.try_iter() {
                         match m {
                             Msg::Write(j) => self.hooks.failed(&j),
-                            Msg::Flush(ack)
-                            | Msg::Stop(ack)
-                            | Msg::SealRecovered(ack)
-                            | Msg::SealOpen(ack) => {
+                            Msg::Flush(ack) | Msg::Stop(ack) | Msg::SealRecovered(ack) => {
+                                let _ = ack.send(Err(Error::Closed));
+                            }
+                            Msg::SealOpen(ack) => {
                                 let _ = ack.send(Err(Error::Closed));
                             }
                             Msg::Tombstone(id, _) => tombs.push(id),
@@ -604,6 +610,43 @@ impl Writer {
             .tombstones_unwritten
             .store(n as u64, Ordering::Relaxed);
         n
+    }
+
+    /// Zeroes the open slot of each region recovery found open but empty
+    /// and that is still free (a zero slot is a free region), then
+    /// fdatasync: later opens no longer walk it, nor count its torn chunks.
+    /// Returns whether it cleared any.
+    fn clear_emptied(&mut self) -> Result<bool> {
+        let open = self.open.as_ref().map(|o| o.r);
+        let free: Vec<u32> = std::mem::take(&mut self.emptied)
+            .into_iter()
+            .filter(|&r| self.regions[r as usize].0 == 0 && open != Some(r))
+            .collect();
+        if free.is_empty() {
+            return Ok(false);
+        }
+        self.check_poison()?;
+        let zero = AlignedBuf::zeroed(BLOCK as usize);
+        for &r in &free {
+            if let Err(e) = self
+                .disk
+                .dev
+                .write_at(&zero, self.disk.region_base(r) + OPEN_SLOT)
+            {
+                self.poison(format!("clearing the open slot of region {r} failed: {e}"));
+                return Err(Error::Io {
+                    op: "clear the open slot of an empty region in",
+                    path: self.disk.dev.path().to_path_buf(),
+                    source: e,
+                });
+            }
+            tracing::info!(
+                region = r,
+                "cleared the open slot of a region recovery found empty"
+            );
+        }
+        self.sync()?;
+        Ok(true)
     }
 
     fn seal_recovered(&mut self) -> Result<()> {

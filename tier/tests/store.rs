@@ -1573,3 +1573,43 @@ fn a_sparse_store_file_is_preallocated_again_at_open() {
     drop(ChunkStore::open(cfg).unwrap());
     assert!(std::fs::metadata(&file).unwrap().blocks() >= full);
 }
+
+/// A region whose only chunks are torn (a crash during its first batch) is
+/// free again at recovery, but its open slot still names it: every open
+/// walked it and counted the torn chunk. `seal_open_region` (`verify
+/// --repair`) clears that slot, says so, and later opens are clean.
+#[test]
+fn seal_open_region_clears_a_region_recovery_found_empty() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = config(dir.path());
+    cfg.direct_io = false;
+    let (ns, bad) = {
+        let s = ChunkStore::open(cfg.clone()).unwrap();
+        let ns = s.register_namespace(&record(0)).unwrap();
+        s.put(id(ns, 0), payload(0, 9000)).unwrap();
+        s.flush().unwrap();
+        let bad = s.disk_location(&id(ns, 0)).unwrap();
+        drop(s); // no seal: the region stays open on disk
+        (ns, bad)
+    };
+    flip_byte(&dir.path().join("store.kvt"), bad.1 + 128 + 4000);
+    let s = ChunkStore::open(cfg.clone()).unwrap();
+    assert_eq!(s.stats().verify_failures, 1, "counted at recovery");
+    assert_eq!(s.stats().disk_chunks, 0);
+    assert!(
+        s.seal_open_region().unwrap(),
+        "the empty region's slot was cleared"
+    );
+    assert!(!s.seal_open_region().unwrap(), "nothing left to do");
+    drop(s);
+    let s = ChunkStore::open(cfg.clone()).unwrap();
+    assert_eq!(s.stats().verify_failures, 0, "no longer walked");
+    assert!(s.get(&id(ns, 0)).is_none());
+    // The store keeps working: the region is reused.
+    s.put(id(ns, 1), payload(1, 9000)).unwrap();
+    s.flush().unwrap();
+    drop(s);
+    let s = ChunkStore::open(cfg).unwrap();
+    assert_eq!(s.stats().verify_failures, 0);
+    assert_eq!(s.get(&id(ns, 1)).unwrap().data, payload(1, 9000));
+}
