@@ -617,10 +617,16 @@ impl Disk {
                 break;
             }
             let Some(h) = BatchHead::decode(&head_buf[..BATCH_FIXED]) else {
-                if head_buf[..4] == crate::layout::BATCH_MAGIC {
-                    // A record the walk reached that fails its own CRC: not
-                    // a torn write (its first sector lands whole), damage.
-                    // What follows it is lost: where it ends is in it.
+                // A record the walk reached that fails its own CRC: not a
+                // torn write (its first sector lands whole), damage. What
+                // follows it is lost: where it ends is in it. Only a block
+                // with the record's magic and version naming this region
+                // counts: a payload an older generation left past the chain
+                // may start with the magic alone (the region's normal end).
+                let named = head_buf[..4] == crate::layout::BATCH_MAGIC
+                    && head_buf[4..6] == crate::layout::SLOT_VERSION.to_le_bytes()
+                    && head_buf[8..12] == r.to_le_bytes();
+                if named {
                     self.counters
                         .damaged_metadata
                         .fetch_add(1, Ordering::Relaxed);

@@ -1518,6 +1518,29 @@ fn damaged_region_metadata_is_recovered_around_or_counted() {
     let (dir, cfg, ns, _, open) = make();
     flip_byte(&dir.path().join("store.kvt"), open * REGION + 3 * 4096 + 20);
     assert_eq!(reopen(&cfg, ns, &[3]), 1);
+    // Past the end of the chain, a block that starts with the record's
+    // magic but names no region of this store (an older generation's
+    // payload): the chain's normal end, not damage.
+    let (dir, cfg, ns, _, open) = make();
+    let (_, at, _) = {
+        let s = ChunkStore::open(cfg.clone()).unwrap();
+        s.disk_location(&id(ns, 3)).unwrap()
+    };
+    let end = (at + 128 + 12_000).div_ceil(4096) * 4096;
+    assert!(end < (open + 1) * REGION);
+    let mut block = vec![0x5au8; 4096];
+    block[..4].copy_from_slice(b"KVTB");
+    let file = OpenOptions::new()
+        .write(true)
+        .open(dir.path().join("store.kvt"))
+        .unwrap();
+    file.write_all_at(&block, end).unwrap();
+    drop(file);
+    assert_eq!(
+        reopen(&cfg, ns, &[]),
+        0,
+        "a payload is not a damaged record"
+    );
     // The sealed region's summary replaced by bytes that pass its CRC but
     // do not decode: its batches are walked instead.
     let (dir, cfg, ns, sealed, _) = make();
