@@ -463,6 +463,72 @@ fn a_client_stalled_mid_frame_is_dropped() {
     w.check();
 }
 
+/// The frame timeout runs from a frame's first byte: a client that sends
+/// one byte at a time, each well within the timeout, is dropped all the
+/// same (it held its connection, and the shutdown, for as long as it
+/// liked).
+#[test]
+fn a_client_trickling_a_frame_is_dropped_at_the_frame_deadline() {
+    let server = TestServer::start_with(NativeOptions {
+        frame_timeout: Duration::from_millis(300),
+        ..Default::default()
+    });
+    let mut w = Witness::new(&server);
+    let mut s = raw(&server);
+    let f = frame(Op::Ping as u16, 0, 1, &[0u8; 1000]);
+    let start = Instant::now();
+    let mut dropped = None;
+    for b in f.iter().take(40) {
+        if s.write_all(std::slice::from_ref(b)).is_err() {
+            dropped = Some(start.elapsed());
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let at = dropped.expect("a client trickling bytes for 4 s was never dropped");
+    assert!(at < Duration::from_secs(2), "dropped after {at:?}");
+    w.check();
+}
+
+/// Large or incomplete requests are bounded over all connections
+/// (`max_buffered`): past it a connection gets `busy` and is closed, the
+/// others keep working, and the room comes back when the holder leaves.
+#[test]
+fn read_buffers_are_bounded_over_all_connections() {
+    let server = TestServer::start_with(NativeOptions {
+        max_buffered: 4 << 20,
+        ..Default::default()
+    });
+    let mut w = Witness::new(&server);
+    let big = frame(Op::Ping as u16, 0, 1, &vec![0u8; 3 << 20]);
+    // Holds about 3 MiB: a frame that never completes.
+    let mut a = raw(&server);
+    a.write_all(&big[..big.len() - 100]).unwrap();
+    w.check();
+    let mut b = raw(&server);
+    b.write_all(&big[..4096]).unwrap();
+    let msg = expect_error(&mut b, ErrorCode::Busy);
+    assert!(msg.contains("at most 4 MiB"), "{msg}");
+    expect_closed(&mut b);
+    w.check();
+    drop(a);
+    // Once a's task has ended its share is free again: the same large
+    // request is answered (a PING with a body is a bad request, not busy).
+    assert!(wait_until(10, || {
+        let mut c = raw(&server);
+        // Refused (busy, then closed) while a's share is still held.
+        c.write_all(&big).is_ok()
+            && matches!(
+                read_reply(&mut c).1,
+                Reply::Error {
+                    code: ErrorCode::BadRequest,
+                    ..
+                }
+            )
+    }));
+    w.check();
+}
+
 #[test]
 fn connections_over_the_limit_get_busy() {
     let server = TestServer::start_with(NativeOptions {

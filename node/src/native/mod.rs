@@ -57,6 +57,11 @@ pub struct NativeOptions {
     /// Time allowed to receive the rest of a frame once its first byte has
     /// arrived, and to write a reply; a slower client is dropped. Default: 30 s.
     pub frame_timeout: Duration,
+    /// Most bytes the read buffers of all connections together hold past
+    /// their first 64 KiB each (large or incomplete requests, requests read
+    /// ahead): a connection whose next request would go past it gets `busy`
+    /// and is closed. Default: 512 MiB.
+    pub max_buffered: usize,
     /// How long a connection keeps polling its socket for the next request
     /// after answering, before its task parks (0 parks at once). Can save a
     /// worker wake-up per request for clients that send requests back to
@@ -73,6 +78,7 @@ impl Default for NativeOptions {
             max_batch: 65_536,
             max_connections: 1_024,
             frame_timeout: Duration::from_secs(30),
+            max_buffered: 512 << 20,
             spin: DEFAULT_SPIN,
         }
     }

@@ -34,6 +34,7 @@ use std::future::Future;
 use std::io;
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -87,6 +88,7 @@ pub async fn serve(
     let (stop_tx, stop_rx) = watch::channel(false);
     let permits = Arc::new(Semaphore::new(opts.max_connections as usize));
     let slots = Arc::new(Semaphore::new(copy_slots()));
+    let buffered = Arc::new(AtomicUsize::new(0));
     let opts = Arc::new(opts);
     let mut tasks = JoinSet::new();
     tokio::pin!(shutdown);
@@ -103,6 +105,7 @@ pub async fn serve(
                                 Arc::clone(&ctx),
                                 Arc::clone(&opts),
                                 Arc::clone(&slots),
+                                Arc::clone(&buffered),
                             );
                             let stop = stop_rx.clone();
                             tasks.spawn(async move {
@@ -215,6 +218,16 @@ struct Connection {
     fds: VecDeque<OwnedFd>,
     /// `rbuf[start..end]` holds received, unprocessed bytes.
     rbuf: Vec<u8>,
+    /// Bytes of all connections' read buffers past [`READ_BUF`] each
+    /// (bounded by `max-buffered`), and this one's share of them.
+    buffered: Arc<AtomicUsize>,
+    held: usize,
+    /// The budget refused a read-ahead: none until a request is handled.
+    ahead_refused: bool,
+    /// When the incomplete frame in the buffer must be complete: set at
+    /// its first read, cleared when a frame is handled (so a client that
+    /// trickles a byte at a time is dropped all the same).
+    frame_deadline: Option<tokio::time::Instant>,
     start: usize,
     end: usize,
     wbuf: Vec<u8>,
@@ -223,6 +236,12 @@ struct Connection {
     /// Descriptors were lost or too many are pending: the connection is
     /// closed with an error once the requests before them are answered.
     fd_overflow: bool,
+}
+
+impl Drop for Connection {
+    fn drop(&mut self) {
+        self.buffered.fetch_sub(self.held, Ordering::Relaxed);
+    }
 }
 
 enum Step {
@@ -238,6 +257,7 @@ impl Connection {
         ctx: Arc<NodeContext>,
         opts: Arc<NativeOptions>,
         slots: Arc<Semaphore>,
+        buffered: Arc<AtomicUsize>,
     ) -> Self {
         Self {
             stream,
@@ -247,6 +267,10 @@ impl Connection {
             region: None,
             fds: VecDeque::new(),
             rbuf: vec![0; READ_BUF],
+            buffered,
+            held: 0,
+            ahead_refused: false,
+            frame_deadline: None,
             start: 0,
             end: 0,
             wbuf: Vec::with_capacity(4096),
@@ -293,6 +317,8 @@ impl Connection {
                 match self.next_step() {
                     Step::Frame(header, req, len) => {
                         self.start += len;
+                        self.frame_deadline = None;
+                        self.ahead_refused = false;
                         NodeCounters::inc(&self.ctx.counters.native_requests);
                         match *req {
                             Ok(req) => self.handle(header.id, req).await,
@@ -324,7 +350,24 @@ impl Connection {
             if self.fd_overflow || self.read_closed {
                 break;
             }
-            self.make_room(need);
+            if !self.make_room(need) {
+                let (held, max) = (
+                    self.buffered.load(Ordering::Relaxed) >> 20,
+                    self.opts.max_buffered >> 20,
+                );
+                debug!(need, "native read buffers full; closing a connection");
+                self.error(
+                    0,
+                    0,
+                    ErrorCode::Busy,
+                    &format!(
+                        "the daemon holds {held} MiB of large or incomplete requests over all \
+                         connections (at most {max} MiB); closing this connection, try again"
+                    ),
+                );
+                self.flush_writes().await?;
+                return Ok(());
+            }
             let partial = self.end > self.start;
             let received = if partial {
                 // The rest of a frame that arrived in pieces (a large
@@ -333,8 +376,11 @@ impl Connection {
                 match self.poll_next_request().await? {
                     Some(r) => r,
                     None => {
-                        match tokio::time::timeout(self.opts.frame_timeout, self.read_some()).await
-                        {
+                        let frame_timeout = self.opts.frame_timeout;
+                        let deadline = *self
+                            .frame_deadline
+                            .get_or_insert_with(|| tokio::time::Instant::now() + frame_timeout);
+                        match tokio::time::timeout_at(deadline, self.read_some()).await {
                             Ok(r) => r?,
                             Err(_) => {
                                 debug!("native client stalled mid-frame; dropping it");
@@ -395,6 +441,7 @@ impl Connection {
     fn may_read_ahead(&self) -> bool {
         !self.read_closed
             && !self.fd_overflow
+            && !self.ahead_refused
             && self.fds.is_empty()
             && self.end - self.start < READ_AHEAD
     }
@@ -407,7 +454,11 @@ impl Connection {
                 self.compact();
             } else {
                 let len = (self.rbuf.len() * 2).clamp(READ_BUF, READ_AHEAD);
-                self.rbuf.resize(len, 0);
+                if !self.resize_rbuf(len) {
+                    // Waits for the replies to go out instead.
+                    self.ahead_refused = true;
+                    return Ok(());
+                }
             }
         }
         match self.try_recv() {
@@ -420,21 +471,46 @@ impl Connection {
         }
     }
 
-    /// Compacts the read buffer and grows it so that a frame of `need` bytes fits.
-    fn make_room(&mut self, need: usize) {
+    /// Compacts the read buffer and grows it so that a frame of `need`
+    /// bytes fits; false when `max-buffered` does not leave the room.
+    fn make_room(&mut self, need: usize) -> bool {
         if self.start == self.end {
             self.start = 0;
             self.end = 0;
             if self.rbuf.len() > 4 * READ_BUF && need <= READ_BUF {
-                self.rbuf = vec![0; READ_BUF];
+                self.resize_rbuf(READ_BUF);
             }
         } else {
             self.compact();
         }
-        if self.rbuf.len() < need {
-            // `need` is bounded by max-frame + header: checked by the decoder.
-            self.rbuf.resize(need, 0);
+        // `need` is bounded by max-frame + header: checked by the decoder.
+        self.rbuf.len() >= need || self.resize_rbuf(need)
+    }
+
+    /// Resizes the read buffer (its bytes up to `end` kept), counting what
+    /// it holds past [`READ_BUF`] against the server's `max-buffered`;
+    /// false, and nothing changed, when growing would go past it.
+    fn resize_rbuf(&mut self, len: usize) -> bool {
+        let len = len.max(self.end);
+        let share = len.saturating_sub(READ_BUF);
+        if share > self.held {
+            let more = share - self.held;
+            let before = self.buffered.fetch_add(more, Ordering::Relaxed);
+            if before + more > self.opts.max_buffered {
+                self.buffered.fetch_sub(more, Ordering::Relaxed);
+                return false;
+            }
+            self.rbuf.resize(len, 0);
+        } else {
+            self.buffered
+                .fetch_sub(self.held - share, Ordering::Relaxed);
+            // A new, smaller buffer: `truncate` would keep the memory.
+            let mut small = vec![0; len];
+            small[..self.end].copy_from_slice(&self.rbuf[..self.end]);
+            self.rbuf = small;
         }
+        self.held = share;
+        true
     }
 
     /// Moves the unprocessed bytes to the front of the read buffer.
