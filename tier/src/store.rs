@@ -795,10 +795,20 @@ impl ChunkStore {
     /// Registers (idempotently) a namespace record; returns its id. The record
     /// is kept durably (`namespaces.json`, written atomically) so
     /// `namespaces()` lists it after a restart.
+    ///
+    /// A record of more than [`MAX_RECORD_BYTES`] as JSON is refused: every
+    /// registration rewrites the manifest, and `/status` lists the records.
     pub fn register_namespace(&self, record: &NamespaceRecord) -> Result<Namespace> {
         let id = record.id();
         if self.inner.namespaces.read().contains_key(&id) {
             return Ok(id);
+        }
+        let len = serde_json::to_vec(record).map_or(usize::MAX, |v| v.len());
+        if len > MAX_RECORD_BYTES {
+            return Err(Error::InvalidArgument {
+                what: "namespace record: at most 16 KiB as JSON",
+                value: format!("{len} bytes"),
+            });
         }
         let _g = self.inner.manifest_lock.lock();
         let mut snapshot = self.inner.namespaces.read().clone();
@@ -1289,6 +1299,9 @@ impl Drop for ChunkStore {
         }
     }
 }
+
+/// Most bytes of one namespace record as JSON.
+pub const MAX_RECORD_BYTES: usize = 16 << 10;
 
 /// Bytes gathered per disk write.
 const WRITE_BATCH: usize = 4 << 20;

@@ -989,6 +989,20 @@ fn unknown_namespace_and_oversized_chunks_are_refused() {
         s.put(id(ns, 1), payload(1, 5 << 20)),
         Err(Error::TooLarge { .. })
     ));
+    // A namespace record is small: one of megabytes (every registration
+    // rewrites the manifest) is refused and not kept.
+    let huge = NamespaceRecord {
+        model: "m".repeat(tier::store::MAX_RECORD_BYTES),
+        ..record(1)
+    };
+    let e = s.register_namespace(&huge).unwrap_err();
+    assert!(e.to_string().contains("16 KiB"), "{e}");
+    assert_eq!(s.namespaces().len(), 1);
+    let fits = NamespaceRecord {
+        model: "m".repeat(tier::store::MAX_RECORD_BYTES / 2),
+        ..record(1)
+    };
+    s.register_namespace(&fits).unwrap();
 }
 
 #[test]

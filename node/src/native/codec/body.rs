@@ -7,8 +7,43 @@ use super::{
     Limits, Op, REGION_ENTRY_LEN, REPLY_BIT, encode_frame, messages::*,
 };
 
+/// The keys of a JSON object, in order, duplicates kept (`serde_json`'s
+/// own map keeps the last of two equal keys, silently).
+struct ObjectKeys(Vec<String>);
+
+impl<'de> serde::Deserialize<'de> for ObjectKeys {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> serde::de::Visitor<'de> for V {
+            type Value = ObjectKeys;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a JSON object")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut m: A,
+            ) -> Result<ObjectKeys, A::Error> {
+                let mut keys = Vec::new();
+                while let Some(k) = m.next_key::<String>()? {
+                    m.next_value::<serde::de::IgnoredAny>()?;
+                    keys.push(k);
+                }
+                Ok(ObjectKeys(keys))
+            }
+        }
+        d.deserialize_map(V)
+    }
+}
+
 fn decode_record(json: &[u8], op: &'static str) -> Result<NamespaceRecord, CodecError> {
     let bad = |detail: String| CodecError::BadBody { op, detail };
+    // A fence field given twice is ambiguous: refused like a misspelt one.
+    if let Ok(ObjectKeys(keys)) = serde_json::from_slice::<ObjectKeys>(json) {
+        let mut seen = std::collections::HashSet::new();
+        if let Some(k) = keys.iter().find(|k| !seen.insert(k.as_str())) {
+            return Err(bad(format!("namespace record field {k:?} is given twice")));
+        }
+    }
     let value: serde_json::Value = serde_json::from_slice(json)
         .map_err(|e| bad(format!("namespace record is not JSON: {e}")))?;
     let obj = value

@@ -985,6 +985,27 @@ mod tests {
     }
 
     #[test]
+    fn hello_rejects_a_field_given_twice() {
+        for (json, ok) in [
+            (&br#"{"model":"x","model":"y"}"#[..], false),
+            (br#"{"model":"y","info":{"a":"1"}}"#, true),
+        ] {
+            let mut out = Vec::new();
+            encode_frame(&mut out, Op::Hello as u16, 0, 0, 1, |b| {
+                b.extend_from_slice(json)
+            });
+            let Decoded::Frame { header, body, .. } = decode_frame(&out, 1024).unwrap() else {
+                panic!()
+            };
+            let r = decode_request(&header, body, &LIMITS);
+            assert_eq!(r.is_ok(), ok, "{}: {r:?}", String::from_utf8_lossy(json));
+            if let Err(e) = r {
+                assert!(e.to_string().contains("\"model\" is given twice"), "{e}");
+            }
+        }
+    }
+
+    #[test]
     fn hello_rejects_a_rank_outside_tp_size() {
         for (json, ok) in [
             (&br#"{"model":"m","tp-size":2,"rank":2}"#[..], false),
