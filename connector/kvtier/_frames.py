@@ -210,10 +210,23 @@ def record_json(record: dict[str, Any]) -> bytes:
     return json.dumps(record, separators=(",", ":"), ensure_ascii=False).encode()
 
 
+def check_key_list(keys: Sequence[bytes]) -> None:
+    """Raises TypeError for one bytes object given where a list of keys goes."""
+    if isinstance(keys, (bytes, bytearray, memoryview)):
+        raise TypeError("keys is a sequence of 32-byte keys, not one bytes object: wrap a single key in a list")
+
+
+def _check_key(k: Any) -> None:
+    if not isinstance(k, (bytes, bytearray, memoryview)):
+        raise TypeError(f"keys are 32-byte bytes objects, got {type(k).__name__}")
+    if len(k) != 32:
+        raise ValueError(f"keys are 32 bytes, got {len(k)}")
+
+
 def _keys(keys: Sequence[bytes]) -> bytes:
+    check_key_list(keys)
     for k in keys:
-        if len(k) != 32:
-            raise ValueError(f"keys are 32 bytes, got {len(k)}")
+        _check_key(k)
     return b"".join(bytes(k) for k in keys)
 
 
@@ -274,8 +287,7 @@ def _entries(ns: bytes, group: int, entries: Sequence[tuple[bytes, int, int]]) -
     parts = [_NSG.pack(_ns(ns), group, 0, len(entries))]
     pack = _ENTRY.pack
     for key, offset, length in entries:
-        if len(key) != 32:
-            raise ValueError(f"keys are 32 bytes, got {len(key)}")
+        _check_key(key)
         parts.append(pack(bytes(key), offset, length))
     return b"".join(parts)
 

@@ -59,6 +59,7 @@ import fcntl
 import mmap
 import os
 import socket
+import struct
 from dataclasses import dataclass, field
 from typing import Any, Callable, Generic, Iterable, Sequence, TypeVar, Union
 
@@ -379,7 +380,28 @@ class KvtierClient:
         except socket.timeout as e:
             raise self._broken("timed out sending to the kvtier daemon", e) from e
         except OSError as e:
+            said = self._parting_error()
+            if said is not None:
+                self._fail_in_flight(said)
+                self.close()
+                raise said from e
             raise self._broken("lost the connection to the kvtier daemon", e) from e
+
+    def _parting_error(self) -> KvtierUnavailable | None:
+        """The error the daemon sent before it closed the connection (``busy``
+        past ``max-connections``), if one is waiting to be read."""
+        assert self._sock is not None
+        try:
+            data = self._sock.recv(4096 + fr.HEADER_LEN, socket.MSG_DONTWAIT)
+            h = fr.decode_header(data[: fr.HEADER_LEN])
+            body = data[fr.HEADER_LEN : fr.HEADER_LEN + h.body_len]
+            fr.check_body(h, body)
+            reply = fr.decode_reply(h, body)
+        except (OSError, fr.FrameError, ValueError):
+            return None
+        if isinstance(reply, fr.ErrorReply):
+            return KvtierUnavailable(reply.message, reply.name)
+        return None
 
     def _fill(self, n: int) -> None:
         """Reads until at least ``n`` bytes are buffered (consuming none).
@@ -448,7 +470,14 @@ class KvtierClient:
         self._check_open()
         req_id = self._next_id
         self._next_id += 1
-        frame = build(req_id, *args)
+        try:
+            frame = build(req_id, *args)
+        except struct.error as e:
+            # An integer out of its field's range (a group over 65535, a
+            # negative offset, a float): said in the caller's terms.
+            raise ValueError(
+                f"{e}: groups are 0..65535; offsets, lengths, capacities and counts are non-negative integers"
+            ) from None
         pending: Pending[T] = Pending(self, req_id, decode, reply_bytes)
         # In flight from before the send: a send that fails fails it too.
         self._in_flight.append(pending)
@@ -657,6 +686,7 @@ class KvtierClient:
         ``into`` ranges until then, and give requests in flight together
         ranges that do not overlap."""
         self._check_open()
+        fr.check_key_list(keys)
         region = self.region
         if into is None:
             if not keys:

@@ -277,6 +277,52 @@ def test_errors_are_clear_and_the_connection_survives(client: KvtierClient) -> N
     assert client.lookup(ns, [key(1)]).prefix == 0
 
 
+def test_bad_arguments_are_refused_in_the_callers_terms(client: KvtierClient) -> None:
+    """Out-of-range integers are ValueErrors naming the fields' ranges (not
+    struct.error), and one key where a list goes is a TypeError saying so."""
+    ns = client.hello(record(0))
+    with pytest.raises(ValueError, match="groups are 0..65535"):
+        client.get(ns, [key(1)], group=65536)
+    with pytest.raises(ValueError, match="non-negative"):
+        client.put(ns, [(key(1), (-1, 10))])
+    with pytest.raises(TypeError, match="wrap a single key in a list"):
+        client.get(ns, key(1))
+    with pytest.raises(TypeError, match="wrap a single key in a list"):
+        client.lookup(ns, key(1))
+    with pytest.raises(TypeError, match="got int"):
+        client.delete(ns, [1])
+    client.ping()
+
+
+def test_a_busy_daemon_says_so_to_a_client_without_a_region(tmp_path: Path) -> None:
+    """The daemon answers a connection past max-connections with `busy` and
+    closes it: the client's first send fails, and the error raised is the
+    daemon's, not a broken pipe."""
+    path = tmp_path / "busy.sock"
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(str(path))
+    srv.listen(1)
+
+    def serve() -> None:
+        conn = srv.accept()[0]
+        conn.sendall(fr.encode_frame(fr.REPLY_BIT, 0, 13, 0, b"the daemon already serves 2 connections"))
+        conn.close()
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    try:
+        c = KvtierClient(path, region_size=0, timeout=5)
+        t.join(timeout=5)
+        with pytest.raises(KvtierUnavailable) as e:
+            c.stats()
+        assert e.value.code == "busy", e.value
+        assert "already serves" in str(e.value)
+        assert c.closed
+    finally:
+        t.join(timeout=5)
+        srv.close()
+
+
 def test_stats_and_flush(client: KvtierClient) -> None:
     ns = client.hello(record(0))
     client.put(ns, [(key(200), payload(200, 8192))])
