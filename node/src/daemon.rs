@@ -223,7 +223,7 @@ impl StartupInfo {
             self.ram_budget.approx(),
             self.disk_budget.approx(),
             if self.direct_io { "on" } else { "off" },
-            self.max_chunk.approx(),
+            self.max_chunk.approx_floor(),
             self.addrs.socket.display(),
         );
         match self.addrs.resp {

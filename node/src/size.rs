@@ -160,6 +160,16 @@ impl ByteSize {
     /// A short approximate rendering for humans ("3.7 GiB"); not parseable
     /// back exactly. Use `Display` for exact output.
     pub fn approx(self) -> String {
+        self.rounded(f64::round)
+    }
+
+    /// [`approx`](Self::approx) rounded down, for a limit: 33,533,824 bytes
+    /// is "31.9 MiB", never "32.0 MiB" (a 32 MiB chunk does not fit).
+    pub fn approx_floor(self) -> String {
+        self.rounded(f64::floor)
+    }
+
+    fn rounded(self, round: fn(f64) -> f64) -> String {
         let b = self.0 as f64;
         for (unit, mult) in [
             ("TiB", 1u64 << 40),
@@ -168,7 +178,7 @@ impl ByteSize {
             ("KiB", 1 << 10),
         ] {
             if self.0 >= mult {
-                return format!("{:.1} {unit}", b / mult as f64);
+                return format!("{:.1} {unit}", round(b / mult as f64 * 10.0) / 10.0);
             }
         }
         format!("{} B", self.0)
@@ -303,6 +313,15 @@ mod tests {
         for (s, want) in cases {
             assert_eq!(s.parse::<ByteSize>().unwrap(), ByteSize(want), "{s}");
         }
+    }
+
+    #[test]
+    fn approximations_round_and_limits_round_down() {
+        assert_eq!(ByteSize(33_533_824).approx(), "32.0 MiB");
+        assert_eq!(ByteSize(33_533_824).approx_floor(), "31.9 MiB");
+        assert_eq!(ByteSize(32 << 20).approx_floor(), "32.0 MiB");
+        assert_eq!(ByteSize(1536).approx(), "1.5 KiB");
+        assert_eq!(ByteSize(1000).approx_floor(), "1000 B");
     }
 
     #[test]
