@@ -164,10 +164,16 @@ fn exit_code_of(err: &anyhow::Error) -> u8 {
         if cause.downcast_ref::<Unreachable>().is_some() {
             return EXIT_UNREACHABLE;
         }
+        // A daemon past max-connections answers `busy` and closes the
+        // connection: not reachable now, like one that is down.
         if let Some(
             node::native::NativeError::Unavailable { .. }
             | node::native::NativeError::Timeout { .. }
-            | node::native::NativeError::Closed,
+            | node::native::NativeError::Closed
+            | node::native::NativeError::Remote {
+                code: node::native::codec::ErrorCode::Busy,
+                ..
+            },
         ) = cause.downcast_ref()
         {
             return EXIT_UNREACHABLE;

@@ -1031,3 +1031,35 @@ fn a_port_in_use_fails_the_start_before_the_store_is_created() {
         );
     }
 }
+
+/// A daemon past its connection limit answers `busy` and closes: a client
+/// command exits 3 (unreachable now, retry later), not 1.
+#[test]
+fn a_busy_daemon_exits_3() {
+    use node::native::codec::{ErrorCode, encode_error};
+    use std::io::Write;
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("busy.sock");
+    let listener = std::os::unix::net::UnixListener::bind(&path).expect("bind");
+    let server = std::thread::spawn(move || {
+        let (mut conn, _) = listener.accept().expect("accept");
+        let mut out = Vec::new();
+        encode_error(
+            &mut out,
+            0,
+            0,
+            ErrorCode::Busy,
+            "the daemon already serves 1024 connections (max-connections)",
+        );
+        conn.write_all(&out).expect("write busy");
+    });
+    let sock = path.to_string_lossy().into_owned();
+    let out = run_kvtier(&["stats", "--socket", &sock, "--timeout", "10s"], &[]);
+    server.join().expect("server thread");
+    assert_eq!(out.status.code(), Some(3), "{}", text_of(&out));
+    assert!(
+        text(&out.stderr).contains("max-connections"),
+        "{}",
+        text_of(&out)
+    );
+}

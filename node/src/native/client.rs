@@ -176,7 +176,18 @@ impl Client {
             Some(fd) => send_with_fd(self.stream.as_fd(), &self.wbuf, Some(fd)),
             None => self.stream.write_all(&self.wbuf),
         };
-        r.map_err(|e| map_io("send request", e))?;
+        if let Err(e) = r {
+            let err = map_io("send request", e);
+            if matches!(err, NativeError::Closed) {
+                // The daemon may have said why before it closed (`busy`
+                // past max-connections): that is the error to report. A
+                // closed peer never blocks this read.
+                if let Ok((0, Reply::Error { code, message })) = self.recv() {
+                    return Err(NativeError::Remote { code, message });
+                }
+            }
+            return Err(err);
+        }
         Ok(id)
     }
 
