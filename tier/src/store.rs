@@ -63,7 +63,9 @@ pub fn create_data_dir(dir: &std::path::Path) -> std::io::Result<()> {
 /// which regular files ignore, keeps a FIFO from blocking the open). A
 /// daemon or a `sudo kvtier verify` running as root on a data dir that
 /// another user can write would otherwise write, and chown, whatever a
-/// link planted there points to. `flags`: more `open(2)` flags (`O_DIRECT`).
+/// link planted there points to. Opened for writing, it must have no other
+/// name either (a hard link: kvtier writes in place, so it would change
+/// that file too). `flags`: more `open(2)` flags (`O_DIRECT`).
 pub fn open_data_file(
     path: &std::path::Path,
     opts: &mut std::fs::OpenOptions,
@@ -87,11 +89,30 @@ pub fn open_data_file(
                 e
             }
         })?;
-    if !f.metadata()?.is_file() {
+    let meta = f.metadata()?;
+    if !meta.is_file() {
         return Err(std::io::Error::new(
             std::io::ErrorKind::InvalidInput,
             format!("{} is not a regular file", path.display()),
         ));
+    }
+    {
+        use std::os::fd::AsRawFd;
+        use std::os::unix::fs::MetadataExt;
+        // SAFETY: F_GETFL on a descriptor this function owns.
+        let mode = unsafe { libc::fcntl(f.as_raw_fd(), libc::F_GETFL) };
+        if mode >= 0 && mode & libc::O_ACCMODE != libc::O_RDONLY && meta.nlink() != 1 {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                format!(
+                    "{} has {} names (hard links): kvtier writes the files of its data dir in \
+                     place, which would change the other names' file too; give it a file of its \
+                     own (copy it, or remove the other names)",
+                    path.display(),
+                    meta.nlink()
+                ),
+            ));
+        }
     }
     Ok(f)
 }
@@ -120,7 +141,7 @@ pub fn own_like_dir(file: &std::fs::File, dir: &std::path::Path) -> std::io::Res
         return Ok(());
     }
     // Never a file with other names (a hard link planted in the data dir
-    // to a file of root's).
+    // to a file of root's; `open_data_file` refuses those for writing).
     let f = file.metadata()?;
     if !f.is_file() || f.nlink() != 1 {
         tracing::warn!(dir = %dir.display(), links = f.nlink(),

@@ -1467,6 +1467,25 @@ fn links_and_fifos_planted_in_the_data_dir_are_never_followed() {
         let e = open_in_thread(dir.path()).expect_err(name);
         assert!(e.to_string().contains("not a regular file"), "{name}: {e}");
     }
+    // Hard links: a store file with another name (a store elsewhere, or a
+    // file of someone else's) is refused, not written through.
+    let elsewhere = tempfile::tempdir_in(outside.path()).unwrap();
+    ChunkStore::open(config(elsewhere.path()))
+        .unwrap()
+        .close(Duration::from_secs(5))
+        .unwrap();
+    let other = elsewhere.path().join(tier::store::STORE_FILE);
+    let before = std::fs::read(&other).unwrap();
+    let dir = tempfile::tempdir_in(outside.path()).unwrap();
+    std::fs::hard_link(&other, dir.path().join(tier::store::STORE_FILE)).unwrap();
+    let e = open_in_thread(dir.path()).expect_err("a hard-linked store file");
+    assert!(e.to_string().contains("hard links"), "{e}");
+    assert!(std::fs::read(&other).unwrap() == before, "left as it was");
+    let dir = tempfile::tempdir_in(outside.path()).unwrap();
+    std::fs::hard_link(&victim, dir.path().join(tier::deletes::FILE_NAME)).unwrap();
+    let e = open_in_thread(dir.path()).expect_err("a hard-linked journal");
+    assert!(e.to_string().contains("hard links"), "{e}");
+    assert_eq!(std::fs::read(&victim).unwrap(), b"SECRET");
     // The manifest's temporary file: a link there is removed, not written
     // through, and the manifest is saved.
     let dir = tempfile::tempdir().unwrap();
