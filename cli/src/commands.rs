@@ -761,7 +761,7 @@ fn verify(args: &VerifyArgs) -> Result<u8> {
     // The chunks recovery dropped from the open region would be dropped
     // again at every open (and counted here) until the region is sealed.
     let sealed = args.repair
-        && at_open > 0
+        && (at_open > 0 || damaged > 0)
         && store
             .seal_open_region()
             .context("seal the open region (its summary leaves out the dropped chunks)")?;
@@ -804,11 +804,16 @@ fn verify(args: &VerifyArgs) -> Result<u8> {
                  `verify --repair` seals it)"
             );
         }
-        if damaged > 0 {
+        if damaged > 0 && sealed {
+            outln!(
+                "damaged at open: {damaged} region slot(s), summary(ies) or batch record(s) \
+                 (see the warnings above for what was recovered); rewritten now"
+            );
+        } else if damaged > 0 {
             outln!(
                 "damaged at open: {damaged} region slot(s), summary(ies) or batch record(s) \
                  (see the warnings above for what was recovered; counted at every open until \
-                 the region is reused)"
+                 the region is reused, or `verify --repair` rewrites them)"
             );
         }
         outln!(

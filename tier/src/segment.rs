@@ -108,6 +108,10 @@ pub(crate) struct Recovered {
     pub regions: Vec<(u64, bool)>,
     /// Regions recovered from batch records that must be sealed now.
     pub unsealed: Vec<Unsealed>,
+    /// Regions whose open slot was damaged (bit rot), with the generation
+    /// recovery took from their other records (`None`: none known, the
+    /// region counts as free). `seal_open_region` rewrites those slots.
+    pub damaged_slots: Vec<(u32, Option<u64>)>,
     /// Regions whose open slot names a generation but that hold nothing
     /// durable (no batch, or only torn or corrupt chunks): free in memory,
     /// walked again at every open until reused, or until
@@ -403,13 +407,22 @@ impl Disk {
         let mut slots = AlignedBuf::zeroed(2 * BLOCK as usize);
         let mut order = Vec::new();
         let mut regions = vec![(0u64, false); self.region_count as usize];
+        let mut damaged_slots = Vec::new();
         for r in 0..self.region_count {
             self.dev
                 .read_at(&mut slots, self.region_base(r) + OPEN_SLOT)
                 .map_err(|e| self.io_err("read region slots of", e))?;
-            let Some(generation) = decode_open_slot(&slots[..BLOCK as usize], r)
-                .or_else(|| self.generation_of_damaged(r, &slots))
-            else {
+            let decoded = decode_open_slot(&slots[..BLOCK as usize], r);
+            let generation = match decoded {
+                Some(g) => Some(g),
+                None if slots[..BLOCK as usize].iter().all(|&b| b == 0) => None,
+                None => {
+                    let g = self.generation_of_damaged(r, &slots);
+                    damaged_slots.push((r, g));
+                    g
+                }
+            };
+            let Some(generation) = generation else {
                 continue;
             };
             let seal = SealSlot::decode(&slots[BLOCK as usize..])
@@ -427,6 +440,7 @@ impl Disk {
             regions: Vec::new(),
             unsealed: Vec::new(),
             emptied: Vec::new(),
+            damaged_slots,
             reopen: None,
             max_generation: order.last().map_or(0, |o| o.0),
             max_txn: 0,

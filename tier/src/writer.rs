@@ -181,6 +181,12 @@ pub(crate) struct Writer {
     recovered: Vec<Unsealed>,
     /// [`Recovered::emptied`], until `SealOpen` clears their open slots.
     emptied: Vec<u32>,
+    /// [`Recovered::damaged_slots`], until `SealOpen` rewrites them.
+    damaged_slots: Vec<(u32, Option<u64>)>,
+    /// Regions whose damaged open slot left their generation unknown:
+    /// records of it may lie anywhere in them, so a region opened there
+    /// checks the block after each batch ([`OpenRegion::reused`]).
+    suspect: Vec<u32>,
     /// A full region whose seal failed with ENOSPC (the writer paused): it
     /// takes no more batches, and is sealed before any other region opens.
     unsealed_full: Option<OpenRegion>,
@@ -357,6 +363,13 @@ impl Writer {
             spare: Vec::new(),
             recovered: rec.unsealed,
             emptied: rec.emptied,
+            suspect: rec
+                .damaged_slots
+                .iter()
+                .filter(|(_, g)| g.is_none())
+                .map(|(r, _)| *r)
+                .collect(),
+            damaged_slots: rec.damaged_slots,
             unsealed_full: None,
             inflight: VecDeque::new(),
             depth: IO_DEPTH,
@@ -500,7 +513,7 @@ impl Writer {
                         }
                         None => Ok(false),
                     };
-                    let r = r.and_then(|sealed| Ok(self.clear_emptied()? || sealed));
+                    let r = r.and_then(|sealed| Ok(self.repair_slots()? || sealed));
                     let _ = ack.send(r);
                 }
                 Some(Msg::Stop(ack)) => {
@@ -612,38 +625,53 @@ impl Writer {
         n
     }
 
-    /// Zeroes the open slot of each region recovery found open but empty
-    /// and that is still free (a zero slot is a free region), then
-    /// fdatasync: later opens no longer walk it, nor count its torn chunks.
-    /// Returns whether it cleared any.
-    fn clear_emptied(&mut self) -> Result<bool> {
+    /// Rewrites the open slots recovery found wrong, where the region is
+    /// still as recovery left it: zeroed (a free region) for a region open
+    /// but empty or whose damaged slot named no known generation; the
+    /// recovered generation for the other damaged ones. Then fdatasync:
+    /// later opens no longer walk the empty regions, nor count their torn
+    /// chunks or the damaged slots. Returns whether it wrote any.
+    fn repair_slots(&mut self) -> Result<bool> {
         let open = self.open.as_ref().map(|o| o.r);
-        let free: Vec<u32> = std::mem::take(&mut self.emptied)
-            .into_iter()
-            .filter(|&r| self.regions[r as usize].0 == 0 && open != Some(r))
-            .collect();
-        if free.is_empty() {
+        let free = |w: &Self, r: u32| w.regions[r as usize].0 == 0 && open != Some(r);
+        let mut writes: Vec<(u32, Option<u64>)> = Vec::new();
+        for r in std::mem::take(&mut self.emptied) {
+            if free(self, r) {
+                writes.push((r, None));
+            }
+        }
+        for (r, g) in std::mem::take(&mut self.damaged_slots) {
+            let still = match g {
+                Some(g) => self.regions[r as usize].0 == g,
+                None => free(self, r),
+            };
+            if still && !writes.iter().any(|w| w.0 == r) {
+                writes.push((r, g));
+            }
+        }
+        if writes.is_empty() {
             return Ok(false);
         }
         self.check_poison()?;
-        let zero = AlignedBuf::zeroed(BLOCK as usize);
-        for &r in &free {
+        let mut slot = AlignedBuf::zeroed(BLOCK as usize);
+        for &(r, g) in &writes {
+            slot.fill(0);
+            if let Some(g) = g {
+                encode_open_slot(&mut slot, r, g);
+            }
             if let Err(e) = self
                 .disk
                 .dev
-                .write_at(&zero, self.disk.region_base(r) + OPEN_SLOT)
+                .write_at(&slot, self.disk.region_base(r) + OPEN_SLOT)
             {
-                self.poison(format!("clearing the open slot of region {r} failed: {e}"));
+                self.poison(format!("rewriting the open slot of region {r} failed: {e}"));
                 return Err(Error::Io {
-                    op: "clear the open slot of an empty region in",
+                    op: "rewrite a region's open slot in",
                     path: self.disk.dev.path().to_path_buf(),
                     source: e,
                 });
             }
-            tracing::info!(
-                region = r,
-                "cleared the open slot of a region recovery found empty"
-            );
+            tracing::info!(region = r, generation = ?g, "rewrote an open slot recovery found empty or damaged");
         }
         self.sync()?;
         Ok(true)
@@ -1346,7 +1374,7 @@ impl Writer {
             generation,
             data_end: DATA_START,
             entries: Vec::new(),
-            reused: false,
+            reused: self.suspect.contains(&r),
         });
     }
 

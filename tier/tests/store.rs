@@ -1551,6 +1551,32 @@ fn damaged_region_metadata_is_recovered_around_or_counted() {
     let (dir, cfg, ns, _, open) = make();
     flip_byte(&dir.path().join("store.kvt"), open * REGION + 3 * 4096 + 20);
     assert_eq!(reopen(&cfg, ns, &[3]), 1);
+    // Both the open slot and the first batch record of the open region: no
+    // generation is known, the region counts as free (its chunk lost,
+    // said). The repair zeroes the slot: later opens are clean, and the
+    // region takes new chunks.
+    let (dir, cfg, ns, _, open) = make();
+    flip_byte(&dir.path().join("store.kvt"), slot_of(open) + 20);
+    flip_byte(&dir.path().join("store.kvt"), open * REGION + 3 * 4096 + 20);
+    assert_eq!(reopen(&cfg, ns, &[3]), 1, "the slot (the free region is not walked)");
+    {
+        let s = ChunkStore::open(cfg.clone()).unwrap();
+        assert!(s.seal_open_region().unwrap(), "slots rewritten");
+        s.close(Duration::from_secs(5)).unwrap();
+    }
+    assert_eq!(reopen(&cfg, ns, &[3]), 0, "clean after the repair");
+    {
+        let s = ChunkStore::open(cfg.clone()).unwrap();
+        for n in 10..14 {
+            s.put(id(ns, n), payload(n, 12_000)).unwrap();
+        }
+        s.close(Duration::from_secs(5)).unwrap();
+        let s = ChunkStore::open(cfg.clone()).unwrap();
+        for n in 10..14 {
+            assert_eq!(s.get(&id(ns, n)).unwrap().data, payload(n, 12_000));
+        }
+        assert_eq!(s.stats().damaged_metadata, 0);
+    }
     // Past the end of the chain, a block that starts with the record's
     // magic but names no region of this store (an older generation's
     // payload): the chain's normal end, not damage.
