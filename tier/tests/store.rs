@@ -1558,7 +1558,11 @@ fn damaged_region_metadata_is_recovered_around_or_counted() {
     let (dir, cfg, ns, _, open) = make();
     flip_byte(&dir.path().join("store.kvt"), slot_of(open) + 20);
     flip_byte(&dir.path().join("store.kvt"), open * REGION + 3 * 4096 + 20);
-    assert_eq!(reopen(&cfg, ns, &[3]), 1, "the slot (the free region is not walked)");
+    assert_eq!(
+        reopen(&cfg, ns, &[3]),
+        1,
+        "the slot (the free region is not walked)"
+    );
     {
         let s = ChunkStore::open(cfg.clone()).unwrap();
         assert!(s.seal_open_region().unwrap(), "slots rewritten");
