@@ -75,6 +75,11 @@ pub struct TierConfig {
     /// --repair` sets this, then drops them). Unset, such a file is refused
     /// and left as it is. Default: false.
     pub grow_truncated: bool,
+    /// Most namespaces the store registers; a new one past it is refused
+    /// with `NoSpace` (`kvtier gc` drops unused ones). Every registration
+    /// rewrites the namespace manifest, so this bounds its size (records are
+    /// at most 16 KiB each). Default: 4,096.
+    pub max_namespaces: usize,
 }
 
 mod duration_ms {
@@ -104,6 +109,7 @@ impl Default for TierConfig {
             pack_threads: None,
             huge_pages: true,
             grow_truncated: false,
+            max_namespaces: 4096,
         }
     }
 }
@@ -111,6 +117,11 @@ impl Default for TierConfig {
 impl TierConfig {
     /// Rejects contradictions (never clamps silently).
     pub fn validate(&self) -> Result<()> {
+        if self.max_namespaces == 0 {
+            return Err(Error::Config(
+                "max-namespaces is 0: no namespace could be registered".into(),
+            ));
+        }
         if self.ram_budget < (1 << 20) {
             return Err(Error::Config(format!(
                 "ram-budget is {} bytes; the minimum is 1 MiB",

@@ -836,6 +836,16 @@ impl ChunkStore {
         if snapshot.contains_key(&id) {
             return Ok(id);
         }
+        let max = self.inner.config.max_namespaces;
+        if snapshot.len() >= max {
+            return Err(Error::NoSpace {
+                detail: format!(
+                    "the store already holds {} namespaces, the most it registers \
+                     (max-namespaces {max}); drop unused ones with `kvtier gc`",
+                    snapshot.len()
+                ),
+            });
+        }
         snapshot.insert(
             id,
             NsEntry {

@@ -1003,6 +1003,23 @@ fn unknown_namespace_and_oversized_chunks_are_refused() {
         ..record(1)
     };
     s.register_namespace(&fits).unwrap();
+    drop(s);
+    // The count is bounded too: past it a new namespace is refused, the
+    // registered ones still register.
+    let dir = tempfile::tempdir().unwrap();
+    let s = ChunkStore::open(TierConfig {
+        max_namespaces: 3,
+        ..config(dir.path())
+    })
+    .unwrap();
+    for rank in 0..3 {
+        s.register_namespace(&record(rank)).unwrap();
+    }
+    let e = s.register_namespace(&record(3)).unwrap_err();
+    assert!(matches!(e, Error::NoSpace { .. }), "{e}");
+    assert!(e.to_string().contains("max-namespaces 3"), "{e}");
+    s.register_namespace(&record(1)).unwrap();
+    assert_eq!(s.namespaces().len(), 3);
 }
 
 #[test]
