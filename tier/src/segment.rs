@@ -425,8 +425,20 @@ impl Disk {
             let Some(generation) = generation else {
                 continue;
             };
-            let seal = SealSlot::decode(&slots[BLOCK as usize..])
-                .filter(|s| s.generation == generation && s.region == r);
+            let seal_block = &slots[BLOCK as usize..];
+            let decoded = SealSlot::decode(seal_block);
+            if decoded.is_none() && seal_block.iter().any(|&b| b != 0) {
+                // Written whole (its bytes are in its first sector) and only
+                // after the summary is durable: not a torn write, damage.
+                self.counters
+                    .damaged_metadata
+                    .fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(
+                    region = r,
+                    "damaged seal slot; scanning the region's batches"
+                );
+            }
+            let seal = decoded.filter(|s| s.generation == generation && s.region == r);
             order.push((generation, r, seal));
         }
         order.sort_unstable_by_key(|o| (o.0, o.1));
@@ -471,7 +483,17 @@ impl Disk {
             );
         };
         for (generation, r, seal) in order {
-            let summary = seal.and_then(|s| self.read_summary(r, &s).ok());
+            // A seal slot is written only once its summary is durable: a
+            // summary that fails its checks is damage, not a torn write.
+            let summary = seal.and_then(|s| {
+                self.read_summary(r, &s)
+                    .inspect_err(|_| {
+                        self.counters
+                            .damaged_metadata
+                            .fetch_add(1, Ordering::Relaxed);
+                    })
+                    .ok()
+            });
             // A summary that passes its CRC but not validation (a writer bug,
             // a crafted file) is walked around like one that fails its CRC.
             let arch = summary.as_ref().and_then(|buf| {

@@ -1568,6 +1568,23 @@ fn damaged_region_metadata_is_recovered_around_or_counted() {
     let (dir, cfg, ns, _, open) = make();
     flip_byte(&dir.path().join("store.kvt"), open * REGION + 3 * 4096 + 20);
     assert_eq!(reopen(&cfg, ns, &[3]), 1);
+    // The sealed region's seal slot, then a byte of its summary: its
+    // batches are walked instead, nothing is lost, and it is counted.
+    for at in [2 * 4096 + 20, 0] {
+        let (dir, cfg, ns, sealed, _) = make();
+        let at = if at == 0 {
+            let file = std::fs::File::open(dir.path().join("store.kvt")).unwrap();
+            let mut seal = [0u8; 44];
+            file.read_exact_at(&mut seal, sealed * REGION + 2 * 4096)
+                .unwrap();
+            let off = u32::from_le_bytes(seal[24..28].try_into().unwrap());
+            u64::from(off) + 10
+        } else {
+            at
+        };
+        flip_byte(&dir.path().join("store.kvt"), sealed * REGION + at);
+        assert_eq!(reopen(&cfg, ns, &[]), 1, "seal slot or summary at {at}");
+    }
     // Both the open slot and the first batch record of the open region: no
     // generation is known, the region counts as free (its chunk lost,
     // said). The repair zeroes the slot: later opens are clean, and the
