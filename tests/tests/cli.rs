@@ -1079,3 +1079,35 @@ fn a_busy_daemon_exits_3() {
         text_of(&out)
     );
 }
+
+/// The store file itself is locked: with the data dir's LOCK file removed
+/// under a running daemon, `verify` (and a second daemon) are still
+/// refused instead of writing beside it.
+#[test]
+fn a_removed_lock_file_does_not_let_a_second_writer_in() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let args = kvtier_tests::test_args(dir.path());
+    let d = Daemon::start_args(dir.path(), &args, &[]).unwrap_or_else(|e| panic!("{e}"));
+    std::fs::remove_file(d.data_dir.join("LOCK")).expect("remove LOCK");
+    let data = d.data_dir.to_string_lossy().into_owned();
+    let store = [&["--data-dir", data.as_str()][..], &TEST_STORE].concat();
+    let out = run_kvtier(&[&["verify"][..], &store].concat(), &[]);
+    assert_eq!(out.status.code(), Some(1), "{}", text_of(&out));
+    assert!(
+        text(&out.stderr).contains("in use by another process"),
+        "{}",
+        text_of(&out)
+    );
+    let mut second = kvtier_tests::test_args(dir.path());
+    kvtier_tests::set_flag(
+        &mut second,
+        "--socket",
+        &dir.path().join("second.sock").to_string_lossy(),
+    );
+    let refused = Daemon::start_args(dir.path(), &second, &[])
+        .map(|_| ())
+        .expect_err("second daemon");
+    assert!(refused.contains("in use by another process"), "{refused}");
+    let mut c = d.client();
+    c.ping().expect("the first daemon still serves");
+}

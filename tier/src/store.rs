@@ -126,6 +126,36 @@ pub fn read_data_file(path: &std::path::Path) -> std::io::Result<Vec<u8>> {
     Ok(buf)
 }
 
+/// Takes an exclusive `flock` on the store file for as long as the returned
+/// handle lives: a second store on the same file (a daemon whose data dir's
+/// `LOCK` file was removed, or the file reached by another path) is refused
+/// instead of writing beside the first.
+fn lock_store_file(path: &std::path::Path) -> Result<std::fs::File> {
+    use std::os::fd::AsRawFd;
+    let io = |source| Error::Io {
+        op: "lock the store file",
+        path: path.to_path_buf(),
+        source,
+    };
+    let f = open_data_file(path, std::fs::OpenOptions::new().read(true), 0).map_err(io)?;
+    // SAFETY: flock on a descriptor owned here.
+    if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
+        return Ok(f);
+    }
+    let e = std::io::Error::last_os_error();
+    if e.raw_os_error() != Some(libc::EWOULDBLOCK) {
+        return Err(io(e));
+    }
+    Err(io(std::io::Error::new(
+        std::io::ErrorKind::WouldBlock,
+        format!(
+            "{} is in use by another process (a kvtier daemon, `kvtier verify` or `gc`): a store \
+             file takes one at a time; stop the other one first",
+            path.display()
+        ),
+    )))
+}
+
 /// Gives a file kvtier just created in `dir` the owner and group of `dir`
 /// when this process runs as root and `dir` belongs to someone else: an
 /// offline command run with `sudo` (`kvtier verify`) must not leave files
@@ -583,6 +613,8 @@ pub struct ChunkStore {
     // parking_lot: taken once at close.
     threads: Mutex<Vec<JoinHandle<()>>>,
     idle_stop: Mutex<Option<Sender<()>>>,
+    /// The store file's `flock`, held until the store is closed or dropped.
+    file_lock: Mutex<Option<std::fs::File>>,
 }
 
 impl ChunkStore {
@@ -594,7 +626,7 @@ impl ChunkStore {
             path: config.data_dir.clone(),
             source: e,
         })?;
-        let dev: Option<Arc<dyn Device>> = if config.disk_budget == 0 {
+        let dev: Option<(Arc<dyn Device>, std::fs::File)> = if config.disk_budget == 0 {
             None
         } else {
             let len = config.disk_budget / config.region_size * config.region_size;
@@ -619,9 +651,13 @@ impl ChunkStore {
                     }
                 }
             })?;
-            Some(Arc::new(dev))
+            let lock = lock_store_file(&path)?;
+            Some((Arc::new(dev) as Arc<dyn Device>, lock))
         };
-        Self::open_inner(config, dev)
+        let (dev, lock) = dev.unzip();
+        let store = Self::open_inner(config, dev)?;
+        *store.file_lock.lock() = lock;
+        Ok(store)
     }
 
     /// Opens the store on a given device (tests: counting, crashing and
@@ -704,6 +740,7 @@ impl ChunkStore {
             inner: inner.clone(),
             threads: Mutex::new(Vec::new()),
             idle_stop: Mutex::new(None),
+            file_lock: Mutex::new(None),
         };
         if let (Some(d), Some((rec, journal))) = (disk, rec) {
             let needs_seal = !rec.unsealed.is_empty();
@@ -1267,6 +1304,7 @@ impl ChunkStore {
         let report = self.inner.flush_inner(Some(Instant::now() + deadline));
         self.inner.persist_last_used();
         self.stop_threads();
+        self.file_lock.lock().take();
         report
     }
 

@@ -1733,3 +1733,22 @@ fn seal_open_region_clears_a_region_recovery_found_empty() {
     assert_eq!(s.stats().verify_failures, 0);
     assert_eq!(s.get(&id(ns, 1)).unwrap().data, payload(1, 9000));
 }
+
+/// One store file, one store: a second open of the same file (a daemon's
+/// `LOCK` file removed, or the file reached by another path) is refused
+/// while the first lives, instead of two writers overwriting each other.
+#[test]
+fn a_store_file_in_use_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = ChunkStore::open(config(dir.path())).unwrap();
+    let Err(e) = ChunkStore::open(config(dir.path())) else {
+        panic!("opened twice")
+    };
+    assert!(e.to_string().contains("in use by another process"), "{e}");
+    let ns = s.register_namespace(&record(0)).unwrap();
+    s.put(id(ns, 1), payload(1, 1000)).unwrap();
+    s.close(Duration::from_secs(5)).unwrap();
+    drop(s);
+    let s = ChunkStore::open(config(dir.path())).unwrap();
+    assert_eq!(s.get(&id(ns, 1)).unwrap().data, payload(1, 1000));
+}
