@@ -723,7 +723,18 @@ fn verify(args: &VerifyArgs) -> Result<u8> {
                 Some(tier::Error::Corrupt { .. } | tier::Error::ManifestCorrupt { .. })
             ) =>
         {
-            let problem = format!("{:#}", e);
+            let mut problem = format!("{:#}", e);
+            if matches!(
+                e.downcast_ref::<tier::Error>(),
+                Some(tier::Error::Corrupt { what, .. }) if what.contains("superblock")
+            ) {
+                // Nothing to rebuild it from: say what to do instead.
+                problem.push_str(
+                    "; `verify --repair` cannot rebuild a superblock: restore the store file from \
+                     a copy, or move the data dir aside and start empty (it is a cache: see \
+                     docs/operations.md, Recovery)",
+                );
+            }
             if args.json {
                 let doc = serde_json::json!({
                     "checked": 0, "bad": 1, "dropped": 0, "dropped_at_open": 0,
@@ -791,7 +802,7 @@ fn verify(args: &VerifyArgs) -> Result<u8> {
         for p in &report.problems {
             outln!("bad: {p}");
         }
-        if sealed {
+        if sealed && at_open > 0 {
             outln!(
                 "dropped at open: {at_open} chunk(s) torn or corrupt in the region open at the last shutdown \
                  (never served; see the warnings above); that region is sealed now without them \

@@ -1111,3 +1111,30 @@ fn a_removed_lock_file_does_not_let_a_second_writer_in() {
     let mut c = d.client();
     c.ping().expect("the first daemon still serves");
 }
+
+/// A store file that is not a kvtier store (its superblock unreadable) is
+/// reported as bad, with what to do: no repair rebuilds a superblock.
+#[test]
+fn verify_of_an_unreadable_superblock_names_the_way_out() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let data = dir.path().join("data");
+    std::fs::create_dir(&data).expect("data dir");
+    std::fs::write(data.join("store.kvt"), vec![0x5a; 64 << 10]).expect("garbage store");
+    let d = data.to_string_lossy().into_owned();
+    for repair in [false, true] {
+        let mut args = vec!["verify", "--data-dir", d.as_str()];
+        if repair {
+            args.push("--repair");
+        }
+        let out = run_kvtier(&args, &[]);
+        assert_eq!(out.status.code(), Some(5), "{}", text_of(&out));
+        let said = text(&out.stdout);
+        assert!(said.contains("superblock"), "{said}");
+        assert!(said.contains("move the data dir aside"), "{said}");
+    }
+    assert_eq!(
+        std::fs::read(data.join("store.kvt")).expect("read").len(),
+        64 << 10,
+        "left as it was"
+    );
+}
