@@ -806,3 +806,42 @@ async fn a_pipeline_written_before_any_reply_is_read_is_served() {
     rt(&mut c, &cmd(&[b"GET", b"big2"]), &bulk(&v2)).await;
     s.stop().await;
 }
+
+/// A pipeline that arrives in small pieces while the replies back up: the
+/// commands read ahead during the blocked reply write are served without
+/// waiting for more input (they sat in the buffer until the client sent
+/// another byte, which it never did: the connection hung).
+#[tokio::test]
+async fn commands_read_ahead_while_replies_wait_are_served_without_more_input() {
+    let s = Server::start(RespOptions::default()).await;
+    let mut c = s.connect().await;
+    let v = vec![7u8; 5000];
+    rt(&mut c, &cmd(&[b"SET", b"v", &v]), b"+OK\r\n").await;
+    let mut req = Vec::new();
+    for _ in 0..2000 {
+        req.extend(cmd(&[b"GET", b"v"]));
+    }
+    req.extend_from_slice(b"PING\r\n");
+    c.set_nodelay(true).expect("nodelay");
+    let (mut rd, mut wr) = c.into_split();
+    // Sent a byte at a time, nothing read meanwhile.
+    for piece in req.chunks(1) {
+        tokio::time::timeout(T, wr.write_all(piece))
+            .await
+            .expect("the pipeline is accepted")
+            .expect("write");
+    }
+    let mut want = Vec::new();
+    for _ in 0..2000 {
+        want.extend(bulk(&v));
+    }
+    want.extend_from_slice(b"+PONG\r\n");
+    let mut got = vec![0u8; want.len()];
+    tokio::time::timeout(T, rd.read_exact(&mut got))
+        .await
+        .expect("every reply arrives without more input")
+        .expect("read");
+    assert!(got == want, "replies differ");
+    drop(wr);
+    s.stop().await;
+}

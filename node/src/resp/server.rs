@@ -219,7 +219,14 @@ async fn connection(shared: &Shared, mut sock: TcpStream) -> io::Result<()> {
                 Err(e) => return protocol_error(shared, &mut sock, &mut out, &e).await,
             }
         }
+        // Commands read ahead while the replies waited are parsed before
+        // waiting for more input (the client may send nothing more until
+        // it has their replies).
+        let buffered = rbuf.len();
         flush(&sock, &mut out, &mut rbuf).await?;
+        if rbuf.len() > buffered {
+            continue;
+        }
         if rbuf.capacity() - rbuf.len() < READ_BUF / 4 {
             rbuf.reserve(READ_BUF);
         }
