@@ -845,3 +845,63 @@ async fn commands_read_ahead_while_replies_wait_are_served_without_more_input() 
     drop(wr);
     s.stop().await;
 }
+
+/// Large values being received are bounded over all connections: a client
+/// that announces a value and sends only part of it holds its share; past
+/// the bound the next one gets an error and is closed, others keep
+/// working, and the share comes back when the first goes.
+#[tokio::test]
+async fn large_values_being_received_are_bounded_over_all_connections() {
+    let s = Server::start(RespOptions {
+        max_receiving: 1 << 20,
+        ..RespOptions::default()
+    })
+    .await;
+    let head = |len: usize| format!("*3\r\n$3\r\nSET\r\n$1\r\nk\r\n${len}\r\n").into_bytes();
+    // Holds 800 KiB: announced, 1 KiB sent.
+    let mut a = s.connect().await;
+    a.write_all(&head(800 << 10)).await.expect("write");
+    a.write_all(&[1u8; 1024]).await.expect("write");
+    let mut w = s.connect().await;
+    rt(&mut w, b"PING\r\n", b"+PONG\r\n").await;
+    // 400 KiB more would pass 1 MiB: refused, closed (once a's task has
+    // taken its share; a probe that is not answered is dropped, which
+    // gives its own share back).
+    let mut said = String::new();
+    for _ in 0..50 {
+        let mut b = s.connect().await;
+        b.write_all(&head(400 << 10)).await.expect("write");
+        let answer = tokio::time::timeout(Duration::from_millis(200), b.read_to_string(&mut said));
+        if answer.await.is_ok() {
+            break;
+        }
+    }
+    assert!(
+        said.starts_with("-ERR") && said.contains("at most 1 MiB"),
+        "{said}"
+    );
+    rt(&mut w, b"PING\r\n", b"+PONG\r\n").await;
+    drop(a);
+    // Its share is back once its task ends: the same value is taken.
+    let v = vec![2u8; 400 << 10];
+    let mut ok = false;
+    for _ in 0..100 {
+        let mut c = s.connect().await;
+        c.write_all(&cmd(&[b"SET", b"k2", &v]))
+            .await
+            .expect("write");
+        let mut got = [0u8; 5];
+        if tokio::time::timeout(T, c.read_exact(&mut got))
+            .await
+            .is_ok_and(|r| r.is_ok())
+            && &got == b"+OK\r\n"
+        {
+            ok = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(ok, "the share came back");
+    rt(&mut w, &cmd(&[b"GET", b"k2"]), &bulk(&v)).await;
+    s.stop().await;
+}

@@ -49,6 +49,13 @@ pub struct Shared {
     /// The listening port (for INFO).
     pub port: u16,
     next_client_id: AtomicU64,
+    /// Bytes of large values being received now over all connections (each
+    /// buffer is taken at the bulk's announced length), bounded by
+    /// `receiving_max`: a client announcing values it never sends cannot
+    /// make the daemon hold more.
+    pub receiving: std::sync::atomic::AtomicUsize,
+    /// The larger of 1 GiB and a quarter of the RAM budget.
+    pub receiving_max: usize,
     // Bumped by every SET / DEL of a key hashing to the slot; a pin is only
     // served while its slot is unchanged, so a pin never outlives a write.
     epochs: Box<[AtomicU64]>,
@@ -66,7 +73,13 @@ impl std::fmt::Debug for Shared {
 impl Shared {
     /// State for a listener on `port`.
     pub fn new(ctx: Arc<NodeContext>, opts: RespOptions, port: u16) -> Self {
+        let ram = usize::try_from(ctx.store.config().ram_budget).unwrap_or(usize::MAX);
         Self {
+            receiving: std::sync::atomic::AtomicUsize::new(0),
+            receiving_max: match opts.max_receiving {
+                0 => (ram / 4).max(1 << 30),
+                n => n,
+            },
             ctx,
             opts,
             keys: Arc::new(KeyMapper::new()),

@@ -37,6 +37,12 @@ pub struct RespOptions {
     /// Most client connections served at once; further ones get Redis's
     /// "max number of clients reached" error and are closed. Default: 1024.
     pub max_connections: usize,
+    /// Most bytes of large values (64 KiB and more) being received at once
+    /// over all connections (a value's buffer is taken at its announced
+    /// length); a connection whose value would go past it gets an error and
+    /// is closed. 0: the larger of 1 GiB and a quarter of the RAM budget.
+    /// Default: 0.
+    pub max_receiving: usize,
 }
 
 impl Default for RespOptions {
@@ -45,6 +51,7 @@ impl Default for RespOptions {
             password: None,
             max_value: 512 << 20,
             max_connections: 1024,
+            max_receiving: 0,
         }
     }
 }

@@ -108,6 +108,26 @@ pub(super) async fn run(
     Ok(())
 }
 
+/// A large value's share of [`Shared::receiving`], given back when dropped.
+struct Receiving<'a>(&'a Shared, usize);
+
+impl<'a> Receiving<'a> {
+    fn take(shared: &'a Shared, len: usize) -> Option<Self> {
+        let before = shared.receiving.fetch_add(len, Ordering::Relaxed);
+        if before + len > shared.receiving_max {
+            shared.receiving.fetch_sub(len, Ordering::Relaxed);
+            return None;
+        }
+        Some(Self(shared, len))
+    }
+}
+
+impl Drop for Receiving<'_> {
+    fn drop(&mut self) {
+        self.0.receiving.fetch_sub(self.1, Ordering::Relaxed);
+    }
+}
+
 struct ClientGuard<'a>(&'a Shared);
 
 impl Drop for ClientGuard<'_> {
@@ -187,6 +207,18 @@ async fn connection(shared: &Shared, mut sock: TcpStream) -> io::Result<()> {
                 Ok(Parsed::Incomplete) => break,
                 Ok(Parsed::DirectBulk(len)) => {
                     flush(&sock, &mut out, &mut rbuf).await?;
+                    let Some(_receiving) = Receiving::take(shared, len + 2) else {
+                        NodeCounters::inc(&shared.ctx.counters.resp_errors);
+                        out.error(format!(
+                            "the server is receiving {} MiB of large values over all connections \
+                             (at most {} MiB); closing this connection, try again",
+                            shared.receiving.load(Ordering::Relaxed) >> 20,
+                            shared.receiving_max >> 20
+                        ));
+                        flush(&sock, &mut out, &mut BytesMut::new()).await?;
+                        let _ = sock.shutdown().await;
+                        return Ok(());
+                    };
                     // Read the payload straight into a buffer of its exact
                     // size; a large one from the store's pool (the memory
                     // of a dropped chunk, not fresh pages).
