@@ -85,11 +85,12 @@ pub fn load(dir: &Path) -> Result<BTreeMap<Namespace, NsEntry>> {
 /// What [`salvage`] did with a corrupt manifest.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Salvaged {
-    /// Where the corrupt file was moved (`namespaces.json.corrupt-N`).
+    /// Where a copy of the corrupt file went (`namespaces.json.corrupt-N`).
     pub set_aside: PathBuf,
     /// Records that parsed and hash to the id they are listed under: kept.
     pub kept: usize,
-    /// Entries that did not: left out of the new manifest.
+    /// Entries that did not: left out of the new manifest. At least 1 when
+    /// the file does not parse as a whole (how many it held is unknown).
     pub lost: usize,
 }
 
@@ -137,8 +138,10 @@ pub fn salvage(dir: &Path) -> Result<Option<Salvaged>> {
             lost += 1;
         }
     } else {
-        // Nothing parses: how many records there were is unknown.
-        lost += 1;
+        // The file does not parse as a whole (cut short, a broken brace):
+        // each `"<id>": {record}` that still parses on its own is kept. How
+        // many were lost is unknown past what was found: at least one.
+        lost += scan_entries(&text, &mut kept).max(1);
     }
     let set_aside = keep_copy(dir, &text)?;
     store(dir, &kept)?;
@@ -147,6 +150,48 @@ pub fn salvage(dir: &Path) -> Result<Option<Salvaged>> {
         kept: kept.len(),
         lost,
     }))
+}
+
+/// Finds every `"<32 hex digits>": {` in `text` and parses the object that
+/// follows as an entry; keeps the ones that hash to their key. Returns how
+/// many of them were not kept.
+fn scan_entries(text: &[u8], kept: &mut BTreeMap<Namespace, NsEntry>) -> usize {
+    let mut bad = 0;
+    for at in 0..text.len() {
+        let Some(key) = text.get(at..at + 34) else {
+            break;
+        };
+        if key[0] != b'"' || key[33] != b'"' || !key[1..33].iter().all(u8::is_ascii_hexdigit) {
+            continue;
+        }
+        let rest = &text[at + 34..];
+        let colon = rest.iter().position(|b| !b.is_ascii_whitespace());
+        let Some(brace) = colon
+            .filter(|&c| rest[c] == b':')
+            .and_then(|c| {
+                rest[c + 1..]
+                    .iter()
+                    .position(|b| !b.is_ascii_whitespace())
+                    .map(|b| c + 1 + b)
+            })
+            .filter(|&b| rest[b] == b'{')
+        else {
+            continue;
+        };
+        let id = std::str::from_utf8(&key[1..33])
+            .ok()
+            .and_then(|k| k.parse::<Namespace>().ok());
+        let entry = serde_json::Deserializer::from_slice(&rest[brace..])
+            .into_iter::<NsEntry>()
+            .next();
+        match (id, entry) {
+            (Some(id), Some(Ok(e))) if e.record.id() == id => {
+                kept.insert(id, e);
+            }
+            _ => bad += 1,
+        }
+    }
+    bad
 }
 
 /// Writes `text` to the first free `namespaces.json.corrupt-N` (created
@@ -290,6 +335,23 @@ mod tests {
         let (alpha, _) = entry("alpha");
         let loaded = load(dir.path()).unwrap();
         assert_eq!(loaded.keys().copied().collect::<Vec<_>>(), vec![alpha]);
+        // Cut short where the second record starts: the first is kept.
+        let two: BTreeMap<_, _> = [entry("alpha"), entry("beta")].into_iter().collect();
+        store(dir.path(), &two).unwrap();
+        let ids: Vec<Namespace> = two.keys().copied().collect();
+        let full = fs::read_to_string(&path).unwrap();
+        let second = full.find(&format!("\"{}\"", ids[1])).expect("second key");
+        fs::write(&path, &full[..second]).unwrap();
+        let s3 = salvage(dir.path()).unwrap().expect("salvaged");
+        assert_eq!((s3.kept, s3.lost), (1, 1), "{}", &full[..second]);
+        assert_eq!(
+            load(dir.path())
+                .unwrap()
+                .keys()
+                .copied()
+                .collect::<Vec<_>>(),
+            vec![ids[0]]
+        );
         // Nothing parses: no record kept; an earlier set-aside file is not
         // overwritten.
         fs::write(&path, b"{\"version\": 1, \"namesp").unwrap();
