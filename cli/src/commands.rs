@@ -708,6 +708,13 @@ fn offline_config(args: &StoreArgs, cmd: &str) -> Result<NodeConfig> {
 
 fn verify(args: &VerifyArgs) -> Result<u8> {
     let cfg = offline_config(&args.config, "verify")?;
+    // A truncated store file (which a repair grows back): its length now,
+    // when it is shorter than its superblock says.
+    let file = cfg.data_dir.join(config::STORE_FILE);
+    let truncated = tier::store::existing_layout(&cfg.data_dir).and_then(|l| {
+        let len = std::fs::metadata(&file).ok()?.len();
+        (len < l.bytes()).then_some(len)
+    });
     // Recovery's own findings (a torn or corrupt chunk in the region that was
     // open at the last shutdown) are logged as the store opens.
     let _ = node::logging::init(node::logging::LogFormat::Human, "warn");
@@ -782,6 +789,7 @@ fn verify(args: &VerifyArgs) -> Result<u8> {
         doc["dropped_at_open"] = at_open.into();
         doc["damaged_metadata"] = damaged.into();
         doc["sealed_open_region"] = sealed.into();
+        doc["grown_from"] = truncated.map_or(serde_json::Value::Null, Into::into);
         doc["manifest_repaired"] = match &salvaged {
             Some(s) => serde_json::json!({
                 "set_aside": s.set_aside, "records_kept": s.kept, "records_lost": s.lost,
@@ -790,6 +798,12 @@ fn verify(args: &VerifyArgs) -> Result<u8> {
         };
         outln!("{}", serde_json::to_string_pretty(&doc)?);
     } else {
+        if let Some(len) = truncated {
+            outln!(
+                "store file: truncated to {len} bytes; grown back to its size (the chunks that \
+                 were past the cut are dropped)"
+            );
+        }
         if let Some(s) = &salvaged {
             outln!(
                 "namespace manifest: corrupt; copied aside to {}, {} record(s) kept, {} unreadable \
@@ -840,7 +854,8 @@ fn verify(args: &VerifyArgs) -> Result<u8> {
         );
     }
     Ok(
-        if report.bad > 0 || at_open > 0 || damaged > 0 || salvaged.is_some() {
+        if report.bad > 0 || at_open > 0 || damaged > 0 || salvaged.is_some() || truncated.is_some()
+        {
             EXIT_VERIFY_FAILED
         } else {
             EXIT_OK
