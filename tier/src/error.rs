@@ -44,11 +44,12 @@ pub enum Error {
         /// What failed to parse or check.
         detail: String,
     },
-    /// The store was written by an incompatible format version.
-    #[error(
-        "store format version {found} is not supported by this build (supports {supported}); {hint}"
-    )]
+    /// The store (or a chunk, or the namespace manifest) was written by an
+    /// incompatible format version.
+    #[error("{what} version {found} is not supported by this build (supports {supported}); {hint}")]
     IncompatibleVersion {
+        /// Whose version: "store format", "chunk format", "namespace manifest".
+        what: &'static str,
         /// The version found on disk.
         found: u32,
         /// The version(s) this build reads.

@@ -238,6 +238,7 @@ impl From<FormatError> for crate::Error {
         match e {
             FormatError::UnsupportedVersion { found, supported } => {
                 crate::Error::IncompatibleVersion {
+                    what: "chunk format",
                     found: u32::from(found),
                     supported: supported.to_string(),
                     hint: "read it with a kvtier build that supports that chunk format version",

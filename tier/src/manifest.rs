@@ -21,6 +21,9 @@ use crate::{Error, Result};
 /// File name of the manifest inside the data dir.
 pub const FILE_NAME: &str = "namespaces.json";
 const VERSION: u32 = 1;
+/// What to do about a manifest of another version.
+const MANIFEST_VERSION_HINT: &str = "another kvtier version wrote it; the chunks do not depend on it: \
+     move namespaces.json aside and start (a client's HELLO registers its namespace again)";
 
 /// One namespace in the manifest.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -66,9 +69,10 @@ pub fn load(dir: &Path) -> Result<BTreeMap<Namespace, NsEntry>> {
     })?;
     if f.version != VERSION {
         return Err(Error::IncompatibleVersion {
+            what: "namespace manifest (namespaces.json)",
             found: f.version,
             supported: VERSION.to_string(),
-            hint: "namespaces.json was written by another kvtier version",
+            hint: MANIFEST_VERSION_HINT,
         });
     }
     for (id, e) in &f.namespaces {
@@ -118,9 +122,10 @@ pub fn salvage(dir: &Path) -> Result<Option<Salvaged>> {
         if let Some(v) = top.get("version").and_then(serde_json::Value::as_u64) {
             if v != u64::from(VERSION) {
                 return Err(Error::IncompatibleVersion {
+                    what: "namespace manifest (namespaces.json)",
                     found: u32::try_from(v).unwrap_or(u32::MAX),
                     supported: VERSION.to_string(),
-                    hint: "namespaces.json was written by another kvtier version",
+                    hint: MANIFEST_VERSION_HINT,
                 });
             }
         }

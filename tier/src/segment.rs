@@ -165,6 +165,7 @@ pub(crate) fn read_superblock(path: &std::path::Path, block: &[u8]) -> Result<Op
     match Superblock::decode(block) {
         Ok(sb) => Ok(Some(sb)),
         Err(SuperblockError::Version(v)) => Err(Error::IncompatibleVersion {
+            what: "store format",
             found: v,
             supported: STORE_VERSION.to_string(),
             hint: "move the store away (or delete it) to start a fresh one",

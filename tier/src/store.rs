@@ -81,7 +81,8 @@ pub fn open_data_file(
                     e.kind(),
                     format!(
                         "{} is a symbolic link: kvtier opens the files of its data dir only as \
-                         regular files (point data-dir at the directory the link leads to)",
+                         regular files (replace the link with the file it points to; to keep the \
+                         store on another disk, point data-dir at a directory there)",
                         path.display()
                     ),
                 )
