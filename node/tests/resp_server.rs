@@ -271,6 +271,28 @@ async fn basic_commands_reply_like_redis() {
     .await;
     rt(&mut c, b"COMMAND COUNT\r\n", b":14\r\n").await;
     rt(&mut c, b"COMMAND DOCS\r\n", b"*0\r\n").await;
+    // Redis 7's entry shape: name, arity, flags, first/last key and step,
+    // ACL categories, then empty tips, key specs and subcommands; a null
+    // entry for a command not served.
+    rt(
+        &mut c,
+        b"COMMAND INFO GET nope del\r\n",
+        b"*3\r\n\
+          *10\r\n$3\r\nget\r\n:2\r\n*2\r\n+readonly\r\n+fast\r\n:1\r\n:1\r\n:1\r\n\
+          *3\r\n+@read\r\n+@string\r\n+@fast\r\n*0\r\n*0\r\n*0\r\n\
+          *-1\r\n\
+          *10\r\n$3\r\ndel\r\n:-2\r\n*1\r\n+write\r\n:1\r\n:-1\r\n:1\r\n\
+          *3\r\n+@keyspace\r\n+@write\r\n+@slow\r\n*0\r\n*0\r\n*0\r\n",
+    )
+    .await;
+    rt(
+        &mut c,
+        b"COMMAND LIST\r\n",
+        b"*14\r\n$4\r\nauth\r\n$6\r\nclient\r\n$7\r\ncommand\r\n$6\r\nconfig\r\n\
+          $6\r\ndbsize\r\n$3\r\ndel\r\n$6\r\nexists\r\n$3\r\nget\r\n$5\r\nhello\r\n\
+          $4\r\ninfo\r\n$4\r\nping\r\n$4\r\nquit\r\n$6\r\nselect\r\n$3\r\nset\r\n",
+    )
+    .await;
     rt(
         &mut c,
         b"COMMAND BOGUS\r\n",
@@ -358,8 +380,10 @@ async fn hello_3_switches_the_connection_to_resp3() {
     .await;
     rt(
         &mut c,
-        b"CONFIG GET databases\r\nCOMMAND DOCS\r\nCOMMAND INFO get\r\n",
-        b"%1\r\n$9\r\ndatabases\r\n$1\r\n1\r\n%0\r\n*1\r\n_\r\n",
+        b"CONFIG GET databases\r\nCOMMAND DOCS\r\nCOMMAND INFO nope ping\r\n",
+        b"%1\r\n$9\r\ndatabases\r\n$1\r\n1\r\n%0\r\n*2\r\n_\r\n\
+          *10\r\n$4\r\nping\r\n:-1\r\n~1\r\n+fast\r\n:0\r\n:0\r\n:0\r\n\
+          ~2\r\n+@fast\r\n+@connection\r\n*0\r\n*0\r\n*0\r\n",
     )
     .await;
     c.write_all(b"INFO keyspace\r\n").await.expect("write");

@@ -58,6 +58,10 @@ eq "$("${CLI[@]}" dbsize)" "1" dbsize
 "${CLI[@]}" info keyspace | grep -q '^db0:keys=1,' || fail "info keyspace"
 eq "$("${CLI[@]}" del greeting nothing)" "1" del
 eq "$("${CLI[@]}" --no-raw get greeting)" "(nil)" "get after del"
+# COMMAND INFO as redis-cli renders it: name, arity, flags, key positions.
+eq "$("${CLI[@]}" command info get | head -6 | tr '\n' ' ')" "get 2 readonly fast 1 1 " "command info"
+eq "$("${CLI[@]}" command count)" "14" "command count"
+eq "$("${CLI[@]}" command list | wc -l)" "14" "command list"
 eq "$("${CLI[@]}" --no-raw nosuchcommand x)" "(error) ERR unknown command 'nosuchcommand', with args beginning with: 'x' " unknown
 
 # A binary value with every byte value (NUL, CR, LF included) round-trips exactly.

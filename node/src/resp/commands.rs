@@ -186,10 +186,19 @@ fn unknown_subcommand(sub: &[u8], cmd: &str) -> Vec<u8> {
     m
 }
 
+/// A served command, as `COMMAND INFO` describes it (Redis 7's reply
+/// shape, without its key specs and subcommands).
 struct Spec {
     name: &'static str,
     arity: i32,
     no_auth: bool,
+    /// Redis's command flags (`readonly`, `write`, `fast`, ...).
+    flags: &'static [&'static str],
+    /// First key argument, last key argument (-1: the last argument) and
+    /// step between keys; (0, 0, 0) for a command that takes no keys.
+    keys: (i64, i64, i64),
+    /// ACL categories.
+    acl: &'static [&'static str],
 }
 
 const COMMANDS: &[Spec] = &[
@@ -197,71 +206,134 @@ const COMMANDS: &[Spec] = &[
         name: "auth",
         arity: -2,
         no_auth: true,
+        flags: &[
+            "noscript",
+            "loading",
+            "stale",
+            "fast",
+            "no_auth",
+            "allow_busy",
+        ],
+        keys: (0, 0, 0),
+        acl: &["@fast", "@connection"],
     },
     Spec {
         name: "client",
         arity: -2,
         no_auth: false,
+        flags: &["noscript", "loading", "stale"],
+        keys: (0, 0, 0),
+        acl: &["@slow", "@connection"],
     },
     Spec {
         name: "command",
         arity: -1,
         no_auth: false,
+        flags: &["loading", "stale"],
+        keys: (0, 0, 0),
+        acl: &["@slow", "@connection"],
     },
     Spec {
         name: "config",
         arity: -2,
         no_auth: false,
+        flags: &["admin", "noscript", "loading", "stale"],
+        keys: (0, 0, 0),
+        acl: &["@admin", "@slow", "@dangerous"],
     },
     Spec {
         name: "dbsize",
         arity: 1,
         no_auth: false,
+        flags: &["readonly", "fast"],
+        keys: (0, 0, 0),
+        acl: &["@keyspace", "@read", "@fast"],
     },
     Spec {
         name: "del",
         arity: -2,
         no_auth: false,
+        flags: &["write"],
+        keys: (1, -1, 1),
+        acl: &["@keyspace", "@write", "@slow"],
     },
     Spec {
         name: "exists",
         arity: -2,
         no_auth: false,
+        flags: &["readonly", "fast"],
+        keys: (1, -1, 1),
+        acl: &["@keyspace", "@read", "@fast"],
     },
     Spec {
         name: "get",
         arity: 2,
         no_auth: false,
+        flags: &["readonly", "fast"],
+        keys: (1, 1, 1),
+        acl: &["@read", "@string", "@fast"],
     },
     Spec {
         name: "hello",
         arity: -1,
         no_auth: true,
+        flags: &[
+            "noscript",
+            "loading",
+            "stale",
+            "fast",
+            "no_auth",
+            "allow_busy",
+        ],
+        keys: (0, 0, 0),
+        acl: &["@fast", "@connection"],
     },
     Spec {
         name: "info",
         arity: -1,
         no_auth: false,
+        flags: &["loading", "stale"],
+        keys: (0, 0, 0),
+        acl: &["@slow", "@dangerous"],
     },
     Spec {
         name: "ping",
         arity: -1,
         no_auth: false,
+        flags: &["fast"],
+        keys: (0, 0, 0),
+        acl: &["@fast", "@connection"],
     },
     Spec {
         name: "quit",
         arity: -1,
         no_auth: true,
+        flags: &[
+            "noscript",
+            "loading",
+            "stale",
+            "fast",
+            "no_auth",
+            "allow_busy",
+        ],
+        keys: (0, 0, 0),
+        acl: &["@fast", "@connection"],
     },
     Spec {
         name: "select",
         arity: 2,
         no_auth: false,
+        flags: &["loading", "stale", "fast"],
+        keys: (0, 0, 0),
+        acl: &["@fast", "@connection"],
     },
     Spec {
         name: "set",
         arity: -3,
         no_auth: false,
+        flags: &["write", "denyoom"],
+        keys: (1, 1, 1),
+        acl: &["@write", "@string", "@slow"],
     },
 ];
 
@@ -522,20 +594,74 @@ fn client(s: &mut Session, args: &[Bytes], out: &mut Output) -> Res {
     Ok(())
 }
 
-fn command(args: &[Bytes], out: &mut Output) -> Res {
-    if args.len() == 1 {
-        out.array_header(0);
-        return Ok(());
+/// `COMMAND INFO`'s entry of one command: name, arity, flags, first key,
+/// last key, step, ACL categories, then (Redis 7) tips, key specs and
+/// subcommands, empty here.
+fn command_info(spec: &Spec, out: &mut Output) {
+    out.array_header(10);
+    out.bulk(spec.name.as_bytes());
+    out.integer(i64::from(spec.arity));
+    out.set_header(spec.flags.len());
+    for f in spec.flags {
+        out.simple(f);
     }
-    let sub = args[1].to_ascii_lowercase();
+    let (first, last, step) = spec.keys;
+    out.integer(first);
+    out.integer(last);
+    out.integer(step);
+    out.set_header(spec.acl.len());
+    for a in spec.acl {
+        out.simple(a);
+    }
+    out.array_header(0);
+    out.array_header(0);
+    out.array_header(0);
+}
+
+fn command(args: &[Bytes], out: &mut Output) -> Res {
+    let Some(sub) = args.get(1).map(|a| a.to_ascii_lowercase()) else {
+        out.array_header(COMMANDS.len());
+        for spec in COMMANDS {
+            command_info(spec, out);
+        }
+        return Ok(());
+    };
     match sub.as_slice() {
+        b"help" if args.len() == 2 => {
+            let lines = [
+                "COMMAND <subcommand> [<arg> ...]. kvtier serves:",
+                "(no subcommand): every command's details",
+                "COUNT",
+                "INFO [<command-name> ...]",
+                "LIST",
+                "DOCS: an empty reply (no documentation is served)",
+            ];
+            help_reply(out, &lines);
+        }
         b"count" => out.integer(COMMANDS.len() as i64),
         b"docs" => out.map_header(0),
-        b"list" => out.array_header(0),
+        b"list" => {
+            out.array_header(COMMANDS.len());
+            for spec in COMMANDS {
+                out.bulk(spec.name.as_bytes());
+            }
+        }
+        // Every command without names, as Redis 7 does; an unknown name
+        // gets a null entry.
+        b"info" if args.len() == 2 => {
+            out.array_header(COMMANDS.len());
+            for spec in COMMANDS {
+                command_info(spec, out);
+            }
+        }
         b"info" => {
             out.array_header(args.len() - 2);
-            for _ in 2..args.len() {
-                out.null_array();
+            for name in &args[2..] {
+                let name = name.to_ascii_lowercase();
+                match COMMANDS.iter().find(|c| c.name.as_bytes() == name) {
+                    Some(spec) => command_info(spec, out),
+                    None => out.null_array(),
+                }
             }
         }
         _ => return Err(unknown_subcommand(&args[1], "COMMAND")),

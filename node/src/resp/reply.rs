@@ -106,6 +106,17 @@ impl Output {
         self.raw(if self.resp3 { b"_\r\n" } else { b"$-1\r\n" });
     }
 
+    /// A set of `n` elements follows: `~<n>\r\n`, or in RESP2 an array.
+    pub fn set_header(&mut self, n: usize) {
+        if self.resp3 {
+            self.raw(b"~");
+            self.raw(n.to_string().as_bytes());
+            self.raw(b"\r\n");
+        } else {
+            self.array_header(n);
+        }
+    }
+
     /// A map of `pairs` key-value pairs follows: `%<pairs>\r\n`, or in
     /// RESP2 a flat array `*<2 pairs>\r\n`.
     pub fn map_header(&mut self, pairs: usize) {
