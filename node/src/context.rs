@@ -107,8 +107,18 @@ impl NodeContext {
     }
 
     /// Registers a namespace record with the store.
+    ///
+    /// A namespace new to this node is announced to the peers (their
+    /// cluster lookups map its chunks to a rank by its record).
     pub fn register_namespace(&self, record: &NamespaceRecord) -> tier::Result<Namespace> {
-        self.store.register_namespace(record)
+        let known = self.store.namespace_record(&record.id()).is_some();
+        let ns = self.store.register_namespace(record)?;
+        if !known {
+            if let Some(c) = &self.cluster {
+                c.handle().namespaces_changed();
+            }
+        }
+        Ok(ns)
     }
 
     /// Reads a chunk through the cascade: RAM → local disk → peers.

@@ -283,6 +283,15 @@ fn cluster_lookup_reports_ram_on_each_ranks_own_node() {
         b_tls,
         ports,
     } = two_nodes(dir.path());
+    // The daemons start first and the engines later: the links are up
+    // before either rank says HELLO, so the records of namespaces
+    // registered then must reach the peers as well (they were sent only
+    // when a link came up: a saw rank 1's chunks but not its rank).
+    for (d, peer) in [(&a, "b"), (&b, "a")] {
+        poll("the link up", Duration::from_secs(15), || {
+            (peer_state(d, peer).as_deref() == Some("up")).then_some(())
+        });
+    }
     // Tensor parallelism, one rank per node: rank 0's engine on a, rank 1's
     // on b, the same three keys each; a fourth key nobody has.
     let (r0, r1) = (test_record(0), test_record(1));
