@@ -24,8 +24,8 @@ pub enum CertCommand {
 /// `kvtier cert init-ca`
 #[derive(Debug, Args)]
 pub struct InitCaArgs {
-    /// Cluster id carried by every certificate of this CA (1-63 characters
-    /// of [A-Za-z0-9.-]).
+    /// Cluster id carried by every certificate of this CA (at most 63
+    /// characters: dot-separated labels of [A-Za-z0-9-]).
     #[arg(long, value_name = "NAME", value_parser = cluster_name)]
     pub cluster: String,
     /// Directory to write into (created if missing).
@@ -42,7 +42,9 @@ pub struct IssueArgs {
     /// The CA directory written by `init-ca`.
     #[arg(long, value_name = "DIR")]
     pub ca: PathBuf,
-    /// Node name (the daemon's --node-name; CN and SAN DNS name).
+    /// Node name (the daemon's --node-name; CN and SAN DNS name): at most
+    /// 63 characters, dot-separated labels of [A-Za-z0-9-], not an IP
+    /// address (addresses go to --ip).
     #[arg(long, value_name = "NAME", value_parser = node_name)]
     pub node: String,
     /// Extra IP address SANs (repeatable).

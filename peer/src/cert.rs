@@ -50,20 +50,26 @@ fn io_err(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> Error {
     move |source| Error::Io { what, source }
 }
 
-/// Checks a cluster or node name: 1–63 chars of `[A-Za-z0-9.-]`, starting
-/// with a letter or digit (usable as a DNS label and in a URI).
+/// Checks a cluster or node name: at most 63 characters, dot-separated
+/// labels of `[A-Za-z0-9-]` that start and end with a letter or digit, and
+/// not an IP address. A node name is its certificate's DNS name, which peers
+/// verify: `n1..x`, `n1.` or `10.0.0.1` would be issued, and then refused by
+/// every peer that dials the node.
 pub fn validate_name(kind: &str, name: &str) -> Result<(), Error> {
-    let ok = !name.is_empty()
-        && name.len() <= 63
-        && name
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'.')
-        && name.as_bytes()[0].is_ascii_alphanumeric();
+    let label_ok = |l: &str| {
+        !l.is_empty()
+            && l.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
+            && !l.starts_with('-')
+            && !l.ends_with('-')
+    };
+    let ok = name.len() <= 63 && name.parse::<IpAddr>().is_err() && name.split('.').all(label_ok);
     if ok {
         Ok(())
     } else {
         Err(Error::Config(format!(
-            "invalid {kind} name {name:?}: use 1-63 characters of [A-Za-z0-9.-], starting with a letter or digit"
+            "invalid {kind} name {name:?}: use at most 63 characters, dot-separated labels of \
+             [A-Za-z0-9-] each starting and ending with a letter or digit (no empty label, no \
+             trailing dot, not an IP address)"
         )))
     }
 }
@@ -175,6 +181,7 @@ pub fn issue(
 ) -> Result<NodeMaterial, Error> {
     validate_name("node", node)?;
     let ca_key = KeyPair::from_pem(&ca.key_pem).map_err(|e| cert_err("parse CA key", e))?;
+    ca.check_pair(&ca_key)?;
     let ca_params = CertificateParams::from_ca_cert_pem(&ca.cert_pem)
         .map_err(|e| cert_err("parse CA certificate", e))?;
     // rcgen signs with an issuer `Certificate`; rebuilding it from the
@@ -299,6 +306,31 @@ impl CaMaterial {
             .map_err(|e| cert_err("parse CA certificate", e))?;
         let secs = u64::try_from(c.validity().not_after.timestamp()).unwrap_or(0);
         Ok(SystemTime::UNIX_EPOCH + Duration::from_secs(secs))
+    }
+
+    /// Checks that `ca.pem` is a CA certificate and that `key` is its key:
+    /// a certificate signed otherwise would be refused by every peer.
+    fn check_pair(&self, key: &KeyPair) -> Result<(), Error> {
+        let der = pem_certs(&self.cert_pem, "CA certificate")?;
+        let first = der
+            .first()
+            .ok_or_else(|| cert_err("CA certificate", "no certificate in ca.pem"))?;
+        let (_, c) = x509_parser::parse_x509_certificate(first)
+            .map_err(|e| cert_err("parse CA certificate", e))?;
+        if !c.is_ca() {
+            return Err(cert_err(
+                "CA certificate",
+                "ca.pem is not a CA certificate (no CA basic constraint): give the directory \
+                 `kvtier cert init-ca` wrote",
+            ));
+        }
+        if c.public_key().raw != key.public_key_der().as_slice() {
+            return Err(cert_err(
+                "CA key",
+                "ca.key is not the key of ca.pem: the two files come from different CAs",
+            ));
+        }
+        Ok(())
     }
 
     /// Reads `ca.pem` and `ca.key` from `dir`; the cluster id comes from the
@@ -461,12 +493,59 @@ mod tests {
         NodeMaterial::read_from(&dir.path().join("n1")).expect("read node");
     }
 
+    /// A CA directory whose files do not belong together is refused before
+    /// anything is signed (QA: `issue` signed with another CA's key, and
+    /// took a node certificate for a CA; every peer then refused the node).
+    #[test]
+    fn issue_checks_the_ca_files_belong_together() {
+        let a = init_ca("c1", Validity::days(1)).expect("ca");
+        let b = init_ca("c1", Validity::days(1)).expect("ca");
+        let mixed = CaMaterial {
+            cluster: a.cluster.clone(),
+            cert_pem: a.cert_pem.clone(),
+            key_pem: b.key_pem.clone(),
+        };
+        let Err(err) = issue(&mixed, "n1", &[], &[], Validity::days(1)) else {
+            panic!("issued with another CA's key");
+        };
+        let err = err.to_string();
+        assert!(err.contains("ca.key is not the key of ca.pem"), "{err}");
+        let node = issue(&a, "n1", &[], &[], Validity::days(1)).expect("issue");
+        let not_ca = CaMaterial {
+            cluster: "c1".into(),
+            cert_pem: node.cert_pem,
+            key_pem: node.key_pem,
+        };
+        let Err(err) = issue(&not_ca, "n2", &[], &[], Validity::days(1)) else {
+            panic!("issued with a node certificate as CA");
+        };
+        let err = err.to_string();
+        assert!(err.contains("not a CA certificate"), "{err}");
+        issue(&b, "n1", &[], &[], Validity::days(1)).expect("a matching pair");
+    }
+
     #[test]
     fn bad_names_rejected() {
-        for bad in ["", "-x", "a b", "x/y", "a_b", &"a".repeat(64)] {
+        for bad in [
+            "",
+            "-x",
+            "a b",
+            "x/y",
+            "a_b",
+            &"a".repeat(64),
+            // Peers verify the name as a DNS name (QA: these were issued).
+            "n1..x",
+            "n1.",
+            ".n1",
+            "n1-.lan",
+            "n1.-lan",
+            "10.0.0.1",
+        ] {
             assert!(validate_name("node", bad).is_err(), "{bad:?}");
         }
-        validate_name("node", "spark-2.lan").expect("ok");
+        for good in ["spark-2.lan", "n1", "2spark", "a.b.c"] {
+            validate_name("node", good).expect(good);
+        }
     }
 
     #[test]

@@ -380,6 +380,19 @@ impl TlsSetup {
         )
         .build()
         .map_err(|e| tls_err("client verifier", e))?;
+        if check_own {
+            // A node certificate its own ca.pem does not sign would be
+            // refused by every peer; say so at start, not at each dial.
+            client_inner
+                .verify_client_cert(&chain[0], &chain[1..], UnixTime::now())
+                .map_err(|e| Error::Cert {
+                    what: "node.pem".into(),
+                    detail: format!(
+                        "not signed by the CA in ca.pem ({e}): every peer would refuse it; \
+                         issue it again with `kvtier cert issue --ca` that CA's directory"
+                    ),
+                })?;
+        }
         let server_inner =
             rustls::client::WebPkiServerVerifier::builder_with_provider(roots, provider.clone())
                 .build()

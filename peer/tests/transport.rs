@@ -226,6 +226,21 @@ async fn handshake_trust_rules() {
         .await
         .expect_err("foreign CA (server)");
 
+    // A tls-dir mixing our ca.pem with a node certificate of another CA of
+    // the same cluster id: refused at start, naming why (it started, and
+    // every peer refused it: QA).
+    let x = Cluster::new("prod");
+    let xm = cert::issue(&x.ca, "node-m", &[], &[], Validity::days(1)).expect("issue");
+    let mixed = NodeMaterial {
+        ca_pem: c.ca.cert_pem.clone(),
+        ..xm
+    };
+    let Err(err) = TlsSetup::from_material(&mixed) else {
+        panic!("a node cert the CA did not sign is accepted at start");
+    };
+    let err = err.to_string();
+    assert!(err.contains("not signed by the CA in ca.pem"), "{err}");
+
     // Same CA key, but a certificate claiming another cluster id.
     let other = CaMaterial {
         cluster: "staging".into(),

@@ -374,16 +374,19 @@ fn cert_refuses_bad_input_before_writing_anything() {
         assert!(err.contains(want), "{extra:?}: {err}");
         assert!(!node.exists(), "{extra:?} wrote {}", node.display());
     }
-    let out = run_kvtier(
-        &[
-            "cert", "issue", "--ca", &ca_s, "--node", "n_1", "--out", &node_s,
-        ],
-        &[],
-    );
-    let err = text(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "{err}");
-    assert!(err.contains("invalid node name"), "{err}");
-    assert!(!node.exists());
+    // Names a peer could never verify as the node's DNS name, too.
+    for bad in ["n_1", "n1..x", "n1.", "10.0.0.1"] {
+        let out = run_kvtier(
+            &[
+                "cert", "issue", "--ca", &ca_s, "--node", bad, "--out", &node_s,
+            ],
+            &[],
+        );
+        let err = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{bad}: {err}");
+        assert!(err.contains("invalid node name"), "{bad}: {err}");
+        assert!(!node.exists());
+    }
     // Into the CA's own directory (ca.pem is there): refused whole.
     let out = run_kvtier(
         &[

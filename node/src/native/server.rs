@@ -818,6 +818,19 @@ impl Connection {
                 format!("atomic PUT of {total} bytes exceeds ram-budget ({budget} bytes)"),
             ));
         }
+        // A chunk the store would refuse is refused before it is copied out
+        // of the region: the copy allocates its length (QA: one 48 GiB entry
+        // of a sparse region aborted the daemon on the allocation).
+        let max = store.max_chunk_len(0);
+        if atomic && let Some(e) = entries.iter().find(|e| e.len > max) {
+            return Err((
+                ErrorCode::TooLarge,
+                format!(
+                    "atomic PUT: a chunk of {} bytes exceeds the largest chunk the store takes ({max} bytes)",
+                    e.len
+                ),
+            ));
+        }
         // An atomic PUT and any PUT under `backpressure` (it may wait for
         // the disk writer) never run on a runtime worker either.
         let offload = atomic
@@ -844,12 +857,15 @@ impl Connection {
             // chunk even when a batch names the same large range many times.
             let statuses = entries
                 .iter()
-                .map(
-                    |e| match store.put(ChunkId::new(ns, e.key, group), copy(e)) {
+                .map(|e| {
+                    if e.len > max {
+                        return ErrorCode::TooLarge as u16;
+                    }
+                    match store.put(ChunkId::new(ns, e.key, group), copy(e)) {
                         Ok(()) => 0,
                         Err(err) => store_error(&err).0 as u16,
-                    },
-                )
+                    }
+                })
                 .collect();
             Ok(Response::Put { statuses })
         };
