@@ -293,6 +293,49 @@ async fn stopped(mut rx: watch::Receiver<bool>) {
     let _ = rx.wait_for(|v| *v).await;
 }
 
+/// Open files the daemon may need at its connection limits: each native
+/// connection holds its socket and up to 4 region descriptors, each RESP
+/// connection its socket, plus the store, peers and logs.
+const WANTED_OPEN_FILES: u64 = 1_024 * 5 + 1_024 + 512;
+
+/// Raises the soft open-file limit to the hard one (a shell's usual 1,024
+/// is below what the connection limits need: past it, accepts fail with
+/// EMFILE and clients hang instead of getting `busy`; QA). Warns when even
+/// the hard limit is below [`WANTED_OPEN_FILES`].
+fn raise_open_file_limit() {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit/setrlimit with a valid pointer to a local struct.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 {
+        return;
+    }
+    if lim.rlim_cur < lim.rlim_max {
+        let raised = libc::rlimit {
+            rlim_cur: lim.rlim_max,
+            rlim_max: lim.rlim_max,
+        };
+        // SAFETY: as above.
+        if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &raised) } == 0 {
+            tracing::debug!(
+                from = lim.rlim_cur,
+                to = lim.rlim_max,
+                "raised the open-file limit"
+            );
+            lim.rlim_cur = lim.rlim_max;
+        }
+    }
+    if lim.rlim_cur < WANTED_OPEN_FILES {
+        tracing::warn!(
+            limit = lim.rlim_cur,
+            wanted = WANTED_OPEN_FILES,
+            "the open-file limit is below what the connection limits need: connections past it \
+             fail (raise the hard limit: LimitNOFILE= in the unit, or ulimit -Hn)"
+        );
+    }
+}
+
 /// Starts a node: locks the data dir, opens the store, binds every enabled
 /// listener and spawns the servers. Returns once it serves. Must run inside
 /// a multi-threaded tokio runtime. `config` must be resolved
@@ -302,6 +345,7 @@ pub async fn start(config: NodeConfig) -> Result<NodeHandle> {
     // Chunk buffers reuse freed memory instead of faulting fresh pages.
     let tuning = crate::memory::tune_allocator();
     tracing::debug!(?tuning, "allocator settings");
+    raise_open_file_limit();
     let data_dir = config.data_dir.clone();
     let lock = {
         let data_dir = data_dir.clone();

@@ -380,3 +380,43 @@ fn config_errors_fail_the_start_naming_key_and_source() {
         "{err}"
     );
 }
+
+/// The daemon raises its soft open-file limit to the hard one: a shell's
+/// usual 1,024 is below what its connection limits need, and past it
+/// accepts failed with EMFILE and clients hung instead of getting `busy`
+/// (QA). The daemon inherits this test's lowered soft limit.
+#[test]
+fn the_daemon_raises_its_open_file_limit() {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit/setrlimit on a local struct; this test process
+    // (one per test under nextest) keeps 256 open files, plenty for it.
+    unsafe {
+        assert_eq!(libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim), 0);
+        if lim.rlim_max <= 256 {
+            eprintln!("SKIPPED: the hard open-file limit is {}", lim.rlim_max);
+            return;
+        }
+        let low = libc::rlimit {
+            rlim_cur: 256,
+            rlim_max: lim.rlim_max,
+        };
+        assert_eq!(libc::setrlimit(libc::RLIMIT_NOFILE, &low), 0);
+    }
+    let dir = tempfile::tempdir().expect("temp dir");
+    let d = Daemon::start(dir.path(), &[], &[]).expect("start");
+    let limits = std::fs::read_to_string(format!("/proc/{}/limits", d.pid())).expect("limits");
+    let line = limits
+        .lines()
+        .find(|l| l.starts_with("Max open files"))
+        .expect("Max open files");
+    let soft = line.split_whitespace().nth(3).expect("soft limit");
+    let max = if lim.rlim_max == libc::RLIM_INFINITY {
+        "unlimited".to_string()
+    } else {
+        lim.rlim_max.to_string()
+    };
+    assert_eq!(soft, max, "{line}");
+}

@@ -80,6 +80,45 @@ fn check_rank(record: &NamespaceRecord, op: &'static str) -> Result<(), CodecErr
     Ok(())
 }
 
+/// Most rank × key probes one CLUSTER_LOOKUP may ask for: 32 ranks of
+/// 65,536 keys (each probe costs RAM, disk index and peer directory
+/// lookups on a blocking thread).
+pub const MAX_CLUSTER_PROBES: u64 = 1 << 21;
+
+/// CLUSTER_LOOKUP's ranks: each named once, each below the record's
+/// tp-size (when it gives one), and not more probes than
+/// [`MAX_CLUSTER_PROBES`] (QA: a request repeating rank 0 4,096 times over
+/// 4,096 keys held a blocking thread for seconds).
+fn check_ranks(
+    record: &NamespaceRecord,
+    ranks: &[u32],
+    keys: usize,
+    op: &'static str,
+) -> Result<(), CodecError> {
+    let bad = |detail: String| CodecError::BadBody { op, detail };
+    let mut seen = std::collections::HashSet::with_capacity(ranks.len());
+    for &r in ranks {
+        if !seen.insert(r) {
+            return Err(bad(format!("rank {r} is given twice")));
+        }
+        if record.tp_size > 0 && r >= record.tp_size {
+            return Err(bad(format!(
+                "rank {r} but the record's tp-size is {}: ranks count from 0 to tp-size - 1",
+                record.tp_size
+            )));
+        }
+    }
+    if ranks.len() as u64 * keys as u64 > MAX_CLUSTER_PROBES {
+        return Err(CodecError::TooManyProbes {
+            op,
+            ranks: ranks.len(),
+            keys,
+            max: MAX_CLUSTER_PROBES,
+        });
+    }
+    Ok(())
+}
+
 fn check_flags(op: Op, flags: u16, allowed: u16) -> Result<(), CodecError> {
     if flags & !allowed != 0 {
         return Err(CodecError::UnknownFlags {
@@ -178,6 +217,7 @@ pub fn decode_request(
             let nkeys = c.count(nkeys, 32, Some(limits), "keys")?;
             let keys = c.keys(nkeys)?;
             let record = decode_record(c.take(rec_len as usize, "record")?, op.name())?;
+            check_ranks(&record, &ranks, keys.len(), op.name())?;
             Request::ClusterLookup {
                 record,
                 ranks,

@@ -274,6 +274,21 @@ pub enum CodecError {
         /// The limit.
         max: u32,
     },
+    /// A CLUSTER_LOOKUP of more rank × key probes than one request may ask.
+    #[error(
+        "{op}: {ranks} ranks x {keys} keys is {} probes, more than the limit of {max} per request",
+        *ranks as u64 * *keys as u64
+    )]
+    TooManyProbes {
+        /// The op.
+        op: &'static str,
+        /// Ranks in the request.
+        ranks: usize,
+        /// Keys in the request.
+        keys: usize,
+        /// The limit.
+        max: u64,
+    },
     /// A body that does not match its op's layout.
     #[error("{op}: malformed body: {detail}")]
     BadBody {
@@ -304,9 +319,9 @@ impl CodecError {
             | CodecError::HeaderCrc { .. }
             | CodecError::BodyCrc { .. } => ErrorCode::Malformed,
             CodecError::UnsupportedVersion { .. } => ErrorCode::UnsupportedVersion,
-            CodecError::FrameTooLarge { .. } | CodecError::BatchTooLarge { .. } => {
-                ErrorCode::TooLarge
-            }
+            CodecError::FrameTooLarge { .. }
+            | CodecError::BatchTooLarge { .. }
+            | CodecError::TooManyProbes { .. } => ErrorCode::TooLarge,
             CodecError::UnknownOp(_) => ErrorCode::UnknownOp,
             CodecError::UnknownFlags { .. } | CodecError::BadBody { .. } => ErrorCode::BadRequest,
         }
@@ -1044,6 +1059,44 @@ mod tests {
         decode_request(&header, body, &LIMITS).expect("the rank is not checked");
     }
 
+    /// CLUSTER_LOOKUP's ranks are distinct and below tp-size, and ranks ×
+    /// keys is bounded (QA: rank 0 repeated 4,096 times over 4,096 keys
+    /// held a blocking thread for seconds).
+    #[test]
+    fn cluster_lookup_ranks_are_distinct_in_range_and_bounded() {
+        let decode = |tp_size: u32, ranks: Vec<u32>, keys: usize| {
+            let req = Request::ClusterLookup {
+                record: NamespaceRecord {
+                    model: "m".into(),
+                    tp_size,
+                    ..Default::default()
+                },
+                ranks,
+                group: 0,
+                keys: (0..keys).map(|i| key(i as u8)).collect(),
+            };
+            let out = frame(&req);
+            let Decoded::Frame { header, body, .. } = decode_frame(&out, 64 << 20).unwrap() else {
+                panic!()
+            };
+            let limits = Limits { max_batch: 1 << 20 };
+            decode_request(&header, body, &limits).map_err(|e| (e.code(), e.to_string()))
+        };
+        decode(4, vec![0, 1, 2, 3], 8).expect("every rank once");
+        decode(0, vec![9, 1000], 8).expect("no tp-size: any rank");
+        let (code, msg) = decode(4, vec![0, 1, 0], 8).unwrap_err();
+        assert_eq!(code, ErrorCode::BadRequest);
+        assert!(msg.contains("rank 0 is given twice"), "{msg}");
+        let (code, msg) = decode(4, vec![0, 4], 8).unwrap_err();
+        assert_eq!(code, ErrorCode::BadRequest);
+        assert!(msg.contains("tp-size is 4"), "{msg}");
+        let ranks: Vec<u32> = (0..33).collect();
+        decode(0, ranks[..32].to_vec(), 65_536).expect("32 ranks of 65,536 keys");
+        let (code, msg) = decode(0, ranks, 65_536).unwrap_err();
+        assert_eq!(code, ErrorCode::TooLarge);
+        assert!(msg.contains("probes"), "{msg}");
+    }
+
     mod props {
         use super::*;
         use proptest::prelude::*;
@@ -1108,10 +1161,12 @@ mod tests {
                 (
                     "[a-z]{0,12}",
                     any::<u32>(),
-                    proptest::collection::vec(any::<u32>(), 0..8),
+                    // Distinct ranks (a rank given twice is refused).
+                    proptest::collection::btree_set(any::<u32>(), 0..8),
                     proptest::collection::vec(key(), 0..8)
                 )
                     .prop_map(|(model, rank, ranks, keys)| {
+                        let ranks = ranks.into_iter().collect();
                         Request::ClusterLookup {
                             record: NamespaceRecord {
                                 model,
