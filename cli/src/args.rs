@@ -385,16 +385,13 @@ pub struct PutArgs {
 
 /// `kvtier get`
 #[derive(Debug, Args)]
+#[command(group(clap::ArgGroup::new("which").required(true).args(["key", "name"])))]
 pub struct GetArgs {
     /// The namespace.
     #[command(flatten)]
     pub ns: NamespaceArg,
     /// The key (64 hex digits); or use --name.
-    #[arg(
-        value_name = "KEY",
-        required_unless_present = "name",
-        conflicts_with = "name"
-    )]
+    #[arg(value_name = "KEY")]
     pub key: Option<node::tier::ChunkKey>,
     /// A string key, hashed to a chunk key (as RESP keys are).
     #[arg(long, value_name = "STRING")]

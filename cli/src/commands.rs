@@ -377,15 +377,60 @@ fn status_error(code: u16) -> anyhow::Error {
     )
 }
 
+/// Reads at most `limit` bytes of `r`, so an endless input (`/dev/zero`)
+/// or a huge file never fills this process's memory. Returns the bytes and
+/// whether more followed.
+fn read_limited(r: &mut dyn Read, limit: u64) -> std::io::Result<(Vec<u8>, bool)> {
+    let mut data = Vec::new();
+    r.take(limit).read_to_end(&mut data)?;
+    let mut one = [0u8; 1];
+    loop {
+        match r.read(&mut one) {
+            Ok(n) => return Ok((data, n > 0)),
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+}
+
 fn put(args: &PutArgs) -> Result<u8> {
-    let data = if args.file.as_os_str() == "-" {
-        let mut v = Vec::new();
-        std::io::stdin().read_to_end(&mut v).context("read stdin")?;
-        v
+    // The input is opened first: a missing file is named before a missing
+    // daemon.
+    let what = if args.file.as_os_str() == "-" {
+        "stdin".to_string()
     } else {
-        std::fs::read(&args.file).with_context(|| format!("read {}", args.file.display()))?
+        args.file.display().to_string()
+    };
+    let mut input: Box<dyn Read> = if args.file.as_os_str() == "-" {
+        Box::new(std::io::stdin().lock())
+    } else {
+        let f = std::fs::File::open(&args.file).with_context(|| format!("read {what}"))?;
+        if f.metadata().is_ok_and(|m| m.is_dir()) {
+            bail!("read {what}: is a directory");
+        }
+        Box::new(f)
     };
     let mut client = connect(&args.client)?;
+    // The daemon's largest chunk bounds what is read (none from a daemon
+    // that does not say: it refuses a chunk too large itself).
+    let max = client
+        .stats()
+        .ok()
+        .and_then(|s| s.get("max-chunk-bytes").and_then(|v| v.as_u64()));
+    let too_large = |len: String, max: u64| {
+        anyhow!(
+            "{}: the chunk is {len} bytes, this daemon takes chunks up to {max} bytes ({}; region-size and ram-budget set it)",
+            status_error(ErrorCode::TooLarge as u16),
+            ByteSize(max).approx()
+        )
+    };
+    let (data, more) = read_limited(&mut input, max.map_or(u64::MAX, |m| m.saturating_add(1)))
+        .with_context(|| format!("read {what}"))?;
+    if let Some(max) = max
+        && (more || data.len() as u64 > max)
+    {
+        return Err(too_large(format!("more than {max}"), max));
+    }
     let ns = match (&args.namespace, &args.namespace_record) {
         (Some(ns), _) => *ns,
         (None, Some(path)) => {
@@ -408,17 +453,8 @@ fn put(args: &PutArgs) -> Result<u8> {
         }
         Some(&code) if ErrorCode::from_code(code) == ErrorCode::TooLarge => {
             // The status is a bare code: say what the limit is.
-            let max = client
-                .stats()
-                .ok()
-                .and_then(|s| s.get("max-chunk-bytes").and_then(|v| v.as_u64()));
             Err(match max {
-                Some(max) => anyhow!(
-                    "{}: the chunk is {} bytes, this daemon takes chunks up to {max} bytes ({}; region-size and ram-budget set it)",
-                    status_error(code),
-                    data.len(),
-                    ByteSize(max).approx()
-                ),
+                Some(max) => too_large(data.len().to_string(), max),
                 None => status_error(code),
             })
         }
@@ -662,7 +698,10 @@ fn namespaces(args: &NamespacesArgs) -> Result<u8> {
     );
     for ns in items {
         let r = &ns["record"];
-        let s = |k: &str| r[k].as_str().unwrap_or("").to_string();
+        // Record fields are a client's text: control characters are shown
+        // escaped, never sent to the terminal (QA: a model name carrying
+        // escape sequences retitled the terminal and printed a fake row).
+        let s = |k: &str| printable(r[k].as_str().unwrap_or(""));
         outln!(
             "{:<32}  {:>10}  {:>10}  {} / {} {} / tp{} / rank {} / {}",
             ns["id"].as_str().unwrap_or("?"),
@@ -677,6 +716,18 @@ fn namespaces(args: &NamespacesArgs) -> Result<u8> {
         );
     }
     Ok(EXIT_OK)
+}
+
+/// `s` with its control characters escaped (`\u{1b}`, `\n`, ...).
+fn printable(s: &str) -> String {
+    s.chars()
+        .flat_map(|c| {
+            let esc = c.is_control().then(|| c.escape_default());
+            esc.into_iter()
+                .flatten()
+                .chain((!c.is_control()).then_some(c))
+        })
+        .collect()
 }
 
 /// A progress bar on a terminal, nothing otherwise.
@@ -952,4 +1003,15 @@ fn completions(args: &CompletionsArgs) -> Result<u8> {
     }
     out!("{script}");
     Ok(EXIT_OK)
+}
+
+#[cfg(test)]
+mod printable_tests {
+    #[test]
+    fn control_characters_are_escaped() {
+        assert_eq!(
+            super::printable("evil\u{1b}]0;x\u{7}\nFAKE\té"),
+            "evil\\u{1b}]0;x\\u{7}\\nFAKE\\té"
+        );
+    }
 }

@@ -196,8 +196,25 @@ fn cluster_lookup_answers_per_rank_and_the_minimum() {
         (r.ranks[1].rank, r.ranks[1].prefix, r.ranks[1].ram_prefix),
         (1, 3, 3)
     );
-    let r = c.cluster_lookup(&record(0), &[0, 1, 2], 0, &keys).unwrap();
-    assert_eq!(r.min_prefix, 0, "rank 2 holds nothing");
+    let r = c
+        .cluster_lookup(&record(0), &[0, 1], 0, &keys[3..])
+        .unwrap();
+    assert_eq!(r.min_prefix, 0, "rank 1 holds none of keys 3..");
+    assert_eq!((r.ranks[0].prefix, r.ranks[1].prefix), (3, 0));
+    // The family has two ranks (tp-size 2): rank 2 is refused.
+    let err = c
+        .cluster_lookup(&record(0), &[0, 1, 2], 0, &keys)
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            NativeError::Remote {
+                code: ErrorCode::BadRequest,
+                ..
+            }
+        ),
+        "{err}"
+    );
     // Batches of OFFLOAD_KEYS probes and more run on the blocking pool: the
     // same answers.
     let many: Vec<ChunkKey> = (0..native::server::OFFLOAD_KEYS as u32).map(key).collect();

@@ -223,6 +223,20 @@ fn client_commands_round_trip_and_use_documented_exit_codes() {
         err.contains("too-large") && err.contains("this daemon takes chunks up to "),
         "{err}"
     );
+    // A huge input is not read whole first (QA: `put /dev/zero` read until
+    // memory ran out): here a sparse 1 GiB file, refused after the limit.
+    let huge = dir.path().join("huge.bin");
+    std::fs::File::create(&huge)
+        .and_then(|f| f.set_len(1 << 30))
+        .expect("sparse file");
+    let h = huge.to_string_lossy().into_owned();
+    let out = run_kvtier(
+        &[&["put", &h, "--namespace", &ns, "--name", "huge"][..], &s].concat(),
+        &[],
+    );
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("too-large: the chunk is more than "), "{err}");
 
     let out = run_kvtier(&["put", &p, "--namespace", &ns, "--key"], &[]);
     assert_eq!(

@@ -80,6 +80,17 @@ pub enum Error {
     /// The namespace was never registered with this store.
     #[error("unknown namespace {0}")]
     UnknownNamespace(crate::Namespace),
+    /// A namespace record too large to keep.
+    #[error(
+        "namespace record of {len} bytes as stored (JSON with every field written out, defaults \
+         included) is over the limit of {max} bytes (16 KiB)"
+    )]
+    RecordTooLarge {
+        /// Its length as stored.
+        len: usize,
+        /// The limit.
+        max: usize,
+    },
     /// A caller passed a bad value.
     #[error("invalid {what}: {value:?}")]
     InvalidArgument {

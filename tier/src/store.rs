@@ -864,9 +864,9 @@ impl ChunkStore {
         }
         let len = serde_json::to_vec(record).map_or(usize::MAX, |v| v.len());
         if len > MAX_RECORD_BYTES {
-            return Err(Error::InvalidArgument {
-                what: "namespace record: at most 16 KiB as JSON",
-                value: format!("{len} bytes"),
+            return Err(Error::RecordTooLarge {
+                len,
+                max: MAX_RECORD_BYTES,
             });
         }
         let _g = self.inner.manifest_lock.lock();

@@ -156,7 +156,9 @@ fn store_error(e: &tier::Error) -> (ErrorCode, String) {
         tier::Error::NoSpace { .. } => ErrorCode::NoSpace,
         tier::Error::Unimplemented(_) => ErrorCode::Unimplemented,
         tier::Error::Closed => ErrorCode::ShuttingDown,
-        tier::Error::InvalidArgument { .. } => ErrorCode::BadRequest,
+        tier::Error::InvalidArgument { .. } | tier::Error::RecordTooLarge { .. } => {
+            ErrorCode::BadRequest
+        }
         _ => ErrorCode::Store,
     };
     (code, e.to_string())
@@ -632,7 +634,10 @@ impl Connection {
                 let ns = joined(
                     tokio::task::spawn_blocking(move || ctx.register_namespace(&record)).await,
                 )?
-                .map_err(|e| store_error(&e))?;
+                .map_err(|e| {
+                    let (code, msg) = store_error(&e);
+                    (code, format!("HELLO: {msg}"))
+                })?;
                 Ok(Response::Hello(HelloReply {
                     ns,
                     version: codec::VERSION,
