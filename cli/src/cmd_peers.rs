@@ -150,8 +150,24 @@ fn render(doc: &Value, peers: &Value) -> String {
         out.push_str(line.join("  ").trim_end());
         out.push('\n');
     }
+    // Why a peer is not up, as its last connect attempt failed (a refused
+    // certificate, an unreachable address).
+    for p in peers.as_array().map(Vec::as_slice).unwrap_or_default() {
+        let up = p.get("state").and_then(Value::as_str) == Some("up");
+        if let (false, Some(e)) = (up, p.get("last_error").and_then(Value::as_str)) {
+            let who = p
+                .get("name")
+                .and_then(Value::as_str)
+                .or_else(|| p.get("addr").and_then(Value::as_str))
+                .unwrap_or("?");
+            out.push_str(&format!("{who}: last connect failed: {e}\n"));
+        }
+    }
     if peers.as_array().is_none_or(Vec::is_empty) {
-        out.push_str("(no peers configured: set peer-listen and peers)\n");
+        out.push_str(
+            "(no peers: none configured, or only this node's own address or repeats of \
+             another seed; set peer-listen and peers)\n",
+        );
     }
     out
 }

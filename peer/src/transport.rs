@@ -447,6 +447,9 @@ pub struct PeerStatus {
     pub connections: u32,
     /// Snapshots forced by gaps or resets.
     pub resyncs: u64,
+    /// Why the last attempt to connect failed (`None` once one succeeds),
+    /// e.g. a certificate the peer refused.
+    pub last_error: Option<String>,
 }
 
 /// What one requesting peer has been served, over all its connections.
@@ -470,6 +473,8 @@ struct Slot {
     sync: Mutex<RemoteSync>,
     namespaces: Mutex<Vec<(PeerNamespace, Vec<u8>)>>,
     is_self: AtomicBool,
+    /// Why the last connect failed (cleared when one succeeds).
+    last_error: Mutex<Option<String>>,
     fetch_sem: Semaphore,
     in_flight: AtomicU32,
     bytes_fetched: AtomicU64,
@@ -564,6 +569,16 @@ impl PeerHandle {
             .local_addr()
             .map_err(|e| Error::Transport(format!("peer socket address: {e}")))?;
         cfg.validate(tls.insecure)?;
+        // A seed listed twice would be two links to one peer, and two rows
+        // (and duplicate metric series) for it.
+        let mut seen = std::collections::HashSet::new();
+        cfg.peers.retain(|p| {
+            let first = seen.insert(p.trim().to_ascii_lowercase());
+            if !first {
+                tracing::warn!(seed = %p, "peer listed twice in peers; the repeat is ignored");
+            }
+            first
+        });
         let transport = Arc::new(
             cfg.tuning
                 .transport_config(cfg.keep_alive, cfg.idle_timeout),
@@ -606,6 +621,7 @@ impl PeerHandle {
                     sync: Mutex::new(RemoteSync::new()),
                     namespaces: Mutex::new(Vec::new()),
                     is_self: AtomicBool::new(false),
+                    last_error: Mutex::new(None),
                     fetch_sem: Semaphore::new(cfg.max_fetches_per_peer as usize),
                     in_flight: AtomicU32::new(0),
                     bytes_fetched: AtomicU64::new(0),
@@ -880,6 +896,7 @@ impl PeerHandle {
                         1 + live as u32
                     }),
                     resyncs: sync.gaps(),
+                    last_error: s.last_error.lock().clone(),
                 }
             })
             .collect()
@@ -1307,6 +1324,9 @@ impl Drop for AbortOnDrop {
 async fn link_loop(shared: Arc<Shared>, slot: Arc<Slot>) {
     let mut shutdown = shared.shutdown.subscribe();
     let mut backoff = Backoff::new(shared.cfg.backoff_base, shared.cfg.backoff_max);
+    // The failure last logged at warn: a new one (the first after a link,
+    // or another reason) is logged at warn, repeats at debug.
+    let mut warned: Option<String> = None;
     loop {
         if *shutdown.borrow() {
             return;
@@ -1314,6 +1334,8 @@ async fn link_loop(shared: Arc<Shared>, slot: Arc<Slot>) {
         match connect(&shared, &slot).await {
             Ok(Some((conn, send, recv))) => {
                 backoff.reset();
+                warned = None;
+                *slot.last_error.lock() = None;
                 let _extras = (shared.cfg.fetch_connections > 1).then(|| {
                     AbortOnDrop(tokio::spawn(dial_extra(
                         shared.clone(),
@@ -1337,15 +1359,16 @@ async fn link_loop(shared: Arc<Shared>, slot: Arc<Slot>) {
             }
             Ok(None) => {
                 slot.is_self.store(true, Ordering::Relaxed);
-                tracing::debug!(seed = %slot.seed, "seed is this node; skipped");
                 return;
             }
             Err(e) => {
-                if backoff.attempts() == 0 {
+                if warned.as_deref() != Some(e.as_str()) {
                     tracing::warn!(seed = %slot.seed, error = %e, "cannot connect to peer");
+                    warned = Some(e.clone());
                 } else {
                     tracing::debug!(seed = %slot.seed, error = %e, attempt = backoff.attempts(), "cannot connect to peer");
                 }
+                *slot.last_error.lock() = Some(e);
             }
         }
         let delay = backoff.next_delay(rand::thread_rng().r#gen());
@@ -1396,9 +1419,15 @@ async fn connect(shared: &Arc<Shared>, slot: &Slot) -> Result<Option<Link>, Stri
         .map_err(|e| e.to_string())?;
         let hello = read_frame(&mut recv)
             .await
-            .map_err(|e| format!("read hello: {e}"))?;
+            .map_err(|e| match conn.close_reason() {
+                // E.g. the peer's TLS alert when it refused our certificate.
+                Some(why) => format!("read hello: {e} ({why})"),
+                None => format!("read hello: {e}"),
+            })?;
         let Message::Hello {
-            node_name, cluster, ..
+            node_name,
+            cluster,
+            epoch: their_epoch,
         } = hello
         else {
             return Err(format!("expected hello, got message kind {}", hello.kind()));
@@ -1416,6 +1445,34 @@ async fn connect(shared: &Arc<Shared>, slot: &Slot) -> Result<Option<Link>, Stri
         }
         if node_name == shared.node_name {
             conn.close(VarInt::from_u32(0), b"self");
+            if their_epoch == epoch {
+                tracing::debug!(seed = %slot.seed, "seed is this node; skipped");
+            } else {
+                // Another process answered with our name: two nodes share
+                // one (a certificate issued twice, or copied).
+                tracing::warn!(
+                    seed = %slot.seed,
+                    name = %node_name,
+                    "the node at this seed presents this node's own name: two nodes share it \
+                     (issue each node its own certificate); this seed is skipped"
+                );
+            }
+            return Ok(None);
+        }
+        if let Some(other) = shared.slots.iter().find(|o| {
+            o.index != slot.index
+                && o.conn.read().is_some()
+                && o.name.read().as_deref() == Some(node_name.as_str())
+        }) {
+            // Another seed already links to this node (an alias of one
+            // address, e.g. localhost and 127.0.0.1).
+            conn.close(VarInt::from_u32(0), b"duplicate");
+            tracing::warn!(
+                seed = %slot.seed,
+                other = %other.seed,
+                name = %node_name,
+                "this seed reaches a peer another seed already links to; it is skipped"
+            );
             return Ok(None);
         }
         Ok(Some((conn, send, recv, node_name)))
@@ -1429,6 +1486,15 @@ async fn connect(shared: &Arc<Shared>, slot: &Slot) -> Result<Option<Link>, Stri
     let prev = slot.name.write().replace(Arc::from(name.as_str()));
     if prev.as_deref().is_some_and(|p| p != name) {
         tracing::warn!(seed = %slot.seed, old = ?prev, new = %name, "peer at this address changed name");
+        // The counters were the old node's.
+        for c in [
+            &slot.bytes_fetched,
+            &slot.fetches_ok,
+            &slot.fetches_failed,
+            &slot.connects,
+        ] {
+            c.store(0, Ordering::Relaxed);
+        }
     }
     *slot.conn.write() = Some(conn.clone());
     slot.connects.fetch_add(1, Ordering::Relaxed);

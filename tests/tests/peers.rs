@@ -375,6 +375,70 @@ fn a_node_from_another_ca_is_refused() {
             "{who} never learned a name: {peers:?}"
         );
     }
+    // Each says why the link is down, in STATS and `kvtier peers`, and
+    // logs it at warn, also on the refused side (it said only "connection
+    // lost", at debug after the first attempt: QA).
+    for (d, who) in [(&a, "a"), (&x, "x")] {
+        let err = poll("a last_error", Duration::from_secs(15), || {
+            let doc = d.client().stats().ok()?;
+            doc["peers"][0]["last_error"].as_str().map(str::to_owned)
+        });
+        assert!(!err.is_empty(), "{who}");
+        assert!(
+            d.log().contains("cannot connect to peer"),
+            "{who} logged no warning: {}",
+            d.log()
+        );
+        let sock = d.socket.to_string_lossy().into_owned();
+        let out = run_kvtier(&["peers", "--socket", &sock], &[]);
+        let table = String::from_utf8_lossy(&out.stdout);
+        assert!(table.contains("last connect failed: "), "{who}: {table}");
+    }
+}
+
+/// A seed listed twice, and a second address of a peer already linked
+/// (`localhost` beside `127.0.0.1`), are one peer: one row, one metric
+/// series (three rows and three series made Prometheus reject the scrape:
+/// QA).
+#[test]
+fn a_peer_listed_twice_or_by_two_addresses_is_one_peer() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let ca = make_ca(dir.path(), "cluster", "test");
+    let ports = free_ports(2);
+    let a_tls = issue(dir.path(), &ca, "a");
+    let b_tls = issue(dir.path(), &ca, "b");
+    let b = start_node(dir.path(), "b", &b_tls, ports[1], &[ports[0]])
+        .unwrap_or_else(|e| panic!("b: {e}"));
+    let nd = dir.path().join("a");
+    std::fs::create_dir_all(&nd).expect("node dir");
+    let listen = format!("127.0.0.1:{}", ports[0]);
+    let seeds = format!("127.0.0.1:{p},localhost:{p},127.0.0.1:{p}", p = ports[1]);
+    let a = Daemon::start(
+        &nd,
+        &[
+            "--node-name",
+            "a",
+            "--peer-listen",
+            &listen,
+            "--tls-dir",
+            a_tls.to_str().expect("utf-8"),
+            "--peers",
+            &seeds,
+        ],
+        &ENV,
+    )
+    .unwrap_or_else(|e| panic!("a: {e}"));
+    poll("b up at a", Duration::from_secs(15), || {
+        (peer_state(&a, "b").as_deref() == Some("up")).then_some(())
+    });
+    // The alias is dialled and skipped (or never resolves): either way it
+    // ends as no row.
+    poll("one row for b", Duration::from_secs(15), || {
+        let doc = a.client().stats().ok()?;
+        (doc["peers"].as_array()?.len() == 1).then_some(())
+    });
+    assert!(a.log().contains("peer listed twice"), "{}", a.log());
+    drop(b);
 }
 
 #[test]
@@ -623,5 +687,73 @@ fn a_stopped_peer_never_hangs_a_get_past_its_timeout() {
     assert_eq!(
         cb.get_bytes(ns, 0, keys[0].0).expect("GET"),
         Some(keys[0].1.clone())
+    );
+}
+
+/// A different node taking over a peer's address starts with its own
+/// counters (the old node's fetched bytes were shown as the new one's:
+/// QA); a node answering with this node's own name is a warning, not a
+/// silent self-skip.
+#[test]
+fn another_node_at_a_peers_address_starts_its_own_counters() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let Two { a, b, ports, .. } = two_nodes(dir.path());
+    let r0 = test_record(0);
+    let ns = b.client().hello(&r0).expect("HELLO");
+    let (key, data) = chunk_bytes(7, 1);
+    put(&b, ns, key, &data);
+    let mut ca = a.client();
+    assert_eq!(ca.hello(&r0).expect("HELLO"), ns);
+    wait_present(&a, ns, key, Duration::from_secs(15));
+    assert_eq!(ca.get_bytes(ns, 0, key).expect("GET"), Some(data));
+    let fetched = |d: &Daemon, name: &str| -> Option<u64> {
+        let doc = d.client().stats().ok()?;
+        doc["peers"]
+            .as_array()?
+            .iter()
+            .find(|p| p["name"] == name)
+            .and_then(|p| p["bytes_fetched"].as_u64())
+    };
+    assert!(fetched(&a, "b").is_some_and(|n| n > 0));
+    drop(b);
+    // Node c (its own certificate) now listens where b did.
+    let ca_dir = dir.path().join("cluster-ca");
+    let c_tls = issue(dir.path(), &ca_dir, "c");
+    let _c = start_node(dir.path(), "c", &c_tls, ports[1], &[ports[0]])
+        .unwrap_or_else(|e| panic!("c: {e}"));
+    poll("c up at a", Duration::from_secs(20), || {
+        (peer_state(&a, "c").as_deref() == Some("up")).then_some(())
+    });
+    assert_eq!(fetched(&a, "c"), Some(0), "b's counters were carried over");
+    // A second "a" (the same certificate, copied) dialled by a.
+    let a2_port = free_ports(1)[0];
+    let a_tls = dir.path().join("a").join("tls");
+    let nd = dir.path().join("a2");
+    std::fs::create_dir_all(&nd).expect("node dir");
+    let listen = format!("127.0.0.1:{a2_port}");
+    let seeds = format!("127.0.0.1:{}", ports[0]);
+    let a2 = Daemon::start(
+        &nd,
+        &[
+            "--node-name",
+            "a",
+            "--peer-listen",
+            &listen,
+            "--tls-dir",
+            a_tls.to_str().expect("utf-8"),
+            "--peers",
+            &seeds,
+        ],
+        &ENV,
+    )
+    .unwrap_or_else(|e| panic!("a2: {e}"));
+    poll(
+        "a2 warns of the shared name",
+        Duration::from_secs(15),
+        || {
+            a2.log()
+                .contains("presents this node's own name")
+                .then_some(())
+        },
     );
 }
