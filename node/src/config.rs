@@ -669,8 +669,16 @@ impl NodeConfig {
                 format!("{} peers listed, at most 32", self.peers.0.len()),
             ));
         }
-        if let Some(p) = self.peers.0.iter().find(|p| p.rsplit_once(':').is_none()) {
-            return Err(bad("peers", format!("{p:?} is not host:port")));
+        for p in &self.peers.0 {
+            let Some((host, port)) = p.rsplit_once(':') else {
+                return Err(bad("peers", format!("{p:?} is not host:port")));
+            };
+            if host.is_empty() || !port.parse::<u16>().is_ok_and(|n| n > 0) {
+                return Err(bad(
+                    "peers",
+                    format!("{p:?} is not host:port with a port of 1 to 65535"),
+                ));
+            }
         }
         if self.insecure_dev {
             if !listen.ip().is_loopback() {

@@ -532,10 +532,42 @@ fn peer_configuration_contradictions_are_refused() {
         "--disk-budget",
         "0",
     ];
-    let cases: [(&[&str], &str); 4] = [
+    let cases: [(&[&str], &str); 7] = [
         (
             &["--peer-listen", "0.0.0.0:7401", "--insecure-dev"],
             "peer-listen",
+        ),
+        // A port no peer can be dialled on is refused at start (it failed
+        // only at each connect: QA).
+        (
+            &[
+                "--peer-listen",
+                "127.0.0.1:0",
+                "--insecure-dev",
+                "--peers",
+                "127.0.0.1:99999",
+            ],
+            "port of 1 to 65535",
+        ),
+        (
+            &[
+                "--peer-listen",
+                "127.0.0.1:0",
+                "--insecure-dev",
+                "--peers",
+                "127.0.0.1:0",
+            ],
+            "port of 1 to 65535",
+        ),
+        (
+            &[
+                "--peer-listen",
+                "127.0.0.1:0",
+                "--insecure-dev",
+                "--peers",
+                ":7401",
+            ],
+            "is not host:port",
         ),
         (&["--peer-listen", "127.0.0.1:0"], "tls-dir"),
         (&["--peers", "127.0.0.1:7401"], "peers"),
