@@ -163,6 +163,15 @@ fn render(doc: &Value, peers: &Value) -> String {
             out.push_str(&format!("{who}: last connect failed: {e}\n"));
         }
     }
+    // Nodes that fetch from us without being in our seed list.
+    if let Some(m) = doc.get("served_unlisted").and_then(Value::as_object) {
+        for (name, bytes) in m {
+            out.push_str(&format!(
+                "{name} (not in peers, dials this node): served {}\n",
+                human_bytes(bytes.as_u64().unwrap_or(0))
+            ));
+        }
+    }
     if peers.as_array().is_none_or(Vec::is_empty) {
         out.push_str(
             "(no peers: none configured, or only this node's own address or repeats of \

@@ -366,10 +366,17 @@ impl Cluster {
                 |p| p.fetches_failed,
             ),
         ];
+        let unlisted = self.handle.served_unlisted();
         for (name, help, f) in counters {
             let mut me = enc.encode_descriptor(name, help, None, MetricType::Counter)?;
             for (n, p) in names.iter().zip(&peers) {
                 ConstCounter::new(f(p)).encode(me.encode_family(&[("peer", n.as_str())])?)?;
+            }
+            if name == "peer_served_bytes" {
+                // Nodes that dial us without being in our seed list.
+                for (n, bytes) in &unlisted {
+                    ConstCounter::new(*bytes).encode(me.encode_family(&[("peer", n.as_str())])?)?;
+                }
             }
         }
         let gauges: [Metric<i64>; 4] = [

@@ -106,6 +106,18 @@ impl NodeContext {
         }
     }
 
+    /// Bytes served to nodes not among our peers (`{name: bytes}`; empty
+    /// without peers): their seed lists name us, ours does not name them.
+    pub fn served_unlisted_json(&self) -> serde_json::Value {
+        let mut m = serde_json::Map::new();
+        if let Some(c) = &self.cluster {
+            for (name, bytes) in c.handle().served_unlisted() {
+                m.insert(name, bytes.into());
+            }
+        }
+        serde_json::Value::Object(m)
+    }
+
     /// Registers a namespace record with the store.
     ///
     /// A namespace new to this node is announced to the peers (their

@@ -222,6 +222,7 @@ pub fn status_json(ctx: &NodeContext) -> serde_json::Value {
         "store": ctx.store.stats(),
         "namespaces": ctx.store.namespaces(),
         "peers": ctx.peers_json(),
+        "served_unlisted": ctx.served_unlisted_json(),
         "requests": {
             "native": c.native_requests.load(Ordering::Relaxed),
             "native_errors": c.native_errors.load(Ordering::Relaxed),

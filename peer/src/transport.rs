@@ -902,6 +902,27 @@ impl PeerHandle {
             .collect()
     }
 
+    /// Payload bytes served to nodes that are not among our peers (a node
+    /// whose seed list names us while ours does not name it), by name.
+    pub fn served_unlisted(&self) -> Vec<(String, u64)> {
+        let listed: std::collections::HashSet<String> = self
+            .shared
+            .slots
+            .iter()
+            .filter_map(|s| s.name.read().as_deref().map(str::to_owned))
+            .collect();
+        let mut out: Vec<(String, u64)> = self
+            .shared
+            .served
+            .lock()
+            .iter()
+            .filter(|(n, _)| !listed.contains(*n) && **n != self.shared.node_name)
+            .map(|(n, st)| (n.clone(), st.bytes.load(Ordering::Relaxed)))
+            .collect();
+        out.sort();
+        out
+    }
+
     /// Namespace records peers published: (peer name, namespace, record).
     pub fn namespace_records(&self) -> Vec<(String, PeerNamespace, Vec<u8>)> {
         let mut out = Vec::new();

@@ -789,3 +789,48 @@ fn another_node_at_a_peers_address_starts_its_own_counters() {
         },
     );
 }
+
+/// A node that dials us without being in our seed list is served, and
+/// what it was served is counted under its name (it was counted nowhere:
+/// QA).
+#[test]
+fn bytes_served_to_a_node_not_in_our_peers_are_counted() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let ca = make_ca(dir.path(), "cluster", "test");
+    let ports = free_ports(2);
+    let a_tls = issue(dir.path(), &ca, "a");
+    let d_tls = issue(dir.path(), &ca, "d");
+    let a = start_node(dir.path(), "a", &a_tls, ports[0], &[]).unwrap_or_else(|e| panic!("a: {e}"));
+    let d = start_node(dir.path(), "d", &d_tls, ports[1], &[ports[0]])
+        .unwrap_or_else(|e| panic!("d: {e}"));
+    let r0 = test_record(0);
+    let ns = a.client().hello(&r0).expect("HELLO");
+    let (key, data) = chunk_bytes(9, 1);
+    put(&a, ns, key, &data);
+    let mut cd = d.client();
+    assert_eq!(cd.hello(&r0).expect("HELLO"), ns);
+    wait_present(&d, ns, key, Duration::from_secs(15));
+    assert_eq!(cd.get_bytes(ns, 0, key).expect("GET"), Some(data.clone()));
+    let doc = a.client().stats().expect("STATS");
+    assert_eq!(
+        doc["served_unlisted"]["d"].as_u64(),
+        Some(data.len() as u64),
+        "{}",
+        doc["served_unlisted"]
+    );
+    let metrics = http_get(a.http.expect("http"), "/metrics");
+    assert!(
+        metrics.contains(&format!(
+            "kvtier_peer_served_bytes_total{{peer=\"d\"}} {}",
+            data.len()
+        )),
+        "{metrics}"
+    );
+    let sock = a.socket.to_string_lossy().into_owned();
+    let out = run_kvtier(&["peers", "--socket", &sock], &[]);
+    let table = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        table.contains("d (not in peers, dials this node): served"),
+        "{table}"
+    );
+}

@@ -1028,6 +1028,7 @@ pub fn stats_json(ctx: &NodeContext) -> serde_json::Value {
         "max-chunk-bytes": ctx.store.max_chunk_len(0),
         "store": ctx.store.stats(),
         "peers": ctx.peers_json(),
+        "served_unlisted": ctx.served_unlisted_json(),
         "counters": {
             "native-requests": c.native_requests.load(Relaxed),
             "native-errors": c.native_errors.load(Relaxed),
