@@ -387,6 +387,13 @@ pub async fn start(config: NodeConfig) -> Result<NodeHandle> {
         None => None,
     };
 
+    // A native socket another daemon serves, likewise (bound below, once
+    // the store is open).
+    crate::native::check_available(&config.socket).map_err(|e| NodeError::Serve {
+        what: "native socket",
+        detail: e.to_string(),
+    })?;
+
     // The peer layer's certificates and QUIC port, for the same reason.
     let prepared = match config.cluster_options() {
         Some(opts) => Some(crate::cluster::Cluster::prepare(&opts)?),

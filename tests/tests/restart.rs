@@ -420,3 +420,26 @@ fn the_daemon_raises_its_open_file_limit() {
     };
     assert_eq!(soft, max, "{line}");
 }
+
+/// A second daemon given a native socket another daemon serves fails
+/// before it opens (and preallocates) a store or starts anything else
+/// (it failed only at the bind, after peers had seen it up: QA).
+#[test]
+fn a_socket_in_use_fails_the_start_before_the_store_opens() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let first = Daemon::start(dir.path(), &[], &[]).expect("start");
+    let other = tempfile::tempdir().expect("temp dir");
+    let mut args = kvtier_tests::test_args(other.path());
+    let at = args.iter().position(|a| a == "--socket").expect("--socket") + 1;
+    args[at] = first.socket.to_string_lossy().into_owned();
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let out = run_kvtier(&args, &[]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("native socket"), "{err}");
+    assert!(
+        !other.path().join("data").join("store.kvt").exists(),
+        "the store was created: {err}"
+    );
+    drop(first);
+}

@@ -169,6 +169,20 @@ impl NativeError {
     }
 }
 
+/// Fails as [`bind`] would when `path` is not a socket or a live server
+/// answers on it, without changing anything: the daemon asks before it
+/// opens the store and starts its peer layer (a start that failed only at
+/// the bind was seen up by peers for a moment).
+pub fn check_available(path: &Path) -> Result<(), NativeError> {
+    match std::fs::symlink_metadata(path) {
+        Ok(md) if !md.file_type().is_socket() => Err(NativeError::NotASocket(path.to_owned())),
+        Ok(_) if std::os::unix::net::UnixStream::connect(path).is_ok() => {
+            Err(NativeError::AddrInUse(path.to_owned()))
+        }
+        _ => Ok(()),
+    }
+}
+
 /// Binds the native socket at `path` with permissions `mode` (e.g.
 /// [`DEFAULT_SOCKET_MODE`]). Creates the parent directory if missing. A
 /// stale socket file is removed only if nothing listens on it; a live one
