@@ -62,7 +62,16 @@ pub fn validate_name(kind: &str, name: &str) -> Result<(), Error> {
             && !l.starts_with('-')
             && !l.ends_with('-')
     };
-    let ok = name.len() <= 63 && name.parse::<IpAddr>().is_err() && name.split('.').all(label_ok);
+    // Also as peers verify it: rustls refuses a name whose last label is a
+    // number (`127.1`, `1.2.3`), which would be issued and never accepted.
+    let ok = name.len() <= 63
+        && name.parse::<IpAddr>().is_err()
+        && name.split('.').all(label_ok)
+        && rustls::pki_types::DnsName::try_from(name).is_ok()
+        && !name
+            .rsplit('.')
+            .next()
+            .is_some_and(|l| l.bytes().all(|b| b.is_ascii_digit()));
     if ok {
         Ok(())
     } else {
@@ -540,6 +549,10 @@ mod tests {
             "n1-.lan",
             "n1.-lan",
             "10.0.0.1",
+            "127.1",
+            "1.2.3",
+            "12345",
+            "0x0a000001",
         ] {
             assert!(validate_name("node", bad).is_err(), "{bad:?}");
         }
