@@ -293,6 +293,36 @@ async fn basic_commands_reply_like_redis() {
           $4\r\ninfo\r\n$4\r\nping\r\n$4\r\nquit\r\n$6\r\nselect\r\n$3\r\nset\r\n",
     )
     .await;
+    // Redis 7's filters: by pattern (any case), by ACL category (without
+    // its `@`), by module (none are loaded); anything else is a syntax
+    // error, and COUNT takes no arguments.
+    rt(
+        &mut c,
+        b"COMMAND LIST FILTERBY PATTERN C*\r\n",
+        b"*3\r\n$6\r\nclient\r\n$7\r\ncommand\r\n$6\r\nconfig\r\n",
+    )
+    .await;
+    rt(
+        &mut c,
+        b"command list filterby aclcat KEYSPACE\r\n",
+        b"*3\r\n$6\r\ndbsize\r\n$3\r\ndel\r\n$6\r\nexists\r\n",
+    )
+    .await;
+    rt(&mut c, b"COMMAND LIST FILTERBY ACLCAT nope\r\n", b"*0\r\n").await;
+    rt(&mut c, b"COMMAND LIST FILTERBY MODULE x\r\n", b"*0\r\n").await;
+    rt(
+        &mut c,
+        b"COMMAND LIST FILTERBY NAME x\r\n",
+        b"-ERR syntax error\r\n",
+    )
+    .await;
+    rt(&mut c, b"COMMAND LIST x\r\n", b"-ERR syntax error\r\n").await;
+    rt(
+        &mut c,
+        b"COMMAND COUNT x\r\n",
+        b"-ERR wrong number of arguments for 'command|count' command\r\n",
+    )
+    .await;
     rt(
         &mut c,
         b"COMMAND BOGUS\r\n",

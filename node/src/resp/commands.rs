@@ -633,17 +633,40 @@ fn command(args: &[Bytes], out: &mut Output) -> Res {
                 "(no subcommand): every command's details",
                 "COUNT",
                 "INFO [<command-name> ...]",
-                "LIST",
+                "LIST [FILTERBY (MODULE <name>|ACLCAT <category>|PATTERN <pattern>)]",
                 "DOCS: an empty reply (no documentation is served)",
             ];
             help_reply(out, &lines);
         }
-        b"count" => out.integer(COMMANDS.len() as i64),
+        b"count" if args.len() == 2 => out.integer(COMMANDS.len() as i64),
+        b"count" => return Err(wrong_args("command|count")),
         b"docs" => out.map_header(0),
         b"list" => {
-            out.array_header(COMMANDS.len());
-            for spec in COMMANDS {
-                out.bulk(spec.name.as_bytes());
+            let names: Vec<&str> = match &args[2..] {
+                [] => COMMANDS.iter().map(|c| c.name).collect(),
+                [by, kind, arg] if by.eq_ignore_ascii_case(b"filterby") => {
+                    let kind = kind.to_ascii_lowercase();
+                    let keep = |c: &&Spec| match kind.as_slice() {
+                        // No modules are loaded.
+                        b"module" => false,
+                        // As Redis: the category without its `@`, any
+                        // case; an unknown one selects nothing.
+                        b"aclcat" => c
+                            .acl
+                            .iter()
+                            .any(|a| a.as_bytes()[1..].eq_ignore_ascii_case(arg)),
+                        _ => glob_match(arg, c.name.as_bytes()),
+                    };
+                    if !matches!(kind.as_slice(), b"module" | b"aclcat" | b"pattern") {
+                        return err(SYNTAX);
+                    }
+                    COMMANDS.iter().filter(keep).map(|c| c.name).collect()
+                }
+                _ => return err(SYNTAX),
+            };
+            out.array_header(names.len());
+            for n in names {
+                out.bulk(n.as_bytes());
             }
         }
         // Every command without names, as Redis 7 does; an unknown name
