@@ -1410,10 +1410,18 @@ async fn connect(shared: &Arc<Shared>, slot: &Slot) -> Result<Option<Link>, Stri
             .map_err(|e| format!("resolve {}: {e}", slot.seed))?
             .next()
             .ok_or_else(|| format!("resolve {}: no address", slot.seed))?;
+        // An IPv4-mapped IPv6 address (`[::ffff:10.0.0.2]:7300`) is its
+        // IPv4 address: an IPv4 endpoint cannot send to the mapped form,
+        // and the loopback and self checks below would not recognise it.
+        let addr = SocketAddr::new(addr.ip().to_canonical(), addr.port());
         if shared.insecure && !addr.ip().is_loopback() {
             return Err(format!("--insecure-dev refuses non-loopback peer {addr}"));
         }
-        if shared.endpoint.local_addr().is_ok_and(|a| a == addr) {
+        if shared
+            .endpoint
+            .local_addr()
+            .is_ok_and(|a| SocketAddr::new(a.ip().to_canonical(), a.port()) == addr)
+        {
             return Ok(None);
         }
         let conn = shared

@@ -397,7 +397,8 @@ fn a_node_from_another_ca_is_refused() {
 }
 
 /// A seed listed twice, and a second address of a peer already linked
-/// (`localhost` beside `127.0.0.1`), are one peer: one row, one metric
+/// (`localhost` or the IPv4-mapped `[::ffff:127.0.0.1]` beside
+/// `127.0.0.1`), are one peer: one row, one metric
 /// series (three rows and three series made Prometheus reject the scrape:
 /// QA).
 #[test]
@@ -412,7 +413,10 @@ fn a_peer_listed_twice_or_by_two_addresses_is_one_peer() {
     let nd = dir.path().join("a");
     std::fs::create_dir_all(&nd).expect("node dir");
     let listen = format!("127.0.0.1:{}", ports[0]);
-    let seeds = format!("127.0.0.1:{p},localhost:{p},127.0.0.1:{p}", p = ports[1]);
+    let seeds = format!(
+        "127.0.0.1:{p},localhost:{p},127.0.0.1:{p},[::ffff:127.0.0.1]:{p}",
+        p = ports[1]
+    );
     let a = Daemon::start(
         &nd,
         &[
