@@ -604,11 +604,26 @@ fn http_get(addr: std::net::SocketAddr, path: &str) -> Result<Vec<u8>> {
 /// Opens the store offline (no daemon) under the data dir lock. A repair
 /// first salvages a corrupt namespace manifest (returned: what it did) and
 /// grows a truncated store file (see [`tier::TierConfig`]).
+/// How an offline command opens the store.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Access {
+    /// Nothing written: no recovery writes (a region recovered from its
+    /// batches stays unsealed, the deletes journal stays), so a report run
+    /// twice finds the same thing.
+    ReadOnly,
+    /// Opened as the daemon opens it (recovery writes what it recovered).
+    Write,
+    /// [`Access::Write`], plus the manifest salvaged and a truncated file
+    /// grown back (`verify --repair`).
+    Repair,
+}
+
 fn open_offline(
     cfg: &NodeConfig,
     role: &str,
-    repair: bool,
+    access: Access,
 ) -> Result<(ChunkStore, DataDirLock, Option<tier::manifest::Salvaged>)> {
+    let repair = access == Access::Repair;
     // Opening creates (and preallocates) a store: never do that by accident.
     let file = cfg.data_dir.join(config::STORE_FILE);
     if !file.exists() {
@@ -642,6 +657,7 @@ fn open_offline(
     }
     let tier_config = tier::TierConfig {
         grow_truncated: repair,
+        read_only: access == Access::ReadOnly,
         ..cfg.tier_config()
     };
     let store = ChunkStore::open(tier_config)
@@ -675,7 +691,7 @@ fn namespaces(args: &NamespacesArgs) -> Result<u8> {
             serde_json::Value::Array(vec![])
         }
         None => {
-            let (store, lock, _) = open_offline(&cfg, "namespaces", false)?;
+            let (store, lock, _) = open_offline(&cfg, "namespaces", Access::ReadOnly)?;
             let list = serde_json::to_value(store.namespaces())?;
             close_offline(store, lock)?;
             list
@@ -718,16 +734,38 @@ fn namespaces(args: &NamespacesArgs) -> Result<u8> {
     Ok(EXIT_OK)
 }
 
-/// `s` with its control characters escaped (`\u{1b}`, `\n`, ...).
+/// `s` with its control characters and invisible format characters
+/// escaped (`\u{1b}`, `\n`, `\u{202e}`, ...): a record field could
+/// otherwise move the cursor, or reorder or hide the text around it.
 fn printable(s: &str) -> String {
-    s.chars()
-        .flat_map(|c| {
-            let esc = c.is_control().then(|| c.escape_default());
-            esc.into_iter()
-                .flatten()
-                .chain((!c.is_control()).then_some(c))
-        })
-        .collect()
+    let mut out = String::with_capacity(s.len());
+    for c in s.chars() {
+        if c.is_control() {
+            out.extend(c.escape_default());
+        } else if invisible(c) {
+            out.extend(c.escape_unicode());
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+/// Unicode format characters a terminal draws as nothing: bidirectional
+/// overrides and isolates, zero-width characters, the soft hyphen, the
+/// byte order mark and interlinear annotation marks.
+fn invisible(c: char) -> bool {
+    matches!(
+        c,
+        '\u{00ad}'
+            | '\u{061c}'
+            | '\u{180e}'
+            | '\u{200b}'..='\u{200f}'
+            | '\u{2028}'..='\u{202e}'
+            | '\u{2060}'..='\u{206f}'
+            | '\u{feff}'
+            | '\u{fff9}'..='\u{fffb}'
+    )
 }
 
 /// A progress bar on a terminal, nothing otherwise.
@@ -769,7 +807,12 @@ fn verify(args: &VerifyArgs) -> Result<u8> {
     // Recovery's own findings (a torn or corrupt chunk in the region that was
     // open at the last shutdown) are logged as the store opens.
     let _ = node::logging::init(node::logging::LogFormat::Human, "warn");
-    let (store, lock, salvaged) = match open_offline(&cfg, "verify", args.repair) {
+    let access = if args.repair {
+        Access::Repair
+    } else {
+        Access::ReadOnly
+    };
+    let (store, lock, salvaged) = match open_offline(&cfg, "verify", access) {
         Ok(opened) => opened,
         // A store that cannot be opened because of what is on disk (a
         // truncated file, a corrupt superblock or namespace manifest) is a
@@ -923,7 +966,15 @@ fn gc(args: &GcArgs) -> Result<u8> {
         .into());
     }
     let cfg = offline_config(&args.config, "gc")?;
-    let (store, lock, _) = open_offline(&cfg, "gc", false)?;
+    let (store, lock, _) = open_offline(
+        &cfg,
+        "gc",
+        if args.apply {
+            Access::Write
+        } else {
+            Access::ReadOnly
+        },
+    )?;
     // An id that is not in this store (a typo, another node's store) is said,
     // not reported as "dropped: 1 namespace(s), 0 chunk(s)".
     let known: Vec<Namespace> = store.namespaces().iter().map(|n| n.id).collect();
@@ -1012,6 +1063,16 @@ mod printable_tests {
         assert_eq!(
             super::printable("evil\u{1b}]0;x\u{7}\nFAKE\té"),
             "evil\\u{1b}]0;x\\u{7}\\nFAKE\\té"
+        );
+    }
+
+    #[test]
+    fn invisible_format_characters_are_escaped() {
+        // A right-to-left override shows "gpj.exe" as "exe.jpg"; zero-width
+        // spaces and a BOM make two names that look the same.
+        assert_eq!(
+            super::printable("a\u{202e}gpj.exe b\u{200b}c\u{feff}\u{2066}é中"),
+            "a\\u{202e}gpj.exe b\\u{200b}c\\u{feff}\\u{2066}é中"
         );
     }
 }

@@ -591,14 +591,36 @@ fn verify_exits_5_on_corrupt_chunks_and_repair_drops_them() {
         "--ram-budget",
         "64MiB",
     ];
-    let out = run_kvtier(&[&["verify"][..], &store].concat(), &[]);
-    assert_eq!(
-        out.status.code(),
-        Some(5),
-        "{}{}",
-        text(&out.stdout),
-        text(&out.stderr)
-    );
+    // A plain verify opens the store read-only: it writes nothing, so a
+    // second run finds and says the same.
+    let files = || {
+        let mut v: Vec<(String, Vec<u8>)> = std::fs::read_dir(&d.data_dir)
+            .expect("data dir")
+            .flatten()
+            .filter(|e| e.file_name() != "LOCK")
+            .map(|e| {
+                let bytes = std::fs::read(e.path()).expect("read");
+                (e.file_name().to_string_lossy().into_owned(), bytes)
+            })
+            .collect();
+        v.sort();
+        v
+    };
+    let before = files();
+    let mut said = Vec::new();
+    for _ in 0..2 {
+        let out = run_kvtier(&[&["verify"][..], &store].concat(), &[]);
+        assert_eq!(
+            out.status.code(),
+            Some(5),
+            "{}{}",
+            text(&out.stdout),
+            text(&out.stderr)
+        );
+        said.push(text(&out.stdout));
+        assert!(before == files(), "a plain verify changed the data dir");
+    }
+    assert_eq!(said[0], said[1]);
     let out = run_kvtier(
         &[&["verify", "--repair", "--json"][..], &store].concat(),
         &[],

@@ -80,6 +80,16 @@ pub struct TierConfig {
     /// rewrites the namespace manifest, so this bounds its size (records are
     /// at most 16 KiB each). Default: 4,096.
     pub max_namespaces: usize,
+    /// Open an existing store without writing anything to its files: no
+    /// writer thread, no recovery writes (regions recovered from their
+    /// batches stay unsealed, the deletes journal is applied in memory
+    /// only, a file longer than its store is not trimmed), and puts,
+    /// deletes, flushes and namespace changes are refused with
+    /// [`crate::Error::ReadOnly`]. `kvtier verify` without `--repair` uses
+    /// it, so that it reports the same damage each time it runs. Not a
+    /// config file key. Default: false.
+    #[serde(skip)]
+    pub read_only: bool,
 }
 
 mod duration_ms {
@@ -110,6 +120,7 @@ impl Default for TierConfig {
             huge_pages: true,
             grow_truncated: false,
             max_namespaces: 4096,
+            read_only: false,
         }
     }
 }

@@ -240,15 +240,39 @@ impl FileDevice {
             direct: false,
             split: SplitReader::default(),
         };
+        dev.set_direct(mode, true)?;
+        Ok(dev)
+    }
+
+    /// Opens the existing `path` for reading only: nothing is created,
+    /// grown, preallocated or written, and [`Device::write_at`] fails
+    /// (`EBADF`). For a read-only store ([`crate::TierConfig::read_only`]).
+    pub fn open_read_only(path: &Path, len: u64, mode: DirectMode) -> io::Result<Self> {
+        let file = crate::store::open_data_file(path, OpenOptions::new().read(true), 0)?;
+        let mut dev = Self {
+            file,
+            path: path.to_path_buf(),
+            len,
+            direct: false,
+            split: SplitReader::default(),
+        };
+        dev.set_direct(mode, false)?;
+        Ok(dev)
+    }
+
+    /// Switches to an `O_DIRECT` descriptor where `mode` asks for it and
+    /// the filesystem allows it.
+    fn set_direct(&mut self, mode: DirectMode, writable: bool) -> io::Result<()> {
+        let path = self.path.clone();
         match mode {
             DirectMode::Off => {}
             DirectMode::SimulateUnsupported => {
                 tracing::warn!(path = %path.display(), "O_DIRECT unsupported (simulated); using buffered I/O");
             }
-            DirectMode::Auto => match Self::try_direct(path) {
+            DirectMode::Auto => match Self::try_direct(&path, writable) {
                 Ok(f) => {
-                    dev.file = f;
-                    dev.direct = true;
+                    self.file = f;
+                    self.direct = true;
                 }
                 Err(e) if is_direct_refusal(&e) => {
                     tracing::warn!(path = %path.display(), error = %e,
@@ -257,13 +281,13 @@ impl FileDevice {
                 Err(e) => return Err(e),
             },
         }
-        Ok(dev)
+        Ok(())
     }
 
-    fn try_direct(path: &Path) -> io::Result<File> {
+    fn try_direct(path: &Path, writable: bool) -> io::Result<File> {
         let f = crate::store::open_data_file(
             path,
-            OpenOptions::new().read(true).write(true),
+            OpenOptions::new().read(true).write(writable),
             libc::O_DIRECT,
         )?;
         let mut probe = AlignedBuf::zeroed(BLOCK as usize);

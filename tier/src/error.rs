@@ -105,6 +105,9 @@ pub enum Error {
     /// The store is shutting down.
     #[error("the store is closed")]
     Closed,
+    /// The store was opened read-only ([`crate::TierConfig::read_only`]).
+    #[error("the store was opened read-only: {0} needs a writable open")]
+    ReadOnly(&'static str),
     /// A capability that is not implemented yet (visible, never faked).
     #[error("not implemented yet: {0}")]
     Unimplemented(&'static str),

@@ -231,8 +231,9 @@ pub fn existing_region_size(data_dir: &std::path::Path) -> Option<u64> {
 /// next plain open fail too), and so is a file shorter than its superblock
 /// says (truncated: the chunks past its end are gone) unless
 /// `grow_truncated`. A file longer than its store (grown by an older
-/// version's refused open) is trimmed back.
-fn check_existing_file(path: &std::path::Path, config: &TierConfig, len: u64) -> Result<()> {
+/// version's refused open) is trimmed back (left as it is when
+/// `read_only`). Returns whether the file has a superblock.
+fn check_existing_file(path: &std::path::Path, config: &TierConfig, len: u64) -> Result<bool> {
     use std::io::Read;
     let io = |op, e| Error::Io {
         op,
@@ -251,13 +252,13 @@ fn check_existing_file(path: &std::path::Path, config: &TierConfig, len: u64) ->
                 })
                 .map_err(|e| io("read the superblock of", e))?;
         }
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(false),
         Err(e) => return Err(io("open the store file", e)),
     }
     // Another version, a corrupt superblock, a foreign file: refused here,
     // before the device would grow the file to the configured budget.
     let Some(sb) = crate::segment::read_superblock(path, &block)? else {
-        return Ok(());
+        return Ok(false);
     };
     let l = StoreLayout {
         region_size: sb.region_size,
@@ -284,6 +285,9 @@ fn check_existing_file(path: &std::path::Path, config: &TierConfig, len: u64) ->
         }
         tracing::warn!(path = %path.display(), len = cur, store_len = l.bytes(),
             "the store file is truncated; growing it back (the chunks past its end are lost)");
+    } else if cur > l.bytes() && config.read_only {
+        tracing::info!(path = %path.display(), len = cur, store_len = l.bytes(),
+            "the store file is longer than its store; the rest is ignored (read-only open)");
     } else if cur > l.bytes() {
         tracing::info!(path = %path.display(), len = cur, store_len = l.bytes(),
             "trimming the store file back to its store's length");
@@ -291,7 +295,7 @@ fn check_existing_file(path: &std::path::Path, config: &TierConfig, len: u64) ->
             .and_then(|f| f.set_len(l.bytes()))
             .map_err(|e| io("trim", e))?;
     }
-    Ok(())
+    Ok(true)
 }
 
 /// Warns when the store file is missing or empty while the manifest beside
@@ -622,11 +626,13 @@ impl ChunkStore {
     /// Opens (or creates) the store in `config.data_dir`, rebuilding the index.
     pub fn open(config: TierConfig) -> Result<Self> {
         config.validate()?;
-        create_data_dir(&config.data_dir).map_err(|e| Error::Io {
-            op: "create the data dir",
-            path: config.data_dir.clone(),
-            source: e,
-        })?;
+        if !config.read_only {
+            create_data_dir(&config.data_dir).map_err(|e| Error::Io {
+                op: "create the data dir",
+                path: config.data_dir.clone(),
+                source: e,
+            })?;
+        }
         let dev: Option<(Arc<dyn Device>, std::fs::File)> = if config.disk_budget == 0 {
             None
         } else {
@@ -637,7 +643,27 @@ impl ChunkStore {
             } else {
                 DirectMode::Off
             };
-            check_existing_file(&path, &config, len)?;
+            let formatted = check_existing_file(&path, &config, len)?;
+            if config.read_only {
+                // Nothing to format or grow: the file must be a store.
+                if !formatted {
+                    return Err(Error::Corrupt {
+                        what: format!("store file {}", path.display()),
+                        detail: "it is missing, empty or has no kvtier superblock (never \
+                                 formatted, or zeroed); a read-only open formats nothing"
+                            .into(),
+                    });
+                }
+                let lock = lock_store_file(&path)?;
+                let dev = FileDevice::open_read_only(&path, len, mode).map_err(|e| Error::Io {
+                    op: "open the store file (read-only)",
+                    path: path.clone(),
+                    source: e,
+                })?;
+                let store = Self::open_inner(config, Some(Arc::new(dev) as Arc<dyn Device>))?;
+                *store.file_lock.lock() = Some(lock);
+                return Ok(store);
+            }
             warn_if_store_file_lost(&path, &config.data_dir);
             let dev = FileDevice::open(&path, len, mode).map_err(|e| {
                 if e.raw_os_error() == Some(libc::ENOSPC) {
@@ -683,6 +709,26 @@ impl ChunkStore {
         let buffers = Arc::new(BufferPool::for_store(config.ram_budget, config.huge_pages));
         let (disk, rec) = match dev {
             None => (None, None),
+            Some(dev) if config.read_only => {
+                let (d, _) = Disk::open(dev, config.region_size, Arc::clone(&buffers))?;
+                // The deletes a poisoned or full disk did not take: applied
+                // to the index only (a writable open writes their
+                // tombstones).
+                let pending = crate::deletes::read(&config.data_dir).map_err(|e| Error::Io {
+                    op: "read the deletes journal (deletes.pending) in",
+                    path: config.data_dir.clone(),
+                    source: e,
+                })?;
+                let gone: Vec<_> = {
+                    let mut ix = d.index.write();
+                    pending.iter().filter_map(|id| ix.remove(id)).collect()
+                };
+                for loc in gone {
+                    d.live_bytes
+                        .fetch_sub(u64::from(loc.payload_len), Ordering::Relaxed);
+                }
+                (Some(Arc::new(d)), None)
+            }
             Some(dev) => {
                 let (d, rec) = Disk::open(dev, config.region_size, Arc::clone(&buffers))?;
                 // Before the writer's channel exists: a failure here must not
@@ -718,7 +764,8 @@ impl ChunkStore {
         }
         txns.next = txns.next.max(1);
         let (tx, rx) = bounded(config.writer_queue);
-        let has_disk = disk.is_some();
+        // A read-only store has no writer: nothing is ever sent to it.
+        let has_disk = disk.is_some() && !config.read_only;
         let inner = Arc::new(Inner {
             config,
             ram,
@@ -862,6 +909,7 @@ impl ChunkStore {
         if self.inner.namespaces.read().contains_key(&id) {
             return Ok(id);
         }
+        self.inner.check_writable("registering a namespace")?;
         let len = serde_json::to_vec(record).map_or(usize::MAX, |v| v.len());
         if len > MAX_RECORD_BYTES {
             return Err(Error::RecordTooLarge {
@@ -978,7 +1026,7 @@ impl ChunkStore {
     /// The whole group must fit in the RAM budget at once.
     pub fn put_atomic(&self, chunks: Vec<(ChunkId, Bytes)>) -> Result<()> {
         let inner = &self.inner;
-        inner.check_open()?;
+        inner.check_writable("a put")?;
         let mut ids: Vec<ChunkId> = Vec::with_capacity(chunks.len());
         let mut total = 0u64;
         for (id, data) in &chunks {
@@ -1169,13 +1217,17 @@ impl ChunkStore {
 
     /// Removes a chunk from RAM and disk; returns whether it existed. The
     /// removal reaches the disk as a tombstone, durable at the next flush.
+    /// A read-only store removes nothing and returns false.
     pub fn delete(&self, id: &ChunkId) -> bool {
+        if self.inner.config.read_only {
+            return false;
+        }
         self.inner.delete_inner(id, true)
     }
 
     /// Writes every chunk that is dirty at the call; returns when they are durable.
     pub fn flush(&self) -> Result<FlushReport> {
-        self.inner.check_open()?;
+        self.inner.check_writable("a flush")?;
         self.inner.flush_inner(None)
     }
 
@@ -1269,6 +1321,9 @@ impl ChunkStore {
         opts: &VerifyOptions,
         progress: &mut dyn FnMut(u64, u64),
     ) -> Result<VerifyReport> {
+        if opts.repair {
+            self.inner.check_writable("verify --repair")?;
+        }
         self.inner.check_open()?;
         crate::maintenance::verify(&self.inner, opts, progress)
     }
@@ -1281,7 +1336,7 @@ impl ChunkStore {
     /// open but without a durable chunk (all of its chunks torn) gets its
     /// open slot cleared instead. Returns whether anything was written.
     pub fn seal_open_region(&self) -> Result<bool> {
-        self.inner.check_open()?;
+        self.inner.check_writable("sealing the open region")?;
         if self.inner.disk.is_none() {
             return Ok(false);
         }
@@ -1292,6 +1347,9 @@ impl ChunkStore {
 
     /// Drops namespaces by id or age.
     pub fn gc(&self, opts: &GcOptions) -> Result<GcReport> {
+        if !opts.dry_run {
+            self.inner.check_writable("gc --apply")?;
+        }
         self.inner.check_open()?;
         crate::maintenance::gc(&self.inner, opts)
     }
@@ -1301,6 +1359,12 @@ impl ChunkStore {
     pub fn close(&self, deadline: Duration) -> Result<FlushReport> {
         if self.inner.closed.swap(true, Ordering::SeqCst) {
             return Err(Error::Closed);
+        }
+        if self.inner.config.read_only {
+            // Nothing was written, nothing is owed.
+            self.stop_threads();
+            self.file_lock.lock().take();
+            return Ok(FlushReport::default());
         }
         let report = self.inner.flush_inner(Some(Instant::now() + deadline));
         self.inner.persist_last_used();
@@ -1380,6 +1444,15 @@ impl Inner {
     fn check_open(&self) -> Result<()> {
         if self.closed.load(Ordering::SeqCst) {
             return Err(Error::Closed);
+        }
+        Ok(())
+    }
+
+    /// [`Self::check_open`], and `what` refused on a read-only store.
+    fn check_writable(&self, what: &'static str) -> Result<()> {
+        self.check_open()?;
+        if self.config.read_only {
+            return Err(Error::ReadOnly(what));
         }
         Ok(())
     }
@@ -1469,7 +1542,7 @@ impl Inner {
         data: Bytes,
         _txn: Option<()>,
     ) -> Result<()> {
-        self.check_open()?;
+        self.check_writable("a put")?;
         if !self.namespaces.read().contains_key(&id.ns) {
             return Err(Error::UnknownNamespace(id.ns));
         }
@@ -1508,7 +1581,7 @@ impl Inner {
     }
 
     fn put_clean_inner(&self, id: ChunkId, name: Option<Bytes>, data: Bytes) -> Result<bool> {
-        self.check_open()?;
+        self.check_writable("a put")?;
         if !self.namespaces.read().contains_key(&id.ns) {
             return Err(Error::UnknownNamespace(id.ns));
         }

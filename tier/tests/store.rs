@@ -1752,3 +1752,140 @@ fn a_store_file_in_use_is_refused() {
     let s = ChunkStore::open(config(dir.path())).unwrap();
     assert_eq!(s.get(&id(ns, 1)).unwrap().data, payload(1, 1000));
 }
+
+/// Every file of `dir` with its bytes, sorted by name.
+fn snapshot(dir: &std::path::Path) -> Vec<(String, Vec<u8>)> {
+    let mut files: Vec<(String, Vec<u8>)> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| {
+            let e = e.unwrap();
+            (
+                e.file_name().to_string_lossy().into_owned(),
+                std::fs::read(e.path()).unwrap(),
+            )
+        })
+        .collect();
+    files.sort();
+    files
+}
+
+/// A read-only open (`kvtier verify` without `--repair`) writes nothing:
+/// damage that a writable open repairs as it recovers (a sealed region
+/// whose seal slot rotted is re-sealed from its batches, a file longer than
+/// its store is trimmed) is found again at every read-only open, with the
+/// files unchanged byte for byte; puts, deletes, flushes, registrations
+/// and repairs are refused. It used to be fixed by the first `verify`, so
+/// the second one reported a clean store.
+#[test]
+fn a_read_only_open_writes_nothing_and_finds_the_same_damage_each_time() {
+    const REGION: u64 = 64 << 10;
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = config(dir.path());
+    cfg.direct_io = false;
+    cfg.region_size = REGION;
+    let (ns, sealed) = {
+        let s = ChunkStore::open(cfg.clone()).unwrap();
+        let ns = s.register_namespace(&record(0)).unwrap();
+        for n in 0..4 {
+            s.put(id(ns, n), payload(n, 12_000)).unwrap();
+        }
+        s.flush().unwrap();
+        let sealed = s.disk_location(&id(ns, 0)).unwrap().0;
+        assert_ne!(sealed, s.disk_location(&id(ns, 3)).unwrap().0);
+        s.close(Duration::from_secs(5)).unwrap();
+        (ns, u64::from(sealed))
+    };
+    let file = dir.path().join("store.kvt");
+    flip_byte(&file, sealed * REGION + 2 * 4096 + 20);
+    let store_len = file_len(dir.path());
+    OpenOptions::new()
+        .append(true)
+        .open(&file)
+        .unwrap()
+        .write_all_at(&[7u8; 4096], store_len)
+        .unwrap();
+    let before = snapshot(dir.path());
+    let ro = TierConfig {
+        read_only: true,
+        ..cfg.clone()
+    };
+    for round in 0..2 {
+        let s = ChunkStore::open(ro.clone()).unwrap();
+        assert_eq!(s.stats().damaged_metadata, 1, "round {round}");
+        for n in 0..4 {
+            assert_eq!(s.get(&id(ns, n)).unwrap().data, payload(n, 12_000));
+        }
+        let report = s
+            .verify(&VerifyOptions { repair: false }, &mut |_, _| {})
+            .unwrap();
+        assert_eq!((report.checked, report.bad), (4, 0));
+        let refused = |r: tier::Result<()>| matches!(r, Err(Error::ReadOnly(_)));
+        assert!(refused(s.put(id(ns, 9), payload(9, 100))));
+        assert!(refused(s.put_atomic(vec![(id(ns, 9), payload(9, 100))])));
+        assert!(refused(
+            s.put_clean(id(ns, 9), None, payload(9, 100)).map(drop)
+        ));
+        assert!(refused(s.flush().map(drop)));
+        assert!(refused(s.register_namespace(&record(1)).map(drop)));
+        assert!(refused(
+            s.verify(&VerifyOptions { repair: true }, &mut |_, _| {})
+                .map(drop)
+        ));
+        assert!(refused(s.seal_open_region().map(drop)));
+        let gc = |dry_run| GcOptions {
+            namespaces: vec![ns],
+            older_than: None,
+            dry_run,
+        };
+        assert_eq!(s.gc(&gc(true)).unwrap().chunks, 4);
+        assert!(refused(s.gc(&gc(false)).map(drop)));
+        assert!(!s.delete(&id(ns, 0)));
+        assert!(s.get(&id(ns, 0)).is_some(), "nothing deleted");
+        s.close(Duration::from_secs(5)).unwrap();
+        assert!(
+            before == snapshot(dir.path()),
+            "round {round}: files changed"
+        );
+    }
+    // A writable open recovers, re-seals the region and trims the file:
+    // the open after it finds nothing.
+    let s = ChunkStore::open(cfg.clone()).unwrap();
+    assert_eq!(s.stats().damaged_metadata, 1);
+    s.close(Duration::from_secs(5)).unwrap();
+    assert_eq!(file_len(dir.path()), store_len);
+    let s = ChunkStore::open(ro).unwrap();
+    assert_eq!(s.stats().damaged_metadata, 0);
+    for n in 0..4 {
+        assert_eq!(s.get(&id(ns, n)).unwrap().data, payload(n, 12_000));
+    }
+}
+
+/// A read-only open formats nothing: a store file without a superblock
+/// (zeroed) is refused as corrupt and left as it is.
+#[test]
+fn a_read_only_open_of_an_unformatted_file_is_refused_and_writes_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = TierConfig {
+        read_only: true,
+        ..config(dir.path())
+    };
+    let file = dir.path().join("store.kvt");
+    std::fs::write(&file, vec![0u8; 8 * MIB as usize]).unwrap();
+    let before = snapshot(dir.path());
+    match ChunkStore::open(cfg.clone()) {
+        Err(Error::Corrupt { detail, .. }) => assert!(detail.contains("superblock"), "{detail}"),
+        Err(e) => panic!("wrong error: {e}"),
+        Ok(_) => panic!("opened"),
+    }
+    assert!(before == snapshot(dir.path()));
+    // No data dir at all: nothing is created.
+    let gone = dir.path().join("nope");
+    assert!(
+        ChunkStore::open(TierConfig {
+            data_dir: gone.clone(),
+            ..cfg
+        })
+        .is_err()
+    );
+    assert!(!gone.exists());
+}
