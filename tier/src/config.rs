@@ -80,6 +80,16 @@ pub struct TierConfig {
     /// rewrites the namespace manifest, so this bounds its size (records are
     /// at most 16 KiB each). Default: 4,096.
     pub max_namespaces: usize,
+    /// Under `no-tax`, most bytes of chunks evicted dirty that may wait in
+    /// memory for the disk writer (`spilled_bytes`), beyond `ram_budget`:
+    /// past it a dirty eviction is dropped and counted
+    /// (`dropped_unwritten`), as when the writer's queue is full (one chunk
+    /// may always wait). Without it the writer queue alone bounded them, at
+    /// `writer_queue` times the largest chunk (2 GiB of 32 MiB chunks, for
+    /// any budget). `backpressure` is bounded by the queue (its PUTs
+    /// wait). Default: unset = the larger of a quarter of `ram_budget` and
+    /// 128 MiB.
+    pub spill_limit: Option<u64>,
     /// Open an existing store without writing anything to its files: no
     /// writer thread, no recovery writes (regions recovered from their
     /// batches stay unsealed, the deletes journal is applied in memory
@@ -120,12 +130,19 @@ impl Default for TierConfig {
             huge_pages: true,
             grow_truncated: false,
             max_namespaces: 4096,
+            spill_limit: None,
             read_only: false,
         }
     }
 }
 
 impl TierConfig {
+    /// [`TierConfig::spill_limit`], or its default.
+    pub fn spill_limit(&self) -> u64 {
+        self.spill_limit
+            .unwrap_or_else(|| (self.ram_budget / 4).max(128 << 20))
+    }
+
     /// Rejects contradictions (never clamps silently).
     pub fn validate(&self) -> Result<()> {
         if self.max_namespaces == 0 {

@@ -1810,6 +1810,15 @@ impl Inner {
             let held = if spilled { Held::Spilled } else { Held::Gone };
             let job = self.write_job(id, e.entry, held, None);
             let sent = match self.config.write_policy {
+                // Memory past the budget is bounded too: the writer is
+                // behind by this much already.
+                WritePolicy::NoTax
+                    if spilled
+                        && self.ram.spilled_len() > 1
+                        && self.ram.spilled_bytes() > self.config.spill_limit() =>
+                {
+                    false
+                }
                 WritePolicy::NoTax => match tx.try_send(Msg::Write(job)) {
                     Ok(()) => true,
                     Err(TrySendError::Full(_)) => false,
