@@ -648,6 +648,11 @@ impl Disk {
         let base = self.region_base(r);
         let mut head_buf = AlignedBuf::zeroed(BLOCK as usize);
         let mut io_error = false;
+        // A batch whose record (head intact) failed its entries' checks:
+        // skipped, since the head says where the next one starts. Damage
+        // when an intact batch follows; a torn tail (a write that never
+        // completed) when none does.
+        let mut skipped: Option<u64> = None;
         while off + BLOCK <= self.region_size {
             if scan_read(&*self.dev, &mut head_buf, base + off).is_err() {
                 io_error = true;
@@ -660,9 +665,13 @@ impl Disk {
                 // with the record's magic and version naming this region
                 // counts: a payload an older generation left past the chain
                 // may start with the magic alone (the region's normal end).
-                let named = head_buf[..4] == crate::layout::BATCH_MAGIC
-                    && head_buf[4..6] == crate::layout::SLOT_VERSION.to_le_bytes()
-                    && head_buf[8..12] == r.to_le_bytes();
+                // A flipped byte spoils one field: the magic and version
+                // with the region or the generation, or those two alone.
+                let magic = head_buf[..4] == crate::layout::BATCH_MAGIC
+                    && head_buf[4..6] == crate::layout::SLOT_VERSION.to_le_bytes();
+                let region_ok = head_buf[8..12] == r.to_le_bytes();
+                let generation_ok = head_buf[16..24] == generation.to_le_bytes();
+                let named = (magic && (region_ok || generation_ok)) || (region_ok && generation_ok);
                 if named {
                     self.counters
                         .damaged_metadata
@@ -689,16 +698,28 @@ impl Disk {
                 io_error = true;
                 break;
             }
-            let ents = &batch[BATCH_FIXED..BATCH_FIXED + h.entries_len as usize];
-            if crc32c(ents) != h.entries_crc {
-                break;
-            }
-            let Ok(arch) = decode_entries(ents) else {
-                break;
+            let ents = batch.get(BATCH_FIXED..BATCH_FIXED + h.entries_len as usize);
+            let list: Option<Vec<Entry>> = ents
+                .filter(|ents| crc32c(ents) == h.entries_crc)
+                .and_then(|ents| decode_entries(ents).ok())
+                .map(|arch| arch.iter().map(ArchivedEntry::to_native).collect())
+                .filter(|list: &Vec<Entry>| list.len() == h.entry_count as usize);
+            let Some(list) = list else {
+                skipped.get_or_insert(off);
+                off += blen;
+                continue;
             };
-            let list: Vec<Entry> = arch.iter().map(ArchivedEntry::to_native).collect();
-            if list.len() != h.entry_count as usize {
-                break;
+            if let Some(at) = skipped.take() {
+                self.counters
+                    .damaged_metadata
+                    .fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(
+                    region = r,
+                    offset = at,
+                    "damaged batch record in an unsealed region (bit rot, or a write a power loss \
+                     tore while a later one landed): the chunks of its batch are not recovered; \
+                     the batches after it are"
+                );
             }
             // The record is intact, so the chain goes on; a chunk of the batch
             // that is torn or corrupt is left out on its own. (Within one
@@ -721,7 +742,8 @@ impl Disk {
         }
         Ok(Scan {
             entries,
-            data_end: off,
+            // A torn last batch: the next write goes where it started.
+            data_end: skipped.unwrap_or(off),
             io_error,
         })
     }

@@ -1929,3 +1929,84 @@ fn a_read_only_open_of_an_unformatted_file_is_refused_and_writes_nothing() {
     );
     assert!(!gone.exists());
 }
+
+/// A batch record of the open region whose head is intact but whose entry
+/// list is damaged loses only its own batch: the head says where the next
+/// one starts, the batches after it are recovered, and the loss is counted
+/// in `damaged_metadata` (QA: a flipped byte in the first batch's entry
+/// list dropped every chunk of the region without a word, and `verify`
+/// exited 0). Damage to a head's region field is counted too. The same
+/// damage in the last batch reads as a torn write (silent, as after a
+/// crash) and the next write takes its place.
+#[test]
+fn a_damaged_batch_entry_list_loses_only_its_batch_and_is_counted() {
+    use tier::layout::{BATCH_FIXED, BATCH_MAGIC, DATA_START};
+    let make = || {
+        let dir = tempfile::tempdir().unwrap();
+        let mut cfg = config(dir.path());
+        cfg.direct_io = false;
+        let s = ChunkStore::open(cfg.clone()).unwrap();
+        let ns = s.register_namespace(&record(0)).unwrap();
+        for n in 0..3 {
+            s.put(id(ns, n), payload(n, 9000)).unwrap();
+            s.flush().unwrap(); // one batch each
+        }
+        let region = s.disk_location(&id(ns, 0)).unwrap().0;
+        drop(s); // no seal: the region stays open on disk
+        // The batch heads of the region, in order.
+        let base = u64::from(region) * MIB;
+        let bytes = std::fs::read(dir.path().join("store.kvt")).unwrap();
+        let heads: Vec<u64> = (DATA_START..MIB)
+            .step_by(4096)
+            .filter(|o| bytes[(base + o) as usize..][..4] == BATCH_MAGIC)
+            .map(|o| base + o)
+            .collect();
+        assert_eq!(heads.len(), 3, "{heads:?}");
+        (dir, cfg, ns, heads)
+    };
+    let reopen = |cfg: &TierConfig, ns, lost: &[u64]| {
+        let s = ChunkStore::open(cfg.clone()).unwrap();
+        for n in 0..3 {
+            match s.get(&id(ns, n)) {
+                Some(h) => {
+                    assert!(!lost.contains(&n), "chunk {n} is back");
+                    assert_eq!(h.data, payload(n, 9000), "chunk {n}");
+                }
+                None => assert!(lost.contains(&n), "chunk {n} lost"),
+            }
+        }
+        s
+    };
+    // The first batch's entry list: only chunk 0 is lost, said.
+    let (dir, cfg, ns, heads) = make();
+    flip_byte(
+        &dir.path().join("store.kvt"),
+        heads[0] + BATCH_FIXED as u64 + 3,
+    );
+    let s = reopen(&cfg, ns, &[0]);
+    assert_eq!(s.stats().damaged_metadata, 1);
+    drop(s);
+    // The first batch head's region field: the walk ends there, said.
+    let (dir, cfg, ns, heads) = make();
+    flip_byte(&dir.path().join("store.kvt"), heads[0] + 9);
+    let s = reopen(&cfg, ns, &[0, 1, 2]);
+    assert_eq!(s.stats().damaged_metadata, 1);
+    drop(s);
+    // The last batch's entry list: a torn tail, not counted; the next
+    // write takes its place and survives a reopen.
+    let (dir, cfg, ns, heads) = make();
+    flip_byte(
+        &dir.path().join("store.kvt"),
+        heads[2] + BATCH_FIXED as u64 + 3,
+    );
+    let s = reopen(&cfg, ns, &[2]);
+    assert_eq!(s.stats().damaged_metadata, 0);
+    s.put(id(ns, 7), payload(7, 9000)).unwrap();
+    s.flush().unwrap();
+    let at = s.disk_location(&id(ns, 7)).unwrap().1;
+    assert!(at > heads[2] && at < heads[2] + 8192, "{at} vs {heads:?}");
+    drop(s);
+    let s = reopen(&cfg, ns, &[2]);
+    assert_eq!(s.get(&id(ns, 7)).unwrap().data, payload(7, 9000));
+    assert_eq!(s.stats().damaged_metadata, 0);
+}
