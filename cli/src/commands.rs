@@ -633,6 +633,26 @@ fn open_offline(
             config::STORE_FILE
         );
     }
+    if cfg.disk_budget.is_some_and(|b| b.0 == 0) {
+        return Err(crate::UsageError(format!(
+            "--disk-budget 0 (RAM only) would leave the store in {} unchecked and untouched; \
+             leave the budget unset, and `kvtier {role}` reads it from the store",
+            cfg.data_dir.display()
+        ))
+        .into());
+    }
+    // An offline command formats nothing: a zeroed store file would become
+    // a new, empty store of the configured size (a repair "fixed" it so).
+    if tier::store::store_file_unformatted(&cfg.data_dir) {
+        return Err(tier::Error::Corrupt {
+            what: format!("store file {}", file.display()),
+            detail: "it has no kvtier superblock (zeroed, or never formatted): nothing in it \
+                     can be checked or repaired; restore the file from a copy, or move the data \
+                     dir aside and start the daemon (it formats a new store)"
+                .into(),
+        }
+        .into());
+    }
     let lock = DataDirLock::acquire(&cfg.data_dir, role).map_err(|e| match e {
         node::NodeError::Locked { data_dir, holder } => anyhow!(
             "data dir {} is in use by {holder}; `kvtier {role}` needs exclusive access to the \
@@ -837,8 +857,11 @@ fn verify(args: &VerifyArgs) -> Result<u8> {
                 );
             }
             if args.json {
+                // The same keys as a report of a store that opened.
                 let doc = serde_json::json!({
                     "checked": 0, "bad": 1, "dropped": 0, "dropped_at_open": 0,
+                    "damaged_metadata": 0, "sealed_open_region": false,
+                    "grown_from": null, "manifest_repaired": null,
                     "problems": [problem],
                 });
                 outln!("{}", serde_json::to_string_pretty(&doc)?);

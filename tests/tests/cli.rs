@@ -1175,3 +1175,62 @@ fn verify_of_an_unreadable_superblock_names_the_way_out() {
         "left as it was"
     );
 }
+
+/// Offline commands format nothing: a zeroed store file is reported, not
+/// turned into a new empty store of the default size (QA: `verify
+/// --repair` preallocated 16 GiB over a 64 MiB store whose superblock was
+/// zeroed, and exited 0). `--disk-budget 0` (RAM only) is refused: it
+/// checked nothing and exited 0. A report of a store that could not be
+/// opened has the same JSON keys as any other.
+#[test]
+fn offline_commands_never_format_a_zeroed_store_or_ignore_it() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let data = dir.path().join("data");
+    std::fs::create_dir(&data).expect("data dir");
+    std::fs::write(data.join("store.kvt"), vec![0u8; 64 << 10]).expect("zeroed store");
+    let d = data.to_string_lossy().into_owned();
+    for args in [
+        &["verify", "--data-dir", &d][..],
+        &["verify", "--data-dir", &d, "--repair"],
+    ] {
+        let out = run_kvtier(args, &[]);
+        assert_eq!(out.status.code(), Some(5), "{args:?}: {}", text_of(&out));
+        assert!(
+            text(&out.stdout).contains("no kvtier superblock"),
+            "{}",
+            text_of(&out)
+        );
+    }
+    let out = run_kvtier(&["verify", "--data-dir", &d, "--json"], &[]);
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("verify --json");
+    for key in [
+        "checked",
+        "bad",
+        "dropped",
+        "dropped_at_open",
+        "damaged_metadata",
+        "sealed_open_region",
+        "grown_from",
+        "manifest_repaired",
+        "problems",
+    ] {
+        assert!(v.get(key).is_some(), "{key} missing: {v}");
+    }
+    let out = run_kvtier(
+        &["gc", "--data-dir", &d, "--older-than", "1s", "--apply"],
+        &[],
+    );
+    assert_eq!(out.status.code(), Some(1), "{}", text_of(&out));
+    assert_eq!(
+        std::fs::read(data.join("store.kvt")).expect("read"),
+        vec![0u8; 64 << 10],
+        "left as it was"
+    );
+    let out = run_kvtier(&["verify", "--data-dir", &d, "--disk-budget", "0"], &[]);
+    assert_eq!(out.status.code(), Some(2), "{}", text_of(&out));
+    assert!(
+        text(&out.stderr).contains("--disk-budget 0"),
+        "{}",
+        text_of(&out)
+    );
+}

@@ -219,6 +219,30 @@ pub fn existing_layout(data_dir: &std::path::Path) -> Option<StoreLayout> {
         })
 }
 
+/// Whether the store file of `data_dir` exists with nothing in its first
+/// block (zeroed, or empty): an open that may write would format it as a
+/// new store. Reads one block, writes nothing.
+pub fn store_file_unformatted(data_dir: &std::path::Path) -> bool {
+    use std::io::Read;
+    let mut block = vec![0u8; crate::device::BLOCK as usize];
+    let Ok(f) = open_data_file(
+        &data_dir.join(STORE_FILE),
+        std::fs::OpenOptions::new().read(true),
+        0,
+    ) else {
+        return false;
+    };
+    let mut read = 0;
+    let mut f = f.take(block.len() as u64);
+    while let Ok(n) = f.read(&mut block[read..]) {
+        if n == 0 {
+            break;
+        }
+        read += n;
+    }
+    block.iter().all(|&b| b == 0)
+}
+
 /// The region size of the store in `data_dir`, from its superblock (see
 /// [`existing_layout`]).
 pub fn existing_region_size(data_dir: &std::path::Path) -> Option<u64> {
