@@ -1180,6 +1180,37 @@ fn describe_error(err: figment::Error, kind: &SourceKind) -> NodeError {
 
 /// Loads and checks the configuration from its sources, with the defaults
 /// of `env`. Errors name the key and the source that set it.
+/// Most bytes a config file may have (a full one is a few KiB).
+const MAX_CONFIG_FILE: u64 = 1 << 20;
+
+/// The text of a config file: a regular file (links followed) of at most
+/// [`MAX_CONFIG_FILE`] bytes. A FIFO would block the start for good and a
+/// device (`/dev/zero`) read until memory ran out.
+fn read_config_file(path: &std::path::Path) -> std::io::Result<String> {
+    use std::io::Read;
+    use std::os::unix::fs::OpenOptionsExt;
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(path)?;
+    let meta = f.metadata()?;
+    let invalid = |m: String| std::io::Error::new(std::io::ErrorKind::InvalidInput, m);
+    if !meta.is_file() {
+        return Err(invalid(
+            "not a regular file (a directory, FIFO, socket or device)".into(),
+        ));
+    }
+    if meta.len() > MAX_CONFIG_FILE {
+        return Err(invalid(format!(
+            "{} bytes, more than a config file's {MAX_CONFIG_FILE}",
+            meta.len()
+        )));
+    }
+    let mut text = String::new();
+    f.take(MAX_CONFIG_FILE).read_to_string(&mut text)?;
+    Ok(text)
+}
+
 pub fn load(sources: &ConfigSources, env: &Environment) -> Result<Loaded> {
     let defaults = NodeConfig::defaults_for(env);
     let mut layers = vec![Layer {
@@ -1196,7 +1227,7 @@ pub fn load(sources: &ConfigSources, env: &Environment) -> Result<Loaded> {
             .filter(|p| !p.as_os_str().is_empty())
     });
     if let Some(path) = &file {
-        let text = std::fs::read_to_string(path).map_err(|e| NodeError::Io {
+        let text = read_config_file(path).map_err(|e| NodeError::Io {
             op: "read config file",
             path: path.clone(),
             source: e,
@@ -1730,6 +1761,32 @@ mod tests {
         };
         let e = load(&sources, &env()).unwrap_err().to_string();
         assert!(e.contains("/nonexistent/b.toml"), "{e}");
+    }
+
+    /// A FIFO as the config file blocked the start for good, and a device
+    /// (`/dev/zero`) read until memory ran out (QA).
+    #[test]
+    fn a_config_file_must_be_a_small_regular_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let fifo = dir.path().join("f.toml");
+        let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+        // SAFETY: plain syscall on a valid C string.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        let big = dir.path().join("big.toml");
+        std::fs::write(&big, vec![b'#'; 2 << 20]).unwrap();
+        for (path, why) in [
+            (fifo.as_path(), "not a regular file"),
+            (std::path::Path::new("/dev/zero"), "not a regular file"),
+            (dir.path(), "not a regular file"),
+            (big.as_path(), "more than a config file's"),
+        ] {
+            let sources = ConfigSources {
+                file: Some(path.to_path_buf()),
+                ..Default::default()
+            };
+            let e = load(&sources, &env()).unwrap_err().to_string();
+            assert!(e.contains(why), "{path:?}: {e}");
+        }
     }
 
     #[test]
