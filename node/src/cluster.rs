@@ -172,7 +172,10 @@ impl Cluster {
             let name = opts
                 .node_name
                 .clone()
-                .unwrap_or_else(|| "kvtier-dev".to_owned());
+                // Insecure nodes all run on this host (loopback only): the
+                // port tells them apart (one shared default name made each
+                // skip the other as itself).
+                .unwrap_or_else(|| format!("dev-{}", opts.listen.port()));
             TlsSetup::insecure_dev(&name).map_err(|e| peer_err("insecure-dev certificate", e))?
         } else {
             let dir = opts.tls_dir.as_ref().ok_or_else(|| {

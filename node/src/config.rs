@@ -261,7 +261,8 @@ pub struct NodeConfig {
     #[serde(deserialize_with = "lenient_string")]
     pub log_level: String,
     /// This node's name in logs and status. Default: unset, meaning the
-    /// host name.
+    /// certificate's name with peers, `dev-<peer port>` with `insecure-dev`,
+    /// else the host name.
     #[serde(
         default,
         skip_serializing_if = "Option::is_none",
@@ -1178,8 +1179,6 @@ fn describe_error(err: figment::Error, kind: &SourceKind) -> NodeError {
     NodeError::Config(msgs.join("\n"))
 }
 
-/// Loads and checks the configuration from its sources, with the defaults
-/// of `env`. Errors name the key and the source that set it.
 /// Most bytes a config file may have (a full one is a few KiB).
 const MAX_CONFIG_FILE: u64 = 1 << 20;
 
@@ -1211,6 +1210,8 @@ fn read_config_file(path: &std::path::Path) -> std::io::Result<String> {
     Ok(text)
 }
 
+/// Loads and checks the configuration from its sources, with the defaults
+/// of `env`. Errors name the key and the source that set it.
 pub fn load(sources: &ConfigSources, env: &Environment) -> Result<Loaded> {
     let defaults = NodeConfig::defaults_for(env);
     let mut layers = vec![Layer {

@@ -425,14 +425,23 @@ impl TlsSetup {
     pub fn insecure_dev(node_name: &str) -> Result<Self, Error> {
         crate::cert::validate_name("node", node_name)?;
         let provider = provider();
-        let ck = rcgen::generate_simple_self_signed(vec![node_name.to_owned()]).map_err(|e| {
-            Error::Cert {
-                what: "self-signed certificate".into(),
-                detail: e.to_string(),
-            }
-        })?;
-        let chain = vec![ck.cert.der().clone()];
-        let key = PrivateKeyDer::Pkcs8(ck.key_pair.serialize_der().into());
+        let cert_err = |e: rcgen::Error| Error::Cert {
+            what: "self-signed certificate".into(),
+            detail: e.to_string(),
+        };
+        // The node's name as its common name: a peer counts what it serves
+        // under the name a certificate carries (rcgen's default CN would
+        // name every insecure node "rcgen self signed cert").
+        let mut params =
+            rcgen::CertificateParams::new(vec![node_name.to_owned()]).map_err(cert_err)?;
+        params.distinguished_name = rcgen::DistinguishedName::new();
+        params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, node_name);
+        let key_pair = rcgen::KeyPair::generate().map_err(cert_err)?;
+        let cert = params.self_signed(&key_pair).map_err(cert_err)?;
+        let chain = vec![cert.der().clone()];
+        let key = PrivateKeyDer::Pkcs8(key_pair.serialize_der().into());
         let v = Arc::new(InsecureVerifier(provider.clone()));
         let (server, client) = build(provider, chain, key, v.clone(), v)?;
         Ok(Self {

@@ -838,3 +838,42 @@ fn bytes_served_to_a_node_not_in_our_peers_are_counted() {
         "{table}"
     );
 }
+
+/// Two `--insecure-dev` nodes started as docs/scale-out.md shows, without
+/// node names, link: each is named after its peer port (both were
+/// `kvtier-dev`, so each skipped the other as itself), and what one serves
+/// the other is counted under the other's name (the throw-away
+/// certificate's common name was rcgen's default, a phantom peer).
+#[test]
+fn insecure_dev_nodes_without_names_link_and_count_under_their_names() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let ports = free_ports(2);
+    let start = |i: usize| {
+        let nd = dir.path().join(format!("n{i}"));
+        std::fs::create_dir_all(&nd).expect("node dir");
+        let listen = format!("127.0.0.1:{}", ports[i]);
+        let seed = format!("127.0.0.1:{}", ports[1 - i]);
+        Daemon::start(
+            &nd,
+            &["--peer-listen", &listen, "--peers", &seed, "--insecure-dev"],
+            &ENV,
+        )
+        .unwrap_or_else(|e| panic!("node {i}: {e}"))
+    };
+    let a = start(0);
+    let b = start(1);
+    for (d, other) in [(&a, ports[1]), (&b, ports[0])] {
+        let name = format!("dev-{other}");
+        poll("the other node up", Duration::from_secs(15), || {
+            (peer_state(d, &name).as_deref() == Some("up")).then_some(())
+        });
+    }
+    for d in [&a, &b] {
+        let doc = d.client().stats().expect("STATS");
+        assert_eq!(
+            doc["served_unlisted"],
+            serde_json::json!({}),
+            "a phantom peer: {doc}"
+        );
+    }
+}
