@@ -173,6 +173,13 @@ fn config_check(args: &ConfigCheckArgs) -> Result<u8> {
     let mut warnings = loaded.warnings.clone();
     warnings.extend(cfg.resolve(&loaded)?);
     warnings.extend(cfg.access_warnings());
+    // What the start checks beyond the keys themselves: an existing store
+    // against the sizes, and the certificates against the node name.
+    tier::store::check_existing_store(&cfg.tier_config())
+        .with_context(|| format!("the chunk store in {}", cfg.data_dir.display()))?;
+    if let Some(opts) = cfg.cluster_options() {
+        node::cluster::Cluster::load_tls(&opts)?;
+    }
     if args.json {
         let doc = serde_json::json!({
             "file": loaded.file,

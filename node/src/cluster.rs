@@ -165,8 +165,10 @@ pub struct PreparedCluster {
 }
 
 impl Cluster {
-    /// Loads the TLS files and binds the peer port. Nothing runs yet.
-    pub fn prepare(opts: &ClusterOptions) -> Result<PreparedCluster, NodeError> {
+    /// The TLS setup `opts` asks for: the certificates of `tls-dir`
+    /// (checked: read, signed by their CA, naming `node-name` when set), or
+    /// a throw-away one with `insecure-dev`. `config check` runs it too.
+    pub fn load_tls(opts: &ClusterOptions) -> Result<TlsSetup, NodeError> {
         let peer_err = |what: &str, e: peer::Error| NodeError::Config(format!("{what}: {e}"));
         let tls = if opts.insecure_dev {
             let name = opts
@@ -198,6 +200,13 @@ impl Cluster {
                 )));
             }
         }
+        Ok(tls)
+    }
+
+    /// Loads the TLS files and binds the peer port. Nothing runs yet.
+    pub fn prepare(opts: &ClusterOptions) -> Result<PreparedCluster, NodeError> {
+        let peer_err = |what: &str, e: peer::Error| NodeError::Config(format!("{what}: {e}"));
+        let tls = Self::load_tls(opts)?;
         let cfg = PeerConfig {
             listen: opts.listen,
             peers: opts.peers.clone(),

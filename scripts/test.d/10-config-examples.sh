@@ -10,12 +10,21 @@ BIN=${KVTIER_BIN:-target/debug/kvtier}
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 n=0
+# config check loads a cluster node's certificates as the start does: each
+# file gets one issued for its node-name (in place of /etc/kvtier/tls).
+"$BIN" cert init-ca --cluster examples --out "$tmp/ca" >/dev/null
 for f in deploy/config/*.toml; do
   [ -e "$f" ] || continue
   echo "config check $f"
+  tls=()
+  name=$(sed -n 's/^node-name = "\(.*\)"$/\1/p' "$f")
+  if [ -n "$name" ]; then
+    [ -d "$tmp/tls-$name" ] || "$BIN" cert issue --ca "$tmp/ca" --node "$name" --out "$tmp/tls-$name" >/dev/null
+    tls=(--tls-dir "$tmp/tls-$name")
+  fi
   # Keep the file's own values except where they point at system paths.
   env -i PATH="$PATH" HOME="$tmp" "$BIN" config check --config "$f" \
-      --data-dir "$tmp/data" --socket "$tmp/kvtier.sock" --disk-budget 0 >"$tmp/out.toml"
+      --data-dir "$tmp/data" --socket "$tmp/kvtier.sock" --disk-budget 0 "${tls[@]}" >"$tmp/out.toml"
   # The printed effective config parses back.
   env -i PATH="$PATH" HOME="$tmp" "$BIN" config check --config "$tmp/out.toml" >/dev/null
   n=$((n + 1))

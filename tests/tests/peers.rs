@@ -877,3 +877,71 @@ fn insecure_dev_nodes_without_names_link_and_count_under_their_names() {
         );
     }
 }
+
+/// `config check` refuses what `node start` refuses beyond the keys
+/// themselves (QA: it said OK to each of these, then the start failed): a
+/// tls-dir without certificates, a node name the certificate does not
+/// carry, and sizes an existing store was not created with.
+#[test]
+fn config_check_refuses_what_the_start_refuses() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let ca = make_ca(dir.path(), "good", "test");
+    let tls = issue(dir.path(), &ca, "spark1");
+    let data = dir.path().join("data");
+    let d = data.to_str().expect("utf-8 path");
+    let tls = tls.to_str().expect("utf-8 path");
+    let missing = dir.path().join("nope");
+    let missing = missing.to_str().expect("utf-8 path");
+    let peer = ["--peer-listen", "127.0.0.1:0", "--disk-budget", "0"];
+    let cases: [(&[&str], &str); 2] = [
+        (&["--tls-dir", missing], "nope"),
+        (&["--tls-dir", tls, "--node-name", "spark9"], "node-name"),
+    ];
+    for (extra, said) in cases {
+        let args = [&["config", "check", "--data-dir", d][..], &peer, extra].concat();
+        let out = run_kvtier(&args, &[]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{extra:?} accepted");
+        assert!(err.contains(said), "{extra:?}: {err}");
+    }
+    let args = [
+        &["config", "check", "--data-dir", d, "--tls-dir", tls][..],
+        &peer,
+    ]
+    .concat();
+    let out = run_kvtier(&args, &[]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // A store of 1 MiB regions, then a config with 2 MiB ones.
+    let nd = dir.path().join("node");
+    std::fs::create_dir_all(&nd).expect("node dir");
+    let mut args = kvtier_tests::test_args(&nd);
+    kvtier_tests::set_flag(&mut args, "--region-size", "1MiB");
+    kvtier_tests::set_flag(&mut args, "--disk-budget", "16MiB");
+    let node = Daemon::start_args(&nd, &args, &ENV).unwrap_or_else(|e| panic!("{e}"));
+    let d = node.data_dir.to_str().expect("utf-8 path").to_owned();
+    let d = d.as_str();
+    drop(node);
+    let out = run_kvtier(
+        &[
+            "config",
+            "check",
+            "--data-dir",
+            d,
+            "--disk-budget",
+            "16MiB",
+            "--region-size",
+            "2MiB",
+        ],
+        &[],
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success(),
+        "a region size the store refuses was accepted"
+    );
+    assert!(err.contains("region-size"), "{err}");
+}

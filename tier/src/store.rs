@@ -219,6 +219,22 @@ pub fn existing_layout(data_dir: &std::path::Path) -> Option<StoreLayout> {
         })
 }
 
+/// Checks an existing store file against `config` as [`ChunkStore::open`]
+/// does first (its version, region size and budget; a truncated file),
+/// writing nothing: `kvtier config check` reports what a start would
+/// refuse. No store file, or `disk_budget` 0: nothing to check.
+pub fn check_existing_store(config: &TierConfig) -> Result<()> {
+    if config.disk_budget == 0 {
+        return Ok(());
+    }
+    let len = config.disk_budget / config.region_size * config.region_size;
+    let probe = TierConfig {
+        read_only: true,
+        ..config.clone()
+    };
+    check_existing_file(&config.data_dir.join(STORE_FILE), &probe, len).map(drop)
+}
+
 /// Whether the store file of `data_dir` exists with nothing in its first
 /// block (zeroed, or empty): an open that may write would format it as a
 /// new store. Reads one block, writes nothing.
