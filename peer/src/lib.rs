@@ -14,6 +14,7 @@
 pub mod cert;
 pub mod directory;
 pub mod id;
+mod logonce;
 pub mod proto;
 pub mod tls;
 pub mod transport;

@@ -91,7 +91,17 @@ fn check_identity(
 }
 
 fn refused(side: &str, reason: &str) -> rustls::Error {
-    tracing::warn!(side, reason, "refused peer certificate");
+    // A peer with a wrong certificate retries for good: said once per
+    // reason at warn (and again after a while), else at debug.
+    if crate::logonce::warn_now(format!("cert|{side}|{reason}")) {
+        tracing::warn!(
+            side,
+            reason,
+            "refused peer certificate (repeats are logged at debug)"
+        );
+    } else {
+        tracing::debug!(side, reason, "refused peer certificate");
+    }
     rustls::Error::General(format!("kvtier: refused peer certificate: {reason}"))
 }
 

@@ -1109,7 +1109,12 @@ async fn accept_loop(shared: Arc<Shared>) {
             let conn = match tokio::time::timeout(s2.cfg.connect_timeout, incoming).await {
                 Ok(Ok(c)) => c,
                 Ok(Err(e)) => {
-                    tracing::warn!(%remote, error = %e, "inbound peer handshake failed");
+                    if crate::logonce::warn_now(format!("inbound|{}|{e}", remote.ip())) {
+                        tracing::warn!(%remote, error = %e,
+                            "inbound peer handshake failed (repeats are logged at debug)");
+                    } else {
+                        tracing::debug!(%remote, error = %e, "inbound peer handshake failed");
+                    }
                     return;
                 }
                 Err(_) => {

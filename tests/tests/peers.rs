@@ -394,6 +394,21 @@ fn a_node_from_another_ca_is_refused() {
         let table = String::from_utf8_lossy(&out.stdout);
         assert!(table.contains("last connect failed: "), "{who}: {table}");
     }
+    // Retries of the same refusal go to debug: at most one warn line per
+    // side of the handshake and reason (QA: 13 lines per node in 28 s, for
+    // good). Wait for a few more retries first.
+    std::thread::sleep(Duration::from_secs(3));
+    for (d, who) in [(&a, "a"), (&x, "x")] {
+        let log = d.log();
+        let n = log
+            .matches("\"message\":\"refused peer certificate")
+            .count();
+        assert!(n <= 2, "{who} warned {n} times: {log}");
+        let n = log
+            .matches("\"message\":\"inbound peer handshake failed")
+            .count();
+        assert!(n <= 1, "{who} warned {n} times: {log}");
+    }
 }
 
 /// A seed listed twice, and a second address of a peer already linked
