@@ -642,6 +642,7 @@ impl NodeConfig {
         {
             return Err(bad("node-name", "must be 1 to 253 characters".into()));
         }
+        self.check_peer_values(src, &bad)?;
         self.check_peers(&bad)?;
         let mut warnings = Vec::new();
         if self.shutdown_deadline.0.is_zero() {
@@ -707,13 +708,41 @@ impl NodeConfig {
         if let Some(n) = &self.node_name {
             peer::cert::validate_name("node", n).map_err(|e| bad("node-name", e.to_string()))?;
         }
+        Ok(())
+    }
+
+    /// The peer keys' own values, checked also while peers are off (a file
+    /// that passes `config check` must not fail once `peer-listen` is set).
+    fn check_peer_values(
+        &self,
+        src: &Sources,
+        bad: &dyn Fn(&str, String) -> NodeError,
+    ) -> Result<()> {
         if self.peer_suspect_after.0 >= self.peer_down_after.0 {
+            // Blame the one of the two a user set (the other is a default).
+            let (key, other, this, that) = if src.is_default("peer-down-after") {
+                (
+                    "peer-suspect-after",
+                    "peer-down-after",
+                    self.peer_suspect_after,
+                    self.peer_down_after,
+                )
+            } else {
+                (
+                    "peer-down-after",
+                    "peer-suspect-after",
+                    self.peer_down_after,
+                    self.peer_suspect_after,
+                )
+            };
+            let rel = if key == "peer-down-after" {
+                "longer"
+            } else {
+                "shorter"
+            };
             return Err(bad(
-                "peer-down-after",
-                format!(
-                    "{} must be longer than `peer-suspect-after` ({})",
-                    self.peer_down_after, self.peer_suspect_after
-                ),
+                key,
+                format!("{this} must be {rel} than `{other}` ({that})"),
             ));
         }
         if self.peer_suspect_after.0 <= std::time::Duration::from_millis(250) {
@@ -722,11 +751,15 @@ impl NodeConfig {
                 "must be longer than the 250ms ping interval".into(),
             ));
         }
-        if self.peer_fetch_timeout.0.is_zero() || self.peer_connect_timeout.0.is_zero() {
-            return Err(bad(
-                "peer-fetch-timeout",
-                "peer timeouts must be larger than 0".into(),
-            ));
+        for key in ["peer-fetch-timeout", "peer-connect-timeout"] {
+            let d = if key == "peer-fetch-timeout" {
+                self.peer_fetch_timeout
+            } else {
+                self.peer_connect_timeout
+            };
+            if d.0.is_zero() {
+                return Err(bad(key, "must be larger than 0".into()));
+            }
         }
         if !(1..=peer::MAX_FETCH_CONNECTIONS).contains(&self.peer_fetch_connections) {
             return Err(bad(
@@ -1762,6 +1795,38 @@ mod tests {
         };
         let e = load(&sources, &env()).unwrap_err().to_string();
         assert!(e.contains("/nonexistent/b.toml"), "{e}");
+    }
+
+    /// Peer values are checked while peers are off too (a file that passed
+    /// `config check` failed once `peer-listen` was set), and a
+    /// contradiction names the key the user set, not the default (QA).
+    #[test]
+    fn peer_values_are_checked_without_peers_and_blame_the_key_set() {
+        for (toml, key, what) in [
+            (
+                "peer-fetch-connections = 17\n",
+                "`peer-fetch-connections` (from config file",
+                "between 1 and",
+            ),
+            (
+                "peer-suspect-after = \"5s\"\n",
+                "`peer-suspect-after` (from config file",
+                "shorter than `peer-down-after`",
+            ),
+            (
+                "peer-suspect-after = \"1s\"\npeer-down-after = \"1s\"\n",
+                "`peer-down-after` (from config file",
+                "longer than `peer-suspect-after`",
+            ),
+            (
+                "peer-connect-timeout = \"0s\"\n",
+                "`peer-connect-timeout`",
+                "larger than 0",
+            ),
+        ] {
+            let e = err_of(load_with(Some(toml), &[], Overrides::default()));
+            assert!(e.contains(key) && e.contains(what), "{toml}: {e}");
+        }
     }
 
     /// A FIFO as the config file blocked the start for good, and a device
