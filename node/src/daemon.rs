@@ -88,7 +88,18 @@ impl DataDirLock {
         .map_err(|e| NodeError::Io {
             op: "open lock file",
             path: path.clone(),
-            source: e,
+            source: if e.kind() == std::io::ErrorKind::PermissionDenied {
+                std::io::Error::new(
+                    e.kind(),
+                    format!(
+                        "{e}: the data dir's LOCK file must be writable by this user; run as \
+                         the daemon's user (e.g. `sudo -u kvtier kvtier ...`), or check a copy \
+                         of the data dir"
+                    ),
+                )
+            } else {
+                e
+            },
         })?;
         tier::store::own_like_dir(&file, data_dir).map_err(|e| NodeError::Io {
             op: "chown lock file",
