@@ -233,15 +233,7 @@ impl FileDevice {
                 File::open(dir)?.sync_all()?;
             }
         }
-        let mut dev = Self {
-            file,
-            path: path.to_path_buf(),
-            len,
-            direct: false,
-            split: SplitReader::default(),
-        };
-        dev.set_direct(mode, true)?;
-        Ok(dev)
+        Self::with_file(file, path, len, mode, true)
     }
 
     /// Opens the existing `path` for reading only: nothing is created,
@@ -249,6 +241,16 @@ impl FileDevice {
     /// (`EBADF`). For a read-only store ([`crate::TierConfig::read_only`]).
     pub fn open_read_only(path: &Path, len: u64, mode: DirectMode) -> io::Result<Self> {
         let file = crate::store::open_data_file(path, OpenOptions::new().read(true), 0)?;
+        Self::with_file(file, path, len, mode, false)
+    }
+
+    fn with_file(
+        file: File,
+        path: &Path,
+        len: u64,
+        mode: DirectMode,
+        writable: bool,
+    ) -> io::Result<Self> {
         let mut dev = Self {
             file,
             path: path.to_path_buf(),
@@ -256,7 +258,7 @@ impl FileDevice {
             direct: false,
             split: SplitReader::default(),
         };
-        dev.set_direct(mode, false)?;
+        dev.set_direct(mode, writable)?;
         Ok(dev)
     }
 

@@ -673,13 +673,10 @@ impl Disk {
                 let generation_ok = head_buf[16..24] == generation.to_le_bytes();
                 let named = (magic && (region_ok || generation_ok)) || (region_ok && generation_ok);
                 if named {
-                    self.counters
-                        .damaged_metadata
-                        .fetch_add(1, Ordering::Relaxed);
-                    tracing::warn!(
-                        region = r,
-                        offset = off,
-                        "damaged batch record in an unsealed region: the chunks from here to the region's end are not recovered"
+                    self.damaged_batch(
+                        r,
+                        off,
+                        "the chunks from here to the region's end are not recovered",
                     );
                 }
                 break;
@@ -710,15 +707,11 @@ impl Disk {
                 continue;
             };
             if let Some(at) = skipped.take() {
-                self.counters
-                    .damaged_metadata
-                    .fetch_add(1, Ordering::Relaxed);
-                tracing::warn!(
-                    region = r,
-                    offset = at,
-                    "damaged batch record in an unsealed region (bit rot, or a write a power loss \
-                     tore while a later one landed): the chunks of its batch are not recovered; \
-                     the batches after it are"
+                self.damaged_batch(
+                    r,
+                    at,
+                    "bit rot, or a write a power loss tore while a later one landed: the chunks \
+                     of its batch are not recovered; the batches after it are",
                 );
             }
             // The record is intact, so the chain goes on; a chunk of the batch
@@ -746,6 +739,18 @@ impl Disk {
             data_end: skipped.unwrap_or(off),
             io_error,
         })
+    }
+
+    /// Counts and logs a damaged batch record at `off` of region `r`.
+    fn damaged_batch(&self, r: u32, off: u64, what: &str) {
+        self.counters
+            .damaged_metadata
+            .fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(
+            region = r,
+            offset = off,
+            "damaged batch record in an unsealed region: {what}"
+        );
     }
 
     fn batch_entry_ok(&self, e: &Entry, batch: &[u8], batch_off: u64, blen: u64) -> bool {
