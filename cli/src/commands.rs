@@ -179,6 +179,9 @@ fn config_check(args: &ConfigCheckArgs) -> Result<u8> {
         .with_context(|| format!("the chunk store in {}", cfg.data_dir.display()))?;
     if let Some(opts) = cfg.cluster_options() {
         node::cluster::Cluster::load_tls(&opts)?;
+        if let Some(dir) = opts.tls_dir.as_ref().filter(|_| !opts.insecure_dev) {
+            warnings.extend(node::peer::cert::key_exposure(dir));
+        }
     }
     if args.json {
         let doc = serde_json::json!({

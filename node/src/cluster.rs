@@ -187,6 +187,9 @@ impl Cluster {
                         .into(),
                 )
             })?;
+            if let Some(w) = peer::cert::key_exposure(dir) {
+                tracing::warn!("{w}");
+            }
             let m = NodeMaterial::read_from(dir)
                 .map_err(|e| peer_err(&format!("read tls-dir {}", dir.display()), e))?;
             TlsSetup::from_material(&m)

@@ -363,6 +363,22 @@ impl CaMaterial {
     }
 }
 
+/// A warning when `dir/node.key` is open to the group or others: the key
+/// authenticates this node to the whole cluster. `cert issue` writes it
+/// 0600.
+pub fn key_exposure(dir: &Path) -> Option<String> {
+    use std::os::unix::fs::PermissionsExt;
+    let path = dir.join(NODE_KEY_FILE);
+    let mode = fs::metadata(&path).ok()?.permissions().mode() & 0o777;
+    (mode & 0o077 != 0).then(|| {
+        format!(
+            "{} has mode {mode:04o}: the group or others can read the key that admits this \
+             node to the cluster; `chmod 600` it",
+            path.display()
+        )
+    })
+}
+
 impl NodeMaterial {
     /// Writes `ca.pem`, `node.pem` and `node.key` (0600) into `dir`.
     pub fn write_to(&self, dir: &Path) -> Result<(), Error> {

@@ -930,6 +930,22 @@ fn config_check_refuses_what_the_start_refuses() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    assert!(!String::from_utf8_lossy(&out.stdout).contains("chmod 600"));
+    // A node key others can read is warned about (QA: accepted silently).
+    let key = Path::new(tls).join("node.key");
+    std::fs::set_permissions(&key, std::os::unix::fs::PermissionsExt::from_mode(0o644))
+        .expect("chmod");
+    let out = run_kvtier(&args, &[]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        said.contains("# WARNING:") && said.contains("chmod 600"),
+        "{said}"
+    );
     // A store of 1 MiB regions, then a config with 2 MiB ones.
     let nd = dir.path().join("node");
     std::fs::create_dir_all(&nd).expect("node dir");
