@@ -183,10 +183,19 @@ fn config_check(args: &ConfigCheckArgs) -> Result<u8> {
             warnings.extend(node::peer::cert::key_exposure(dir));
         }
     }
+    // A secret is not printed (terminals, CI logs, pasted output): the
+    // printed configuration leaves it out and says so.
+    let hidden: Vec<&str> = cfg
+        .resp_password
+        .take()
+        .map(|_| "resp-password")
+        .into_iter()
+        .collect();
     if args.json {
         let doc = serde_json::json!({
             "file": loaded.file,
             "config": cfg,
+            "hidden": hidden,
             "warnings": warnings,
         });
         outln!("{}", serde_json::to_string_pretty(&doc)?);
@@ -202,6 +211,9 @@ fn config_check(args: &ConfigCheckArgs) -> Result<u8> {
         }
         if cfg.gpu_kv_pool.is_none() {
             outln!("# gpu-kv-pool is unset: set it to get a warning when the tier is too small");
+        }
+        for key in &hidden {
+            outln!("# {key} is set ({}); not shown", loaded.sources.of(key));
         }
         out!("{}", cfg.to_toml());
     }

@@ -458,6 +458,19 @@ fn config_check_prints_a_config_that_parses_back() {
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("config check --json");
     assert_eq!(v["config"]["ram-budget"], "1GiB");
     assert_eq!(v["config"]["data-dir"], data.as_str());
+    // A RESP password is never printed (QA: it showed in clear, though
+    // `--help` warns that flags show in `ps`); where it came from is.
+    for json in [false, true] {
+        let mut args = vec!["config", "check", "--config", &f];
+        if json {
+            args.push("--json");
+        }
+        let out = run_kvtier(&args, &[("KVTIER_RESP_PASSWORD", "s3cret-pw")]);
+        assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+        let said = text(&out.stdout);
+        assert!(!said.contains("s3cret-pw"), "{said}");
+        assert!(said.contains("resp-password"), "{said}");
+    }
 }
 
 #[test]
