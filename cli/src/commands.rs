@@ -178,10 +178,8 @@ fn config_check(args: &ConfigCheckArgs) -> Result<u8> {
     tier::store::check_existing_store(&cfg.tier_config())
         .with_context(|| format!("the chunk store in {}", cfg.data_dir.display()))?;
     if let Some(opts) = cfg.cluster_options() {
-        node::cluster::Cluster::load_tls(&opts)?;
-        if let Some(dir) = opts.tls_dir.as_ref().filter(|_| !opts.insecure_dev) {
-            warnings.extend(node::peer::cert::key_exposure(dir));
-        }
+        let (_, tls_warnings) = node::cluster::Cluster::load_tls(&opts)?;
+        warnings.extend(tls_warnings);
     }
     // A secret is not printed (terminals, CI logs, pasted output): the
     // printed configuration leaves it out and says so.
@@ -623,9 +621,6 @@ fn http_get(addr: std::net::SocketAddr, path: &str) -> Result<Vec<u8>> {
     Ok(buf[split + 4..].to_vec())
 }
 
-/// Opens the store offline (no daemon) under the data dir lock. A repair
-/// first salvages a corrupt namespace manifest (returned: what it did) and
-/// grows a truncated store file (see [`tier::TierConfig`]).
 /// How an offline command opens the store.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Access {
@@ -640,6 +635,9 @@ enum Access {
     Repair,
 }
 
+/// Opens the store offline (no daemon) under the data dir lock. A repair
+/// first salvages a corrupt namespace manifest (returned: what it did) and
+/// grows a truncated store file (see [`tier::TierConfig`]).
 fn open_offline(
     cfg: &NodeConfig,
     role: &str,

@@ -167,8 +167,10 @@ pub struct PreparedCluster {
 impl Cluster {
     /// The TLS setup `opts` asks for: the certificates of `tls-dir`
     /// (checked: read, signed by their CA, naming `node-name` when set), or
-    /// a throw-away one with `insecure-dev`. `config check` runs it too.
-    pub fn load_tls(opts: &ClusterOptions) -> Result<TlsSetup, NodeError> {
+    /// a throw-away one with `insecure-dev`, and warnings that do not stop
+    /// a start (a node key others can read). `config check` runs it too.
+    pub fn load_tls(opts: &ClusterOptions) -> Result<(TlsSetup, Vec<String>), NodeError> {
+        let mut warnings = Vec::new();
         let peer_err = |what: &str, e: peer::Error| NodeError::Config(format!("{what}: {e}"));
         let tls = if opts.insecure_dev {
             let name = opts
@@ -187,9 +189,7 @@ impl Cluster {
                         .into(),
                 )
             })?;
-            if let Some(w) = peer::cert::key_exposure(dir) {
-                tracing::warn!("{w}");
-            }
+            warnings.extend(peer::cert::key_exposure(dir));
             let m = NodeMaterial::read_from(dir)
                 .map_err(|e| peer_err(&format!("read tls-dir {}", dir.display()), e))?;
             TlsSetup::from_material(&m)
@@ -203,13 +203,16 @@ impl Cluster {
                 )));
             }
         }
-        Ok(tls)
+        Ok((tls, warnings))
     }
 
     /// Loads the TLS files and binds the peer port. Nothing runs yet.
     pub fn prepare(opts: &ClusterOptions) -> Result<PreparedCluster, NodeError> {
         let peer_err = |what: &str, e: peer::Error| NodeError::Config(format!("{what}: {e}"));
-        let tls = Self::load_tls(opts)?;
+        let (tls, warnings) = Self::load_tls(opts)?;
+        for w in warnings {
+            tracing::warn!("{w}");
+        }
         let cfg = PeerConfig {
             listen: opts.listen,
             peers: opts.peers.clone(),

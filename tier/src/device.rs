@@ -244,6 +244,8 @@ impl FileDevice {
         Self::with_file(file, path, len, mode, false)
     }
 
+    /// The device on `file`, or on an `O_DIRECT` descriptor of `path` where
+    /// `mode` asks for it and the filesystem allows it.
     fn with_file(
         file: File,
         path: &Path,
@@ -251,39 +253,29 @@ impl FileDevice {
         mode: DirectMode,
         writable: bool,
     ) -> io::Result<Self> {
-        let mut dev = Self {
-            file,
-            path: path.to_path_buf(),
-            len,
-            direct: false,
-            split: SplitReader::default(),
-        };
-        dev.set_direct(mode, writable)?;
-        Ok(dev)
-    }
-
-    /// Switches to an `O_DIRECT` descriptor where `mode` asks for it and
-    /// the filesystem allows it.
-    fn set_direct(&mut self, mode: DirectMode, writable: bool) -> io::Result<()> {
-        let path = self.path.clone();
-        match mode {
-            DirectMode::Off => {}
+        let (file, direct) = match mode {
+            DirectMode::Off => (file, false),
             DirectMode::SimulateUnsupported => {
                 tracing::warn!(path = %path.display(), "O_DIRECT unsupported (simulated); using buffered I/O");
+                (file, false)
             }
-            DirectMode::Auto => match Self::try_direct(&path, writable) {
-                Ok(f) => {
-                    self.file = f;
-                    self.direct = true;
-                }
+            DirectMode::Auto => match Self::try_direct(path, writable) {
+                Ok(f) => (f, true),
                 Err(e) if is_direct_refusal(&e) => {
                     tracing::warn!(path = %path.display(), error = %e,
                         "the filesystem refuses O_DIRECT; falling back to buffered I/O");
+                    (file, false)
                 }
                 Err(e) => return Err(e),
             },
-        }
-        Ok(())
+        };
+        Ok(Self {
+            file,
+            path: path.to_path_buf(),
+            len,
+            direct,
+            split: SplitReader::default(),
+        })
     }
 
     fn try_direct(path: &Path, writable: bool) -> io::Result<File> {

@@ -240,7 +240,6 @@ pub fn check_existing_store(config: &TierConfig) -> Result<()> {
 /// new store. Reads one block, writes nothing.
 pub fn store_file_unformatted(data_dir: &std::path::Path) -> bool {
     use std::io::Read;
-    let mut block = vec![0u8; crate::device::BLOCK as usize];
     let Ok(f) = open_data_file(
         &data_dir.join(STORE_FILE),
         std::fs::OpenOptions::new().read(true),
@@ -248,14 +247,9 @@ pub fn store_file_unformatted(data_dir: &std::path::Path) -> bool {
     ) else {
         return false;
     };
-    let mut read = 0;
-    let mut f = f.take(block.len() as u64);
-    while let Ok(n) = f.read(&mut block[read..]) {
-        if n == 0 {
-            break;
-        }
-        read += n;
-    }
+    // What a failed read got before failing counts, as a short file does.
+    let mut block = Vec::new();
+    let _ = f.take(crate::device::BLOCK).read_to_end(&mut block);
     block.iter().all(|&b| b == 0)
 }
 

@@ -430,6 +430,20 @@ fn gated(len: u64) -> Arc<GatedDevice> {
     })
 }
 
+/// Every chunk `0..n` of `len` bytes is either readable with its exact
+/// bytes or counted in `dropped_unwritten`.
+fn present_or_dropped(s: &ChunkStore, ns: tier::Namespace, n: u64, len: usize) {
+    let st = s.stats();
+    let mut present = 0;
+    for k in 0..n {
+        if let Some(h) = s.get(&id(ns, k)) {
+            assert_eq!(h.data, payload(k, len));
+            present += 1;
+        }
+    }
+    assert_eq!(present + st.dropped_unwritten, n, "{st:?}");
+}
+
 #[test]
 fn no_tax_put_never_waits_and_drops_what_cannot_be_queued() {
     let dir = tempfile::tempdir().unwrap();
@@ -450,16 +464,7 @@ fn no_tax_put_never_waits_and_drops_what_cannot_be_queued() {
     assert!(st.dropped_unwritten >= 25, "{st:?}");
     dev.release();
     s.flush().unwrap();
-    let st = s.stats();
-    // Every chunk is either readable with its exact bytes or counted dropped.
-    let mut present = 0;
-    for n in 0..40 {
-        if let Some(h) = s.get(&id(ns, n)) {
-            assert_eq!(h.data, payload(n, 100 << 10));
-            present += 1;
-        }
-    }
-    assert_eq!(present + st.dropped_unwritten, 40, "{st:?}");
+    present_or_dropped(&s, ns, 40, 100 << 10);
 }
 
 /// Under no-tax, chunks evicted dirty that wait for a writer that is
@@ -491,15 +496,7 @@ fn no_tax_bounds_the_bytes_waiting_for_the_writer() {
     assert!(most <= (512 + 110) << 10, "{most} bytes waited: {st:?}");
     assert!(st.dropped_unwritten >= 20, "{st:?}");
     s.flush().unwrap();
-    let st = s.stats();
-    let mut present = 0;
-    for n in 0..40 {
-        if let Some(h) = s.get(&id(ns, n)) {
-            assert_eq!(h.data, payload(n, 100 << 10));
-            present += 1;
-        }
-    }
-    assert_eq!(present + st.dropped_unwritten, 40, "{st:?}");
+    present_or_dropped(&s, ns, 40, 100 << 10);
 }
 
 #[test]
