@@ -137,6 +137,54 @@ def key(i: int) -> bytes:
     return i.to_bytes(8, "little") * 4
 
 
+def lookup_latency(c: KvtierClient, ns: bytes, entries: int, iters: int) -> None:
+    """LOOKUP of 1,024 random present keys among `entries` (inserted first,
+    64-byte chunks), keys in the frame and in the region, and PING, each
+    with this client polling for the reply (its default, while a CPU is
+    spare) and without (spin 0), interleaved. The daemon polls as its
+    defaults say (`native-spin`)."""
+    from kvtier.client import DEFAULT_SPIN, may_poll
+
+    payload = bytes(64)
+    for base in range(0, entries, 1024):
+        items = [(key(2 << 40 | i), payload) for i in range(base, min(entries, base + 1024))]
+        if c.put(ns, items) != ["ok"] * len(items):
+            sys.exit("the LOOKUP set-up PUT failed")
+    rng = np.random.default_rng(11)
+    region_at = c.region.size - 32 * 1024
+    rows: dict[str, list[float]] = collections.defaultdict(list)
+    for it in range(iters):
+        ids = rng.integers(0, entries, 1024)
+        keys = [key(2 << 40 | int(i)) for i in ids]
+        c.region.buffer[region_at : region_at + 32 * 1024] = b"".join(keys)
+        for spin in (DEFAULT_SPIN, 0.0) if it % 2 == 0 else (0.0, DEFAULT_SPIN):
+            c.spin = spin
+            tag = "poll" if spin else "no poll"
+            t = time.perf_counter()
+            r = c.lookup(ns, keys)
+            rows[f"frame, {tag}"].append(time.perf_counter() - t)
+            t = time.perf_counter()
+            r2 = c.lookup_in_region(ns, region_at, 1024)
+            rows[f"region, {tag}"].append(time.perf_counter() - t)
+            t = time.perf_counter()
+            c.ping()
+            rows[f"PING, {tag}"].append(time.perf_counter() - t)
+            if r.prefix != 1024 or r2.prefix != 1024:
+                sys.exit(f"LOOKUP found {r.prefix} / {r2.prefix} of 1,024 present keys")
+    c.spin = DEFAULT_SPIN
+    with open("/proc/loadavg") as f:
+        load = f.read().strip()
+    print(
+        f"LOOKUP of 1,024 random present keys in {entries} entries, {iters} each "
+        f"(client poll {DEFAULT_SPIN * 1e6:.0f} us while a CPU is spare; spare now: {may_poll()}; load {load})"
+    )
+    for name, lat in rows.items():
+        lat.sort()
+        p50, p99 = lat[len(lat) // 2] * 1e6, lat[len(lat) * 99 // 100] * 1e6
+        target = "" if name.startswith("PING") else f" (target 50 us: {p50 / 50:.2f}x of target)"
+        print(f"RESULT python LOOKUP {name}: p50 {p50:.1f} us p99 {p99:.1f} us{target}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kvtier", default=str(ROOT / "target" / "release" / "kvtier"), help="daemon binary")
@@ -157,10 +205,13 @@ def main() -> int:
         help="requests in flight per connection (submit_put / submit_get, waited in order); "
         "1: each request waits for its reply",
     )
+    ap.add_argument("--lookup-entries", type=int, default=65536, help="chunks stored for the LOOKUP figure (0: skip it)")
+    ap.add_argument("--lookup-iters", type=int, default=2000, help="LOOKUPs of each kind measured")
     ap.add_argument("--quick", action="store_true", help="small and fast (CI smoke)")
     args = ap.parse_args()
     if args.quick:
         args.mib, args.reps, args.cells = 32, 1, "256K/1,1M/4"
+        args.lookup_entries, args.lookup_iters = 4096, 50
     if args.depth < 1:
         sys.exit("--depth must be at least 1")
     if not Path(args.kvtier).exists():
@@ -273,6 +324,8 @@ def main() -> int:
                 print(f"{cell:>10} {put:9.2f} {get:9.2f} {base:8.2f} {put / base:5.2f}x {get / base:5.2f}x")
                 print(f"RESULT python PUT {tag}: {put:.2f} GB/s vs cold memcpy {base:.2f} GB/s = {put / base:.2f}x")
                 print(f"RESULT python GET {tag}: {get:.2f} GB/s vs cold memcpy {base:.2f} GB/s = {get / base:.2f}x")
+            if args.lookup_entries:
+                lookup_latency(links[0][0], ns, args.lookup_entries, args.lookup_iters)
             for c, _ in links:
                 c.close()
         finally:

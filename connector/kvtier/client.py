@@ -58,8 +58,11 @@ import ctypes
 import fcntl
 import mmap
 import os
+import select
 import socket
 import struct
+import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Generic, Iterable, Sequence, TypeVar, Union
 
@@ -93,6 +96,15 @@ DEFAULT_MAX_IN_FLIGHT = 64
 _REPLY_BUDGET = 32 << 10
 _REPLY_OVERHEAD = 1 << 10
 
+#: Seconds a client polls for a reply before it sleeps on the socket, while
+#: the system has a CPU to spare (see :func:`may_poll`); 0 never polls. As
+#: the daemon's ``native-spin``: a reply that comes back within it costs no
+#: wake-up of this thread, which on a virtual machine whose idle CPUs halt is
+#: tens of microseconds.
+DEFAULT_SPIN = 50e-6
+# How long a sample of the run queue is trusted, in seconds.
+_SAMPLE_EVERY = 0.02
+
 T = TypeVar("T")
 # Bytes read from the socket at once (more when a reply needs it).
 _RECV_BUFFER = 64 << 10
@@ -101,6 +113,53 @@ BytesLike = Union[bytes, bytearray, memoryview]
 #: A PUT item value: bytes to copy into the region, or an (offset, length)
 #: range already written in the region.
 PutValue = Union[BytesLike, tuple[int, int]]
+
+
+class _SpinGate:
+    """Whether polling pays: only while the system has a CPU to spare (the
+    daemon's rule, ``node/src/native/spin.rs``). A poller takes a core from
+    work that needs it on a loaded machine, where wake-ups are cheap anyway."""
+
+    lock = threading.Lock()
+    sampled_at = -1.0
+    spare = False
+    polling = 0  # threads of this process polling now
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def parse_runnable(loadavg: str) -> int | None:
+    """The count of runnable threads in a ``/proc/loadavg`` line
+    (``"0.05 0.10 0.20 3/412 9876"`` -> 3), ``None`` if it has none."""
+    fields = loadavg.split()
+    if len(fields) < 4 or "/" not in fields[3]:
+        return None
+    running, total = fields[3].split("/", 1)
+    if not (running.isdigit() and total.isdigit()):
+        return None
+    return int(running)
+
+
+def spare_cpu(runnable: int, ours: int, cpus: int) -> bool:
+    """Whether ``runnable`` threads system-wide (the sampling thread and
+    ``ours`` pollers of this process among them) leave one of ``cpus`` CPUs
+    to spare for one more poller."""
+    return max(0, runnable - 1 - ours) < cpus
+
+
+def may_poll() -> bool:
+    """Whether a thread about to poll may: the last sample of the run queue
+    (``/proc/loadavg``, taken at most every 20 ms) left a CPU to spare."""
+    g = _SpinGate
+    now = time.monotonic()
+    if now - g.sampled_at >= _SAMPLE_EVERY:
+        g.sampled_at = now
+        try:
+            with open("/proc/loadavg") as f:
+                runnable = parse_runnable(f.read())
+        except OSError:
+            runnable = None
+        g.spare = runnable is not None and spare_cpu(runnable, g.polling, g.cpus)
+    return g.spare
 
 
 class KvtierError(Exception):
@@ -291,6 +350,9 @@ class KvtierClient:
     connect (0: no region; PUT/GET then fail until :meth:`set_region`).
     ``timeout`` (seconds, ``None`` for none) bounds every reply.
     ``max_in_flight`` bounds the requests sent and not yet answered.
+    ``spin`` (seconds, at most 0.001) is how long a wait for a reply polls
+    before it sleeps, only while the system has a CPU to spare
+    (:data:`DEFAULT_SPIN`; 0 never polls).
     """
 
     def __init__(
@@ -299,9 +361,13 @@ class KvtierClient:
         region_size: int = DEFAULT_REGION_SIZE,
         timeout: float | None = DEFAULT_TIMEOUT,
         max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+        spin: float = DEFAULT_SPIN,
     ) -> None:
         if max_in_flight < 1:
             raise ValueError("max_in_flight must be at least 1")
+        if not 0 <= spin <= 1e-3:
+            raise ValueError("spin must be between 0 and 0.001 seconds")
+        self.spin = spin
         self.socket_path = os.fspath(socket_path)
         self.max_in_flight = max_in_flight
         self._in_flight: collections.deque[Pending[Any]] = collections.deque()
@@ -316,6 +382,8 @@ class KvtierClient:
         try:
             self._sock.settimeout(timeout)
             self._sock.connect(self.socket_path)
+            self._poller = select.poll()
+            self._poller.register(self._sock, select.POLLIN)
         except OSError as e:
             self._sock.close()
             self._sock = None
@@ -417,6 +485,8 @@ class KvtierClient:
                 self._rpos, self._rend = 0, left
             if len(buf) < n:
                 buf.extend(bytes(n - len(buf)))
+            if self.spin and may_poll():
+                self._poll_for_reply()
             try:
                 k = self._sock.recv_into(memoryview(buf)[self._rend :])
             except socket.timeout as e:
@@ -426,6 +496,20 @@ class KvtierClient:
             if k == 0:
                 raise self._broken("the kvtier daemon closed the connection", None)
             self._rend += k
+
+    def _poll_for_reply(self) -> None:
+        """Polls (without sleeping) for up to ``self.spin`` seconds until the
+        socket has bytes to read."""
+        g = _SpinGate
+        with g.lock:
+            g.polling += 1
+        try:
+            deadline = time.perf_counter() + self.spin
+            while not self._poller.poll(0) and time.perf_counter() < deadline:
+                pass
+        finally:
+            with g.lock:
+                g.polling -= 1
 
     def _consume(self, n: int) -> None:
         self._rpos += n

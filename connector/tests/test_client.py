@@ -165,6 +165,63 @@ def test_a_silent_daemon_times_out(tmp_path: Path) -> None:
         srv.close()
 
 
+def test_the_spin_gate_reads_the_run_queue() -> None:
+    from kvtier import client as kc
+
+    assert kc.parse_runnable("0.05 0.10 0.20 3/412 9876\n") == 3
+    for bad in ("", "0.05 0.10 0.20", "0.05 0.10 0.20 3 9876", "0.05 0.10 0.20 x/412 1", "0.1 0.1 0.1 3/y 1"):
+        assert kc.parse_runnable(bad) is None, bad
+    assert kc.spare_cpu(1, 0, 2)  # idle: the sampler alone
+    assert kc.spare_cpu(2, 0, 2)  # the daemon polls too
+    assert not kc.spare_cpu(3, 0, 2)  # two busy threads elsewhere
+    assert kc.spare_cpu(3, 2, 2)  # our own pollers do not count
+    assert kc.spare_cpu(0, 3, 1)
+    with open("/proc/loadavg") as f:
+        assert kc.parse_runnable(f.read()) is not None
+    assert isinstance(kc.may_poll(), bool)
+
+
+def test_spin_is_bounded(tmp_path: Path) -> None:
+    for bad in (-1e-6, 2e-3):
+        with pytest.raises(ValueError, match="spin"):
+            KvtierClient(tmp_path / "missing.sock", spin=bad)
+
+
+def test_a_polling_client_times_out_and_reads_replies(
+    tmp_path: Path, daemon, monkeypatch: pytest.MonkeyPatch  # type: ignore[no-untyped-def]
+) -> None:
+    from kvtier import client as kc
+
+    monkeypatch.setattr(kc, "may_poll", lambda: True)
+    polls = []
+    real = kc.KvtierClient._poll_for_reply
+
+    def counted(self: KvtierClient) -> None:
+        polls.append(1)
+        real(self)
+
+    monkeypatch.setattr(kc.KvtierClient, "_poll_for_reply", counted)
+    c = KvtierClient(daemon.socket_path, region_size=0, timeout=30, spin=1e-3)
+    try:
+        c.ping()
+        ns = c.hello(record(0))
+        assert c.lookup(ns, [key(5)]).locations == ["miss"]
+        assert len(polls) >= 3
+    finally:
+        c.close()
+    # A daemon that never answers: the poll ends, the timeout still fires.
+    path = tmp_path / "silent.sock"
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(str(path))
+    srv.listen(1)
+    try:
+        c = KvtierClient(path, region_size=0, timeout=0.2, spin=1e-3)
+        with pytest.raises(KvtierUnavailable, match="timed out"):
+            c.ping()
+    finally:
+        srv.close()
+
+
 # --- against a real daemon ---------------------------------------------------
 
 

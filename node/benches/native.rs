@@ -499,13 +499,14 @@ fn main() {
     let mut c = Client::connect(&server.path).expect("connect");
     c.set_spin(spin());
     println!(
-        "allocator: {}; server and client poll {} us before blocking",
+        "allocator: {}; server and client poll {} us before blocking while a CPU is spare (spare now: {})",
         if std::env::var_os("KVTIER_BENCH_NO_TUNE").is_none() {
             format!("{:?}", node::memory::tune_allocator())
         } else {
             "glibc defaults (KVTIER_BENCH_NO_TUNE)".to_string()
         },
-        spin().as_micros()
+        spin().as_micros(),
+        native::spin::may_poll()
     );
     let ns = c.hello(&record()).expect("hello");
     c.create_region(ROTATE as u64).expect("region");

@@ -233,8 +233,9 @@ pub struct NodeConfig {
     /// How long a native connection keeps polling for its client's next
     /// request before its worker parks, at most 1ms. Polling saves a thread
     /// wake-up per request (tens of µs on many virtual machines), and burns
-    /// a core per busy connection while it polls: worth it on an inference
-    /// host with idle cores, not on a small shared one. Default: `0s` (off).
+    /// a core per busy connection while it polls, so it polls only while the
+    /// system has a CPU to spare (fewer runnable threads than cores).
+    /// Default: `50us`; `0s` never polls.
     pub native_spin: HumanDuration,
     /// RESP2 (Redis protocol) listen address, or `off`. A non-loopback
     /// address requires `resp-password`. Default: `127.0.0.1:6380`.
@@ -467,7 +468,7 @@ impl NodeConfig {
             gpu_kv_pool: None,
             socket: env.default_socket(),
             socket_mode: FileMode(0o660),
-            native_spin: HumanDuration(Duration::ZERO),
+            native_spin: HumanDuration(crate::native::DEFAULT_SPIN),
             resp_listen: Listen::Addr(SocketAddr::from(([127, 0, 0, 1], 6380))),
             resp_password: None,
             resp_max_value: ByteSize::mib(512),

@@ -201,11 +201,13 @@ impl Client {
     /// `self.spin` until a reply byte is readable. A reply that comes back
     /// within that window then costs no sleep and wake-up of this thread,
     /// which on a virtual machine whose idle CPUs halt is tens of
-    /// microseconds.
+    /// microseconds. Only while the system has a CPU to spare
+    /// ([`super::spin::may_poll`]).
     fn spin_until_readable(&self) {
-        if self.spin.is_zero() {
+        if self.spin.is_zero() || !super::spin::may_poll() {
             return;
         }
+        let _polling = super::spin::Polling::start();
         let deadline = Instant::now() + self.spin;
         let mut byte = [0u8; 1];
         loop {

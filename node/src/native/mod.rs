@@ -16,6 +16,7 @@ pub mod client;
 pub mod codec;
 pub mod region;
 pub mod server;
+pub mod spin;
 
 use std::io;
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
@@ -34,11 +35,13 @@ pub use server::serve;
 /// Default socket permissions: owner and group may connect.
 pub const DEFAULT_SOCKET_MODE: u32 = 0o660;
 
-/// Default [`NativeOptions::spin`] and [`Client::set_spin`]: off. Polling
-/// saves a thread wake-up per request only where CPUs are idle; on the
-/// loaded 2-core build machine it doubled the round trip (two pollers
-/// starve each other), see `docs/benchmarks.md`.
-pub const DEFAULT_SPIN: Duration = Duration::ZERO;
+/// Default [`NativeOptions::spin`] and [`Client::set_spin`]: 50 µs, and
+/// only while the system has a CPU to spare ([`spin`]). Polling saves a
+/// thread wake-up per request where CPUs are idle (a LOOKUP round trip of
+/// 1,024 keys: 84 → 30 µs on the idle 2-core build machine); on a loaded
+/// machine it took cores from the work and doubled the round trip, which
+/// the gate prevents. See `docs/benchmarks.md`, session 21.
+pub const DEFAULT_SPIN: Duration = Duration::from_micros(50);
 
 /// Limits and timeouts of the native server.
 #[derive(Clone, Debug)]
@@ -65,8 +68,9 @@ pub struct NativeOptions {
     /// How long a connection keeps polling its socket for the next request
     /// after answering, before its task parks (0 parks at once). Can save a
     /// worker wake-up per request for clients that send requests back to
-    /// back, at the price of up to this much CPU per request. Default: 0
-    /// ([`DEFAULT_SPIN`]).
+    /// back, at the price of up to this much CPU per request. Only while the
+    /// system has a CPU to spare ([`spin::may_poll`]). Default: 50 µs
+    /// ([`DEFAULT_SPIN`]); zero never polls.
     pub spin: Duration,
 }
 

@@ -26,7 +26,8 @@
 //! tasks between polls) before it parks: an engine saving or loading a run
 //! of chunks sends its next request within microseconds of the reply, and
 //! the poll can save a worker wake-up, which on a virtual machine whose
-//! idle CPUs halt costs tens of microseconds. Off by default (see
+//! idle CPUs halt costs tens of microseconds. It polls only while the
+//! system has a CPU to spare ([`super::spin`]); 50 µs by default (see
 //! [`super::DEFAULT_SPIN`]).
 
 use std::collections::VecDeque;
@@ -49,6 +50,7 @@ use super::codec::{
     LookupLocation, RankPrefixReply, RegionEntry, Request, Response,
 };
 use super::region::{self, MappedRegion, RegionError};
+use super::spin;
 use super::{NativeError, NativeOptions};
 use crate::context::{Location, NodeContext, NodeCounters};
 use tier::ChunkId;
@@ -525,11 +527,13 @@ impl Connection {
     }
 
     /// Polls the socket (non-blocking) for up to [`NativeOptions::spin`],
-    /// yielding to other tasks between polls; `None` when nothing arrived.
+    /// yielding to other tasks between polls, while the system has a CPU
+    /// to spare ([`spin::may_poll`]); `None` when nothing arrived.
     async fn poll_next_request(&mut self) -> io::Result<Option<region::Received>> {
-        if self.opts.spin.is_zero() {
+        if self.opts.spin.is_zero() || !spin::may_poll() {
             return Ok(None);
         }
+        let _polling = spin::Polling::start();
         let deadline = Instant::now() + self.opts.spin;
         let mut fds = Vec::new();
         loop {
