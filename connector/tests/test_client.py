@@ -348,6 +348,15 @@ def test_bad_arguments_are_refused_in_the_callers_terms(client: KvtierClient) ->
         client.lookup(ns, key(1))
     with pytest.raises(TypeError, match="got int"):
         client.delete(ns, [1])
+    # Lengths that add up to 32 per key are still refused, key by key.
+    with pytest.raises(ValueError, match="keys are 32 bytes, got 31"):
+        client.lookup(ns, [b"a" * 31, b"b" * 33])
+    with pytest.raises(TypeError, match="got str"):
+        client.lookup(ns, [key(1), "k" * 32])
+    # Any bytes-like key of 32 bytes is one key.
+    assert client.put(ns, [(key(4), b"four")]) == ["ok"]
+    r = client.lookup(ns, [bytearray(key(4)), memoryview(key(4)), key(5)])
+    assert r.locations == ["ram", "ram", "miss"]
     client.ping()
 
 
