@@ -1045,7 +1045,7 @@ fn gc(args: &GcArgs) -> Result<u8> {
     close_offline(store, lock)?;
     let report = report?;
     if args.json {
-        let doc = serde_json::json!({ "dry-run": !args.apply, "report": report });
+        let doc = serde_json::json!({ "dry_run": !args.apply, "report": report });
         outln!("{}", serde_json::to_string_pretty(&doc)?);
     } else {
         let verb = if args.apply {

@@ -138,16 +138,26 @@ pub fn main_with(bin: &'static str) -> ExitCode {
         Ok(code) => ExitCode::from(code),
         Err(err) if StdoutClosed::is_broken_pipe(&err) => ExitCode::from(EXIT_STDOUT_CLOSED),
         Err(err) => {
-            errln!("{bin}: error: {err}");
             // Causes a message already quotes (many errors end with their
             // source's text) are not repeated.
             let mut said = err.to_string();
+            let mut causes = Vec::new();
             for cause in err.chain().skip(1) {
                 let cause = cause.to_string();
                 if !said.contains(&cause) {
-                    errln!("  caused by: {cause}");
+                    causes.push(cause.clone());
                 }
                 said.push_str(&cause);
+            }
+            if node::logging::json_active() {
+                // `node start --log-format json`: stderr carries JSON lines only.
+                let line = node::logging::fatal_json_line(bin, &err.to_string(), &causes);
+                node::logging::eprint_lossy(&format!("{line}\n"));
+            } else {
+                errln!("{bin}: error: {err}");
+                for cause in &causes {
+                    errln!("  caused by: {cause}");
+                }
             }
             ExitCode::from(exit_code_of(&err))
         }

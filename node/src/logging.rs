@@ -79,6 +79,29 @@ pub fn eprint_lossy(text: &str) {
     let _ = LossyStderr.write_all(text.as_bytes());
 }
 
+/// Whether [`init`] installed the JSON format (a fatal error is then
+/// written as one JSON line too, see [`fatal_json_line`]).
+static JSON_ACTIVE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Whether the JSON log format is installed.
+pub fn json_active() -> bool {
+    JSON_ACTIVE.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// A fatal error as one line in the JSON log format's shape (`timestamp`,
+/// `level`, `fields.message`, `target`), its causes under `fields.causes`,
+/// so that a log pipeline reading JSON lines gets the reason a start
+/// failed instead of a line it cannot parse.
+pub fn fatal_json_line(target: &str, message: &str, causes: &[String]) -> String {
+    serde_json::json!({
+        "timestamp": humantime::format_rfc3339_micros(std::time::SystemTime::now()).to_string(),
+        "level": "ERROR",
+        "fields": { "message": message, "causes": causes },
+        "target": target,
+    })
+    .to_string()
+}
+
 /// Installs the global subscriber writing to stderr (lossily, see
 /// [`LossyStderr`]). Fails if one is already installed or the filter is
 /// invalid.
@@ -91,7 +114,13 @@ pub fn init(format: LogFormat, level: &str) -> Result<()> {
         LogFormat::Human => builder
             .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
             .try_init(),
-        LogFormat::Json => builder.json().with_current_span(false).try_init(),
+        LogFormat::Json => {
+            let res = builder.json().with_current_span(false).try_init();
+            if res.is_ok() {
+                JSON_ACTIVE.store(true, std::sync::atomic::Ordering::Relaxed);
+            }
+            res
+        }
     };
     res.map_err(|e| NodeError::Logging(e.to_string()))
 }

@@ -248,6 +248,68 @@ fn client_commands_round_trip_and_use_documented_exit_codes() {
 }
 
 #[test]
+fn a_failed_start_in_json_log_mode_says_why_in_json() {
+    // A data dir under a regular file cannot be created: the start fails
+    // after logging is set up, and stderr must hold JSON lines only.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = dir.path().join("a-file");
+    std::fs::write(&file, b"").expect("write");
+    let data = file.join("data");
+    let sock = dir.path().join("s.sock");
+    let out = run_kvtier(
+        &[
+            "node",
+            "start",
+            "--log-format",
+            "json",
+            "--data-dir",
+            &data.to_string_lossy(),
+            "--socket",
+            &sock.to_string_lossy(),
+            "--resp-listen",
+            "off",
+            "--http-listen",
+            "off",
+        ],
+        &[],
+    );
+    assert_eq!(out.status.code(), Some(1), "{}", text_of(&out));
+    let stderr = text(&out.stderr);
+    let lines: Vec<serde_json::Value> = stderr
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l:?}")))
+        .collect();
+    let last = lines.last().expect("a line on stderr");
+    assert_eq!(last["level"], "ERROR", "{last}");
+    assert_eq!(last["target"], "kvtier", "{last}");
+    let message = last["fields"]["message"].as_str().expect("message");
+    assert!(message.contains("could not create data dir"), "{last}");
+    assert!(last["timestamp"].as_str().is_some(), "{last}");
+    // The human format keeps its text line.
+    let out = run_kvtier(
+        &[
+            "node",
+            "start",
+            "--data-dir",
+            &data.to_string_lossy(),
+            "--socket",
+            &sock.to_string_lossy(),
+            "--resp-listen",
+            "off",
+            "--http-listen",
+            "off",
+        ],
+        &[],
+    );
+    assert_eq!(out.status.code(), Some(1), "{}", text_of(&out));
+    assert!(
+        text(&out.stderr).contains("kvtier: error: could not create data dir"),
+        "{}",
+        text_of(&out)
+    );
+}
+
+#[test]
 fn an_unreachable_daemon_exits_3() {
     let dir = tempfile::tempdir().expect("temp dir");
     let sock = dir.path().join("none.sock").to_string_lossy().into_owned();
@@ -504,7 +566,8 @@ fn verify_and_gc_work_offline_and_report_bad_chunks() {
     );
     assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("gc --json");
-    assert_eq!(v["dry-run"], true);
+    assert_eq!(v["dry_run"], true);
+    assert!(v.get("dry-run").is_none(), "{v}");
     assert_eq!(v["report"]["chunks"], 12, "{v}");
     // An id this store does not hold is said, not counted as dropped.
     let out = run_kvtier(
