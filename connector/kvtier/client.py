@@ -61,7 +61,6 @@ import os
 import select
 import socket
 import struct
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Generic, Iterable, Sequence, TypeVar, Union
@@ -96,12 +95,22 @@ DEFAULT_MAX_IN_FLIGHT = 64
 _REPLY_BUDGET = 32 << 10
 _REPLY_OVERHEAD = 1 << 10
 
+#: Environment variable giving a client's default polling time in
+#: microseconds (at most 1,000; 0 never polls), as the Rust client reads it.
+CLIENT_SPIN_ENV = "KVTIER_CLIENT_SPIN_US"
+
+
+def _default_spin() -> float:
+    value = os.environ.get(CLIENT_SPIN_ENV, "").strip()
+    return min(int(value), 1000) * 1e-6 if value.isdigit() else 50e-6
+
+
 #: Seconds a client polls for a reply before it sleeps on the socket, while
 #: the system has a CPU to spare (see :func:`may_poll`); 0 never polls. As
 #: the daemon's ``native-spin``: a reply that comes back within it costs no
 #: wake-up of this thread, which on a virtual machine whose idle CPUs halt is
-#: tens of microseconds.
-DEFAULT_SPIN = 50e-6
+#: tens of microseconds. 50 us, or ``KVTIER_CLIENT_SPIN_US`` when set.
+DEFAULT_SPIN = _default_spin()
 # How long a sample of the run queue is trusted, in seconds.
 _SAMPLE_EVERY = 0.02
 
@@ -120,11 +129,8 @@ class _SpinGate:
     daemon's rule, ``node/src/native/spin.rs``). A poller takes a core from
     work that needs it on a loaded machine, where wake-ups are cheap anyway."""
 
-    lock = threading.Lock()
     sampled_at = -1.0
     spare = False
-    polling = 0  # threads of this process polling now
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def parse_runnable(loadavg: str) -> int | None:
@@ -139,16 +145,35 @@ def parse_runnable(loadavg: str) -> int | None:
     return int(running)
 
 
-def spare_cpu(runnable: int, ours: int, cpus: int) -> bool:
-    """Whether ``runnable`` threads system-wide (the sampling thread and
-    ``ours`` pollers of this process among them) leave one of ``cpus`` CPUs
-    to spare for one more poller."""
-    return max(0, runnable - 1 - ours) < cpus
+def spare_cpu(runnable: int, cpus: int) -> bool:
+    """Whether ``runnable`` threads system-wide (the sampling thread, about
+    to poll, and every other poller among them) fit on ``cpus`` CPUs. Zero
+    is no reading (the sampler itself runs)."""
+    return 0 < runnable <= cpus
+
+
+def usable_cpus() -> int:
+    """CPUs this process may use: its affinity, bounded by a cgroup v2 CPU
+    quota (``cpu.max``) where one is set, as Rust's
+    ``available_parallelism`` counts them."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        with open("/proc/self/cgroup") as f:
+            path = next((line.split(":", 2)[2].strip() for line in f if line.startswith("0::")), None)
+        if path is not None:
+            with open(f"/sys/fs/cgroup{path}/cpu.max") as f:
+                quota, period = f.read().split()[:2]
+            if quota != "max" and int(period) > 0:
+                cpus = min(cpus, max(1, -(-int(quota) // int(period))))
+    except (OSError, ValueError, IndexError):
+        pass
+    return cpus
 
 
 def may_poll() -> bool:
     """Whether a thread about to poll may: the last sample of the run queue
-    (``/proc/loadavg``, taken at most every 20 ms) left a CPU to spare."""
+    (``/proc/loadavg``, taken at most every 20 ms) found every runnable
+    thread a CPU."""
     g = _SpinGate
     now = time.monotonic()
     if now - g.sampled_at >= _SAMPLE_EVERY:
@@ -158,7 +183,7 @@ def may_poll() -> bool:
                 runnable = parse_runnable(f.read())
         except OSError:
             runnable = None
-        g.spare = runnable is not None and spare_cpu(runnable, g.polling, g.cpus)
+        g.spare = runnable is not None and spare_cpu(runnable, usable_cpus())
     return g.spare
 
 
@@ -351,8 +376,9 @@ class KvtierClient:
     ``timeout`` (seconds, ``None`` for none) bounds every reply.
     ``max_in_flight`` bounds the requests sent and not yet answered.
     ``spin`` (seconds, at most 0.001) is how long a wait for a reply polls
-    before it sleeps, only while the system has a CPU to spare
-    (:data:`DEFAULT_SPIN`; 0 never polls).
+    before it sleeps, only while the system has a CPU to spare (default
+    50 us, or ``KVTIER_CLIENT_SPIN_US`` microseconds when set; 0 never
+    polls).
     """
 
     def __init__(
@@ -361,10 +387,12 @@ class KvtierClient:
         region_size: int = DEFAULT_REGION_SIZE,
         timeout: float | None = DEFAULT_TIMEOUT,
         max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
-        spin: float = DEFAULT_SPIN,
+        spin: float | None = None,
     ) -> None:
         if max_in_flight < 1:
             raise ValueError("max_in_flight must be at least 1")
+        if spin is None:
+            spin = _default_spin()
         if not 0 <= spin <= 1e-3:
             raise ValueError("spin must be between 0 and 0.001 seconds")
         self.spin = spin
@@ -500,16 +528,9 @@ class KvtierClient:
     def _poll_for_reply(self) -> None:
         """Polls (without sleeping) for up to ``self.spin`` seconds until the
         socket has bytes to read."""
-        g = _SpinGate
-        with g.lock:
-            g.polling += 1
-        try:
-            deadline = time.perf_counter() + self.spin
-            while not self._poller.poll(0) and time.perf_counter() < deadline:
-                pass
-        finally:
-            with g.lock:
-                g.polling -= 1
+        deadline = time.perf_counter() + self.spin
+        while not self._poller.poll(0) and time.perf_counter() < deadline:
+            pass
 
     def _consume(self, n: int) -> None:
         self._rpos += n

@@ -171,14 +171,25 @@ def test_the_spin_gate_reads_the_run_queue() -> None:
     assert kc.parse_runnable("0.05 0.10 0.20 3/412 9876\n") == 3
     for bad in ("", "0.05 0.10 0.20", "0.05 0.10 0.20 3 9876", "0.05 0.10 0.20 x/412 1", "0.1 0.1 0.1 3/y 1"):
         assert kc.parse_runnable(bad) is None, bad
-    assert kc.spare_cpu(1, 0, 2)  # idle: the sampler alone
-    assert kc.spare_cpu(2, 0, 2)  # the daemon polls too
-    assert not kc.spare_cpu(3, 0, 2)  # two busy threads elsewhere
-    assert kc.spare_cpu(3, 2, 2)  # our own pollers do not count
-    assert kc.spare_cpu(0, 3, 1)
+    assert kc.spare_cpu(1, 2)  # idle: the sampler alone
+    assert kc.spare_cpu(2, 2)  # the daemon runs too
+    assert not kc.spare_cpu(3, 2)  # one more runnable thread, ours or not
+    assert kc.spare_cpu(16, 16) and not kc.spare_cpu(17, 16)
+    assert not kc.spare_cpu(0, 2)  # no reading: the sampler itself runs
     with open("/proc/loadavg") as f:
         assert kc.parse_runnable(f.read()) is not None
+    assert 1 <= kc.usable_cpus() <= (os.cpu_count() or 1)
     assert isinstance(kc.may_poll(), bool)
+
+
+def test_the_client_spin_default_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvtier import client as kc
+
+    monkeypatch.delenv("KVTIER_CLIENT_SPIN_US", raising=False)
+    assert kc._default_spin() == 50e-6
+    for value, want in (("0", 0.0), ("20", 20e-6), ("5000", 1e-3), ("x", 50e-6), ("-1", 50e-6)):
+        monkeypatch.setenv("KVTIER_CLIENT_SPIN_US", value)
+        assert kc._default_spin() == pytest.approx(want), value
 
 
 def test_spin_is_bounded(tmp_path: Path) -> None:
@@ -353,6 +364,14 @@ def test_bad_arguments_are_refused_in_the_callers_terms(client: KvtierClient) ->
         client.lookup(ns, [b"a" * 31, b"b" * 33])
     with pytest.raises(TypeError, match="got str"):
         client.lookup(ns, [key(1), "k" * 32])
+    # Only bytes, bytearray and memoryview keys, counted in bytes (a 32 x 2
+    # view is 64 bytes, not one key).
+    import array
+
+    with pytest.raises(TypeError, match="got array"):
+        client.lookup(ns, [array.array("B", key(1))])
+    with pytest.raises(ValueError, match="got 64"):
+        client.lookup(ns, [memoryview(key(1) * 2).cast("B", shape=[32, 2])])
     # Any bytes-like key of 32 bytes is one key.
     assert client.put(ns, [(key(4), b"four")]) == ["ok"]
     r = client.lookup(ns, [bytearray(key(4)), memoryview(key(4)), key(5)])

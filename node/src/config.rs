@@ -234,8 +234,9 @@ pub struct NodeConfig {
     /// request before its worker parks, at most 1ms. Polling saves a thread
     /// wake-up per request (tens of µs on many virtual machines), and burns
     /// a core per busy connection while it polls, so it polls only while the
-    /// system has a CPU to spare (fewer runnable threads than cores).
-    /// Default: `50us`; `0s` never polls.
+    /// system has a CPU to spare (no more runnable threads than cores).
+    /// Default: `50us`; `0s`: the daemon never polls (clients poll for
+    /// replies per `KVTIER_CLIENT_SPIN_US`).
     pub native_spin: HumanDuration,
     /// RESP2 (Redis protocol) listen address, or `off`. A non-loopback
     /// address requires `resp-password`. Default: `127.0.0.1:6380`.

@@ -117,17 +117,34 @@ pub enum HeadError {
     Malformed,
 }
 
+/// Where the head in `buf` ends: the length of its lines (the last line
+/// break included) and of the head with the empty line after it. Lines end
+/// with CRLF or a bare LF (RFC 9112 lets a server accept the latter: a
+/// request typed into `nc` has them, and waited for the read timeout).
+fn head_end(buf: &[u8]) -> Option<(usize, usize)> {
+    let mut from = 0;
+    while let Some(i) = buf[from..].iter().position(|&b| b == b'\n') {
+        let i = from + i;
+        match &buf[i + 1..] {
+            [b'\n', ..] => return Some((i + 1, i + 2)),
+            [b'\r', b'\n', ..] => return Some((i + 1, i + 3)),
+            _ => from = i + 1,
+        }
+    }
+    None
+}
+
 /// Parses an HTTP/1.x request head (only the request line matters; headers
 /// are skipped but must be complete).
 pub fn parse_head(buf: &[u8]) -> Result<Request, HeadError> {
-    let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") else {
+    let Some((end, len)) = head_end(buf) else {
         return Err(if buf.len() >= MAX_REQUEST_HEAD {
             HeadError::TooLarge
         } else {
             HeadError::Incomplete
         });
     };
-    if end + 4 > MAX_REQUEST_HEAD {
+    if len > MAX_REQUEST_HEAD {
         return Err(HeadError::TooLarge);
     }
     let head = std::str::from_utf8(&buf[..end]).map_err(|_| HeadError::Malformed)?;
@@ -585,6 +602,27 @@ mod tests {
             Err(HeadError::Incomplete)
         );
         assert_eq!(parse_head(b"GARBAGE\r\n\r\n"), Err(HeadError::Malformed));
+        // Bare LF line ends (typed into nc), alone or mixed with CRLF.
+        for head in [
+            &b"GET /healthz HTTP/1.1\nHost: a\n\n"[..],
+            b"GET /healthz HTTP/1.0\n\n",
+            b"GET /healthz HTTP/1.1\r\nHost: a\n\n",
+            b"GET /healthz HTTP/1.1\nHost: a\r\n\r\n",
+        ] {
+            assert_eq!(
+                parse_head(head).map(|r| r.path),
+                Ok("/healthz".to_string()),
+                "{head:?}"
+            );
+        }
+        assert_eq!(
+            parse_head(b"GET /healthz HTTP/1.1\nHost: a\n"),
+            Err(HeadError::Incomplete)
+        );
+        assert_eq!(
+            parse_head(b"GET /healthz HTTP/1.1\r\nHost: a\r\n\r"),
+            Err(HeadError::Incomplete)
+        );
         assert_eq!(
             parse_head(b"GET metrics HTTP/1.1\r\n\r\n"),
             Err(HeadError::Malformed)

@@ -9,6 +9,7 @@ use std::os::unix::net::UnixStream;
 use std::time::{Duration, Instant};
 
 use native_support::{TestServer, key, payload, record, wait_until};
+use node::native;
 use node::native::codec::{self, Decoded, ErrorCode, Op, Reply, Response};
 use node::native::region::send_with_fd;
 use node::native::{Client, NativeError, NativeOptions, OwnedRegion, RegionEntry};
@@ -487,6 +488,36 @@ fn a_client_trickling_a_frame_is_dropped_at_the_frame_deadline() {
     }
     let at = dropped.expect("a client trickling bytes for 4 s was never dropped");
     assert!(at < Duration::from_secs(2), "dropped after {at:?}");
+    w.check();
+}
+
+/// The same while the server polls for the pieces (`spin`): a client
+/// whose bytes each come within the poll window was never dropped (the
+/// deadline was set only when a poll came back empty).
+#[test]
+fn a_client_trickling_within_the_poll_window_is_dropped_at_the_frame_deadline() {
+    native::spin::force_for_tests(Some(true));
+    let server = TestServer::start_with(NativeOptions {
+        frame_timeout: Duration::from_millis(100),
+        spin: Duration::from_millis(1),
+        ..Default::default()
+    });
+    let mut w = Witness::new(&server);
+    let mut s = raw(&server);
+    let f = frame(Op::Ping as u16, 0, 1, &[0u8; 4000]);
+    let start = Instant::now();
+    let mut dropped = None;
+    for b in &f {
+        if s.write_all(std::slice::from_ref(b)).is_err() {
+            dropped = Some(start.elapsed());
+            break;
+        }
+        // Well inside the 1 ms poll; 4,000 bytes take over a second.
+        std::thread::sleep(Duration::from_micros(200));
+    }
+    native::spin::force_for_tests(None);
+    let at = dropped.expect("a client trickling bytes within the poll window was never dropped");
+    assert!(at < Duration::from_secs(1), "dropped after {at:?}");
     w.check();
 }
 

@@ -122,7 +122,7 @@ impl Client {
             wbuf: Vec::with_capacity(4096),
             rbuf: Vec::with_capacity(4096),
             hello: None,
-            spin: super::DEFAULT_SPIN,
+            spin: super::spin::client_spin(),
         };
         c.set_timeout(Some(Duration::from_secs(60)))?;
         Ok(c)
@@ -192,7 +192,8 @@ impl Client {
     }
 
     /// Sets how long [`Client::recv`] polls for a reply before it blocks
-    /// in `read` (default [`super::DEFAULT_SPIN`], zero: blocks at once).
+    /// in `read` (default: [`super::spin::CLIENT_SPIN_ENV`] if set, else
+    /// [`super::DEFAULT_SPIN`]; zero blocks at once).
     pub fn set_spin(&mut self, spin: Duration) {
         self.spin = spin;
     }
@@ -207,7 +208,6 @@ impl Client {
         if self.spin.is_zero() || !super::spin::may_poll() {
             return;
         }
-        let _polling = super::spin::Polling::start();
         let deadline = Instant::now() + self.spin;
         let mut byte = [0u8; 1];
         loop {

@@ -70,7 +70,8 @@ pub struct NativeOptions {
     /// worker wake-up per request for clients that send requests back to
     /// back, at the price of up to this much CPU per request. Only while the
     /// system has a CPU to spare ([`spin::may_poll`]). Default: 50 µs
-    /// ([`DEFAULT_SPIN`]); zero never polls.
+    /// ([`DEFAULT_SPIN`]); zero: the server never polls (clients follow
+    /// [`spin::CLIENT_SPIN_ENV`]).
     pub spin: Duration,
 }
 

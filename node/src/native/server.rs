@@ -376,22 +376,27 @@ impl Connection {
             let received = if partial {
                 // The rest of a frame that arrived in pieces (a large
                 // request is queued as several socket buffers) is polled for
-                // too, or the worker would park between two pieces.
+                // too, or the worker would park between two pieces. The
+                // deadline holds for polled pieces as well: a client that
+                // trickles bytes faster than the poll gives up is dropped
+                // all the same.
+                let frame_timeout = self.opts.frame_timeout;
+                let deadline = *self
+                    .frame_deadline
+                    .get_or_insert_with(|| tokio::time::Instant::now() + frame_timeout);
+                if tokio::time::Instant::now() >= deadline {
+                    debug!("native client stalled mid-frame; dropping it");
+                    return Ok(());
+                }
                 match self.poll_next_request().await? {
                     Some(r) => r,
-                    None => {
-                        let frame_timeout = self.opts.frame_timeout;
-                        let deadline = *self
-                            .frame_deadline
-                            .get_or_insert_with(|| tokio::time::Instant::now() + frame_timeout);
-                        match tokio::time::timeout_at(deadline, self.read_some()).await {
-                            Ok(r) => r?,
-                            Err(_) => {
-                                debug!("native client stalled mid-frame; dropping it");
-                                return Ok(());
-                            }
+                    None => match tokio::time::timeout_at(deadline, self.read_some()).await {
+                        Ok(r) => r?,
+                        Err(_) => {
+                            debug!("native client stalled mid-frame; dropping it");
+                            return Ok(());
                         }
-                    }
+                    },
                 }
             } else {
                 if *stop.borrow() {
@@ -533,7 +538,6 @@ impl Connection {
         if self.opts.spin.is_zero() || !spin::may_poll() {
             return Ok(None);
         }
-        let _polling = spin::Polling::start();
         let deadline = Instant::now() + self.opts.spin;
         let mut fds = Vec::new();
         loop {
