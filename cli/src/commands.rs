@@ -732,7 +732,7 @@ fn namespaces(args: &NamespacesArgs) -> Result<u8> {
         }
         None => {
             let (store, lock, _) = open_offline(&cfg, "namespaces", Access::ReadOnly)?;
-            let list = serde_json::to_value(store.namespaces())?;
+            let list = serde_json::to_value(store.namespace_listing())?;
             close_offline(store, lock)?;
             list
         }
@@ -752,8 +752,20 @@ fn namespaces(args: &NamespacesArgs) -> Result<u8> {
         "CHUNKS",
         "BYTES"
     );
+    let mut unrecorded = 0;
     for ns in items {
         let r = &ns["record"];
+        if r.is_null() {
+            // Chunks held under an id the manifest has no record of.
+            unrecorded += 1;
+            outln!(
+                "{:<32}  {:>10}  {:>10}  (no record: the namespace manifest lost it)",
+                ns["id"].as_str().unwrap_or("?"),
+                ns["chunks"].as_u64().unwrap_or(0),
+                ByteSize(ns["bytes"].as_u64().unwrap_or(0)).approx(),
+            );
+            continue;
+        }
         // Record fields are a client's text: control characters are shown
         // escaped, never sent to the terminal (QA: a model name carrying
         // escape sequences retitled the terminal and printed a fake row).
@@ -769,6 +781,12 @@ fn namespaces(args: &NamespacesArgs) -> Result<u8> {
             r["tp-size"].as_u64().unwrap_or(0),
             r["rank"].as_u64().unwrap_or(0),
             s("kv-dtype"),
+        );
+    }
+    if unrecorded > 0 {
+        outln!(
+            "{unrecorded} namespace(s) without a record: a client's HELLO with the same record \
+             registers it again; `kvtier gc --namespace ID --apply` (daemon stopped) drops its chunks"
         );
     }
     Ok(EXIT_OK)

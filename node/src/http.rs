@@ -237,7 +237,7 @@ pub fn status_json(ctx: &NodeContext) -> serde_json::Value {
         "version": env!("CARGO_PKG_VERSION"),
         "uptime_seconds": ctx.started.elapsed().as_secs_f64(),
         "store": ctx.store.stats(),
-        "namespaces": ctx.store.namespaces(),
+        "namespaces": ctx.store.namespace_listing(),
         "peers": ctx.peers_json(),
         "served_unlisted": ctx.served_unlisted_json(),
         "requests": {

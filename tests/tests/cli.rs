@@ -999,6 +999,27 @@ fn verify_repair_sets_a_corrupt_namespace_manifest_aside() {
     );
     let out = run_kvtier(&[&["verify"][..], &store].concat(), &[]);
     assert_eq!(out.status.code(), Some(0), "{}", text_of(&out));
+    // The chunks whose record was lost are still listed, by id.
+    let out = run_kvtier(&[&["namespaces", "--json"][..], &store].concat(), &[]);
+    assert_eq!(out.status.code(), Some(0), "{}", text_of(&out));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("namespaces --json");
+    assert_eq!(
+        v,
+        serde_json::json!([{
+            "id": ns.to_string(),
+            "record": null,
+            "chunks": 4,
+            "bytes": chunks.iter().map(|(_, d)| d.len()).sum::<usize>(),
+        }]),
+        "{v}"
+    );
+    let out = run_kvtier(&[&["namespaces"][..], &store].concat(), &[]);
+    let listed = text(&out.stdout);
+    assert!(
+        listed.contains(&ns.to_string()) && listed.contains("no record"),
+        "{}",
+        text_of(&out)
+    );
 
     let d = Daemon::start_args(dir.path(), &args, &[]).unwrap_or_else(|e| panic!("{e}"));
     let mut c = d.client();

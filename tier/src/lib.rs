@@ -36,7 +36,7 @@ mod writer;
 
 pub use error::{Error, Result};
 pub use store::{
-    ChunkObserver, ChunkStore, FlushReport, GcOptions, GcReport, Hit, NamespaceInfo, StoreStats,
-    TierConfig, VerifyOptions, VerifyReport, WritePolicy,
+    ChunkObserver, ChunkStore, FlushReport, GcOptions, GcReport, Hit, NamespaceInfo,
+    NamespaceListing, StoreStats, TierConfig, VerifyOptions, VerifyReport, WritePolicy,
 };
 pub use types::{ChunkId, ChunkKey, GroupId, Namespace, NamespaceFamily, NamespaceRecord, Tier};

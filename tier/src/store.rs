@@ -371,6 +371,22 @@ pub struct NamespaceInfo {
     pub bytes: u64,
 }
 
+/// A namespace as an operator sees it: [`NamespaceInfo`], or the usage of
+/// a namespace id whose chunks are held but whose record the manifest lacks
+/// (a lost or salvaged `namespaces.json`; a client's HELLO with the same
+/// record brings it back).
+#[derive(Clone, Debug, Serialize)]
+pub struct NamespaceListing {
+    /// The id.
+    pub id: Namespace,
+    /// The full record; `None` when the manifest has none.
+    pub record: Option<NamespaceRecord>,
+    /// Chunks held (RAM or disk).
+    pub chunks: u64,
+    /// Payload bytes held.
+    pub bytes: u64,
+}
+
 /// Counters and gauges of a store. Counters are monotonic since open.
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct StoreStats {
@@ -989,12 +1005,7 @@ impl ChunkStore {
 
     /// All registered namespaces with their usage.
     pub fn namespaces(&self) -> Vec<NamespaceInfo> {
-        let mut usage: HashMap<Namespace, (u64, u64)> = HashMap::new();
-        for (id, len) in self.ids() {
-            let u = usage.entry(id.ns).or_default();
-            u.0 += 1;
-            u.1 += len;
-        }
+        let usage = self.namespace_usage();
         self.inner
             .namespaces
             .read()
@@ -1009,6 +1020,51 @@ impl ChunkStore {
                 }
             })
             .collect()
+    }
+
+    /// Every namespace an operator should see: the registered ones, then
+    /// (sorted by id) those with chunks held but no record in the manifest.
+    /// One walk of the index.
+    pub fn namespace_listing(&self) -> Vec<NamespaceListing> {
+        let mut usage = self.namespace_usage();
+        let mut out: Vec<NamespaceListing> = self
+            .inner
+            .namespaces
+            .read()
+            .iter()
+            .map(|(id, e)| {
+                let (chunks, bytes) = usage.remove(id).unwrap_or_default();
+                NamespaceListing {
+                    id: *id,
+                    record: Some(e.record.clone()),
+                    chunks,
+                    bytes,
+                }
+            })
+            .collect();
+        let mut unrecorded: Vec<NamespaceListing> = usage
+            .into_iter()
+            .map(|(id, (chunks, bytes))| NamespaceListing {
+                id,
+                record: None,
+                chunks,
+                bytes,
+            })
+            .collect();
+        unrecorded.sort_by_key(|n| n.id.0);
+        out.extend(unrecorded);
+        out
+    }
+
+    /// Chunks and payload bytes held per namespace id (RAM or disk).
+    fn namespace_usage(&self) -> HashMap<Namespace, (u64, u64)> {
+        let mut usage: HashMap<Namespace, (u64, u64)> = HashMap::new();
+        for (id, len) in self.ids() {
+            let u = usage.entry(id.ns).or_default();
+            u.0 += 1;
+            u.1 += len;
+        }
+        usage
     }
 
     /// Stores a chunk in RAM (dirty; clean without a disk). Replaces an

@@ -106,6 +106,44 @@ fn put_flush_reopen_get_round_trips() {
     assert_eq!(info[0].chunks, 21);
 }
 
+/// Chunks whose namespace record the manifest lost are still listed, by id
+/// and usage, until a registration of the same record names them again.
+#[test]
+fn namespaces_without_a_record_are_listed_by_id() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = ChunkStore::open(config(dir.path())).unwrap();
+    let a = s.register_namespace(&record(0)).unwrap();
+    let b = s.register_namespace(&record(1)).unwrap();
+    for n in 0..3 {
+        s.put(id(a, n), payload(n, 1000)).unwrap();
+    }
+    for n in 0..2 {
+        s.put(id(b, n), payload(n, 500)).unwrap();
+    }
+    s.close(Duration::from_secs(10)).unwrap();
+    std::fs::remove_file(dir.path().join(tier::manifest::FILE_NAME)).unwrap();
+
+    let s = ChunkStore::open(config(dir.path())).unwrap();
+    assert!(s.namespaces().is_empty());
+    let mut want = [(a, 3, 3000), (b, 2, 1000)];
+    want.sort_by_key(|w| w.0);
+    let listed = |s: &ChunkStore| -> Vec<_> {
+        s.namespace_listing()
+            .into_iter()
+            .map(|n| (n.id, n.record.is_some(), n.chunks, n.bytes))
+            .collect()
+    };
+    assert_eq!(
+        listed(&s),
+        want.iter()
+            .map(|&(ns, c, by)| (ns, false, c, by))
+            .collect::<Vec<_>>()
+    );
+    assert_eq!(s.register_namespace(&record(1)).unwrap(), b);
+    assert_eq!(listed(&s), vec![(b, true, 2, 1000), (a, false, 3, 3000)]);
+    assert_eq!(s.namespaces().len(), 1);
+}
+
 /// A store of [`config`] over an 8 MiB file in `dir`, through a device that
 /// counts its reads and writes.
 fn counting_store(dir: &std::path::Path) -> (ChunkStore, Arc<CountingDevice>) {
