@@ -256,23 +256,26 @@ fn a_failed_start_in_json_log_mode_says_why_in_json() {
     std::fs::write(&file, b"").expect("write");
     let data = file.join("data");
     let sock = dir.path().join("s.sock");
-    let out = run_kvtier(
-        &[
-            "node",
-            "start",
-            "--log-format",
-            "json",
-            "--data-dir",
-            &data.to_string_lossy(),
-            "--socket",
-            &sock.to_string_lossy(),
-            "--resp-listen",
-            "off",
-            "--http-listen",
-            "off",
-        ],
-        &[],
-    );
+    let (data, sock) = (data.to_string_lossy(), sock.to_string_lossy());
+    let start = |format: &[&str]| {
+        let args = [
+            &["node", "start"][..],
+            format,
+            &[
+                "--data-dir",
+                &data,
+                "--socket",
+                &sock,
+                "--resp-listen",
+                "off",
+                "--http-listen",
+                "off",
+            ],
+        ]
+        .concat();
+        run_kvtier(&args, &[])
+    };
+    let out = start(&["--log-format", "json"]);
     assert_eq!(out.status.code(), Some(1), "{}", text_of(&out));
     let stderr = text(&out.stderr);
     let lines: Vec<serde_json::Value> = stderr
@@ -286,21 +289,7 @@ fn a_failed_start_in_json_log_mode_says_why_in_json() {
     assert!(message.contains("could not create data dir"), "{last}");
     assert!(last["timestamp"].as_str().is_some(), "{last}");
     // The human format keeps its text line.
-    let out = run_kvtier(
-        &[
-            "node",
-            "start",
-            "--data-dir",
-            &data.to_string_lossy(),
-            "--socket",
-            &sock.to_string_lossy(),
-            "--resp-listen",
-            "off",
-            "--http-listen",
-            "off",
-        ],
-        &[],
-    );
+    let out = start(&[]);
     assert_eq!(out.status.code(), Some(1), "{}", text_of(&out));
     assert!(
         text(&out.stderr).contains("kvtier: error: could not create data dir"),
