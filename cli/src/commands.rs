@@ -54,7 +54,13 @@ fn load_resolved(args: &ConfigArgs) -> Result<(NodeConfig, Vec<String>)> {
 // ---------------------------------------------------------------- node start
 
 fn node_start(args: &ConfigArgs) -> Result<u8> {
-    let (cfg, warnings) = load_resolved(args)?;
+    let (cfg, warnings) = load_resolved(args).inspect_err(|_| {
+        // Logging is not set up yet: the error follows the format asked for.
+        let sources = ConfigSources::from_process(args.config.clone(), args.overrides());
+        if sources.requested_log_format() == Some(node::logging::LogFormat::Json) {
+            node::logging::fatal_errors_as_json();
+        }
+    })?;
     node::logging::init(cfg.log_format, &cfg.log_level)?;
     let human = cfg.log_format == node::logging::LogFormat::Human;
     for w in &warnings {

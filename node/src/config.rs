@@ -1085,6 +1085,35 @@ impl ConfigSources {
     }
 }
 
+impl ConfigSources {
+    /// The log format the sources ask for, read as far as each source
+    /// parses (flag, then environment, then the file's `log-format`), for
+    /// a start whose configuration failed to load: its error is then
+    /// written in that format. `None` when none says.
+    pub fn requested_log_format(&self) -> Option<LogFormat> {
+        if let Some(f) = self.flags.log_format {
+            return Some(f);
+        }
+        let var = |name: &str| {
+            self.env
+                .iter()
+                .find(|(k, _)| k == name)
+                .map(|(_, v)| v.as_str())
+        };
+        if let Some(v) = var("KVTIER_LOG_FORMAT") {
+            return v.trim().to_ascii_lowercase().parse().ok();
+        }
+        let file = self
+            .file
+            .clone()
+            .or_else(|| var(ENV_CONFIG_FILE).map(PathBuf::from))?;
+        // Bounded: a config file is small; a huge or unreadable one says nothing.
+        let text = std::fs::read(&file).ok().filter(|t| t.len() <= 1 << 20)?;
+        let table: toml::Table = std::str::from_utf8(&text).ok()?.parse().ok()?;
+        table.get("log-format")?.as_str()?.parse().ok()
+    }
+}
+
 /// Which source a layer is; names keys for error messages.
 #[derive(Clone, Debug)]
 enum SourceKind {
@@ -1285,7 +1314,9 @@ pub fn load(sources: &ConfigSources, env: &Environment) -> Result<Loaded> {
         let Some(name) = k.strip_prefix(ENV_PREFIX) else {
             continue;
         };
-        if k == ENV_CONFIG_FILE || name.is_empty() {
+        // The clients' own variable is not a daemon key: one shell may set
+        // it for its clients and start the daemon too.
+        if k == ENV_CONFIG_FILE || k == crate::native::spin::CLIENT_SPIN_ENV || name.is_empty() {
             continue;
         }
         let key = name.to_ascii_lowercase().replace('_', "-");
@@ -1735,6 +1766,53 @@ mod tests {
         let c = load_with(Some("native-spin = \"50us\"\n"), &[], Overrides::default())
             .expect("50us is a valid spin");
         assert_eq!(c.config.native_spin.0, Duration::from_micros(50));
+        // The clients' variable in the daemon's environment is not a key.
+        let c = load_with(
+            None,
+            &[("KVTIER_CLIENT_SPIN_US", "0")],
+            Overrides::default(),
+        )
+        .expect("a client variable is ignored");
+        assert_eq!(c.config.native_spin.0, Duration::from_micros(50));
+    }
+
+    #[test]
+    fn a_failed_load_still_tells_the_log_format_asked_for() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("node.toml");
+        std::fs::write(&file, "log-format = \"json\"\nram_budget = \"1GiB\"\n").unwrap();
+        let sources = |file: Option<&Path>, env: &[(&str, &str)], flag: Option<LogFormat>| {
+            ConfigSources {
+                file: file.map(Path::to_path_buf),
+                env: env
+                    .iter()
+                    .map(|(k, v)| (k.to_string(), v.to_string()))
+                    .collect(),
+                flags: Overrides {
+                    log_format: flag,
+                    ..Default::default()
+                },
+            }
+            .requested_log_format()
+        };
+        let json = Some(LogFormat::Json);
+        assert_eq!(sources(Some(&file), &[], None), json, "the file's key");
+        let path = file.to_string_lossy().into_owned();
+        assert_eq!(sources(None, &[("KVTIER_CONFIG", &path)], None), json);
+        assert_eq!(sources(None, &[("KVTIER_LOG_FORMAT", "json")], None), json);
+        assert_eq!(
+            sources(Some(&file), &[("KVTIER_LOG_FORMAT", "human")], None),
+            Some(LogFormat::Human),
+            "the environment over the file"
+        );
+        assert_eq!(
+            sources(Some(&file), &[], Some(LogFormat::Human)),
+            Some(LogFormat::Human),
+            "the flag over all"
+        );
+        std::fs::write(&file, "log-format = [unparsable\n").unwrap();
+        assert_eq!(sources(Some(&file), &[], None), None);
+        assert_eq!(sources(None, &[], None), None);
     }
 
     #[test]

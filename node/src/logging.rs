@@ -83,7 +83,15 @@ pub fn eprint_lossy(text: &str) {
 /// written as one JSON line too, see [`fatal_json_line`]).
 static JSON_ACTIVE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
-/// Whether the JSON log format is installed.
+/// Has a fatal error written as JSON although no subscriber is installed
+/// yet: a start whose configuration failed to load, when its flag,
+/// environment or file asked for JSON logs.
+pub fn fatal_errors_as_json() {
+    JSON_ACTIVE.store(true, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Whether the JSON log format is installed (or [`fatal_errors_as_json`]
+/// was called).
 pub fn json_active() -> bool {
     JSON_ACTIVE.load(std::sync::atomic::Ordering::Relaxed)
 }

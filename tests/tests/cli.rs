@@ -288,6 +288,33 @@ fn a_failed_start_in_json_log_mode_says_why_in_json() {
     let message = last["fields"]["message"].as_str().expect("message");
     assert!(message.contains("could not create data dir"), "{last}");
     assert!(last["timestamp"].as_str().is_some(), "{last}");
+    // A configuration that fails to load says why in JSON too, when its
+    // flag, environment or file asks for JSON (it was text: QA).
+    let config = dir.path().join("json.toml");
+    std::fs::write(&config, "log-format = \"json\"\nram_budget = \"1GiB\"\n").expect("write");
+    let config = config.to_string_lossy();
+    for (args, env) in [
+        (
+            &["--log-format", "json", "--ram-budget", "1KiB"][..],
+            &[][..],
+        ),
+        (
+            &["--ram-budget", "1KiB"][..],
+            &[("KVTIER_LOG_FORMAT", "json")][..],
+        ),
+        (&["--config", &config][..], &[][..]),
+    ] {
+        let out = run_kvtier(&[&["node", "start"][..], args].concat(), env);
+        assert_eq!(out.status.code(), Some(1), "{}", text_of(&out));
+        let stderr = text(&out.stderr);
+        let line: serde_json::Value = serde_json::from_str(stderr.trim())
+            .unwrap_or_else(|e| panic!("{args:?} {env:?}: not one JSON line ({e}): {stderr}"));
+        let message = line["fields"]["message"].as_str().expect("message");
+        assert!(
+            message.contains("ram-budget") || message.contains("ram_budget"),
+            "{line}"
+        );
+    }
     // The human format keeps its text line.
     let out = start(&[]);
     assert_eq!(out.status.code(), Some(1), "{}", text_of(&out));
