@@ -170,19 +170,6 @@ def usable_cpus() -> int:
     return cpus
 
 
-def poll_window(spin: float, moving: int) -> float:
-    """How long (seconds) a wait for a reply polls before it sleeps: the
-    client's ``spin``, plus the time the daemon needs to copy the request's
-    ``moving`` chunk bytes at 4 GB/s, that extra capped at 4 x ``spin``.
-    A 1 MiB PUT or GET takes the daemon ~200 us; its reply would otherwise
-    come just after the client went to sleep, and waking a halted CPU costs
-    tens of microseconds (larger requests, where that matters little,
-    block). Zero ``spin`` never polls. Same rule as the Rust client."""
-    if not spin:
-        return 0.0
-    return spin + min(moving / 4e9, 4 * spin)
-
-
 def may_poll() -> bool:
     """Whether a thread about to poll may: the last sample of the run queue
     (``/proc/loadavg``, taken at most every 20 ms) found every runnable
@@ -339,17 +326,13 @@ class Pending(Generic[T]):
     :class:`KvtierUnavailable`.
     """
 
-    __slots__ = ("_client", "req_id", "_decode", "_done", "_value", "_error", "_reply_bytes", "_moving")
+    __slots__ = ("_client", "req_id", "_decode", "_done", "_value", "_error", "_reply_bytes")
 
-    def __init__(
-        self, client: KvtierClient, req_id: int, decode: Callable[[Any], T], reply_bytes: int = 0, moving: int = 0
-    ) -> None:
+    def __init__(self, client: KvtierClient, req_id: int, decode: Callable[[Any], T], reply_bytes: int = 0) -> None:
         self._client = client
         self.req_id = req_id
         self._decode = decode
         self._reply_bytes = reply_bytes
-        #: Chunk bytes the request moves (PUT / GET): see poll_window().
-        self._moving = moving
         self._done = False
         self._value: Any = None
         self._error: BaseException | None = None
@@ -516,11 +499,10 @@ class KvtierClient:
             return KvtierUnavailable(reply.message, reply.name)
         return None
 
-    def _fill(self, n: int, window: float = 0.0) -> None:
+    def _fill(self, n: int) -> None:
         """Reads until at least ``n`` bytes are buffered (consuming none).
         Reads whatever the socket has, up to the buffer's size, so that one
-        ``recv`` usually brings a whole reply, or several when pipelined.
-        Polls for up to ``window`` seconds before a read that would block."""
+        ``recv`` usually brings a whole reply, or several when pipelined."""
         assert self._sock is not None
         buf = self._rbuf
         while self._rend - self._rpos < n:
@@ -531,8 +513,8 @@ class KvtierClient:
                 self._rpos, self._rend = 0, left
             if len(buf) < n:
                 buf.extend(bytes(n - len(buf)))
-            if window and may_poll():
-                self._poll_for_reply(window)
+            if self.spin and may_poll():
+                self._poll_for_reply()
             try:
                 k = self._sock.recv_into(memoryview(buf)[self._rend :])
             except socket.timeout as e:
@@ -543,10 +525,10 @@ class KvtierClient:
                 raise self._broken("the kvtier daemon closed the connection", None)
             self._rend += k
 
-    def _poll_for_reply(self, window: float) -> None:
-        """Polls (without sleeping) for up to ``window`` seconds until the
+    def _poll_for_reply(self) -> None:
+        """Polls (without sleeping) for up to ``self.spin`` seconds until the
         socket has bytes to read."""
-        deadline = time.perf_counter() + window
+        deadline = time.perf_counter() + self.spin
         while not self._poller.poll(0) and time.perf_counter() < deadline:
             pass
 
@@ -579,7 +561,6 @@ class KvtierClient:
         *args: Any,
         fd: int | None = None,
         reply_bytes: int = 64,
-        moving: int = 0,
     ) -> Pending[T]:
         """Sends one request whose reply is about ``reply_bytes`` long; the
         reply is read by ``wait()`` (or by a later call that needs the
@@ -602,7 +583,7 @@ class KvtierClient:
             raise ValueError(
                 f"{e}: groups are 0..65535; offsets, lengths, capacities and counts are non-negative integers"
             ) from None
-        pending: Pending[T] = Pending(self, req_id, decode, reply_bytes, moving)
+        pending: Pending[T] = Pending(self, req_id, decode, reply_bytes)
         # In flight from before the send: a send that fails fails it too.
         self._in_flight.append(pending)
         self._reply_bytes += reply_bytes
@@ -633,10 +614,9 @@ class KvtierClient:
         try:
             # Nothing is consumed until the whole frame is buffered: an
             # interrupted wait() can simply be retried.
-            window = poll_window(self.spin, head._moving)
-            self._fill(fr.HEADER_LEN, window)
+            self._fill(fr.HEADER_LEN)
             h = fr.decode_header(bytes(self._rbuf[self._rpos : self._rpos + fr.HEADER_LEN]))
-            self._fill(fr.HEADER_LEN + h.body_len, window)
+            self._fill(fr.HEADER_LEN + h.body_len)
             start = self._rpos + fr.HEADER_LEN
             body = bytes(self._rbuf[start : start + h.body_len])
             self._consume(fr.HEADER_LEN + h.body_len)
@@ -785,16 +765,7 @@ class KvtierClient:
             ranges[i] = (items[i][0], off, n)
             off += n
         entries = [r for r in ranges if r is not None]
-        return self._submit(
-            _put_codes,
-            fr.put,
-            ns,
-            group,
-            entries,
-            atomic,
-            reply_bytes=36 + 2 * len(entries),
-            moving=sum(e[2] for e in entries),
-        )
+        return self._submit(_put_codes, fr.put, ns, group, entries, atomic, reply_bytes=36 + 2 * len(entries))
 
     def get(
         self,
@@ -841,15 +812,7 @@ class KvtierClient:
                 out.append(GetResult(bytes(key), status, off, length, data))
             return out
 
-        return self._submit(
-            results,
-            fr.get,
-            ns,
-            group,
-            entries,
-            reply_bytes=40 + 16 * len(entries),
-            moving=sum(e[2] for e in entries),
-        )
+        return self._submit(results, fr.get, ns, group, entries, reply_bytes=40 + 16 * len(entries))
 
     def _done_pending(self, value: T) -> Pending[T]:
         p: Pending[T] = Pending(self, 0, _identity)

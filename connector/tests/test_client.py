@@ -182,15 +182,6 @@ def test_the_spin_gate_reads_the_run_queue() -> None:
     assert isinstance(kc.may_poll(), bool)
 
 
-def test_the_poll_window_grows_with_the_bytes_moved_up_to_five_spins() -> None:
-    import kvtier.client as kc
-
-    assert kc.poll_window(50e-6, 0) == 50e-6
-    assert kc.poll_window(50e-6, 1 << 20) == pytest.approx(250e-6)
-    assert kc.poll_window(50e-6, 256 << 10) == pytest.approx(50e-6 + 65.536e-6)
-    assert kc.poll_window(0.0, 1 << 20) == 0.0
-
-
 def test_the_client_spin_default_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     from kvtier import client as kc
 
@@ -216,21 +207,17 @@ def test_a_polling_client_times_out_and_reads_replies(
     polls = []
     real = kc.KvtierClient._poll_for_reply
 
-    def counted(self: KvtierClient, window: float) -> None:
-        polls.append(window)
-        real(self, window)
+    def counted(self: KvtierClient) -> None:
+        polls.append(1)
+        real(self)
 
     monkeypatch.setattr(kc.KvtierClient, "_poll_for_reply", counted)
-    c = KvtierClient(daemon.socket_path, region_size=2 << 20, timeout=30, spin=1e-3)
+    c = KvtierClient(daemon.socket_path, region_size=0, timeout=30, spin=1e-3)
     try:
         c.ping()
         ns = c.hello(record(0))
         assert c.lookup(ns, [key(5)]).locations == ["miss"]
-        assert len(polls) >= 3 and set(polls) == {1e-3}, polls
-        # A request that moves a MiB polls longer, for the daemon's copy.
-        polls.clear()
-        assert c.put(ns, [(key(6), bytes(1 << 20))]) == ["ok"]
-        assert polls and polls[0] == pytest.approx(1e-3 + (1 << 20) / 4e9), polls
+        assert len(polls) >= 3
     finally:
         c.close()
     # A daemon that never answers: the poll ends, the timeout still fires.

@@ -6,7 +6,6 @@
 //! GET, then any mix of requests. Requests can be pipelined with
 //! [`Client::send`] / [`Client::recv`]; replies arrive in request order.
 
-use std::collections::VecDeque;
 use std::io::{Read, Write};
 use std::os::fd::{AsFd, BorrowedFd};
 use std::os::unix::net::UnixStream;
@@ -54,9 +53,6 @@ pub struct Client {
     rbuf: Vec<u8>,
     hello: Option<HelloReply>,
     spin: Duration,
-    /// Chunk bytes each request in flight moves (PUT / GET), oldest first:
-    /// the wait for its reply polls longer the more the daemon copies.
-    moving: VecDeque<u64>,
 }
 
 impl std::fmt::Debug for Client {
@@ -70,20 +66,6 @@ impl std::fmt::Debug for Client {
 
 fn unexpected(want: &str, got: &Response) -> NativeError {
     NativeError::Protocol(format!("expected a {want} reply, got {:?}", got.op()))
-}
-
-/// How long a wait for a reply polls before it blocks: the client's spin,
-/// plus the time the daemon needs to copy the request's `moving` chunk
-/// bytes at 4 GB/s, that extra capped at 4 x the spin. A 1 MiB PUT or GET
-/// takes the daemon ~200 us; its reply would otherwise come just after
-/// the client went to sleep, and waking a halted CPU costs tens of
-/// microseconds (the cap leaves larger requests, where that matters
-/// little, to block). Zero spin: never polls.
-pub fn poll_window(spin: Duration, moving: u64) -> Duration {
-    if spin.is_zero() {
-        return spin;
-    }
-    spin + Duration::from_nanos(moving / 4).min(spin * 4)
 }
 
 /// The result of a LOOKUP reply (keys in the frame or in the region).
@@ -141,7 +123,6 @@ impl Client {
             rbuf: Vec::with_capacity(4096),
             hello: None,
             spin: super::spin::client_spin(),
-            moving: VecDeque::new(),
         };
         c.set_timeout(Some(Duration::from_secs(60)))?;
         Ok(c)
@@ -178,24 +159,14 @@ impl Client {
         req: &Request,
         fd: Option<BorrowedFd<'_>>,
     ) -> Result<u64, NativeError> {
-        let moving = match req {
-            Request::Put { entries, .. } | Request::Get { entries, .. } => {
-                // Saturating: a request may name absurd lengths (the
-                // daemon refuses them).
-                entries.iter().fold(0u64, |n, e| n.saturating_add(e.len))
-            }
-            _ => 0,
-        };
-        self.send_encoded(|out, id| codec::encode_request(out, id, req), fd, moving)
+        self.send_encoded(|out, id| codec::encode_request(out, id, req), fd)
     }
 
     /// Sends the frame `encode(buf, id)` appends, with a fresh request id.
-    /// `moving`: the chunk bytes the request moves (see [`Client::poll_window`]).
     fn send_encoded(
         &mut self,
         encode: impl FnOnce(&mut Vec<u8>, u64),
         fd: Option<BorrowedFd<'_>>,
-        moving: u64,
     ) -> Result<u64, NativeError> {
         let id = self.next_id;
         self.next_id += 1;
@@ -217,7 +188,6 @@ impl Client {
             }
             return Err(err);
         }
-        self.moving.push_back(moving);
         Ok(id)
     }
 
@@ -234,11 +204,11 @@ impl Client {
     /// which on a virtual machine whose idle CPUs halt is tens of
     /// microseconds. Only while the system has a CPU to spare
     /// ([`super::spin::may_poll`]).
-    fn spin_until_readable(&self, window: Duration) {
-        if window.is_zero() || !super::spin::may_poll() {
+    fn spin_until_readable(&self) {
+        if self.spin.is_zero() || !super::spin::may_poll() {
             return;
         }
-        let deadline = Instant::now() + window;
+        let deadline = Instant::now() + self.spin;
         let mut byte = [0u8; 1];
         loop {
             match rustix::net::recv(
@@ -259,8 +229,7 @@ impl Client {
 
     /// Receives the next reply: its request id and contents.
     pub fn recv(&mut self) -> Result<(u64, Reply), NativeError> {
-        let moving = self.moving.pop_front().unwrap_or(0);
-        self.spin_until_readable(poll_window(self.spin, moving));
+        self.spin_until_readable();
         self.rbuf.resize(HEADER_LEN, 0);
         self.stream
             .read_exact(&mut self.rbuf[..HEADER_LEN])
@@ -373,7 +342,6 @@ impl Client {
         let id = self.send_encoded(
             |out, id| codec::encode_keys_request(out, id, Op::Lookup, &ns, group, keys),
             None,
-            0,
         )?;
         lookup_result(self.wait(id)?)
     }
@@ -555,7 +523,6 @@ impl Client {
         let id = self.send_encoded(
             |out, id| codec::encode_keys_request(out, id, Op::Delete, &ns, group, keys),
             None,
-            0,
         )?;
         match self.wait(id)? {
             Response::Delete { existed } => Ok(existed),
@@ -647,25 +614,5 @@ fn map_io(op: &'static str, e: std::io::Error) -> NativeError {
         | std::io::ErrorKind::BrokenPipe
         | std::io::ErrorKind::ConnectionReset => NativeError::Closed,
         _ => NativeError::io(op, e),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_poll_window_grows_with_the_bytes_moved_up_to_five_spins() {
-        let us = Duration::from_micros;
-        assert_eq!(poll_window(us(50), 0), us(50));
-        // 1 MiB at 4 GB/s: 262 us, over the cap of 4 x 50 us.
-        assert_eq!(poll_window(us(50), 1 << 20), us(250));
-        // 256 KiB: 65.5 us more.
-        assert_eq!(
-            poll_window(us(50), 256 << 10),
-            us(50) + Duration::from_nanos(65_536)
-        );
-        assert_eq!(poll_window(us(50), u64::MAX), us(250));
-        assert_eq!(poll_window(Duration::ZERO, 1 << 20), Duration::ZERO);
     }
 }
