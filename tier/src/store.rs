@@ -3206,6 +3206,21 @@ mod race_tests {
         n
     }
 
+    /// With a write held in flight, puts fillers from key 100 until a
+    /// dirty eviction is dropped unwritten, reading `x` after each so that
+    /// it stays most recently used. Returns the next free filler key.
+    fn jam_keeping(s: &ChunkStore, ns: Namespace, x: &ChunkId) -> u64 {
+        let dropped = s.stats().dropped_unwritten;
+        let mut n = 100;
+        while s.stats().dropped_unwritten == dropped {
+            assert!(n < 164, "nothing dropped");
+            s.put(ChunkId::new(ns, key(n), 0), data(n, 9)).unwrap();
+            assert!(s.get(x).is_some());
+            n += 1;
+        }
+        n
+    }
+
     /// Puts fillers from key `from` until `id` is evicted and dropped
     /// unwritten (the writer jammed by [`jam_writer`]).
     fn drop_unwritten(s: &ChunkStore, ns: Namespace, id: &ChunkId, from: u64) {
@@ -3445,14 +3460,7 @@ mod race_tests {
                 "the flush's write of v2 is in flight"
             );
             // Puts go on; x stays most recently used until the queue jams.
-            let dropped = s.stats().dropped_unwritten;
-            let mut n = 100;
-            while s.stats().dropped_unwritten == dropped {
-                assert!(n < 164, "nothing dropped");
-                s.put(ChunkId::new(ns, key(n), 0), data(n, 9)).unwrap();
-                assert!(s.get(&x).is_some());
-                n += 1;
-            }
+            let n = jam_keeping(&s, ns, &x);
             drop_unwritten(&s, ns, &x, n);
             drop(held);
             let report = flush.join().unwrap();
@@ -3490,14 +3498,7 @@ mod race_tests {
                 dev.wait_held(1, WAIT),
                 "the flush's write of v1 is in flight"
             );
-            let dropped = s.stats().dropped_unwritten;
-            let mut n = 100;
-            while s.stats().dropped_unwritten == dropped {
-                assert!(n < 164, "nothing dropped");
-                s.put(ChunkId::new(ns, key(n), 0), data(n, 9)).unwrap();
-                assert!(s.get(&x).is_some());
-                n += 1;
-            }
+            let n = jam_keeping(&s, ns, &x);
             drop_unwritten(&s, ns, &x, n);
             assert!(s.inner.ram.peek_any(&x).is_none(), "v1 left RAM");
             s.put(x, data(0, 2)).unwrap();
@@ -3557,14 +3558,7 @@ mod race_tests {
                 dev.wait_held(1, WAIT),
                 "the flush's write of x is in flight"
             );
-            let dropped = s.stats().dropped_unwritten;
-            let mut n = 100;
-            while s.stats().dropped_unwritten == dropped {
-                assert!(n < 164, "nothing dropped");
-                s.put(ChunkId::new(ns, key(n), 0), data(n, 9)).unwrap();
-                assert!(s.get(&x).is_some());
-                n += 1;
-            }
+            let n = jam_keeping(&s, ns, &x);
             drop_unwritten(&s, ns, &x, n);
             assert!(!s.put_clean(x, None, data(0, 3)).unwrap());
             drop(held);
