@@ -230,7 +230,8 @@ def _keys(keys: Sequence[bytes]) -> bytes:
     check_key_list(keys)
     # Fast path for plain bytes keys (C loops; a 1,024-key LOOKUP spent
     # ~200 us checking keys one by one); anything else is checked key by key.
-    if set(map(type, keys)) <= {bytes} and set(map(len, keys)) <= {32}:
+    n = len(keys)
+    if list(map(type, keys)).count(bytes) == n and list(map(len, keys)).count(32) == n:
         return b"".join(keys)
     for k in keys:
         _check_key(k)
