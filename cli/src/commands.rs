@@ -680,11 +680,19 @@ fn open_offline(
         .into());
     }
     let lock = DataDirLock::acquire(&cfg.data_dir, role).map_err(|e| match e {
-        node::NodeError::Locked { data_dir, holder } => anyhow!(
-            "data dir {} is in use by {holder}; `kvtier {role}` needs exclusive access to the \
-             store: stop the daemon first (systemctl stop kvtier, or SIGTERM)",
-            data_dir.display()
-        ),
+        node::NodeError::Locked { data_dir, holder } => {
+            // Another offline command is waited for; a daemon is stopped.
+            let way = if holder.contains("daemon") {
+                "stop the daemon first (systemctl stop kvtier, or SIGTERM)"
+            } else {
+                "try again when it is done"
+            };
+            anyhow!(
+                "data dir {} is in use by {holder}; `kvtier {role}` needs exclusive access to \
+                 the store: {way}",
+                data_dir.display()
+            )
+        }
         other => other.into(),
     })?;
     let salvaged = if repair {

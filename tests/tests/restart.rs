@@ -316,6 +316,24 @@ fn a_second_daemon_on_the_same_data_dir_is_refused() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(err.contains("stop the daemon first"), "{err}");
+    drop(d);
+    // Held by another offline command: wait for it, there is no daemon to stop.
+    let lock = node::daemon::DataDirLock::acquire(std::path::Path::new(&data), "verify")
+        .expect("the lock, once the daemon is gone");
+    let args = [
+        &["gc", "--older-than", "1d", "--data-dir", &data][..],
+        &TEST_STORE,
+    ]
+    .concat();
+    let out = run_kvtier(&args, &[]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("`kvtier verify`") && err.contains("try again when it is done"),
+        "{err}"
+    );
+    assert!(!err.contains("stop the daemon"), "{err}");
+    drop(lock);
 }
 
 #[test]
