@@ -953,8 +953,15 @@ fn verify(args: &VerifyArgs) -> Result<u8> {
             .seal_open_region()
             .context("seal the open region (its summary leaves out the dropped chunks)")?;
     close_offline(store, lock)?;
+    // A gc --apply killed part way (a writable open, `--repair`, already
+    // finished it): said, not counted as damage.
+    let gc_pending = tier::maintenance::pending_gc(&cfg.data_dir)
+        .ok()
+        .flatten()
+        .unwrap_or_default();
     if args.json {
         let mut doc = serde_json::to_value(&report)?;
+        doc["gc_pending"] = serde_json::to_value(&gc_pending)?;
         doc["dropped_at_open"] = at_open.into();
         doc["damaged_metadata"] = damaged.into();
         doc["sealed_open_region"] = sealed.into();
@@ -984,6 +991,14 @@ fn verify(args: &VerifyArgs) -> Result<u8> {
         }
         for p in &report.problems {
             outln!("bad: {p}");
+        }
+        if !gc_pending.is_empty() {
+            outln!(
+                "gc pending: a `gc --apply` of {} namespace(s) was interrupted; its chunks are \
+                 still counted here, and the next start (or `verify --repair`, or any `gc \
+                 --apply`) finishes the drop",
+                gc_pending.len()
+            );
         }
         if sealed && at_open > 0 {
             outln!(

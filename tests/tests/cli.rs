@@ -954,6 +954,57 @@ fn verify_reports_damaged_region_metadata() {
     );
 }
 
+/// A `gc --apply` killed part way leaves its selection (`gc.pending`):
+/// `verify` says so, and the next writable open finishes the drop.
+#[test]
+fn an_interrupted_gc_is_reported_and_finished() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let args = kvtier_tests::test_args(dir.path());
+    let mut d = Daemon::start_args(dir.path(), &args, &[]).unwrap_or_else(|e| panic!("{e}"));
+    let mut c = d.client();
+    let ns = c.hello(&kvtier_tests::test_record(0)).expect("HELLO");
+    let keep = c.hello(&kvtier_tests::test_record(1)).expect("HELLO");
+    for i in 0..3 {
+        let (key, data) = kvtier_tests::chunk_bytes(77, i);
+        assert_eq!(c.put_bytes(ns, 0, &[(key, &data)]).expect("PUT"), vec![0]);
+        assert_eq!(c.put_bytes(keep, 0, &[(key, &data)]).expect("PUT"), vec![0]);
+    }
+    drop(c);
+    assert!(d.stop_with(libc::SIGTERM).success(), "{}", d.log());
+    // What a gc of `ns` killed before its deletes leaves behind.
+    std::fs::write(
+        d.data_dir.join("gc.pending"),
+        format!("{{\"version\":1,\"namespaces\":[\"{ns}\"]}}"),
+    )
+    .expect("write gc.pending");
+    let data = d.data_dir.to_string_lossy().into_owned();
+    let store = [&["--data-dir", data.as_str()][..], &TEST_STORE].concat();
+    let out = run_kvtier(&[&["verify", "--json"][..], &store].concat(), &[]);
+    assert_eq!(out.status.code(), Some(0), "{}", text_of(&out));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("verify --json");
+    assert_eq!(v["gc_pending"], serde_json::json!([ns.to_string()]), "{v}");
+    assert_eq!(v["checked"], 6, "{v}");
+    let out = run_kvtier(&[&["verify"][..], &store].concat(), &[]);
+    assert!(
+        text(&out.stdout).contains("gc pending"),
+        "{}",
+        text_of(&out)
+    );
+    // A gc that selects nothing else still opens the store writable.
+    let out = run_kvtier(
+        &[&["gc", "--older-than", "3650days", "--apply"][..], &store].concat(),
+        &[],
+    );
+    assert_eq!(out.status.code(), Some(0), "{}", text_of(&out));
+    let out = run_kvtier(&[&["verify", "--json"][..], &store].concat(), &[]);
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("verify --json");
+    assert_eq!(
+        (v["gc_pending"].clone(), v["checked"].clone()),
+        (serde_json::json!([]), 3.into()),
+        "{v}"
+    );
+}
+
 /// A corrupt `namespaces.json` stops the daemon from starting with a message
 /// that names the repair; `verify` reports it, `verify --repair` sets the file
 /// aside, and the chunks serve again once a client registers its namespace.

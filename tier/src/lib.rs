@@ -23,7 +23,7 @@ pub mod format;
 mod fptable;
 pub mod index;
 pub mod layout;
-mod maintenance;
+pub mod maintenance;
 pub mod manifest;
 mod pack;
 pub mod ram;

@@ -3,10 +3,99 @@
 //! age of last use).
 
 use std::collections::HashSet;
+use std::path::Path;
 
-use crate::Result;
+use serde::{Deserialize, Serialize};
+
 use crate::store::{GcOptions, GcReport, Inner, VerifyOptions, VerifyReport};
 use crate::types::{ChunkId, Namespace};
+use crate::{Error, Result};
+
+/// The file naming the namespaces a `gc --apply` is dropping: written
+/// durably before its first delete, removed once its deletes are durable.
+/// A writable open that finds it (the gc was killed part way) finishes
+/// the drop, so a gc is all or nothing across crashes.
+pub const GC_PENDING_FILE: &str = "gc.pending";
+
+#[derive(Serialize, Deserialize)]
+struct GcPending {
+    version: u32,
+    namespaces: Vec<Namespace>,
+}
+
+/// The namespaces of an interrupted `gc --apply` in `data_dir`, if any.
+/// A file that does not parse is [`Error::Corrupt`].
+pub fn pending_gc(data_dir: &Path) -> Result<Option<Vec<Namespace>>> {
+    let path = data_dir.join(GC_PENDING_FILE);
+    let text = match std::fs::read(&path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => {
+            return Err(Error::Io {
+                op: "read",
+                path,
+                source: e,
+            });
+        }
+    };
+    match serde_json::from_slice::<GcPending>(&text) {
+        Ok(p) if p.version == 1 => Ok(Some(p.namespaces)),
+        Ok(p) => Err(Error::Corrupt {
+            what: path.display().to_string(),
+            detail: format!("version {} (this kvtier writes 1)", p.version),
+        }),
+        Err(e) => Err(Error::Corrupt {
+            what: path.display().to_string(),
+            detail: e.to_string(),
+        }),
+    }
+}
+
+fn clear_pending_gc(data_dir: &Path) -> Result<()> {
+    let path = data_dir.join(GC_PENDING_FILE);
+    match std::fs::remove_file(&path) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(Error::Io {
+            op: "remove",
+            path,
+            source: e,
+        }),
+    }
+}
+
+/// Finishes a `gc --apply` that was interrupted (see [`GC_PENDING_FILE`]);
+/// called by a writable open. A file that does not parse is logged and
+/// removed: nothing was dropped on its account yet, since it is written
+/// whole before the first delete.
+pub(crate) fn finish_pending_gc(inner: &Inner) -> Result<()> {
+    let dir = &inner.config.data_dir;
+    match pending_gc(dir) {
+        Ok(None) => Ok(()),
+        Ok(Some(namespaces)) => {
+            let report = gc(
+                inner,
+                &GcOptions {
+                    namespaces,
+                    older_than: None,
+                    dry_run: false,
+                },
+            )?;
+            tracing::warn!(
+                namespaces = report.namespaces.len(),
+                chunks = report.chunks,
+                bytes = report.bytes,
+                "finished a gc --apply that was interrupted"
+            );
+            // gc cleared it unless nothing was left to drop.
+            clear_pending_gc(dir)
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "ignoring an unreadable {GC_PENDING_FILE}");
+            clear_pending_gc(dir)
+        }
+    }
+}
 
 /// At most this many problem lines are kept in a report.
 const MAX_PROBLEMS: usize = 100;
@@ -104,10 +193,29 @@ pub(crate) fn gc(inner: &Inner, opts: &GcOptions) -> Result<GcReport> {
     if opts.dry_run {
         return Ok(report);
     }
+    // All or nothing across a crash: the selection is durable first, and
+    // stays until the deletes are (a writable open finishes it).
+    let durable = inner.disk.is_some() && !report.namespaces.is_empty();
+    if durable {
+        let body = serde_json::to_vec(&GcPending {
+            version: 1,
+            namespaces: report.namespaces.clone(),
+        })
+        .expect("namespace ids serialize");
+        crate::manifest::write_atomic(&inner.config.data_dir, GC_PENDING_FILE, &body)?;
+    }
+    // Failpoint `tier::maintenance::gc_deleting` (feature `failpoints`):
+    // `return` stops the gc here, as a kill would, its selection durable.
+    #[cfg(feature = "failpoints")]
+    fail::fail_point!("tier::maintenance::gc_deleting", |_| Err(Error::Closed));
     for (id, _) in &victims {
         inner.delete_inner(id, true);
     }
     let gone: Vec<Namespace> = report.namespaces.clone();
     inner.forget_namespaces(&gone)?;
+    if durable {
+        inner.flush_inner(None)?;
+        clear_pending_gc(&inner.config.data_dir)?;
+    }
     Ok(report)
 }

@@ -230,8 +230,6 @@ fn keep_copy(dir: &Path, text: &[u8]) -> Result<PathBuf> {
 
 /// Writes the manifest atomically.
 pub fn store(dir: &Path, namespaces: &BTreeMap<Namespace, NsEntry>) -> Result<()> {
-    let path = path_in(dir);
-    let tmp = dir.join(format!("{FILE_NAME}.tmp"));
     let body = serde_json::to_vec_pretty(&FileFormat {
         version: VERSION,
         namespaces: namespaces.clone(),
@@ -240,6 +238,14 @@ pub fn store(dir: &Path, namespaces: &BTreeMap<Namespace, NsEntry>) -> Result<()
         what: "namespace manifest".into(),
         detail: e.to_string(),
     })?;
+    write_atomic(dir, FILE_NAME, &body)
+}
+
+/// Replaces `dir/name` with `body` durably: a fresh temporary file,
+/// fsynced, renamed into place, the directory fsynced.
+pub(crate) fn write_atomic(dir: &Path, name: &str, body: &[u8]) -> Result<()> {
+    let path = dir.join(name);
+    let tmp = dir.join(format!("{name}.tmp"));
     // Created afresh (`O_EXCL`, after removing a leftover): nothing planted
     // under the temporary name is written, or chowned.
     match fs::remove_file(&tmp) {
@@ -260,7 +266,7 @@ pub fn store(dir: &Path, namespaces: &BTreeMap<Namespace, NsEntry>) -> Result<()
     }
     .map_err(|e| io("create", &tmp, e))?;
     crate::store::own_like_dir(&f, dir).map_err(|e| io("chown", &tmp, e))?;
-    f.write_all(&body).map_err(|e| io("write", &tmp, e))?;
+    f.write_all(body).map_err(|e| io("write", &tmp, e))?;
     f.sync_all().map_err(|e| io("fsync", &tmp, e))?;
     drop(f);
     fs::rename(&tmp, &path).map_err(|e| io("rename into place", &path, e))?;

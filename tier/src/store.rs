@@ -567,7 +567,7 @@ struct Counters {
 }
 
 pub(crate) struct Inner {
-    config: TierConfig,
+    pub(crate) config: TierConfig,
     pub(crate) ram: RamCache,
     /// Buffers of dropped chunks, for new chunks and disk reads.
     buffers: Arc<BufferPool>,
@@ -912,6 +912,10 @@ impl ChunkStore {
                 direct_io = d.dev.direct_io(),
                 "chunk store opened"
             );
+        }
+        if !inner.config.read_only && inner.disk.is_some() {
+            // A gc --apply killed part way is finished before anything else.
+            crate::maintenance::finish_pending_gc(&inner)?;
         }
         inner
             .recovery_micros
@@ -2061,7 +2065,7 @@ impl Inner {
     /// resident and clean at the same version any more (its eviction's
     /// write may have landed after the first marker's fdatasync), a second
     /// marker syncs again.
-    fn flush_inner(&self, deadline: Option<Instant>) -> Result<FlushReport> {
+    pub(crate) fn flush_inner(&self, deadline: Option<Instant>) -> Result<FlushReport> {
         let Some(d) = &self.disk else {
             // RAM-only: nothing is owed to a disk (puts are clean).
             return Ok(FlushReport::default());

@@ -25,6 +25,9 @@
 //!   region's batches at open: the chunks read so far are served, nothing is
 //!   written to that region (neither re-opened nor sealed: what lies past the
 //!   error is unknown), and a later clean open finds all of it;
+//! - `tier::maintenance::gc_deleting=return`: a `gc --apply` stopped (as by
+//!   a kill) after it chose its namespaces and before its deletes is
+//!   finished by the next writable open, not by a read-only one;
 //! - `tier::aio::piece=return(short|eintr|eio)` and
 //!   `tier::aio::setup=return(eagain|eperm)`: a split read whose pieces come
 //!   back short or failed reads them again plainly, and a store whose AIO
@@ -81,6 +84,7 @@ fn failpoints() {
     a_flush_covers_a_chunk_evicted_but_not_yet_handed_off();
     a_read_error_in_the_recovery_walk_leaves_the_region_untouched();
     split_reads_recover_from_failed_pieces_and_refused_contexts();
+    a_gc_stopped_before_its_deletes_is_finished_at_the_next_open();
     scenario.teardown();
 }
 
@@ -445,4 +449,61 @@ fn split_reads_recover_from_failed_pieces_and_refused_contexts() {
         fail::remove(point);
         assert_eq!(s.stats().verify_failures, 0, "{point}={actions}");
     }
+}
+
+fn a_gc_stopped_before_its_deletes_is_finished_at_the_next_open() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = ChunkStore::open(cfg(dir.path())).unwrap();
+    let a = s.register_namespace(&record()).unwrap();
+    let b = s
+        .register_namespace(&NamespaceRecord {
+            rank: 1,
+            ..record()
+        })
+        .unwrap();
+    for n in 0..6 {
+        s.put(id(a, n), payload(n)).unwrap();
+        s.put(id(b, n), payload(n)).unwrap();
+    }
+    s.flush().unwrap();
+    fail::cfg("tier::maintenance::gc_deleting", "return").unwrap();
+    let opts = tier::GcOptions {
+        namespaces: vec![a],
+        older_than: None,
+        dry_run: false,
+    };
+    assert!(s.gc(&opts).is_err(), "stopped at the failpoint");
+    fail::remove("tier::maintenance::gc_deleting");
+    assert!(s.get(&id(a, 0)).is_some(), "nothing was dropped yet");
+    drop(s);
+    assert_eq!(
+        tier::maintenance::pending_gc(dir.path()).unwrap(),
+        Some(vec![a])
+    );
+
+    // A read-only open (a plain verify) reads it all and changes nothing.
+    let ro = ChunkStore::open(TierConfig {
+        read_only: true,
+        ..cfg(dir.path())
+    })
+    .unwrap();
+    assert!(ro.get(&id(a, 3)).is_some());
+    drop(ro);
+    assert!(dir.path().join(tier::maintenance::GC_PENDING_FILE).exists());
+
+    // A writable open finishes the drop, durably.
+    let s = ChunkStore::open(cfg(dir.path())).unwrap();
+    for n in 0..6 {
+        assert!(s.get(&id(a, n)).is_none(), "a/{n} dropped");
+        assert_eq!(s.get(&id(b, n)).unwrap().data, payload(n), "b/{n} kept");
+    }
+    assert_eq!(
+        s.namespaces().iter().map(|n| n.id).collect::<Vec<_>>(),
+        vec![b]
+    );
+    assert!(!dir.path().join(tier::maintenance::GC_PENDING_FILE).exists());
+    s.close(Duration::from_secs(10)).unwrap();
+    let s = ChunkStore::open(cfg(dir.path())).unwrap();
+    assert!(s.get(&id(a, 2)).is_none(), "still dropped after a restart");
+    assert!(s.get(&id(b, 2)).is_some());
 }

@@ -144,6 +144,55 @@ fn namespaces_without_a_record_are_listed_by_id() {
     assert_eq!(s.namespaces().len(), 1);
 }
 
+/// A `gc --apply` leaves no trace once done; the selection file it keeps
+/// while deleting is finished by a writable open if it is found there
+/// (after a kill), and an unreadable one is removed without dropping
+/// anything.
+#[test]
+fn gc_is_finished_by_the_next_open_when_its_selection_is_left_behind() {
+    let dir = tempfile::tempdir().unwrap();
+    let pending = dir.path().join(tier::maintenance::GC_PENDING_FILE);
+    let s = ChunkStore::open(config(dir.path())).unwrap();
+    let a = s.register_namespace(&record(0)).unwrap();
+    let b = s.register_namespace(&record(1)).unwrap();
+    for n in 0..4 {
+        s.put(id(a, n), payload(n, 3000)).unwrap();
+        s.put(id(b, n), payload(n, 3000)).unwrap();
+    }
+    s.flush().unwrap();
+    let report = s
+        .gc(&GcOptions {
+            namespaces: vec![a],
+            older_than: None,
+            dry_run: false,
+        })
+        .unwrap();
+    assert_eq!(report.chunks, 4);
+    assert!(
+        !pending.exists(),
+        "a finished gc leaves no selection behind"
+    );
+    s.close(Duration::from_secs(10)).unwrap();
+
+    // As a gc killed after choosing b and before its deletes leaves it.
+    std::fs::write(
+        &pending,
+        format!("{{\"version\":1,\"namespaces\":[\"{b}\"]}}"),
+    )
+    .unwrap();
+    let s = ChunkStore::open(config(dir.path())).unwrap();
+    assert!(!pending.exists());
+    assert!((0..4).all(|n| s.get(&id(b, n)).is_none()), "b dropped");
+    assert!(s.namespaces().is_empty());
+    s.close(Duration::from_secs(10)).unwrap();
+
+    std::fs::write(&pending, b"{not json").unwrap();
+    assert!(tier::maintenance::pending_gc(dir.path()).is_err());
+    let s = ChunkStore::open(config(dir.path())).unwrap();
+    assert!(!pending.exists(), "an unreadable selection is removed");
+    drop(s);
+}
+
 /// A store of [`config`] over an 8 MiB file in `dir`, through a device that
 /// counts its reads and writes.
 fn counting_store(dir: &std::path::Path) -> (ChunkStore, Arc<CountingDevice>) {
