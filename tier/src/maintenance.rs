@@ -65,35 +65,44 @@ fn clear_pending_gc(data_dir: &Path) -> Result<()> {
 }
 
 /// Finishes a `gc --apply` that was interrupted (see [`GC_PENDING_FILE`]);
-/// called by a writable open. A file that does not parse is logged and
-/// removed: nothing was dropped on its account yet, since it is written
-/// whole before the first delete.
-pub(crate) fn finish_pending_gc(inner: &Inner) -> Result<()> {
+/// called by a writable open. It never fails the open: a gc that fails
+/// again (a full or failing disk) is logged and left pending for the next
+/// open, and the store serves meanwhile. A file that does not parse is
+/// logged and removed: nothing was dropped on its account yet, since it is
+/// written whole before the first delete.
+pub(crate) fn finish_pending_gc(inner: &Inner) {
     let dir = &inner.config.data_dir;
-    match pending_gc(dir) {
-        Ok(None) => Ok(()),
-        Ok(Some(namespaces)) => {
-            let report = gc(
-                inner,
-                &GcOptions {
-                    namespaces,
-                    older_than: None,
-                    dry_run: false,
-                },
-            )?;
+    let finished = match pending_gc(dir) {
+        Ok(None) => return,
+        Ok(Some(namespaces)) => gc(
+            inner,
+            &GcOptions {
+                namespaces,
+                older_than: None,
+                dry_run: false,
+            },
+        )
+        .map(|report| {
             tracing::warn!(
                 namespaces = report.namespaces.len(),
                 chunks = report.chunks,
                 bytes = report.bytes,
                 "finished a gc --apply that was interrupted"
             );
-            // gc cleared it unless nothing was left to drop.
-            clear_pending_gc(dir)
-        }
+        }),
         Err(e) => {
             tracing::warn!(error = %e, "ignoring an unreadable {GC_PENDING_FILE}");
-            clear_pending_gc(dir)
+            Ok(())
         }
+    };
+    // gc cleared it unless nothing was left to drop.
+    match finished.and_then(|()| clear_pending_gc(dir)) {
+        Ok(()) => {}
+        Err(e) => tracing::error!(
+            error = %e,
+            "could not finish an interrupted gc --apply; it stays pending ({GC_PENDING_FILE}) \
+             and the next open tries again"
+        ),
     }
 }
 

@@ -491,6 +491,20 @@ fn a_gc_stopped_before_its_deletes_is_finished_at_the_next_open() {
     drop(ro);
     assert!(dir.path().join(tier::maintenance::GC_PENDING_FILE).exists());
 
+    // A writable open whose finish fails (the flush's fdatasync) still
+    // opens; the gc stays pending.
+    fail::cfg("tier::writer::flush_sync", "return").unwrap();
+    let s = ChunkStore::open(cfg(dir.path())).expect("opens all the same");
+    fail::remove("tier::writer::flush_sync");
+    // (The failed fdatasync poisons disk I/O until a reopen, as any.)
+    assert!(s.stats().disk_poisoned);
+    assert_eq!(s.locate(&id(b, 1)), Some(Tier::Disk));
+    drop(s);
+    assert_eq!(
+        tier::maintenance::pending_gc(dir.path()).unwrap(),
+        Some(vec![a])
+    );
+
     // A writable open finishes the drop, durably.
     let s = ChunkStore::open(cfg(dir.path())).unwrap();
     for n in 0..6 {
