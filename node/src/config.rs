@@ -1083,9 +1083,24 @@ impl ConfigSources {
             flags,
         }
     }
-}
 
-impl ConfigSources {
+    /// The value of environment variable `name` among the sources.
+    fn var(&self, name: &str) -> Option<&str> {
+        self.env
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.as_str())
+    }
+
+    /// The configuration file: `--config`, else a non-empty `KVTIER_CONFIG`.
+    fn config_file(&self) -> Option<PathBuf> {
+        self.file.clone().or_else(|| {
+            self.var(ENV_CONFIG_FILE)
+                .filter(|v| !v.is_empty())
+                .map(PathBuf::from)
+        })
+    }
+
     /// The log format the sources ask for, read as far as each source
     /// parses (flag, then environment, then the file's `log-format`), for
     /// a start whose configuration failed to load: its error is then
@@ -1094,22 +1109,13 @@ impl ConfigSources {
         if let Some(f) = self.flags.log_format {
             return Some(f);
         }
-        let var = |name: &str| {
-            self.env
-                .iter()
-                .find(|(k, _)| k == name)
-                .map(|(_, v)| v.as_str())
-        };
-        if let Some(v) = var("KVTIER_LOG_FORMAT") {
+        if let Some(v) = self.var("KVTIER_LOG_FORMAT") {
             return v.trim().to_ascii_lowercase().parse().ok();
         }
-        let file = self
-            .file
-            .clone()
-            .or_else(|| var(ENV_CONFIG_FILE).map(PathBuf::from))?;
-        // Bounded: a config file is small; a huge or unreadable one says nothing.
-        let text = std::fs::read(&file).ok().filter(|t| t.len() <= 1 << 20)?;
-        let table: toml::Table = std::str::from_utf8(&text).ok()?.parse().ok()?;
+        // Read as `load` reads it: bounded, never blocking on a FIFO; a file
+        // that cannot be read or parsed says nothing.
+        let text = read_config_file(&self.config_file()?).ok()?;
+        let table: toml::Table = text.parse().ok()?;
         table.get("log-format")?.as_str()?.parse().ok()
     }
 }
@@ -1283,14 +1289,7 @@ pub fn load(sources: &ConfigSources, env: &Environment) -> Result<Loaded> {
         dict: dict_of(&defaults)?,
     }];
 
-    let file = sources.file.clone().or_else(|| {
-        sources
-            .env
-            .iter()
-            .find(|(k, _)| k == ENV_CONFIG_FILE)
-            .map(|(_, v)| PathBuf::from(v))
-            .filter(|p| !p.as_os_str().is_empty())
-    });
+    let file = sources.config_file();
     if let Some(path) = &file {
         let text = read_config_file(path).map_err(|e| NodeError::Io {
             op: "read config file",
@@ -1813,6 +1812,22 @@ mod tests {
         std::fs::write(&file, "log-format = [unparsable\n").unwrap();
         assert_eq!(sources(Some(&file), &[], None), None);
         assert_eq!(sources(None, &[], None), None);
+        // A FIFO says nothing, and never blocks the failed start.
+        let fifo = dir.path().join("fifo.toml");
+        let c = std::ffi::CString::new(fifo.as_os_str().as_encoded_bytes()).unwrap();
+        // SAFETY: `c` is a NUL-terminated path that outlives the call.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = tx.send(
+                ConfigSources {
+                    file: Some(fifo),
+                    ..Default::default()
+                }
+                .requested_log_format(),
+            );
+        });
+        assert_eq!(rx.recv_timeout(Duration::from_secs(10)), Ok(None));
     }
 
     #[test]
