@@ -1009,19 +1009,15 @@ impl ChunkStore {
 
     /// All registered namespaces with their usage.
     pub fn namespaces(&self) -> Vec<NamespaceInfo> {
-        let usage = self.namespace_usage();
-        self.inner
-            .namespaces
-            .read()
-            .iter()
-            .map(|(id, e)| {
-                let (chunks, bytes) = usage.get(id).copied().unwrap_or_default();
-                NamespaceInfo {
-                    id: *id,
-                    record: e.record.clone(),
-                    chunks,
-                    bytes,
-                }
+        self.namespace_listing()
+            .into_iter()
+            .filter_map(|n| {
+                Some(NamespaceInfo {
+                    id: n.id,
+                    record: n.record?,
+                    chunks: n.chunks,
+                    bytes: n.bytes,
+                })
             })
             .collect()
     }
@@ -1030,7 +1026,12 @@ impl ChunkStore {
     /// (sorted by id) those with chunks held but no record in the manifest.
     /// One walk of the index.
     pub fn namespace_listing(&self) -> Vec<NamespaceListing> {
-        let mut usage = self.namespace_usage();
+        let mut usage: HashMap<Namespace, (u64, u64)> = HashMap::new();
+        for (id, len) in self.ids() {
+            let u = usage.entry(id.ns).or_default();
+            u.0 += 1;
+            u.1 += len;
+        }
         let mut out: Vec<NamespaceListing> = self
             .inner
             .namespaces
@@ -1058,17 +1059,6 @@ impl ChunkStore {
         unrecorded.sort_by_key(|n| n.id.0);
         out.extend(unrecorded);
         out
-    }
-
-    /// Chunks and payload bytes held per namespace id (RAM or disk).
-    fn namespace_usage(&self) -> HashMap<Namespace, (u64, u64)> {
-        let mut usage: HashMap<Namespace, (u64, u64)> = HashMap::new();
-        for (id, len) in self.ids() {
-            let u = usage.entry(id.ns).or_default();
-            u.0 += 1;
-            u.1 += len;
-        }
-        usage
     }
 
     /// Stores a chunk in RAM (dirty; clean without a disk). Replaces an
