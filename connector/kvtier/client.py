@@ -208,14 +208,36 @@ class KvtierProtocolError(KvtierError):
     """A reply that does not decode: the connection is closed."""
 
 
-@dataclass(frozen=True)
 class LookupResult:
-    """Result of :meth:`KvtierClient.lookup`."""
+    """Result of :meth:`KvtierClient.lookup`: ``prefix``, the number of
+    leading keys present, and ``locations``, per key ``"ram"``, ``"disk"``,
+    ``"peer"`` or ``"miss"`` (named when first read: most callers want the
+    prefix only). ``codes`` holds them as bytes, one per key, indexes into
+    ``kvtier._frames.LOCATIONS``."""
 
-    prefix: int
-    """Number of leading keys present."""
-    locations: list[str]
-    """Per key: ``"ram"``, ``"disk"``, ``"peer"`` or ``"miss"``."""
+    __slots__ = ("prefix", "codes", "_locations")
+
+    def __init__(self, prefix: int, codes: bytes) -> None:
+        self.prefix = prefix
+        self.codes = codes
+        self._locations: list[str] | None = None
+
+    @property
+    def locations(self) -> list[str]:
+        if self._locations is None:
+            names = fr.LOCATIONS
+            self._locations = [names[c] for c in self.codes]
+        return self._locations
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, LookupResult):
+            return NotImplemented
+        return self.prefix == other.prefix and self.codes == other.codes
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"LookupResult(prefix={self.prefix}, locations={self.locations!r})"
 
 
 @dataclass(frozen=True)
@@ -679,15 +701,15 @@ class KvtierClient:
     def lookup(self, ns: bytes, keys: Sequence[bytes], group: int = 0) -> LookupResult:
         """Longest present prefix of ``keys`` (32 bytes each) and where each
         key lives. Touches no disk and no network on the daemon."""
-        prefix, locations = self._call(fr.lookup, ns, group, keys, reply_bytes=40 + len(keys))
-        return LookupResult(prefix, locations)
+        prefix, codes = self._call(fr.lookup, ns, group, keys, reply_bytes=40 + len(keys))
+        return LookupResult(prefix, codes)
 
     def lookup_in_region(self, ns: bytes, offset: int, count: int, group: int = 0) -> LookupResult:
         """:meth:`lookup` of ``count`` keys (32 bytes each) already written at
         ``offset`` in the region: the keys travel in shared memory, not in the
         request frame (fewer copies for large batches)."""
-        prefix, locations = self._call(fr.lookup_in_region, ns, group, offset, count, reply_bytes=40 + count)
-        return LookupResult(prefix, locations)
+        prefix, codes = self._call(fr.lookup_in_region, ns, group, offset, count, reply_bytes=40 + count)
+        return LookupResult(prefix, codes)
 
     def cluster_lookup(
         self, record: dict[str, Any], ranks: Sequence[int], keys: Sequence[bytes], group: int = 0

@@ -16,6 +16,7 @@ from typing import Iterator
 import pytest
 
 from kvtier import KvtierClient, KvtierError, KvtierUnavailable, Region
+from kvtier.client import LookupResult
 from kvtier import _frames as fr
 
 # --- golden frames (no daemon) ---------------------------------------------
@@ -64,7 +65,7 @@ GOLDEN_REPLIES = {
         {"ns": NS, "version": 1, "max_batch": 65_536, "max_frame": 16 << 20, "max_region": 64 << 30},
     ),
     "register_region_reply": (3, 1 << 26),
-    "lookup_reply": (4, (2, ["ram", "disk", "miss"])),
+    "lookup_reply": (4, (2, bytes([1, 2, 0]))),  # LookupResult names them
     "cluster_lookup_reply": (5, (1, [(0, 2, 2), (1, 1, 0)])),
     "put_reply": (6, [0, 10]),
     "get_reply": (7, [("hit-ram", 262_144), ("miss", 0)]),
@@ -123,6 +124,22 @@ def test_corrupt_frames_are_refused(fixtures_dir: Path) -> None:
     v2[4] = 2
     with pytest.raises(fr.FrameError, match="version 2.*version 1"):
         fr.decode_header(bytes(v2))
+
+
+def test_lookup_replies_with_impossible_codes_or_prefix_are_refused(fixtures_dir: Path) -> None:
+    golden = (fixtures_dir / "lookup_reply.bin").read_bytes()
+    h = fr.decode_header(golden)
+    body = golden[fr.HEADER_LEN :]
+    assert fr.decode_reply(h, body) == (2, bytes([1, 2, 0]))
+    # The codes are checked when the reply is read, not when named.
+    for bad in (body[:-1] + bytes([4]), body[:-1] + bytes([0xFF]), struct.pack("<I", 4) + body[4:]):
+        with pytest.raises(fr.FrameError):
+            fr.decode_reply(h, bad)
+    r = LookupResult(2, bytes([1, 2, 0, 3]))
+    assert r.locations == ["ram", "disk", "miss", "peer"]
+    assert r.locations is r.locations  # named once
+    assert r == LookupResult(2, bytes([1, 2, 0, 3])) != LookupResult(1, bytes([1, 2, 0, 3]))
+    assert "locations=['ram', 'disk', 'miss', 'peer']" in repr(r)
 
 
 def test_region_is_sealed_shared_memory_with_an_address() -> None:
