@@ -955,13 +955,16 @@ fn verify(args: &VerifyArgs) -> Result<u8> {
     close_offline(store, lock)?;
     // A gc --apply killed part way (a writable open, `--repair`, already
     // finished it): said, not counted as damage.
-    let gc_pending = tier::maintenance::pending_gc(&cfg.data_dir)
-        .ok()
-        .flatten()
-        .unwrap_or_default();
+    // One that does not parse is damage: a writable open removes it without
+    // finishing its drop (`verify --repair`, then `gc --apply` again).
+    let (gc_pending, gc_pending_error) = match tier::maintenance::pending_gc(&cfg.data_dir) {
+        Ok(p) => (p.unwrap_or_default(), None),
+        Err(e) => (Vec::new(), Some(e.to_string())),
+    };
     if args.json {
         let mut doc = serde_json::to_value(&report)?;
         doc["gc_pending"] = serde_json::to_value(&gc_pending)?;
+        doc["gc_pending_error"] = serde_json::to_value(&gc_pending_error)?;
         doc["dropped_at_open"] = at_open.into();
         doc["damaged_metadata"] = damaged.into();
         doc["sealed_open_region"] = sealed.into();
@@ -998,6 +1001,11 @@ fn verify(args: &VerifyArgs) -> Result<u8> {
                  still counted here, and the next start (or `verify --repair`, or any `gc \
                  --apply`) finishes the drop",
                 gc_pending.len()
+            );
+        }
+        if let Some(e) = &gc_pending_error {
+            outln!(
+                "gc pending: unreadable ({e}); a `gc --apply` may have been interrupted and its                  namespaces are unknown: `verify --repair` (or the next start) removes the file,                  then run that gc again"
             );
         }
         if sealed && at_open > 0 {
@@ -1038,7 +1046,12 @@ fn verify(args: &VerifyArgs) -> Result<u8> {
         );
     }
     Ok(
-        if report.bad > 0 || at_open > 0 || damaged > 0 || salvaged.is_some() || truncated.is_some()
+        if report.bad > 0
+            || at_open > 0
+            || damaged > 0
+            || salvaged.is_some()
+            || truncated.is_some()
+            || gc_pending_error.is_some()
         {
             EXIT_VERIFY_FAILED
         } else {

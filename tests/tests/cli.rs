@@ -1003,6 +1003,24 @@ fn an_interrupted_gc_is_reported_and_finished() {
         (serde_json::json!([]), 3.into()),
         "{v}"
     );
+    assert_eq!(v["gc_pending_error"], serde_json::Value::Null, "{v}");
+    // A gc.pending that does not parse is damage (its namespaces are
+    // unknown): reported, exit 5; `verify --repair` removes it.
+    std::fs::write(d.data_dir.join("gc.pending"), "{\"version\":1,\"namesp").expect("write");
+    let out = run_kvtier(&[&["verify", "--json"][..], &store].concat(), &[]);
+    assert_eq!(out.status.code(), Some(5), "{}", text_of(&out));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("verify --json");
+    assert!(v["gc_pending_error"].is_string(), "{v}");
+    let out = run_kvtier(&[&["verify"][..], &store].concat(), &[]);
+    assert_eq!(out.status.code(), Some(5), "{}", text_of(&out));
+    assert!(
+        text(&out.stdout).contains("gc pending: unreadable"),
+        "{}",
+        text_of(&out)
+    );
+    let out = run_kvtier(&[&["verify", "--repair"][..], &store].concat(), &[]);
+    assert_eq!(out.status.code(), Some(0), "{}", text_of(&out));
+    assert!(!d.data_dir.join("gc.pending").exists());
 }
 
 /// A corrupt `namespaces.json` stops the daemon from starting with a message
