@@ -97,6 +97,20 @@ def memcpy_cold(src: np.ndarray, dst: np.ndarray, size: int, total: int) -> floa
     return total / (time.perf_counter() - t) / 1e9
 
 
+def cpu_seconds(pid: int | None = None) -> float:
+    """CPU time (user + system, all threads) of this process, or of `pid`."""
+    if pid is None:
+        return time.process_time()
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def minor_faults(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[7])
+
+
 def run_links(share, links: int) -> float:
     """Runs `share(link)` for every link on its own thread (the first on
     this one); returns the wall time. A failure in any share fails the run."""
@@ -257,13 +271,36 @@ def main() -> int:
             for q in range(ram // fill + 1):
                 if c0.put(ns, [(key(1 << 40 | q), ((q % (ROTATE // fill)) * fill, fill))]) != ["ok"]:
                     sys.exit("the warm-up PUT failed")
-            print(f"{'cell':>10} {'PUT GB/s':>9} {'GET GB/s':>9} {'memcpy':>8} {'PUT':>6} {'GET':>6}")
+            print(
+                f"{'cell':>10} {'PUT GB/s':>9} {'GET GB/s':>9} {'memcpy':>8} {'PUT':>6} {'GET':>6}"
+                "   CPU us per request, client / daemon: PUT, GET"
+            )
             next_key = 0
             for size, batch in cells:
                 slots = ROTATE // size
                 per_req = size * batch
                 n_req = max(args.links, total // per_req)
+                # Replace the RAM tier's chunks with chunks of this size
+                # first (as the native bench does): a tier full of other
+                # sizes made the first pass fault the allocator's memory in
+                # (~30 page faults per request measured in the daemon).
+                for q in range(ram // size + 1):
+                    if c0.put(ns, [(key(3 << 40 | next_key), ((q % slots) * size, size))]) != ["ok"]:
+                        sys.exit("the warm-up PUT failed")
+                    next_key += 1
                 puts, gets, bases = [], [], []
+                # CPU per request (all passes): client process, daemon.
+                cpu = {"put": [0.0, 0.0], "get": [0.0, 0.0]}
+                faults = {"put": 0, "get": 0}
+
+                def timed(kind: str, share: Callable[[int], None]) -> float:
+                    c0, d0, f0 = cpu_seconds(), cpu_seconds(proc.pid), minor_faults(proc.pid)
+                    wall = run_links(share, args.links)
+                    faults[kind] += minor_faults(proc.pid) - f0
+                    cpu[kind][0] += cpu_seconds() - c0
+                    cpu[kind][1] += cpu_seconds(proc.pid) - d0
+                    return wall
+
                 for _ in range(args.reps):
                     bases.append(memcpy_cold(src, dst, size, n_req * per_req))
                     keys = [key(next_key + i) for i in range(n_req * batch)]
@@ -305,8 +342,8 @@ def main() -> int:
 
                         drive(range(link, n_req, args.links), submit, check, args.depth)
 
-                    puts.append(n_req * per_req / run_links(put_share, args.links) / 1e9)
-                    gets.append(n_req * per_req / run_links(get_share, args.links) / 1e9)
+                    puts.append(n_req * per_req / timed("put", put_share) / 1e9)
+                    gets.append(n_req * per_req / timed("get", get_share) / 1e9)
                     # Check a sample: the last request of each link came back
                     # byte-exact (GET rewrote region slots; restore them).
                     for link, (_, r) in enumerate(links):
@@ -321,7 +358,13 @@ def main() -> int:
                 put, get, base = statistics.median(puts), statistics.median(gets), statistics.median(bases)
                 cell = f"{size >> 10}K x{batch}"
                 tag = f"{cell} ({args.links} conn, depth {args.depth})"
-                print(f"{cell:>10} {put:9.2f} {get:9.2f} {base:8.2f} {put / base:5.2f}x {get / base:5.2f}x")
+                us = {k: [v * 1e6 / (n_req * args.reps) for v in cv] for k, cv in cpu.items()}
+                print(
+                    f"{cell:>10} {put:9.2f} {get:9.2f} {base:8.2f} {put / base:5.2f}x {get / base:5.2f}x"
+                    f"   {us['put'][0]:.0f} / {us['put'][1]:.0f}, {us['get'][0]:.0f} / {us['get'][1]:.0f}"
+                    f"   daemon page faults per request: {faults['put'] / (n_req * args.reps):.1f}, "
+                    f"{faults['get'] / (n_req * args.reps):.1f}"
+                )
                 print(f"RESULT python PUT {tag}: {put:.2f} GB/s vs cold memcpy {base:.2f} GB/s = {put / base:.2f}x")
                 print(f"RESULT python GET {tag}: {get:.2f} GB/s vs cold memcpy {base:.2f} GB/s = {get / base:.2f}x")
             if args.lookup_entries:
