@@ -141,7 +141,7 @@ pub struct ClusterOptions {
     /// QUIC connections per peer that carry fetches.
     pub fetch_connections: u32,
     /// Admit fetched chunks into local RAM (clean: never written to the
-    /// local disk).
+    /// local disk), except RESP values (mutable keys).
     pub admit: bool,
 }
 
@@ -285,13 +285,19 @@ impl Cluster {
         self.fetch_named(id, None).await
     }
 
-    /// [`Cluster::fetch`] for a chunk stored under a name (RESP keys): the
-    /// admitted copy keeps `name`, so later local reads compare it. (The
+    /// [`Cluster::fetch`] for a chunk stored under a name (RESP keys). (The
     /// peer protocol carries no names: the id is the hash of the name.)
+    ///
+    /// Chunks of RESP namespaces are never admitted: their keys are
+    /// mutable, and nothing tells a copy here that its holder deleted or
+    /// overwrote the key, so an admitted copy (announced to peers like any
+    /// local chunk) would serve the old value here and back to the holder.
+    /// Each node serves only its own versions of such keys. Other
+    /// namespaces' keys are content hashes: a copy never goes stale.
     pub async fn fetch_named(&self, id: &ChunkId, name: Option<Bytes>) -> Option<Bytes> {
         match self.handle.fetch(&to_peer(id), self.fetch_timeout).await {
             Ok(b) => {
-                if self.admit {
+                if self.admit && self.admits(id) {
                     // A clean RAM insert: the holder keeps the durable copy,
                     // so this one is never written to the local disk and is
                     // dropped on eviction. An unregistered namespace (no
@@ -308,6 +314,14 @@ impl Cluster {
                 None
             }
         }
+    }
+
+    /// Whether a chunk fetched for `id` may be admitted: its namespace is
+    /// registered here and its keys are immutable (not a RESP namespace).
+    fn admits(&self, id: &ChunkId) -> bool {
+        self.store
+            .namespace_record(&id.ns)
+            .is_some_and(|r| !crate::resp::keys::is_resp_engine(&r.engine))
     }
 
     /// Status of every peer.

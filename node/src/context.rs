@@ -136,7 +136,7 @@ impl NodeContext {
     /// Reads a chunk through the cascade: RAM → local disk → peers.
     /// `name`, when given, must equal the stored name (RESP keys).
     /// Any failure is a miss. A chunk fetched from a peer is reported as a
-    /// RAM hit (it is admitted to RAM by default); use
+    /// RAM hit (admitted to RAM by default, RESP values excepted); use
     /// [`NodeContext::get_with_location`] to tell.
     pub async fn get(&self, id: ChunkId, name: Option<bytes::Bytes>) -> Option<Hit> {
         let (data, loc) = self.get_with_location(id, name).await?;

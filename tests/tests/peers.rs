@@ -976,3 +976,49 @@ fn config_check_refuses_what_the_start_refuses() {
     );
     assert!(err.contains("region-size"), "{err}");
 }
+
+/// A RESP value read on another node is served from its holder each time,
+/// never cached there: a DEL or an overwrite on the holder is not undone by
+/// a copy elsewhere (a fetched copy was admitted and announced, so the
+/// holder fetched a deleted value back from it, and the reader kept
+/// serving the old value after the holder's overwrite: review).
+#[test]
+fn a_resp_value_deleted_or_overwritten_on_its_holder_never_comes_back_through_a_peer() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let Two { a, b, .. } = two_nodes(dir.path());
+    let (ra, rb) = (a.resp.expect("resp on a"), b.resp.expect("resp on b"));
+    let bulk = |v: &[u8]| {
+        let mut w = format!("${}\r\n", v.len()).into_bytes();
+        w.extend_from_slice(v);
+        w.extend_from_slice(b"\r\n");
+        w
+    };
+    // a registers the default RESP namespace with a key of its own (a
+    // node that never wrote a namespace admits nothing into it).
+    assert_eq!(resp(ra, &[b"SET", b"a:own", b"x"]), b"+OK\r\n");
+    assert_eq!(resp(rb, &[b"SET", b"user:43", b"v1"]), b"+OK\r\n");
+    poll("user:43 on a", Duration::from_secs(15), || {
+        (resp(ra, &[b"EXISTS", b"user:43"]) == b":1\r\n").then_some(())
+    });
+    assert_eq!(resp(ra, &[b"GET", b"user:43"]), bulk(b"v1"));
+    // A marker written on a after that GET: once b sees it, b has seen
+    // every availability change a made before it (one ordered stream),
+    // such as an announced copy of user:43.
+    assert_eq!(resp(ra, &[b"SET", b"a:marker", b"m"]), b"+OK\r\n");
+    poll("a's marker on b", Duration::from_secs(15), || {
+        (resp(rb, &[b"EXISTS", b"a:marker"]) == b":1\r\n").then_some(())
+    });
+    assert_eq!(resp(rb, &[b"DEL", b"user:43"]), b":1\r\n");
+    assert_eq!(
+        resp(rb, &[b"GET", b"user:43"]),
+        b"$-1\r\n",
+        "the deleted value came back from a"
+    );
+    assert_eq!(resp(rb, &[b"EXISTS", b"user:43"]), b":0\r\n");
+    assert_eq!(resp(rb, &[b"SET", b"user:43", b"v2"]), b"+OK\r\n");
+    let got = poll("user:43 on a again", Duration::from_secs(15), || {
+        let r = resp(ra, &[b"GET", b"user:43"]);
+        (r != b"$-1\r\n").then_some(r)
+    });
+    assert_eq!(got, bulk(b"v2"), "a served the overwritten value");
+}
