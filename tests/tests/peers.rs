@@ -97,10 +97,15 @@ fn start_node(
         extra.extend(["--peers", &peers]);
     }
     let d = Daemon::start(&nd, &extra, &ENV)?;
-    // The ready event names the bound peer endpoint.
+    // The ready event names the bound peer endpoint. The lock file says
+    // ready just before the event is logged: wait for it (bounded).
     let want = format!("\"peer\":\"{listen}\"");
-    if !d.log().contains(&want) {
-        return Err(format!("{want} not in the ready event; log:\n{}", d.log()));
+    let t0 = Instant::now();
+    while !d.log().contains(&want) {
+        if t0.elapsed() > Duration::from_secs(10) {
+            return Err(format!("{want} not in the ready event; log:\n{}", d.log()));
+        }
+        std::thread::sleep(Duration::from_millis(10));
     }
     Ok(d)
 }
