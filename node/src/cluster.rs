@@ -66,8 +66,9 @@ impl ChunkSource for StoreSource {
         Box::pin(async move {
             // The store verifies CRCs on disk reads; RAM bytes are what was
             // put. The CRC is computed here, on the blocking thread, for the
-            // requester to verify end to end.
-            tokio::task::spawn_blocking(move || store.get(&id).map(|hit| ChunkBytes::new(hit.data)))
+            // requester to verify end to end. Not a local hit or miss: the
+            // store's hit counters are this node's clients' reads.
+            tokio::task::spawn_blocking(move || store.get_for_peer(&id).map(ChunkBytes::new))
                 .await
                 .ok()
                 .flatten()

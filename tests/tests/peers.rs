@@ -1027,3 +1027,25 @@ fn a_resp_value_deleted_or_overwritten_on_its_holder_never_comes_back_through_a_
     });
     assert_eq!(got, bulk(b"v2"), "a served the overwritten value");
 }
+
+/// Chunks a node serves to a peer are not its clients' hits: `hits_ram`,
+/// `hits_disk`, `misses` and `bytes_out` count local reads only (each chunk
+/// served was a local hit on the holder: review).
+#[test]
+fn chunks_served_to_a_peer_are_not_counted_as_local_hits() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let Two { a, b, .. } = two_nodes(dir.path());
+    let r0 = test_record(0);
+    let ns = a.client().hello(&r0).expect("HELLO");
+    let (key, data) = chunk_bytes(11, 1);
+    put(&a, ns, key, &data);
+    let mut cb = b.client();
+    assert_eq!(cb.hello(&r0).expect("HELLO"), ns);
+    wait_present(&b, ns, key, Duration::from_secs(15));
+    assert_eq!(cb.get_bytes(ns, 0, key).expect("GET"), Some(data.clone()));
+    let st = a.client().stats().expect("STATS");
+    let store = &st["store"];
+    for k in ["hits_ram", "hits_disk", "misses", "bytes_out"] {
+        assert_eq!(store[k], 0, "{k} on the holder: {store}");
+    }
+}

@@ -1188,6 +1188,16 @@ impl ChunkStore {
         self.inner.get_ram_inner(id, name).ok().flatten()
     }
 
+    /// Reads a chunk, RAM then disk, to serve it to another node: not
+    /// counted in `hits_ram`, `hits_disk`, `misses` or `bytes_out` (they
+    /// count this node's clients' reads; the peer layer counts what it
+    /// serves), and a disk copy is not cached in RAM for it. A disk read is
+    /// verified as [`ChunkStore::get`]'s (a failure counts in
+    /// `verify_failures` and is `None`). Blocking (disk).
+    pub fn get_for_peer(&self, id: &ChunkId) -> Option<Bytes> {
+        self.inner.get_for_peer_inner(id)
+    }
+
     /// Where a chunk lives, from the in-RAM index only (no disk I/O).
     pub fn locate(&self, id: &ChunkId) -> Option<Tier> {
         let _g = self.inner.gate.read();
@@ -1943,6 +1953,23 @@ impl Inner {
             data: e.data,
             tier: Tier::Ram,
         }))
+    }
+
+    fn get_for_peer_inner(&self, id: &ChunkId) -> Option<Bytes> {
+        let ram = {
+            let _g = self.gate.read();
+            self.ram.get_or_mark(id)
+        };
+        let data = match ram {
+            Ok(e) => e.data,
+            Err(_) => match &self.disk {
+                Some(d) if d.poisoned().is_none() => d.read_chunk(id, None).ok()?.0,
+                _ => return None,
+            },
+        };
+        // Used by the cluster: the namespace is not idle for `gc --max-age`.
+        self.touch(&id.ns);
+        Some(data)
     }
 
     fn get_inner(&self, id: &ChunkId, name: Option<&[u8]>) -> Option<Hit> {

@@ -2094,3 +2094,41 @@ fn a_damaged_batch_entry_list_loses_only_its_batch_and_is_counted() {
     assert_eq!(s.get(&id(ns, 7)).unwrap().data, payload(7, 9000));
     assert_eq!(s.stats().damaged_metadata, 0);
 }
+
+/// Serving a peer is no local read: `get_for_peer` counts no hit, miss or
+/// byte out, and leaves a disk copy on disk (the holder counted each chunk
+/// served to a peer as its own client's hit and cached disk copies: review).
+#[test]
+fn reads_for_peers_are_not_local_hits_and_not_cached() {
+    let dir = tempfile::tempdir().unwrap();
+    let ns;
+    {
+        let s = ChunkStore::open(config(dir.path())).unwrap();
+        ns = s.register_namespace(&record(0)).unwrap();
+        s.put(id(ns, 1), payload(1, 100_000)).unwrap();
+        s.put(id(ns, 2), payload(2, 100_000)).unwrap();
+        assert_eq!(s.get_for_peer(&id(ns, 1)), Some(payload(1, 100_000)));
+        assert_eq!(s.get_for_peer(&id(ns, 9)), None);
+        let st = s.stats();
+        assert_eq!(
+            (st.hits_ram, st.hits_disk, st.misses, st.bytes_out),
+            (0, 0, 0, 0)
+        );
+        s.close(Duration::from_secs(10)).unwrap();
+    }
+    let s = ChunkStore::open(config(dir.path())).unwrap();
+    assert_eq!(s.locate(&id(ns, 2)), Some(Tier::Disk));
+    assert_eq!(s.get_for_peer(&id(ns, 2)), Some(payload(2, 100_000)));
+    assert_eq!(s.locate(&id(ns, 2)), Some(Tier::Disk), "cached in RAM");
+    let st = s.stats();
+    assert_eq!(
+        (st.hits_ram, st.hits_disk, st.misses, st.bytes_out),
+        (0, 0, 0, 0)
+    );
+    // A client's read still counts and caches.
+    assert!(s.get(&id(ns, 2)).is_some());
+    assert_eq!(
+        (s.stats().hits_disk, s.locate(&id(ns, 2))),
+        (1, Some(Tier::Ram))
+    );
+}
