@@ -19,6 +19,11 @@ logger = logging.getLogger("kvtier.vllm")
 
 #: Seconds between reconnection attempts to a daemon that is down.
 RETRY_S = 5.0
+#: After a failed call the link waits FIRST_RETRY_S, doubling with every
+#: failure in a row up to the link's `max_retry_s`: a daemon that hangs
+#: (stopped, not dead) costs a whole timeout per try, on the engine's thread
+#: for lookups, so the tries must thin out.
+FIRST_RETRY_S = 0.2
 
 #: GET entry status codes (node/PROTOCOL.md, GET).
 GET_MISS, GET_RAM, GET_DISK, GET_PEER, GET_TOO_SMALL = 0, 1, 2, 3, 4
@@ -46,14 +51,17 @@ def _client_module():
 class DaemonLink:
     """A lazily (re)connected client with its shared-memory region."""
 
-    def __init__(self, socket_path: str, region_size: int, timeout_ms: int, what: str):
+    def __init__(self, socket_path: str, region_size: int, timeout_ms: int, what: str, max_retry_s: float = RETRY_S):
         self.socket_path = socket_path
         self.region_size = region_size
         self.timeout_s = timeout_ms / 1000.0
         self.what = what
+        self.max_retry_s = max_retry_s
         self._client: Any = None
         self._ns: dict[str, bytes] = {}
         self._next_try = 0.0
+        #: Failed calls in a row (reset by one that succeeds).
+        self._fails = 0
         self._warned = False
         # Guards connect/close only; each link is used by one thread at a time.
         self._lock = threading.Lock()
@@ -90,11 +98,14 @@ class DaemonLink:
             return self._client
 
     def fail(self, err: BaseException) -> None:
-        """Drops the connection after an error (the next call reconnects)."""
+        """Drops the connection after an error; the next call reconnects after
+        a back-off that doubles with each failure in a row."""
         with self._lock:
             c, self._client = self._client, None
-            self._next_try = time.monotonic() + min(RETRY_S, 0.2)
-        logger.warning("kvtier: daemon call for %s failed: %s", self.what, err)
+            delay = min(self.max_retry_s, FIRST_RETRY_S * 2 ** min(self._fails, 16))
+            self._fails += 1
+            self._next_try = time.monotonic() + delay
+        logger.warning("kvtier: daemon call for %s failed: %s (next try in %.1f s)", self.what, err, delay)
         if c is not None:
             try:
                 c.close()
@@ -134,11 +145,13 @@ class DaemonLink:
     def cluster_lookup(self, record: dict[str, Any], ranks: list[int], keys: list[bytes], group: int) -> tuple[int, list[RankPrefix]]:
         """(min prefix over ranks, per-rank answers)."""
         r = self.client().cluster_lookup(record, ranks, keys, group=group)
+        self._fails = 0
         return int(r.min_prefix), [RankPrefix(int(p.rank), int(p.prefix), int(p.ram_prefix)) for p in r.ranks]
 
     def put(self, ns: bytes, entries: list[tuple[bytes, int, int]], group: int) -> list[bool]:
         """PUT (key, offset, length) ranges of the region; per entry, stored or not."""
         r = self.client().put(ns, [(k, (off, n)) for k, off, n in entries], group=group)
+        self._fails = 0
         return [s == "ok" for s in r]
 
     def get(self, ns: bytes, entries: list[tuple[bytes, int, int]], group: int) -> list[tuple[int, int]]:
@@ -146,6 +159,7 @@ class DaemonLink:
         keys = [e[0] for e in entries]
         into = [(e[1], e[2]) for e in entries]
         r = self.client().get(ns, keys, group=group, into=into)
+        self._fails = 0
         return [(_GET_STATUS.get(x.status, GET_MISS), int(x.length)) for x in r]
 
 

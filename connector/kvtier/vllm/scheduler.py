@@ -29,6 +29,10 @@ class _Req:
     local_tokens: int = 0
     #: Cached lookup: ((number of keys, first chunk asked), loadable chunks, present chunks).
     lookup: tuple[tuple[int, int], int, int] | None = None
+    #: When it was asked (time.monotonic): reused for LOOKUP_TTL_S at most,
+    #: and only while the request was not preempted since (`num_preemptions`).
+    lookup_at: float = 0.0
+    lookup_preemptions: int = 0
     #: Chunks known stored on every rank or already scheduled for a save.
     stored_chunks: int = 0
     #: Whether any save was ever scheduled (the blocks must then be held at finish).
@@ -45,6 +49,12 @@ class _Req:
     tracked: list[bytes] = field(default_factory=list)
 
 
+#: Seconds a request's lookup answer is reused while it waits (vLLM asks again
+#: every step until it is scheduled): chunks saved or evicted meanwhile are
+#: seen after this. A preempted request always asks again.
+LOOKUP_TTL_S = 1.0
+
+
 class KvtierScheduler:
     """Scheduler-role logic of `KvtierConnector`."""
 
@@ -58,7 +68,9 @@ class KvtierScheduler:
         self._pending_loads: dict[str, list[ChunkLoad]] = {}
         self._final_saves: dict[str, list[ChunkSave]] = {}
         self._finishing: list[str] = []
-        self._link = DaemonLink(cfg.socket, 0, cfg.lookup_timeout_ms, "scheduler lookups")
+        # Lookups run on the engine's thread: a hung daemon is tried at most
+        # every 30 s (after 0.2, 0.4, ... s), not every 0.2 s.
+        self._link = DaemonLink(cfg.socket, 0, cfg.lookup_timeout_ms, "scheduler lookups", max_retry_s=30.0)
         #: save_policy on-evict: the cached chunks not stored yet (None: prefill-and-finish).
         self.evict: EvictTracker | None = None
         if self.enabled and cfg.save_policy == "on-evict" and layout is not None:
@@ -89,10 +101,23 @@ class KvtierScheduler:
         if self.evict is not None:
             self.evict.bind(pool)
 
+    @staticmethod
+    def _lookup_fresh(st: _Req, nkeys: int, first: int) -> bool:
+        """Whether the request's cached lookup answers this one: the same keys,
+        asked within LOOKUP_TTL_S, and no preemption since (its own saves may
+        be what restores it now)."""
+        return (
+            st.lookup is not None
+            and st.lookup[0] == (nkeys, first)
+            and time.monotonic() - st.lookup_at < LOOKUP_TTL_S
+            and getattr(st.request, "num_preemptions", 0) == st.lookup_preemptions
+        )
+
     def _lookup(self, st: _Req, keys: list[bytes], first: int = 0) -> tuple[int, int]:
         """(loadable chunks after the size gate, chunks present on every rank), asking
         only from chunk `first` on: the chunks before it count as present."""
-        if st.lookup is not None and st.lookup[0] == (len(keys), first):
+        if self._lookup_fresh(st, len(keys), first):
+            assert st.lookup is not None
             return st.lookup[1], st.lookup[2]
         assert self.layout is not None
         layout = self.layout
@@ -123,6 +148,8 @@ class KvtierScheduler:
             self.stats.add(gate_skipped_tokens=(present - loadable) * layout.chunk_tokens)
         loadable = max(0, min(loadable, len(keys)))
         st.lookup = ((len(keys), first), loadable, max(0, min(present, len(keys))))
+        st.lookup_at = time.monotonic()
+        st.lookup_preemptions = getattr(st.request, "num_preemptions", 0)
         if self.evict is not None:
             self.evict.mark_stored(keys[first : st.lookup[2]])
         return st.lookup[1], st.lookup[2]
@@ -152,7 +179,7 @@ class KvtierScheduler:
         # chunk the local hit does not cover. prefill-and-finish asks from chunk
         # 0, so that chunks kvtier lost are stored again from the local copy.
         first = num_computed_tokens // layout.chunk_tokens if self.evict is not None else 0
-        if st.lookup is None or st.lookup[0] != (len(keys), first):
+        if not self._lookup_fresh(st, len(keys), first):
             self.stats.add(lookup_tokens=len(keys) * layout.chunk_tokens - num_computed_tokens)
         loadable, present = self._lookup(st, keys, first)
         st.stored_chunks = max(st.stored_chunks, present)
@@ -294,7 +321,12 @@ class KvtierScheduler:
     def request_finished(self, request: Any, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
         """Schedules the final chunks' save; holds the blocks while saves are pending."""
         st = self._reqs.pop(request.request_id, None)
-        self._pending_loads.pop(request.request_id, None)
+        if st is not None and (st.loading_blocks or request.request_id in self._pending_loads):
+            # A restore is in flight (or planned and not sent yet: its loads go
+            # out with the next step): vLLM holds the blocks until the workers
+            # report it received. Saving them now would read blocks the restore
+            # still writes, and a finished_sending would free them under it.
+            return False, None
         if not self.enabled or st is None or not self.cfg.store:
             return False, None
         computed = max(0, request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0))

@@ -38,6 +38,11 @@ logger = logging.getLogger("kvtier.vllm")
 
 _STOP = object()
 
+#: Longest wait (seconds) of a step that preempts a request for that
+#: request's running saves to finish reading its blocks; past it, the rest of
+#: those saves is dropped (a future miss) rather than hold the engine.
+PREEMPT_WAIT_S = 0.5
+
 #: Pseudo request id of on-evict saves (not a vLLM request: never reported
 #: in finished_sending).
 EVICT_REQ = "\x00kvtier-evict"
@@ -117,6 +122,9 @@ class KvtierWorker:
         self._finishing: set[str] = set()
         self._seen_finished: set[str] = set()
         self._done_loads: list[tuple[str, bool, set[int]]] = []
+        #: Load jobs queued or running, per request: never reported finished
+        #: sending meanwhile (vLLM would free blocks the load still writes).
+        self._loading: dict[str, int] = {}
         self._load_errors: set[int] = set()
         #: on-evict saves of the current step (gathered before wait_for_save returns).
         self._evict_jobs: list[_SaveJob] = []
@@ -271,13 +279,17 @@ class KvtierWorker:
             if not self.enabled:
                 self._finish_load(req_id, loads, ok_before=-1)
                 continue
+            with self._lock:
+                self._loading[req_id] = self._loading.get(req_id, 0) + 1
             self._load_q.put(_LoadJob(req_id, loads))
 
     def handle_preemptions(self, meta: KvtierMetadata) -> None:
         """Starts this step's on-evict gathers (vLLM calls this first in a step);
-        cancels queued saves of preempted requests; waits (bounded) for running ones."""
+        cancels queued saves of preempted requests; gives running ones a short
+        while to finish reading their blocks, then drops what they have not
+        gathered yet (this runs on the engine's thread, before the forward)."""
         self._queue_evict_saves(meta)
-        deadline = time.monotonic() + self.cfg.timeout_ms / 1000.0
+        deadline = time.monotonic() + min(self.cfg.timeout_ms / 1000.0, PREEMPT_WAIT_S)
         for req_id in meta.preempted:
             with self._lock:
                 jobs = list(self._save_jobs.get(req_id, ()))
@@ -285,7 +297,10 @@ class KvtierWorker:
                     if j.state == "queued":
                         j.state = "cancelled"
             for j in jobs:
-                if j.state == "running" and not j.done.wait(max(0.0, deadline - time.monotonic())):
+                # `gathered`, not `done`: its PUTs need not finish, only its reads
+                # of the blocks. A gather checks `tainted` under the lock after it
+                # completes, so one still running when this gives up is dropped.
+                if j.state == "running" and not j.gathered.wait(max(0.0, deadline - time.monotonic())):
                     with self._lock:
                         j.tainted = True
 
@@ -361,11 +376,19 @@ class KvtierWorker:
                     self._save_jobs.setdefault(req_id, []).append(job)
                 self._save_q.put(job)
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
-        """(finished sending, finished receiving, failed receiving) since the last call."""
+    def get_finished(
+        self, finished_req_ids: set[str], finishing: list[str] | tuple[str, ...] = ()
+    ) -> tuple[set[str], set[str], set[str]]:
+        """(finished sending, finished receiving, failed receiving) since the last call.
+        `finishing`: the bound step's held requests. With speculative decoding vLLM
+        asks for the results before `wait_for_save` (which records them otherwise),
+        in the only call whose `finished_req_ids` name those requests."""
         with self._lock:
+            self._finishing.update(finishing)
             self._seen_finished.update(r for r in finished_req_ids if r in self._finishing)
-            sending = {r for r in self._seen_finished if not self._pending_saves.get(r)}
+            sending = {
+                r for r in self._seen_finished if not self._pending_saves.get(r) and not self._loading.get(r)
+            }
             for r in sending:
                 self._seen_finished.discard(r)
                 self._finishing.discard(r)
@@ -426,8 +449,8 @@ class KvtierWorker:
                     return
                 try:
                     stored += f.result()
-                except DaemonDown:
-                    pass
+                except DaemonDown as e:
+                    errors.append(e)
                 except Exception as e:  # noqa: BLE001 - reported once below
                     links[k].fail(e)
                     errors.append(e)
@@ -436,6 +459,12 @@ class KvtierWorker:
                 for slot, i in enumerate(range(0, len(job.chunks), per)):
                     k = slot % len(links)
                     settle(k)  # link k's staging is free again once its PUT returned
+                    if errors:
+                        # A failed PUT closed its connection, and with it the
+                        # shared memory under that link's staging: gathering
+                        # into it again would write unmapped memory. The rest
+                        # of the job fails (a future miss).
+                        break
                     batch = job.chunks[i : i + per]
                     ids = [b for c in batch for b in c.block_ids]
                     gather(self._layers[job.group], ids, len(batch), cb, stagings[k], timing=tm)
@@ -536,6 +565,9 @@ class KvtierWorker:
                     while inflight:
                         k, batch, res = inflight.pop(0)
                         statuses = res.result() if isinstance(res, Future) else res
+                        if len(statuses) != len(batch):
+                            # Never zip short: a chunk without a status was not loaded.
+                            raise RuntimeError(f"GET answered {len(statuses)} entries for {len(batch)}")
                         rows: list[int] = []
                         bids: list[int] = []
                         for j, (ld, (status, length)) in enumerate(zip(batch, statuses)):
@@ -591,6 +623,9 @@ class KvtierWorker:
             self.stats.add(load_failed_chunks=len({(ld.chunk, ld.group) for ld in loads if ok_before < 0 or ld.chunk >= ok_before}))
         with self._lock:
             self._done_loads.append((req_id, ok_before is None, bad))
+            n = self._loading.pop(req_id, 0) - 1
+            if n > 0:
+                self._loading[req_id] = n
 
     # ---- teardown ----------------------------------------------------------
 

@@ -274,6 +274,10 @@ class Engine:
         self.before_workers: Any = None
         #: req id -> tokens found already computed when first scheduled, verified byte-exact.
         self.verified: dict[str, int] = {}
+        #: vLLM 0.33's order with a speculative_config (gpu_model_runner's
+        #: `defer_kv_connector_finalize`): in a step with a forward, the
+        #: transfer results are asked for before `wait_for_save`.
+        self.deferred_finalize = False
 
     def add(self, request: Any) -> None:
         self.requests[request.request_id] = request
@@ -291,13 +295,17 @@ class Engine:
             w.bind_connector_metadata(so.kv_connector_metadata)
             w.start_load_kv(None)
             self._forward(so, model)
-            w.wait_for_save()
+            deferred = self.deferred_finalize and bool(so.num_scheduled_tokens)
+            if not deferred:
+                w.wait_for_save()
             res = w.get_transfer_results(so.finished_req_ids)
             kvo = KVConnectorOutput(
                 finished_sending=res.finished_sending or None, finished_recving=res.finished_recving or None,
                 failed_recving=res.failed_recving, invalid_block_ids=w.get_block_ids_with_load_errors(),
                 kv_connector_stats=w.get_kv_connector_stats(),
             )
+            if deferred:
+                w.wait_for_save()  # finalize_kv_connector()
             w.clear_connector_metadata()
             req_ids = list(so.num_scheduled_tokens)
             outputs.append(ModelRunnerOutput(

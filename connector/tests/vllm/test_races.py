@@ -1,0 +1,233 @@
+"""Request lifecycle races between vLLM's scheduler and the connector's I/O
+threads, found by a review (each fails without its fix): aborts during a
+restore, speculative decoding's call order, a daemon lost mid-save, a
+preempted request's cached lookup, a short GET reply, a hung daemon."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from harness import Daemon, Engine, make_request
+
+PROMPT = [((i * 37) % 997) + 1 for i in range(600)]  # 2 full chunks + a tail
+OTHER = [((i * 53) % 991) + 2 for i in range(600)]
+
+
+def _slow_loads(e: Engine, delay_s: float) -> None:
+    for w in e.workers:
+        for link in w.worker._load_links:
+            orig = link.get
+
+            def slow(*a, _o=orig, **k):
+                time.sleep(delay_s)
+                return _o(*a, **k)
+
+            link.get = slow
+
+
+def _resume_with_restore(e: Engine, req_id: str) -> None:
+    """Runs `req_id` past its prompt (its chunks saved), then preempts it so
+    that its resume restores them asynchronously."""
+    from vllm.v1.request import RequestStatus
+
+    e.run(lambda: e.requests[req_id].num_computed_tokens >= 620)
+    for w in e.workers:
+        assert w.worker.wait_idle(10)
+    assert e.scheduler.reset_prefix_cache(reset_running_requests=True)
+    e.step()
+    assert e.requests[req_id].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+
+
+def test_abort_during_a_restore_keeps_the_blocks_until_it_is_received(daemon: Daemon):
+    """A request aborted while its restore is in flight: its blocks stay held
+    (vLLM frees them at finished_recving), no save of them is planned, and no
+    later request gets them while the restore still writes them. Before, the
+    workers reported it finished sending at once: vLLM gave its blocks to the
+    next request, the late restore overwrote that request's KV, and vLLM's
+    assertion on the late finished_recving stopped the engine."""
+    from vllm.v1.request import RequestStatus
+
+    e = Engine({"socket": daemon.socket, "min_tokens_for_disk": 0}, num_blocks=128)
+    try:
+        e.add(make_request("A", PROMPT, max_tokens=400))
+        _resume_with_restore_slowly(e, "A", 0.6)
+        e.scheduler.finish_requests("A", RequestStatus.FINISHED_ABORTED)
+        e.add(make_request("D", OTHER, max_tokens=300))
+        worker = e.workers[0].worker
+        deadline = time.monotonic() + 20
+        while "D" not in e.finished:
+            assert time.monotonic() < deadline
+            if "A" in e.scheduler.requests:
+                e.step()
+                if "A" not in e.scheduler.requests:
+                    assert not worker._loading.get("A"), "A's blocks freed while its restore runs"
+            else:
+                e.step()
+            if "D" in e.scheduler.requests and "D" not in e.finished:
+                d = e.requests["D"]
+                e.models[0].check(d.all_token_ids, e.scheduler.kv_cache_manager.get_block_ids("D"), d.num_computed_tokens)
+            time.sleep(0.005)
+        assert "A" not in e.scheduler.requests
+    finally:
+        e.shutdown()
+
+
+def _resume_with_restore_slowly(e: Engine, req_id: str, delay_s: float) -> None:
+    # Saves first (fast), then slow loads, so that the abort lands mid-restore.
+    from vllm.v1.request import RequestStatus
+
+    e.run(lambda: e.requests[req_id].num_computed_tokens >= 620)
+    for w in e.workers:
+        assert w.worker.wait_idle(10)
+    _slow_loads(e, delay_s)
+    assert e.scheduler.reset_prefix_cache(reset_running_requests=True)
+    e.step()
+    assert e.requests[req_id].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+
+
+def test_speculative_decoding_order_still_releases_finished_requests(daemon: Daemon):
+    """With a speculative_config vLLM asks for the transfer results before
+    `wait_for_save`; a finished request that saved must still be reported
+    finished sending (its blocks were held forever)."""
+    e = Engine({"socket": daemon.socket, "min_tokens_for_disk": 0})
+    e.deferred_finalize = True
+    try:
+        e.add(make_request("bg", OTHER[:300], max_tokens=400))  # keeps every step non-empty
+        e.add(make_request("A", PROMPT, max_tokens=3))
+        e.run(lambda: "A" in e.finished)
+        e.run(lambda: "A" not in e.scheduler.requests, max_steps=300)
+        assert e.totals()["save_chunks"] >= 2
+    finally:
+        e.shutdown()
+
+
+def test_preempted_request_asks_again_and_restores_its_own_chunks(daemon: Daemon):
+    """A request first looked up before its chunks existed: after a
+    preemption it must ask again (its cached miss hid its own saves)."""
+    e = Engine({"socket": daemon.socket, "min_tokens_for_disk": 0})
+    try:
+        e.add(make_request("A", PROMPT, max_tokens=100))
+        _resume_with_restore(e, "A")
+        e.run(lambda: "A" in e.finished)
+        t = e.totals()
+        assert t["hit_tokens"] >= 512 and t["load_chunks"] >= 2, t
+    finally:
+        e.shutdown()
+
+
+def test_a_short_get_reply_fails_the_restore(daemon: Daemon):
+    """A GET answered with fewer entries than asked must not count the
+    missing chunks as loaded (zip() truncated silently)."""
+    from test_daemon import store
+
+    store(daemon.socket)
+    e = Engine({"socket": daemon.socket, "min_tokens_for_disk": 0})
+    for w in e.workers:
+        for link in w.worker._load_links:
+            orig = link.get
+            link.get = lambda *a, _o=orig, **k: _o(*a, **k)[:-1]
+    try:
+        e.add(make_request("s", PROMPT, max_tokens=3))
+        e.run(lambda: "s" in e.finished)
+        t = e.totals()
+        assert t["load_failed_requests"] == 1 and t["load_chunks"] == 0, t
+    finally:
+        e.shutdown()
+
+
+def test_a_hung_daemon_is_tried_less_and_less_often(daemon: Daemon):
+    """A stopped (not dead) daemon costs a lookup timeout per try on the
+    engine's thread: after each failure in a row the next try waits twice as
+    long (up to 30 s for lookups), instead of every 0.2 s."""
+    e = Engine({"socket": daemon.socket, "min_tokens_for_disk": 0, "lookup_timeout_ms": 200})
+    assert daemon.proc is not None
+    os.kill(daemon.proc.pid, signal.SIGSTOP)
+    try:
+        stalls, t_end, i = 0, time.monotonic() + 3.0, 0
+        while time.monotonic() < t_end:
+            r = make_request(f"r{i}", [((j * 31 + i) % 997) + 1 for j in range(300)], max_tokens=2)
+            i += 1
+            t0 = time.monotonic()
+            e.connector.get_num_new_matched_tokens(r, 0)
+            stalls += time.monotonic() - t0 > 0.15
+            time.sleep(0.01)
+        # Tries at 0, +0.2, +0.4, +0.8, +1.6 s after each timeout: at most 5
+        # in 3 s (a fixed 0.2 s back-off gave 8).
+        assert 1 <= stalls <= 5, stalls
+        link = e.connector.scheduler._link
+        assert link.max_retry_s == 30.0 and link._fails >= 3
+    finally:
+        os.kill(daemon.proc.pid, signal.SIGCONT)
+        e.shutdown()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="memfd regions")
+def test_daemon_lost_mid_save_fails_the_save_without_touching_its_memory(short_tmp: Path):
+    """A save job of more batches than save links, the daemon killed under
+    it: the failed PUT closed that link's shared memory, and gathering the
+    next batch into it crashed the process (SIGSEGV). Run in a child."""
+    script = textwrap.dedent(
+        f"""
+        import sys, faulthandler
+        faulthandler.enable()
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from pathlib import Path
+        from harness import Daemon, Engine, make_request
+        d = Daemon(Path({str(short_tmp)!r}), "n1").start()
+        e = Engine({{"socket": d.socket, "min_tokens_for_disk": 0, "staging_bytes": 1 << 20,
+                    "save_links": 8}}, num_blocks=1024)
+        w = e.workers[0].worker
+        assert len(w._save_links) == 8, len(w._save_links)
+        for link in w._save_links:
+            link.namespace(w.record)  # every region mapped
+        d.stop(graceful=False)
+        e.add(make_request("big", [((i * 37) % 997) + 1 for i in range(8192 + 10)], max_tokens=2))
+        e.step()
+        assert w.wait_idle(30), "the save job never ended"
+        t = e.totals()
+        assert t["save_chunks"] == 0 and t["save_failed_chunks"] > 0, t
+        e.shutdown()
+        print("OK")
+        """
+    )
+    env = {k: v for k, v in os.environ.items()}
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0 and "OK" in r.stdout, f"exit {r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
+
+
+def test_preemption_waits_for_reads_of_its_blocks_not_for_puts(daemon: Daemon):
+    """A step that preempts a request whose save is running waits (on the
+    engine's thread) only until that save has read the request's blocks, at
+    most PREEMPT_WAIT_S, not until its PUTs return (up to timeout_ms)."""
+    from kvtier.vllm.worker import PREEMPT_WAIT_S
+
+    # 16 chunks of 64 KiB per 1 MiB batch, one link: 19 chunks are two batches,
+    # the second gathered only once the first one's PUT returned.
+    e = Engine({"socket": daemon.socket, "min_tokens_for_disk": 0, "staging_bytes": 1 << 20, "save_links": 1})
+    worker = e.workers[0].worker
+    for link in worker._save_links:
+        orig = link.put
+
+        def slow(*a, _o=orig, **k):
+            time.sleep(1.5)
+            return _o(*a, **k)
+
+        link.put = slow
+    try:
+        e.add(make_request("A", [((i * 37) % 997) + 1 for i in range(19 * 256 + 10)], max_tokens=100))
+        e.run(lambda: worker._save_jobs.get("A"))  # the prompt's saves are queued
+        assert e.scheduler.reset_prefix_cache(reset_running_requests=True)
+        t0 = time.monotonic()
+        so = e.step()
+        took = time.monotonic() - t0
+        assert "A" in so.preempted_req_ids
+        assert took < PREEMPT_WAIT_S + 0.4, f"the preempting step waited {took:.2f} s"
+    finally:
+        e.shutdown()
