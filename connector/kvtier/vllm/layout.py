@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -103,6 +105,32 @@ class EngineLayout:
         return [bytes(block_hashes[(c + 1) * hpc - 1]) for c in range(n)]
 
 
+def _plain(v: Any) -> Any:
+    """JSON for what `json` cannot write, the same in every process (a set
+    sorted, anything else by its str)."""
+    if isinstance(v, (set, frozenset)):
+        return sorted(map(str, v))
+    return str(v)
+
+
+def model_fingerprint(model: Any) -> str:
+    """A hash of what besides the model path changes the K/V bytes: the model's
+    configuration as vLLM loaded it (hf_overrides applied: RoPE scaling, head
+    counts ...) and the weight quantization. Two engines on one model path
+    with other settings then never share chunks."""
+    parts: dict[str, Any] = {"quantization": str(getattr(model, "quantization", None))}
+    hf = getattr(model, "hf_config", None)
+    if hf is not None and hasattr(hf, "to_dict"):
+        d = dict(hf.to_dict())
+        # Where the files came from and which library read them do not change
+        # the numbers (the model path and engine version are fenced already).
+        for k in ("_name_or_path", "_commit_hash", "transformers_version"):
+            d.pop(k, None)
+        parts["hf_config"] = d
+    blob = json.dumps(parts, sort_keys=True, default=_plain)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
 def engine_layout(vllm_config: Any, kv_cache_config: Any, cfg: KvtierConfig) -> EngineLayout:
     """Derives the layout; raises Unsupported when the engine cannot be served."""
     import vllm
@@ -128,6 +156,8 @@ def engine_layout(vllm_config: Any, kv_cache_config: Any, cfg: KvtierConfig) -> 
         )
     layout = layout_fingerprint(groups, cfg.chunk_blocks)
     layout += f";kv-layout:{getattr(kv_cache_config, 'kv_cache_layout', None)}"
+    if model is not None:
+        layout += f";model-config:{model_fingerprint(model)}"
     model_name = str(model.model) if model is not None else ""
     revision = cfg.model_revision or str((model.revision if model is not None else None) or "")
     record = build_record(

@@ -186,3 +186,30 @@ def test_daemon_down_at_start_is_a_no_op(short_tmp, caplog):
         assert "cannot reach the daemon" in caplog.text
     finally:
         e.shutdown()
+
+
+def test_model_settings_that_change_kv_bytes_fence_the_namespace():
+    """RoPE scaling (hf_overrides) or weight quantization on the same model
+    path changes the K/V bytes: another namespace. The same settings give the
+    same one in every process."""
+    import types
+
+    from vllm.config import ModelConfig
+
+    from kvtier.vllm.layout import engine_layout, model_fingerprint
+
+    def layout_of(vc):
+        return engine_layout(vc, make_kv_cache_config(), KvtierConfig.from_extra_config({"socket": "/x"})).record["layout"]
+
+    base = make_vllm_config({"socket": "/x"})
+    again = make_vllm_config({"socket": "/x"})
+    assert "model-config:" in layout_of(base) and layout_of(base) == layout_of(again)
+    scaled = make_vllm_config({"socket": "/x"})
+    scaled.model_config = ModelConfig(
+        model=base.model_config.model, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=16384, seed=0,
+        hf_overrides={"rope_scaling": {"rope_type": "linear", "factor": 2.0}},
+    )
+    assert layout_of(scaled) != layout_of(base)
+    quantized = types.SimpleNamespace(hf_config=base.model_config.hf_config, quantization="fp8")
+    plain = types.SimpleNamespace(hf_config=base.model_config.hf_config, quantization=None)
+    assert model_fingerprint(quantized) != model_fingerprint(plain) == model_fingerprint(base.model_config)
