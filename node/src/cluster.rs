@@ -452,6 +452,12 @@ impl Cluster {
                 |p| p.rtt_us.unwrap_or(0) as i64,
             ),
         ];
+        ConstCounter::new(self.handle.corrupt_replies()).encode(enc.encode_descriptor(
+            "peer_corrupt_replies",
+            "Replies from peers that failed verification (id, length or CRC32C; each a miss)",
+            None,
+            MetricType::Counter,
+        )?)?;
         for (name, help, f) in gauges {
             let mut me = enc.encode_descriptor(name, help, None, MetricType::Gauge)?;
             for (n, p) in names.iter().zip(&peers) {

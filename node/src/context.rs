@@ -106,6 +106,13 @@ impl NodeContext {
         }
     }
 
+    /// Replies from peers that failed verification (0 without peers).
+    pub fn peer_corrupt_replies(&self) -> u64 {
+        self.cluster
+            .as_ref()
+            .map_or(0, |c| c.handle().corrupt_replies())
+    }
+
     /// Bytes served to nodes not among our peers (`{name: bytes}`; empty
     /// without peers): their seed lists name us, ours does not name them.
     pub fn served_unlisted_json(&self) -> serde_json::Value {

@@ -240,6 +240,7 @@ pub fn status_json(ctx: &NodeContext) -> serde_json::Value {
         "namespaces": ctx.store.namespace_listing(),
         "peers": ctx.peers_json(),
         "served_unlisted": ctx.served_unlisted_json(),
+        "peer_corrupt_replies": ctx.peer_corrupt_replies(),
         "requests": {
             "native": c.native_requests.load(Ordering::Relaxed),
             "native_errors": c.native_errors.load(Ordering::Relaxed),

@@ -831,8 +831,17 @@ impl PeerHandle {
                     slot.fetches_failed.fetch_add(1, Ordering::Relaxed);
                     if matches!(e, FetchError::Corrupt { .. }) {
                         self.shared.corrupt_replies.fetch_add(1, Ordering::Relaxed);
+                        // A peer with a broken path or software fails every
+                        // fetch: once per peer at warn, then at debug.
+                        if crate::logonce::warn_now(format!("corrupt|{}", h.name)) {
+                            tracing::warn!(peer = %h.name, error = %e,
+                                "corrupt reply from a peer (served as a miss; repeats from it are logged at debug)");
+                        } else {
+                            tracing::debug!(peer = %h.name, error = %e, "corrupt reply from a peer");
+                        }
+                    } else {
+                        tracing::debug!(peer = %h.name, error = %e, "peer fetch failed");
                     }
-                    tracing::debug!(peer = %h.name, error = %e, "peer fetch failed");
                     last = e;
                 }
                 Err(_) => {
@@ -847,7 +856,8 @@ impl PeerHandle {
         Err(last)
     }
 
-    /// Replies that failed verification so far.
+    /// Replies that failed verification so far (each a miss; the first
+    /// from each peer is logged at warn, see [`crate::logonce`]).
     pub fn corrupt_replies(&self) -> u64 {
         self.shared.corrupt_replies.load(Ordering::Relaxed)
     }

@@ -498,10 +498,52 @@ fn fetch_connections_out_of_range_are_refused() {
     }
 }
 
+/// Log lines at warn and above, as text (a writer for a scoped subscriber).
+#[derive(Clone, Default)]
+struct Captured(Arc<Mutex<Vec<u8>>>);
+
+impl std::io::Write for Captured {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for Captured {
+    type Writer = Captured;
+    fn make_writer(&'a self) -> Self::Writer {
+        self.clone()
+    }
+}
+
+impl Captured {
+    fn warnings(&self) -> Vec<String> {
+        String::from_utf8_lossy(&self.0.lock())
+            .lines()
+            .filter(|l| l.contains("WARN"))
+            .map(str::to_owned)
+            .collect()
+    }
+}
+
+/// A corrupt reply is a miss, counted, and logged at warn once per peer
+/// (it was logged at debug only: review).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn corrupt_payload_is_rejected() {
     let c = Cluster::new("prod");
     let (a, b) = pair(&c);
+    // The fetches below run on this thread (the test's own future).
+    let log = Captured::default();
+    let _scoped = tracing::subscriber::set_default(
+        tracing_subscriber::fmt()
+            .with_writer(log.clone())
+            .with_max_level(tracing::Level::WARN)
+            .with_ansi(false)
+            .finish(),
+    );
     let p = payload(300_000, 9);
     a.source.insert(id(3), p.clone());
     a.handle.local_added(id(3), p.len() as u64);
@@ -519,6 +561,16 @@ async fn corrupt_payload_is_rejected() {
     assert!(matches!(r, Err(FetchError::Corrupt { .. })), "{r:?}");
     assert_eq!(b.handle.corrupt_replies(), 2);
     assert_eq!(b.source.lent.load(Ordering::Relaxed), 1);
+    let warned = log.warnings();
+    assert_eq!(
+        warned.len(),
+        1,
+        "one warning for two corrupt replies: {warned:?}"
+    );
+    assert!(
+        warned[0].contains("corrupt reply") && warned[0].contains("node-a"),
+        "{warned:?}"
+    );
     a.source.corrupt.store(false, Ordering::Relaxed);
     let got = b
         .handle

@@ -1049,3 +1049,24 @@ fn chunks_served_to_a_peer_are_not_counted_as_local_hits() {
         assert_eq!(store[k], 0, "{k} on the holder: {store}");
     }
 }
+
+/// The count of peer replies that failed verification is exported in
+/// `/metrics`, STATS and `/status` (the peer layer counted them, but the
+/// daemon exported nothing: review). A corrupt reply itself is the peer
+/// crate's test (`corrupt_payload_is_rejected`).
+#[test]
+fn the_corrupt_peer_reply_count_is_exported() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let Two { a, .. } = two_nodes(dir.path());
+    let http = a.http.expect("http");
+    let metrics = http_get(http, "/metrics");
+    assert_eq!(
+        kvtier_tests::metric(&metrics, "kvtier_peer_corrupt_replies_total"),
+        Some(0.0),
+        "{metrics}"
+    );
+    let st = a.client().stats().expect("STATS");
+    assert_eq!(st["peer_corrupt_replies"], 0, "{st}");
+    let status = http_get(http, "/status");
+    assert!(status.contains("\"peer_corrupt_replies\": 0"), "{status}");
+}

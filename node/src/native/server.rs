@@ -1037,6 +1037,7 @@ pub fn stats_json(ctx: &NodeContext) -> serde_json::Value {
         "store": ctx.store.stats(),
         "peers": ctx.peers_json(),
         "served_unlisted": ctx.served_unlisted_json(),
+        "peer_corrupt_replies": ctx.peer_corrupt_replies(),
         "counters": {
             "native-requests": c.native_requests.load(Relaxed),
             "native-errors": c.native_errors.load(Relaxed),
