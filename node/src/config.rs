@@ -288,14 +288,15 @@ pub struct NodeConfig {
     /// Default: false.
     pub insecure_dev: bool,
     /// How long a GET that misses locally may wait for a peer before it is
-    /// a miss. Default: 2s.
+    /// a miss; at most 1 day. Default: 2s.
     pub peer_fetch_timeout: HumanDuration,
-    /// Peer handshake timeout. Default: 2s.
+    /// Peer handshake timeout; at most 1 day. Default: 2s.
     pub peer_connect_timeout: HumanDuration,
-    /// Silence after which a peer is suspect. Default: 1s.
+    /// Silence after which a peer is suspect; at most 1 day. Default: 1s.
     pub peer_suspect_after: HumanDuration,
     /// Silence after which a peer is down (its chunks are no longer
-    /// offered). Must exceed `peer-suspect-after`. Default: 3s.
+    /// offered). Must exceed `peer-suspect-after`; at most 1 day.
+    /// Default: 3s.
     pub peer_down_after: HumanDuration,
     /// Bytes per second this node serves to one peer; 0 = unlimited.
     /// Default: 0.
@@ -722,6 +723,16 @@ impl NodeConfig {
         src: &Sources,
         bad: &dyn Fn(&str, String) -> NodeError,
     ) -> Result<()> {
+        for (key, d) in [
+            ("peer-fetch-timeout", self.peer_fetch_timeout),
+            ("peer-connect-timeout", self.peer_connect_timeout),
+            ("peer-suspect-after", self.peer_suspect_after),
+            ("peer-down-after", self.peer_down_after),
+        ] {
+            if d.0 > peer::MAX_PEER_DURATION {
+                return Err(bad(key, format!("{d} is longer than the 1 day limit")));
+            }
+        }
         if self.peer_suspect_after.0 >= self.peer_down_after.0 {
             // Blame the one of the two a user set (the other is a default).
             let (key, other, this, that) = if src.is_default("peer-down-after") {
@@ -1775,6 +1786,30 @@ mod tests {
         )
         .expect("a client variable is ignored");
         assert_eq!(c.config.native_spin.0, Duration::from_micros(50));
+    }
+
+    /// Peer durations that `now + d` would overflow (humantime takes
+    /// centuries) are refused, naming the key: they panicked a GET or the
+    /// membership timer.
+    #[test]
+    fn peer_durations_past_a_day_are_refused_naming_the_key() {
+        for key in [
+            "peer-fetch-timeout",
+            "peer-connect-timeout",
+            "peer-suspect-after",
+            "peer-down-after",
+        ] {
+            let file = format!("{key} = \"500years\"\n");
+            let e = err_of(load_with(Some(&file), &[], Overrides::default()));
+            assert!(e.contains(key) && e.contains("1 day"), "{key}: {e}");
+        }
+        let c = load_with(
+            Some("peer-down-after = \"1day\"\npeer-fetch-timeout = \"1h\"\n"),
+            &[],
+            Overrides::default(),
+        )
+        .expect("a day is accepted");
+        assert_eq!(c.config.peer_down_after.0, Duration::from_secs(86_400));
     }
 
     #[test]

@@ -22,8 +22,8 @@ pub mod transport;
 pub use id::{ChunkBytes, PeerChunkId, PeerNamespace};
 pub use proto::PeerState;
 pub use transport::{
-    ChunkSource, FetchBuffer, FetchError, MAX_FETCH_CONNECTIONS, PeerConfig, PeerHandle, PeerRef,
-    PeerStatus, SourceFuture, TransportTuning,
+    ChunkSource, FetchBuffer, FetchError, MAX_FETCH_CONNECTIONS, MAX_PEER_DURATION, PeerConfig,
+    PeerHandle, PeerRef, PeerStatus, SourceFuture, TransportTuning,
 };
 
 /// Errors of this crate (setup, certificates, TLS, binding).

@@ -241,6 +241,9 @@ impl TransportTuning {
 
 /// Most [`PeerConfig::fetch_connections`] per peer.
 pub const MAX_FETCH_CONNECTIONS: u32 = 16;
+/// Longest timeout or membership threshold accepted (one day): instants
+/// are computed as `now + duration`, which a longer value could overflow.
+pub const MAX_PEER_DURATION: Duration = Duration::from_secs(86_400);
 
 /// Peer configuration (the node maps its own config onto this).
 #[derive(Debug, Clone)]
@@ -322,6 +325,21 @@ impl PeerConfig {
                 "{} peers configured, at most {MAX_SLOTS}",
                 self.peers.len()
             ));
+        }
+        for (key, d) in [
+            ("connect-timeout", self.connect_timeout),
+            ("ping-interval", self.ping_interval),
+            ("suspect-after", self.suspect_after),
+            ("down-after", self.down_after),
+            ("keep-alive", self.keep_alive),
+            ("idle-timeout", self.idle_timeout),
+            ("backoff-max", self.backoff_max),
+        ] {
+            if d > MAX_PEER_DURATION {
+                return bad(format!(
+                    "{key} of {d:?} is longer than the {MAX_PEER_DURATION:?} limit"
+                ));
+            }
         }
         if self.suspect_after >= self.down_after {
             return bad("suspect-after must be shorter than down-after".into());
@@ -809,7 +827,11 @@ impl PeerHandle {
         if *self.shared.shutdown.borrow() {
             return Err(FetchError::ShuttingDown);
         }
-        let deadline = tokio::time::Instant::now() + timeout;
+        // A timeout too long to add is as good as none (a far deadline).
+        let now = tokio::time::Instant::now();
+        let deadline = now
+            .checked_add(timeout)
+            .unwrap_or_else(|| now + MAX_PEER_DURATION);
         let holders = self.holders(id);
         if holders.is_empty() {
             return Err(FetchError::NoHolder);

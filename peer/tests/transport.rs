@@ -498,6 +498,26 @@ fn fetch_connections_out_of_range_are_refused() {
     }
 }
 
+/// A duration that `now + d` overflows is refused by `validate` (it
+/// panicked the membership timer), and a fetch given one does not panic.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn durations_past_the_limit_are_refused_or_harmless() {
+    let huge = Duration::from_secs(500 * 365 * 86_400);
+    let mut cfg = fast_cfg(vec![]);
+    cfg.down_after = huge;
+    let e = cfg.validate(false).expect_err("refused").to_string();
+    assert!(e.contains("down-after"), "{e}");
+    cfg.down_after = peer::MAX_PEER_DURATION;
+    cfg.validate(false).expect("one day is accepted");
+    let c = Cluster::new("prod");
+    let a = start(c.node("node-a"), fast_cfg(vec![]));
+    for timeout in [huge, Duration::MAX] {
+        let r = a.handle.fetch(&id(1), timeout).await;
+        assert!(matches!(r, Err(FetchError::NoHolder)), "{r:?}");
+    }
+    a.handle.shutdown(Duration::from_secs(2)).await;
+}
+
 /// Log lines at warn and above, as text (a writer for a scoped subscriber).
 #[derive(Clone, Default)]
 struct Captured(Arc<Mutex<Vec<u8>>>);
