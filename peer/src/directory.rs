@@ -27,6 +27,19 @@ use crate::proto::msg::Op;
 
 /// Most peer slots one directory tracks.
 pub const MAX_SLOTS: usize = 32;
+/// Most chunks one peer may be said to hold, by default: 8 Mi entries
+/// (about 0.2–0.45 GB of table), e.g. 8 TiB of 1 MiB chunks. A peer that
+/// announces more is refused ([`OverLimit`]), so a faulty or hostile one
+/// cannot grow this node's memory without bound.
+pub const DEFAULT_MAX_CHUNKS_PER_PEER: u64 = 8 << 20;
+
+/// A peer announced more chunks than the directory keeps for one peer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("the peer announced more than {limit} chunks")]
+pub struct OverLimit {
+    /// The per-peer limit.
+    pub limit: u64,
+}
 
 /// A 96-bit fingerprint of a chunk id (12 bytes, 4-byte aligned, so a
 /// table entry stays 24 bytes with the RAM mask).
@@ -128,6 +141,8 @@ pub struct Directory {
     // parking_lot RwLock: critical sections are short and never span an
     // await; lookups far outnumber updates.
     inner: RwLock<Inner>,
+    /// Most chunks one slot may hold.
+    max_per_slot: u64,
 }
 
 impl Default for Directory {
@@ -137,13 +152,20 @@ impl Default for Directory {
 }
 
 impl Directory {
-    /// An empty directory.
+    /// An empty directory keeping at most [`DEFAULT_MAX_CHUNKS_PER_PEER`]
+    /// chunks per peer.
     pub fn new() -> Self {
+        Self::with_limit(DEFAULT_MAX_CHUNKS_PER_PEER)
+    }
+
+    /// An empty directory keeping at most `max_per_slot` chunks per peer.
+    pub fn with_limit(max_per_slot: u64) -> Self {
         Self {
             inner: RwLock::new(Inner {
                 map: Default::default(),
                 slots: vec![SlotStats::default(); MAX_SLOTS],
             }),
+            max_per_slot,
         }
     }
 
@@ -162,15 +184,19 @@ impl Directory {
     }
 
     /// Records that `slot` holds `id`.
-    pub fn add(&self, slot: usize, id: &PeerChunkId, len: u64) {
-        self.apply(slot, std::iter::once(Op::Add(*id, len)));
+    pub fn add(&self, slot: usize, id: &PeerChunkId, len: u64) -> Result<(), OverLimit> {
+        self.apply(slot, std::iter::once(Op::Add(*id, len)))
     }
 
-    /// Applies ops from `slot` in order.
-    pub fn apply(&self, slot: usize, ops: impl IntoIterator<Item = Op>) {
+    /// Applies ops from `slot` in order. An add that would make `slot`
+    /// hold more than its limit is refused with the ops after it; the ops
+    /// before it stay applied (the caller drops the peer's link, which
+    /// clears the slot).
+    pub fn apply(&self, slot: usize, ops: impl IntoIterator<Item = Op>) -> Result<(), OverLimit> {
         if slot >= MAX_SLOTS {
-            return;
+            return Ok(());
         }
+        let limit = self.max_per_slot;
         let bit = 1u32 << slot;
         let mut g = self.inner.write();
         let Inner { map, slots } = &mut *g;
@@ -178,7 +204,11 @@ impl Directory {
         for op in ops {
             match op {
                 Op::Add(id, len) => {
-                    let e = map.entry(fingerprint(&id)).or_insert(Entry {
+                    let fp = fingerprint(&id);
+                    if st.chunks >= limit && map.get(&fp).is_none_or(|e| e.holders & bit == 0) {
+                        return Err(OverLimit { limit });
+                    }
+                    let e = map.entry(fp).or_insert(Entry {
                         holders: 0,
                         ram: 0,
                         len: u32::try_from(len).unwrap_or(u32::MAX),
@@ -225,6 +255,7 @@ impl Directory {
                 }
             }
         }
+        Ok(())
     }
 
     /// Forgets everything `slot` was said to hold (O(entries)).
@@ -315,9 +346,9 @@ mod tests {
     #[test]
     fn add_remove_and_slot_bits() {
         let d = Directory::new();
-        d.add(0, &id(1, 1), 100);
-        d.add(3, &id(1, 1), 100);
-        d.add(3, &id(2, 1), 50);
+        d.add(0, &id(1, 1), 100).expect("under the limit");
+        d.add(3, &id(1, 1), 100).expect("under the limit");
+        d.add(3, &id(2, 1), 50).expect("under the limit");
         assert_eq!(d.holders(&id(1, 1)), 0b1001);
         assert_eq!(d.holders(&id(2, 1)), 0b1000);
         assert_eq!(d.holders(&id(1, 2)), 0, "same key, other namespace");
@@ -328,7 +359,8 @@ mod tests {
                 bytes: 150
             }
         );
-        d.apply(3, [Op::Remove(id(1, 1)), Op::Remove(id(9, 1))]);
+        d.apply(3, [Op::Remove(id(1, 1)), Op::Remove(id(9, 1))])
+            .expect("under the limit");
         assert_eq!(d.holders(&id(1, 1)), 0b1);
         assert_eq!(
             d.totals(3),
@@ -342,10 +374,10 @@ mod tests {
         assert_eq!(d.len(), 1);
         assert_eq!(d.namespaces(3), vec![(PeerNamespace([1; 16]), 1)]);
         // Duplicate add is idempotent.
-        d.add(3, &id(2, 1), 50);
+        d.add(3, &id(2, 1), 50).expect("under the limit");
         assert_eq!(d.totals(3).chunks, 1);
         // Out-of-range slot is ignored, never panics.
-        d.add(MAX_SLOTS, &id(5, 1), 1);
+        d.add(MAX_SLOTS, &id(5, 1), 1).expect("ignored");
         assert_eq!(d.holders(&id(5, 1)), 0);
     }
 
@@ -354,26 +386,29 @@ mod tests {
         let d = Directory::new();
         let ids: Vec<_> = (0..6).map(|i| id(i, 1)).collect();
         for x in &ids {
-            d.add(2, x, 10);
+            d.add(2, x, 10).expect("under the limit");
         }
         assert_eq!(d.ram_prefix(2, &ids), 6, "an add is in RAM");
         assert_eq!(d.ram_prefix(1, &ids), 0, "another slot holds nothing");
-        d.apply(2, [Op::Ram(ids[3], false)]);
+        d.apply(2, [Op::Ram(ids[3], false)])
+            .expect("under the limit");
         assert_eq!(d.ram_prefix(2, &ids), 3);
         // A RAM op for a chunk the slot does not hold changes nothing.
-        d.apply(1, [Op::Ram(ids[3], true)]);
+        d.apply(1, [Op::Ram(ids[3], true)])
+            .expect("under the limit");
         assert_eq!(d.ram_prefix(2, &ids), 3);
         assert_eq!(d.ram_prefix(1, &ids), 0);
-        d.apply(2, [Op::Ram(ids[3], true), Op::Ram(ids[0], false)]);
+        d.apply(2, [Op::Ram(ids[3], true), Op::Ram(ids[0], false)])
+            .expect("under the limit");
         assert_eq!(d.ram_prefix(2, &ids), 0);
         assert_eq!(d.ram_prefix(2, &ids[1..]), 5);
         // Another holder of the same chunk keeps its own bit.
-        d.add(5, &ids[1], 10);
-        d.apply(2, [Op::Remove(ids[1])]);
+        d.add(5, &ids[1], 10).expect("under the limit");
+        d.apply(2, [Op::Remove(ids[1])]).expect("under the limit");
         assert_eq!(d.ram_prefix(2, &ids[1..]), 0);
         assert_eq!(d.ram_prefix(5, &ids[1..]), 1);
         // Re-adding is in RAM again; clearing the slot forgets the bits.
-        d.add(2, &ids[1], 10);
+        d.add(2, &ids[1], 10).expect("under the limit");
         assert_eq!(d.ram_prefix(2, &ids[1..]), 5);
         d.clear_slot(2);
         assert_eq!(d.ram_prefix(2, &ids[1..]), 0);
@@ -381,11 +416,36 @@ mod tests {
         assert_eq!(d.ram_prefix(MAX_SLOTS, &ids), 0);
     }
 
+    /// A peer cannot grow the directory past its limit (a hostile peer
+    /// streamed 3M entries, RSS 18 -> 289 MB: review): the add past it is
+    /// refused, re-adds and removes of what it holds are not, and other
+    /// peers keep their own room.
+    #[test]
+    fn a_peer_past_its_chunk_limit_is_refused() {
+        let d = Directory::with_limit(3);
+        let ids: Vec<_> = (0..5).map(|i| id(i, 1)).collect();
+        let adds =
+            |r: std::ops::Range<usize>| ids[r].iter().map(|x| Op::Add(*x, 10)).collect::<Vec<_>>();
+        assert_eq!(d.apply(1, adds(0..5)), Err(OverLimit { limit: 3 }));
+        assert_eq!(d.totals(1).chunks, 3, "the ops before the refused one stay");
+        assert_eq!(d.len(), 3);
+        assert_eq!(d.holders(&ids[3]), 0);
+        d.apply(1, adds(0..3)).expect("re-adding what it holds");
+        d.apply(1, [Op::Remove(ids[0])]).expect("a remove");
+        d.add(1, &ids[3], 10).expect("room again");
+        assert_eq!(d.add(1, &ids[4], 10), Err(OverLimit { limit: 3 }));
+        // Another peer has its own limit, also for chunks slot 1 holds.
+        d.apply(2, adds(2..5)).expect("another slot");
+        assert_eq!(d.holders(&ids[3]), 0b110);
+        // The default is generous.
+        assert_eq!(Directory::new().max_per_slot, DEFAULT_MAX_CHUNKS_PER_PEER);
+    }
+
     #[test]
     fn group_is_part_of_identity() {
         let mut a = id(1, 1);
         let d = Directory::new();
-        d.add(0, &a, 1);
+        d.add(0, &a, 1).expect("under the limit");
         a.group = 1;
         assert_eq!(d.holders(&a), 0);
     }
@@ -399,7 +459,7 @@ mod tests {
         let d = Directory::new();
         let n = 1_000_000u64;
         for i in 0..n {
-            d.add(0, &id(i, 1), 1 << 20);
+            d.add(0, &id(i, 1), 1 << 20).expect("under the limit");
         }
         assert_eq!(d.len() as u64, n);
         let per = d.table_bytes() as f64 / n as f64;

@@ -287,6 +287,11 @@ pub struct PeerConfig {
     pub delta_max_delay: Duration,
     /// Largest chunk payload accepted in a fetch reply. Default: 256 MiB.
     pub max_chunk_len: u64,
+    /// Most chunks one peer may announce; past it its link is dropped with
+    /// a warning (and retried with backoff), so its announcements cannot
+    /// grow this node's memory without bound. At least 1. Default:
+    /// [`crate::directory::DEFAULT_MAX_CHUNKS_PER_PEER`] (8 Mi).
+    pub max_chunks_per_peer: u64,
     /// QUIC tuning.
     pub tuning: TransportTuning,
 }
@@ -310,6 +315,7 @@ impl Default for PeerConfig {
             delta_max_batch: 1024,
             delta_max_delay: Duration::from_millis(5),
             max_chunk_len: 256 << 20,
+            max_chunks_per_peer: crate::directory::DEFAULT_MAX_CHUNKS_PER_PEER,
             tuning: TransportTuning::default(),
         }
     }
@@ -346,6 +352,9 @@ impl PeerConfig {
         }
         if self.ping_interval >= self.suspect_after {
             return bad("ping-interval must be shorter than suspect-after".into());
+        }
+        if self.max_chunks_per_peer == 0 {
+            return bad("max-chunks-per-peer must be at least 1".into());
         }
         if self.max_fetches_per_peer == 0 {
             return bad("max-fetches-per-peer must be at least 1".into());
@@ -651,6 +660,7 @@ impl PeerHandle {
             .collect();
         let epoch: u64 = rand::thread_rng().r#gen();
         let (deltas, _) = broadcast::channel(1024);
+        let directory = Directory::with_limit(cfg.max_chunks_per_peer);
         let shared = Arc::new(Shared {
             publisher: Mutex::new(Publisher::new(
                 epoch,
@@ -666,7 +676,7 @@ impl PeerHandle {
             deltas,
             flush_now: Notify::new(),
             ns_version: watch::channel(0).0,
-            directory: Directory::new(),
+            directory,
             slots,
             source,
             served: Mutex::new(HashMap::new()),
@@ -1662,8 +1672,11 @@ async fn run_link(
                     other => {
                         slot.health.lock().on_heard(now);
                         let action = slot.sync.lock().handle(other, now);
-                        match action {
-                            SyncAction::Clear => shared.directory.clear_slot(slot.index),
+                        let applied = match action {
+                            SyncAction::Clear => {
+                                shared.directory.clear_slot(slot.index);
+                                Ok(())
+                            }
                             SyncAction::Add(entries) => shared.directory.apply(
                                 slot.index,
                                 entries.into_iter().flat_map(|(id, len, ram)| {
@@ -1679,11 +1692,20 @@ async fn run_link(
                                 if write_msg(&mut send, &Message::Resync).await.is_err() {
                                     return;
                                 }
+                                Ok(())
                             }
                             SyncAction::Synced => {
                                 tracing::debug!(peer = %label, chunks = shared.directory.totals(slot.index).chunks, "availability in sync");
+                                Ok(())
                             }
-                            SyncAction::None => {}
+                            SyncAction::None => Ok(()),
+                        };
+                        if let Err(e) = applied {
+                            // The caller closes the link and clears the slot.
+                            tracing::warn!(peer = %label, error = %e,
+                                "peer announced too many chunks; dropping its link (max-chunks-per-peer)");
+                            *slot.last_error.lock() = Some(e.to_string());
+                            return;
                         }
                     }
                 }
