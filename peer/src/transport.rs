@@ -508,9 +508,25 @@ struct Slot {
     fetches_ok: AtomicU64,
     fetches_failed: AtomicU64,
     connects: AtomicU64,
+    /// Until when fetches skip this peer: a fetch from it timed out (see
+    /// [`SLOW_PEER_COOLDOWN`]).
+    slow_until: Mutex<Option<Instant>>,
 }
 
+/// How long fetches skip a peer after a fetch from it timed out. A holder
+/// whose link is up but whose fetches hang (a stopped disk, a saturated
+/// node) is not marked down by the membership protocol; without this every
+/// chunk of a restore waited out its own timeout there, so a GET of N
+/// chunks took about N / 16 timeouts. Now the first wave times out and the
+/// rest are misses at once (or go to another holder) until the cooldown
+/// ends, when one fetch tries the peer again.
+pub const SLOW_PEER_COOLDOWN: Duration = Duration::from_secs(10);
+
 impl Slot {
+    fn cooling(&self, now: Instant) -> bool {
+        self.slow_until.lock().is_some_and(|t| now < t)
+    }
+
     fn label(&self) -> String {
         self.name
             .read()
@@ -655,6 +671,7 @@ impl PeerHandle {
                     fetches_ok: AtomicU64::new(0),
                     fetches_failed: AtomicU64::new(0),
                     connects: AtomicU64::new(0),
+                    slow_until: Mutex::new(None),
                 })
             })
             .collect();
@@ -842,7 +859,11 @@ impl PeerHandle {
         let deadline = now
             .checked_add(timeout)
             .unwrap_or_else(|| now + MAX_PEER_DURATION);
-        let holders = self.holders(id);
+        let mut holders = self.holders(id);
+        // Peers whose fetches timed out lately are skipped (see
+        // SLOW_PEER_COOLDOWN): with no other holder, a miss at once.
+        let at = Instant::now();
+        holders.retain(|h| !self.shared.slots[h.slot as usize].cooling(at));
         if holders.is_empty() {
             return Err(FetchError::NoHolder);
         }
@@ -854,6 +875,7 @@ impl PeerHandle {
             slot.in_flight.fetch_sub(1, Ordering::Relaxed);
             match r {
                 Ok(Ok(b)) => {
+                    *slot.slow_until.lock() = None;
                     slot.fetches_ok.fetch_add(1, Ordering::Relaxed);
                     slot.bytes_fetched
                         .fetch_add(b.len() as u64, Ordering::Relaxed);
@@ -878,6 +900,16 @@ impl PeerHandle {
                 }
                 Err(_) => {
                     slot.fetches_failed.fetch_add(1, Ordering::Relaxed);
+                    let until = Instant::now() + SLOW_PEER_COOLDOWN;
+                    if slot
+                        .slow_until
+                        .lock()
+                        .replace(until)
+                        .is_none_or(|t| t <= at)
+                    {
+                        tracing::warn!(peer = %h.name, after = ?timeout, cooldown = ?SLOW_PEER_COOLDOWN,
+                            "a fetch from a peer timed out; fetches skip it for the cooldown");
+                    }
                     return Err(FetchError::Timeout {
                         peer: h.name.to_string(),
                         after: timeout,
@@ -1574,6 +1606,8 @@ async fn connect(shared: &Arc<Shared>, slot: &Slot) -> Result<Option<Link>, Stri
     }
     *slot.conn.write() = Some(conn.clone());
     slot.connects.fetch_add(1, Ordering::Relaxed);
+    // A new link is a fresh start: fetches try this peer again at once.
+    *slot.slow_until.lock() = None;
     let now = Instant::now();
     let mut h = slot.health.lock();
     h.on_connected(now);

@@ -620,6 +620,19 @@ async fn stalled_and_dead_peers_become_misses_within_the_timeout() {
     let took = t.elapsed();
     assert!(matches!(r, Err(FetchError::Timeout { .. })), "{r:?}");
     assert!(took < Duration::from_millis(1500), "took {took:?}");
+    // For the cooldown that follows, fetches skip it: misses at once, not a
+    // timeout each (a GET of N chunks took about N / 16 timeouts).
+    let t = Instant::now();
+    for _ in 0..3 {
+        let r = b.handle.fetch(&id(4), Duration::from_millis(300)).await;
+        assert!(matches!(r, Err(FetchError::NoHolder)), "{r:?}");
+    }
+    let took = t.elapsed();
+    assert!(took < Duration::from_millis(150), "took {took:?}");
+    assert!(
+        !b.handle.holders(&id(4)).is_empty(),
+        "still listed as a holder"
+    );
     a.source.stall.store(false, Ordering::Relaxed);
 
     // Dead holder: B marks it down and stops offering it.
