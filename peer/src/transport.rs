@@ -483,6 +483,9 @@ pub struct PeerStatus {
 struct ServeStats {
     bytes: AtomicU64,
     limiter: RateLimiter,
+    /// Under a serve rate, one reply at a time, in arrival order (see
+    /// `serve_fetch`).
+    turn: tokio::sync::Mutex<()>,
 }
 
 /// One configured peer.
@@ -1221,6 +1224,7 @@ async fn serve_conn(shared: Arc<Shared>, conn: Connection) {
             Arc::new(ServeStats {
                 bytes: AtomicU64::new(0),
                 limiter: RateLimiter::new(shared.cfg.serve_rate_limit),
+                turn: tokio::sync::Mutex::new(()),
             })
         })
         .clone();
@@ -1338,6 +1342,22 @@ async fn serve_fetch(
     stats: &ServeStats,
 ) -> Result<(), StreamErr> {
     let limiter = &stats.limiter;
+    // Under a serve rate, replies to one peer go one at a time in arrival
+    // order: interleaved piece by piece, up to 16 of them shared the rate
+    // and all finished late together, past the requester's timeout (the
+    // goodput fell to a few % of the rate). A requester that gave up (its
+    // stream stopped) is skipped, in the queue or mid-reply, so its share
+    // goes to the next one.
+    let stopped = send.stopped();
+    tokio::pin!(stopped);
+    let _turn = if limiter.limited() {
+        tokio::select! {
+            t = stats.turn.lock() => Some(t),
+            _ = &mut stopped => return Ok(()),
+        }
+    } else {
+        None
+    };
     let got = shared.source.read(&id).await;
     let reply = |status, len, crc| Message::FetchReply {
         status,
@@ -1356,7 +1376,10 @@ async fn serve_fetch(
         let mut rest = chunk.payload;
         while !rest.is_empty() {
             let piece = rest.split_to(rest.len().min(256 << 10));
-            limiter.acquire(piece.len() as u64).await;
+            tokio::select! {
+                () = limiter.acquire(piece.len() as u64) => {}
+                _ = &mut stopped => return Ok(()),
+            }
             send.write_chunk(piece)
                 .await
                 .map_err(|e| StreamErr::Io(e.to_string()))?;

@@ -650,6 +650,54 @@ async fn stalled_and_dead_peers_become_misses_within_the_timeout() {
     b.handle.shutdown(Duration::from_secs(2)).await;
 }
 
+/// Under a serve rate, a holder serves whole chunks one at a time: with
+/// 16 fetches of 1 MiB at 4 MiB/s and a 1 s timeout, about eight arrive
+/// (the burst, then the rate). Interleaved piece by piece they all shared
+/// the rate and timed out together (4 of 32 arrived, from the burst).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_serve_rate_serves_whole_chunks_in_turn() {
+    let c = Cluster::new("prod");
+    let a = start(
+        c.node("node-a"),
+        PeerConfig {
+            serve_rate_limit: 4 << 20,
+            ..fast_cfg(vec![])
+        },
+    );
+    let b = start(c.node("node-b"), fast_cfg(vec![a.addr.to_string()]));
+    for i in 0..16u8 {
+        let p = payload(1 << 20, i);
+        a.source.insert(id(100 + i), p.clone());
+        a.handle.local_added(id(100 + i), p.len() as u64);
+    }
+    poll("sync", Duration::from_secs(10), || {
+        (!b.handle.holders(&id(115)).is_empty()).then_some(())
+    })
+    .await;
+    let mut fetches = tokio::task::JoinSet::new();
+    for i in 0..16u8 {
+        let h = b.handle.clone();
+        fetches.spawn(async move {
+            h.fetch(&id(100 + i), Duration::from_secs(1))
+                .await
+                .map(|got| got == payload(1 << 20, i))
+        });
+    }
+    let mut ok = 0;
+    while let Some(r) = fetches.join_next().await {
+        match r.expect("task") {
+            Ok(exact) => {
+                assert!(exact, "other bytes");
+                ok += 1;
+            }
+            Err(e) => assert!(matches!(e, FetchError::Timeout { .. }), "{e:?}"),
+        }
+    }
+    assert!(ok >= 5, "{ok} of 16 chunks arrived within the timeout");
+    a.handle.shutdown(Duration::from_secs(2)).await;
+    b.handle.shutdown(Duration::from_secs(2)).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn restarted_peer_is_resynced() {
     let c = Cluster::new("prod");
