@@ -1073,6 +1073,9 @@ impl std::fmt::Display for StreamErr {
     }
 }
 
+/// How long a frame's body may take to arrive once its header has.
+const FRAME_BODY_TIMEOUT: Duration = Duration::from_secs(10);
+
 async fn read_frame(recv: &mut RecvStream) -> Result<Message, StreamErr> {
     let mut header = [0u8; HEADER_LEN];
     match recv.read_exact(&mut header).await {
@@ -1081,10 +1084,28 @@ async fn read_frame(recv: &mut RecvStream) -> Result<Message, StreamErr> {
         Err(e) => return Err(StreamErr::Io(e.to_string())),
     }
     let h = FrameHeader::decode(&header).map_err(StreamErr::Decode)?;
-    let mut body = vec![0u8; h.body_len as usize];
-    recv.read_exact(&mut body)
+    // The body is taken as it arrives, within a deadline: a peer that
+    // announced 16 MiB bodies on many streams and sent none (or all but a
+    // byte) held that memory for as long as its connection lived.
+    let want = h.body_len as usize;
+    let mut body = Vec::with_capacity(want.min(64 << 10));
+    let fill = async {
+        while body.len() < want {
+            match recv.read_chunk(want - body.len(), true).await {
+                Ok(Some(c)) => body.extend_from_slice(&c.bytes),
+                Ok(None) => return Err(StreamErr::Io("stream ended inside a frame".into())),
+                Err(e) => return Err(StreamErr::Io(e.to_string())),
+            }
+        }
+        Ok(())
+    };
+    tokio::time::timeout(FRAME_BODY_TIMEOUT, fill)
         .await
-        .map_err(|e| StreamErr::Io(e.to_string()))?;
+        .map_err(|_| {
+            StreamErr::Io(format!(
+                "a frame body of {want} bytes did not arrive within {FRAME_BODY_TIMEOUT:?}"
+            ))
+        })??;
     h.check_body(&header, &body).map_err(StreamErr::Decode)?;
     Message::decode_body(h.kind, &body).map_err(StreamErr::Decode)
 }
@@ -1229,6 +1250,7 @@ async fn serve_conn(shared: Arc<Shared>, conn: Connection) {
         })
         .clone();
     let mut shutdown = shared.shutdown.subscribe();
+    let control = Arc::new(AtomicUsize::new(0));
     loop {
         let (send, recv) = tokio::select! {
             r = conn.accept_bi() => match r {
@@ -1244,8 +1266,9 @@ async fn serve_conn(shared: Arc<Shared>, conn: Connection) {
         let st = stats.clone();
         let cn = cert_name.clone();
         let lb = label.clone();
+        let ctl = control.clone();
         tokio::spawn(async move {
-            if let Err(e) = serve_stream(s2, send, recv, cn, st).await {
+            if let Err(e) = serve_stream(s2, send, recv, cn, st, ctl).await {
                 tracing::debug!(peer = %lb, error = %e, "peer stream ended");
             }
         });
@@ -1258,6 +1281,7 @@ async fn serve_stream(
     mut recv: RecvStream,
     cert_name: Option<String>,
     stats: Arc<ServeStats>,
+    control: Arc<AtomicUsize>,
 ) -> Result<(), StreamErr> {
     let first = tokio::time::timeout(shared.cfg.connect_timeout, read_frame(&mut recv))
         .await
@@ -1275,6 +1299,16 @@ async fn serve_stream(
                 tracing::warn!(peer = %node_name, cert = ?cert_name, "refused hello: name differs from certificate");
                 return Err(StreamErr::Io("name mismatch".into()));
             }
+            // A peer subscribes once per connection (a new link is a new
+            // connection): each subscription costs a snapshot of every id
+            // and a delta feed, so more are refused.
+            let _subscription = ControlSlot::take(&control).ok_or_else(|| {
+                if crate::logonce::warn_now(format!("control|{node_name}")) {
+                    tracing::warn!(peer = %node_name, most = MAX_CONTROL_STREAMS,
+                        "refused a peer's extra subscription on one connection");
+                }
+                StreamErr::Io("too many subscriptions on one connection".into())
+            })?;
             let epoch = shared.publisher.lock().epoch();
             write_msg(
                 &mut send,
@@ -1294,6 +1328,33 @@ async fn serve_stream(
     }
 }
 
+/// Subscriptions (control streams) one inbound connection may hold at once.
+const MAX_CONTROL_STREAMS: usize = 2;
+
+/// Least time between two snapshots a subscriber's `Resync` asks for (each
+/// is a walk of every id and a copy of them all to the peer).
+const RESYNC_INTERVAL: Duration = Duration::from_secs(1);
+
+/// One of [`MAX_CONTROL_STREAMS`], given back when dropped.
+struct ControlSlot(Arc<AtomicUsize>);
+
+impl ControlSlot {
+    fn take(count: &Arc<AtomicUsize>) -> Option<Self> {
+        count
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < MAX_CONTROL_STREAMS).then_some(n + 1)
+            })
+            .ok()
+            .map(|_| Self(Arc::clone(count)))
+    }
+}
+
+impl Drop for ControlSlot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
 async fn serve_control(
     shared: Arc<Shared>,
     mut send: SendStream,
@@ -1306,6 +1367,7 @@ async fn serve_control(
     ns_rx.borrow_and_update();
     send_namespaces(&shared, &mut send).await?;
     let mut deltas = send_snapshot(&shared, &mut send).await?;
+    let mut last_snapshot = tokio::time::Instant::now();
     loop {
         tokio::select! {
             d = deltas.recv() => match d {
@@ -1319,7 +1381,12 @@ async fn serve_control(
             m = frames.recv() => match m {
                 Some(Ok(Message::Ping { nonce })) => write_msg(&mut send, &Message::Pong { nonce }).await?,
                 Some(Ok(Message::Resync)) => {
+                    // At most one asked-for snapshot per RESYNC_INTERVAL: a
+                    // peer looping Resync got a whole snapshot per 16-byte
+                    // frame (50 frames: 59 MB back, and as many index walks).
+                    tokio::time::sleep_until(last_snapshot + RESYNC_INTERVAL).await;
                     deltas = send_snapshot(&shared, &mut send).await?;
+                    last_snapshot = tokio::time::Instant::now();
                 }
                 Some(Ok(_)) => {}
                 Some(Err(e)) => return Err(e),

@@ -863,3 +863,122 @@ async fn flapping_peer_leaks_no_connections_or_entries() {
     }
     b.handle.shutdown(Duration::from_secs(2)).await;
 }
+
+/// A raw connection to `addr` with `tls` (a certificate of the cluster),
+/// speaking KVTP by hand: what a buggy or hostile peer can send.
+async fn raw_conn(addr: SocketAddr, tls: &TlsSetup) -> (quinn::Endpoint, quinn::Connection) {
+    use quinn::crypto::rustls::QuicClientConfig;
+    let mut ep = quinn::Endpoint::client("127.0.0.1:0".parse().expect("addr")).expect("client");
+    ep.set_default_client_config(quinn::ClientConfig::new(Arc::new(
+        QuicClientConfig::try_from(tls.client.clone()).expect("client"),
+    )));
+    let conn = ep
+        .connect(addr, "kvtier-peer")
+        .expect("connect")
+        .await
+        .expect("handshake");
+    (ep, conn)
+}
+
+/// Reads one frame, or None when the stream ended or failed.
+async fn raw_frame(recv: &mut quinn::RecvStream) -> Option<peer::proto::Message> {
+    use peer::proto::frame::{FrameHeader, HEADER_LEN};
+    let mut header = [0u8; HEADER_LEN];
+    recv.read_exact(&mut header).await.ok()?;
+    let h = FrameHeader::decode(&header).ok()?;
+    let mut body = vec![0u8; h.body_len as usize];
+    recv.read_exact(&mut body).await.ok()?;
+    peer::proto::Message::decode_body(h.kind, &body).ok()
+}
+
+fn hello(name: &str) -> Vec<u8> {
+    peer::proto::frame::encode(&peer::proto::Message::Hello {
+        node_name: name.into(),
+        cluster: "prod".into(),
+        epoch: 7,
+    })
+}
+
+/// An authenticated peer may subscribe at most twice on one connection
+/// (100 subscriptions on one connection took ~215 MB on the holder), and a
+/// loop of Resync frames gets at most one snapshot a second (50 frames got
+/// 59 MB back).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_cannot_multiply_subscriptions_or_snapshots() {
+    use peer::proto::Message;
+    let c = Cluster::new("prod");
+    let a = start(c.node("node-a"), fast_cfg(vec![]));
+    a.source.insert(id(9), payload(1000, 9));
+    a.handle.local_added(id(9), 1000);
+    let (_ep, conn) = raw_conn(a.addr, &c.node("node-evil")).await;
+    let mut streams = Vec::new();
+    for i in 0..3 {
+        let (mut s, mut r) = conn.open_bi().await.expect("stream");
+        s.write_all(&hello("node-evil")).await.expect("hello");
+        let answered = tokio::time::timeout(Duration::from_secs(3), raw_frame(&mut r))
+            .await
+            .ok()
+            .flatten();
+        if i < 2 {
+            assert!(
+                matches!(answered, Some(Message::Hello { .. })),
+                "{answered:?}"
+            );
+        } else {
+            assert!(
+                answered.is_none(),
+                "third subscription answered: {answered:?}"
+            );
+        }
+        streams.push((s, r));
+    }
+    // Resync flood on the first subscription: count the snapshots in 1.5 s.
+    let (s, r) = &mut streams[0];
+    for _ in 0..50 {
+        s.write_all(&peer::proto::frame::encode(&Message::Resync))
+            .await
+            .expect("resync");
+    }
+    let mut snapshots = 0;
+    let end = tokio::time::Instant::now() + Duration::from_millis(1500);
+    while let Ok(Some(m)) = tokio::time::timeout_at(end, raw_frame(r)).await {
+        snapshots += usize::from(matches!(m, Message::SnapshotBegin { .. }));
+    }
+    // The subscription's own snapshot, then at most one per second.
+    assert!((1..=3).contains(&snapshots), "{snapshots} snapshots");
+    conn.close(0u32.into(), b"done");
+    a.handle.shutdown(Duration::from_secs(2)).await;
+}
+
+/// A frame whose body never comes ends its stream after the body deadline
+/// (a peer announcing 16 MiB bodies on many streams held that memory for as
+/// long as its connection lived).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frame_body_that_never_comes_ends_its_stream() {
+    let c = Cluster::new("prod");
+    let a = start(c.node("node-a"), fast_cfg(vec![]));
+    let (_ep, conn) = raw_conn(a.addr, &c.node("node-evil")).await;
+    let (mut s, mut r) = conn.open_bi().await.expect("stream");
+    s.write_all(&hello("node-evil")).await.expect("hello");
+    assert!(raw_frame(&mut r).await.is_some(), "hello answered");
+    // A ping frame whose header announces 1 MiB, then 10 bytes of it.
+    let mut frame = peer::proto::frame::encode(&peer::proto::Message::Ping { nonce: 1 });
+    frame[8..12].copy_from_slice(&(1u32 << 20).to_le_bytes());
+    frame.truncate(peer::proto::frame::HEADER_LEN);
+    s.write_all(&frame).await.expect("header");
+    s.write_all(&[0u8; 10]).await.expect("some body");
+    let t = Instant::now();
+    // The holder drops the stream: our reads end (snapshot frames first).
+    let ended = tokio::time::timeout(Duration::from_secs(20), async {
+        while raw_frame(&mut r).await.is_some() {}
+    })
+    .await;
+    assert!(ended.is_ok(), "the stream was still open after 20 s");
+    assert!(
+        t.elapsed() >= Duration::from_secs(5),
+        "ended after {:?}",
+        t.elapsed()
+    );
+    conn.close(0u32.into(), b"done");
+    a.handle.shutdown(Duration::from_secs(2)).await;
+}
