@@ -213,31 +213,53 @@ class LookupResult:
     leading keys present, and ``locations``, per key ``"ram"``, ``"disk"``,
     ``"peer"`` or ``"miss"`` (named when first read: most callers want the
     prefix only). ``codes`` holds them as bytes, one per key, indexes into
-    ``kvtier._frames.LOCATIONS``."""
+    ``kvtier._frames.LOCATIONS``. Built from either: ``LookupResult(2,
+    b"\\x01\\x01")`` or ``LookupResult(2, ["ram", "ram"])`` (or
+    ``locations=[...]``). Read-only."""
 
-    __slots__ = ("prefix", "codes", "_locations")
+    __slots__ = ("_prefix", "_codes", "_locations")
 
-    def __init__(self, prefix: int, codes: bytes) -> None:
-        self.prefix = prefix
-        self.codes = codes
+    def __init__(
+        self, prefix: int, codes: bytes | Sequence[str] = b"", *, locations: Sequence[str] | None = None
+    ) -> None:
+        if locations is not None:
+            codes = locations
+        self._prefix = prefix
         self._locations: list[str] | None = None
+        if isinstance(codes, (bytes, bytearray)):
+            self._codes = bytes(codes)
+        else:
+            names = list(codes)
+            try:
+                self._codes = bytes(fr.LOCATIONS.index(n) for n in names)
+            except ValueError:
+                raise ValueError(f"locations are names of {fr.LOCATIONS}, got {names!r}") from None
+            self._locations = names
+
+    @property
+    def prefix(self) -> int:
+        return self._prefix
+
+    @property
+    def codes(self) -> bytes:
+        return self._codes
 
     @property
     def locations(self) -> list[str]:
         if self._locations is None:
             names = fr.LOCATIONS
-            self._locations = [names[c] for c in self.codes]
+            self._locations = [names[c] for c in self._codes]
         return self._locations
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, LookupResult):
             return NotImplemented
-        return self.prefix == other.prefix and self.codes == other.codes
+        return self._prefix == other._prefix and self._codes == other._codes
 
     __hash__ = None  # type: ignore[assignment]
 
     def __repr__(self) -> str:
-        return f"LookupResult(prefix={self.prefix}, locations={self.locations!r})"
+        return f"LookupResult(prefix={self._prefix}, locations={self.locations!r})"
 
 
 @dataclass(frozen=True)

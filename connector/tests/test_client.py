@@ -140,6 +140,12 @@ def test_lookup_replies_with_impossible_codes_or_prefix_are_refused(fixtures_dir
     assert r.locations is r.locations  # named once
     assert r == LookupResult(2, bytes([1, 2, 0, 3])) != LookupResult(1, bytes([1, 2, 0, 3]))
     assert "locations=['ram', 'disk', 'miss', 'peer']" in repr(r)
+    # Built from names too, as when it was a dataclass of (prefix, locations).
+    assert LookupResult(2, ["ram", "disk", "miss", "peer"]) == r == LookupResult(2, locations=r.locations)
+    with pytest.raises(ValueError):
+        LookupResult(1, ["nowhere"])
+    with pytest.raises(AttributeError):
+        r.prefix = 3  # type: ignore[misc]
 
 
 def test_region_is_sealed_shared_memory_with_an_address() -> None:

@@ -127,7 +127,10 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         """Saves done for held requests, loads done (failed ones included)."""
         if self.worker is None:
             return KVConnectorTransferResults()
-        sending, recving, failed = self.worker.get_finished(finished_req_ids, self._meta().finishing)
+        m = self._connector_metadata
+        sending, recving, failed = self.worker.get_finished(
+            finished_req_ids, m if isinstance(m, KvtierMetadata) else None
+        )
         return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving, failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:

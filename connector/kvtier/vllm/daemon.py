@@ -82,12 +82,17 @@ class DaemonLink:
                     self.socket_path, region_size=self.region_size, timeout=self.timeout_s
                 )
             except Exception as e:  # noqa: BLE001 - any failure means "down"
-                self._next_try = now + RETRY_S
+                # At least RETRY_S apart, doubling up to the link's bound: a
+                # stopped daemon accepts the connection and then costs a whole
+                # timeout (the region's registration) per try.
+                delay = min(self.max_retry_s, max(RETRY_S, FIRST_RETRY_S * 2 ** min(self._fails, 16)))
+                self._fails += 1
+                self._next_try = now + delay
                 if not self._warned:
                     logger.warning(
                         "kvtier: cannot reach the daemon at %s for %s (%s); the connector "
-                        "is a no-op until it is up (retrying every %.0f s)",
-                        self.socket_path, self.what, e, RETRY_S,
+                        "is a no-op until it is up (retrying every %.0f s at first, then less often)",
+                        self.socket_path, self.what, e, delay,
                     )
                     self._warned = True
                 raise DaemonDown(str(e)) from e

@@ -105,28 +105,47 @@ class EngineLayout:
         return [bytes(block_hashes[(c + 1) * hpc - 1]) for c in range(n)]
 
 
+#: Model configuration fields that change the K/V bytes of a token beyond what
+#: the layout fences already (heads, head size, layer count, dtype): the
+#: positional encoding and its scaling, attention windows. Read from the
+#: configuration as built from the engine's arguments: a model's
+#: constructor may change other fields in the workers only (MiniMax-M2 sets
+#: max_model_len, Telechat2 its bias flags), and the scheduler, which never
+#: builds the model, must derive the same namespace.
+KV_CONFIG_FIELDS = (
+    "rope_scaling", "rope_theta", "rope_parameters", "rope_type", "partial_rotary_factor", "rotary_dim",
+    "position_embedding_type", "sliding_window", "use_sliding_window", "max_window_layers", "layer_types",
+    "attention_chunk_size", "attn_logit_softcapping", "num_attention_heads", "num_key_value_heads",
+    "head_dim", "hidden_size", "num_hidden_layers",
+)
+
+
 def _plain(v: Any) -> Any:
-    """JSON for what `json` cannot write, the same in every process (a set
-    sorted, anything else by its str)."""
+    """JSON for what `json` cannot write, the same in every process: a set
+    sorted, a function or class by its qualified name, anything else by its
+    type (never a str() that may hold a memory address)."""
     if isinstance(v, (set, frozenset)):
         return sorted(map(str, v))
-    return str(v)
+    if callable(v) and hasattr(v, "__qualname__"):
+        return f"{getattr(v, '__module__', '')}.{v.__qualname__}"
+    return f"<{type(v).__module__}.{type(v).__qualname__}>"
 
 
 def model_fingerprint(model: Any) -> str:
-    """A hash of what besides the model path changes the K/V bytes: the model's
-    configuration as vLLM loaded it (hf_overrides applied: RoPE scaling, head
-    counts ...) and the weight quantization. Two engines on one model path
-    with other settings then never share chunks."""
-    parts: dict[str, Any] = {"quantization": str(getattr(model, "quantization", None))}
-    hf = getattr(model, "hf_config", None)
-    if hf is not None and hasattr(hf, "to_dict"):
-        d = dict(hf.to_dict())
-        # Where the files came from and which library read them do not change
-        # the numbers (the model path and engine version are fenced already).
-        for k in ("_name_or_path", "_commit_hash", "transformers_version"):
-            d.pop(k, None)
-        parts["hf_config"] = d
+    """A hash of what besides the model path changes the K/V bytes: the
+    engine's `hf_overrides`, the fields of KV_CONFIG_FIELDS of the loaded
+    configuration (overrides applied: RoPE scaling ...) and the weight
+    quantization. Two engines on one model path with other settings then
+    never share chunks."""
+    parts: dict[str, Any] = {
+        "quantization": str(getattr(model, "quantization", None)),
+        "hf_overrides": getattr(model, "hf_overrides", None) or None,
+    }
+    hf = getattr(model, "hf_text_config", None) or getattr(model, "hf_config", None)
+    if hf is not None:
+        for name in KV_CONFIG_FIELDS:
+            if hasattr(hf, name):
+                parts[name] = getattr(hf, name)
     blob = json.dumps(parts, sort_keys=True, default=_plain)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 

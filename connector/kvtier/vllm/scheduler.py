@@ -33,6 +33,9 @@ class _Req:
     #: and only while the request was not preempted since (`num_preemptions`).
     lookup_at: float = 0.0
     lookup_preemptions: int = 0
+    #: The ask (keys, first chunk, preemptions) whose tokens the stats counted:
+    #: a refreshed lookup of the same ask is not counted again.
+    counted: tuple[int, int, int] | None = None
     #: Chunks known stored on every rank or already scheduled for a save.
     stored_chunks: int = 0
     #: Whether any save was ever scheduled (the blocks must then be held at finish).
@@ -144,8 +147,6 @@ class KvtierScheduler:
             return 0, 0
         self.stats.observe("lookup_s", time.perf_counter() - t0)
         self.stats.add(lookups=1)
-        if gate and present > loadable:
-            self.stats.add(gate_skipped_tokens=(present - loadable) * layout.chunk_tokens)
         loadable = max(0, min(loadable, len(keys)))
         st.lookup = ((len(keys), first), loadable, max(0, min(present, len(keys))))
         st.lookup_at = time.monotonic()
@@ -179,9 +180,14 @@ class KvtierScheduler:
         # chunk the local hit does not cover. prefill-and-finish asks from chunk
         # 0, so that chunks kvtier lost are stored again from the local copy.
         first = num_computed_tokens // layout.chunk_tokens if self.evict is not None else 0
-        if not self._lookup_fresh(st, len(keys), first):
-            self.stats.add(lookup_tokens=len(keys) * layout.chunk_tokens - num_computed_tokens)
+        ask = (len(keys), first, getattr(request, "num_preemptions", 0))
         loadable, present = self._lookup(st, keys, first)
+        if st.counted != ask:
+            # Once per ask: a request that waits asks again every second.
+            st.counted = ask
+            self.stats.add(lookup_tokens=len(keys) * layout.chunk_tokens - num_computed_tokens)
+            if present > loadable:  # the size gate held back what only the disk has
+                self.stats.add(gate_skipped_tokens=(present - loadable) * layout.chunk_tokens)
         st.stored_chunks = max(st.stored_chunks, present)
         hit = loadable * layout.chunk_tokens
         if hit <= num_computed_tokens:

@@ -125,6 +125,11 @@ class KvtierWorker:
         #: Load jobs queued or running, per request: never reported finished
         #: sending meanwhile (vLLM would free blocks the load still writes).
         self._loading: dict[str, int] = {}
+        #: The last metadata whose saves `wait_for_save` queued (see get_finished).
+        self._saves_queued: KvtierMetadata | None = None
+        #: Finished requests vLLM did not hold whose saves are still running:
+        #: their bookkeeping goes when the last one ends.
+        self._released: set[str] = set()
         self._load_errors: set[int] = set()
         #: on-evict saves of the current step (gathered before wait_for_save returns).
         self._evict_jobs: list[_SaveJob] = []
@@ -355,6 +360,7 @@ class KvtierWorker:
         self._wait_evict_gathered()
         with self._lock:
             self._finishing.update(meta.finishing)
+            self._saves_queued = meta
         if not meta.saves:
             return
         if not self.enabled:
@@ -377,23 +383,42 @@ class KvtierWorker:
                 self._save_q.put(job)
 
     def get_finished(
-        self, finished_req_ids: set[str], finishing: list[str] | tuple[str, ...] = ()
+        self, finished_req_ids: set[str], meta: KvtierMetadata | None = None
     ) -> tuple[set[str], set[str], set[str]]:
         """(finished sending, finished receiving, failed receiving) since the last call.
-        `finishing`: the bound step's held requests. With speculative decoding vLLM
-        asks for the results before `wait_for_save` (which records them otherwise),
-        in the only call whose `finished_req_ids` name those requests."""
+
+        `meta`: the step's bound metadata. With speculative decoding vLLM asks
+        for the results before `wait_for_save`, in the only call whose
+        `finished_req_ids` name the step's held requests: they are noted here,
+        but reported no earlier than the next call, once `wait_for_save` queued
+        their final saves (reported now, their blocks went back to vLLM before
+        those saves read them)."""
         with self._lock:
-            self._finishing.update(finishing)
+            hold: set[str] = set()
+            if meta is not None and meta.finishing:
+                self._finishing.update(meta.finishing)
+                if meta is not self._saves_queued:
+                    hold = set(meta.finishing)
             self._seen_finished.update(r for r in finished_req_ids if r in self._finishing)
             sending = {
-                r for r in self._seen_finished if not self._pending_saves.get(r) and not self._loading.get(r)
+                r
+                for r in self._seen_finished
+                if r not in hold and not self._pending_saves.get(r) and not self._loading.get(r)
             }
             for r in sending:
                 self._seen_finished.discard(r)
                 self._finishing.discard(r)
                 self._pending_saves.pop(r, None)
                 self._save_jobs.pop(r, None)
+            # Finished and not held (e.g. aborted during a restore): nothing
+            # to report; drop its bookkeeping once its saves are done.
+            for r in finished_req_ids:
+                if r not in self._finishing and r in self._save_jobs:
+                    if self._pending_saves.get(r):
+                        self._released.add(r)
+                    else:
+                        self._pending_saves.pop(r, None)
+                        self._save_jobs.pop(r, None)
             done, self._done_loads = self._done_loads, []
         recving, failed = set(), set()
         multi = self.layout is not None and len(self.layout.groups) > 1
@@ -513,6 +538,10 @@ class KvtierWorker:
         with self._lock:
             job.state = "done" if job.state != "cancelled" else "cancelled"
             self._pending_saves[job.req_id] = self._pending_saves.get(job.req_id, 1) - 1
+            if job.req_id in self._released and not self._pending_saves[job.req_id]:
+                self._released.discard(job.req_id)
+                self._pending_saves.pop(job.req_id, None)
+                self._save_jobs.pop(job.req_id, None)
         job.gathered.set()
         job.done.set()
 

@@ -231,3 +231,61 @@ def test_preemption_waits_for_reads_of_its_blocks_not_for_puts(daemon: Daemon):
         assert took < PREEMPT_WAIT_S + 0.4, f"the preempting step waited {took:.2f} s"
     finally:
         e.shutdown()
+
+
+def test_speculative_decoding_order_reports_a_request_after_its_final_saves(daemon: Daemon):
+    """In vLLM's speculative-decoding order the results of a step are asked
+    for before `wait_for_save` queues its saves: a finished request whose
+    last chunk is saved at finish must not be reported finished sending
+    (its blocks handed back to vLLM) before that save is queued and done.
+    Reported first, the save read blocks other requests already wrote."""
+    e = Engine({"socket": daemon.socket, "min_tokens_for_disk": 0}, num_blocks=128)
+    e.deferred_finalize = True
+    worker = e.workers[0].worker
+    log: list[tuple[str, str]] = []
+    get_finished, wait_for_save = worker.get_finished, worker.wait_for_save
+
+    def logged_get_finished(fin, meta=None):
+        sending, recving, failed = get_finished(fin, meta)
+        log.extend(("sending", r) for r in sorted(sending))
+        return sending, recving, failed
+
+    def logged_wait_for_save(meta):
+        log.extend(("queued", r) for r in sorted(meta.saves))
+        return wait_for_save(meta)
+
+    worker.get_finished, worker.wait_for_save = logged_get_finished, logged_wait_for_save
+    try:
+        e.add(make_request("bg", OTHER[:100], max_tokens=1500))  # every step has a forward
+        # One chunk saved at prefill, the second (its output) at finish.
+        e.add(make_request("A", PROMPT[:300], max_tokens=300))
+        e.run(lambda: "A" in e.finished)
+        e.run(lambda: "A" not in e.scheduler.requests, max_steps=300)
+        a = [kind for kind, r in log if r == "A"]
+        assert a.count("queued") == 2 and a.count("sending") == 1, log
+        assert a.index("sending") > len(a) - 1 - a[::-1].index("queued"), f"reported before its final save: {a}"
+        assert worker.wait_idle(10)
+        assert "A" not in worker._finishing and "A" not in worker._save_jobs and "A" not in worker._pending_saves
+    finally:
+        e.shutdown()
+
+
+def test_a_waiting_request_asks_again_but_counts_its_tokens_once(daemon: Daemon, monkeypatch):
+    """A request that waits asks the daemon again once its answer is older
+    than LOOKUP_TTL_S, but its tokens count once in `lookup_tokens` (the
+    hit ratio read too low under load, when requests wait)."""
+    import kvtier.vllm.scheduler as sched
+    from test_daemon import store
+
+    store(daemon.socket)
+    monkeypatch.setattr(sched, "LOOKUP_TTL_S", 0.05)
+    e = Engine({"socket": daemon.socket, "min_tokens_for_disk": 0})
+    try:
+        r = make_request("w", PROMPT, max_tokens=2)
+        for _ in range(3):
+            assert e.connector.get_num_new_matched_tokens(r, 0) == (512, True)
+            time.sleep(0.06)
+        t = e.connector.get_kv_connector_stats().data
+        assert t["lookups"] == 3 and t["lookup_tokens"] == 512, t
+    finally:
+        e.shutdown()

@@ -210,6 +210,42 @@ def test_model_settings_that_change_kv_bytes_fence_the_namespace():
         hf_overrides={"rope_scaling": {"rope_type": "linear", "factor": 2.0}},
     )
     assert layout_of(scaled) != layout_of(base)
-    quantized = types.SimpleNamespace(hf_config=base.model_config.hf_config, quantization="fp8")
-    plain = types.SimpleNamespace(hf_config=base.model_config.hf_config, quantization=None)
+    hf = base.model_config.hf_text_config
+    quantized = types.SimpleNamespace(hf_text_config=hf, quantization="fp8", hf_overrides={})
+    plain = types.SimpleNamespace(hf_text_config=hf, quantization=None, hf_overrides={})
     assert model_fingerprint(quantized) != model_fingerprint(plain) == model_fingerprint(base.model_config)
+    # A model's constructor changing other fields in a worker (MiniMax-M2 sets
+    # max_model_len) must not move the worker's namespace off the scheduler's.
+    import copy
+
+    worker_cfg = copy.deepcopy(base.model_config)
+    worker_cfg.hf_config.max_model_len = 4096
+    worker_cfg.hf_config.projector_hidden_act = "gelu"
+    assert model_fingerprint(worker_cfg) == model_fingerprint(base.model_config)
+
+
+def test_daemon_link_backs_off_on_failed_connects_and_calls():
+    """Failed connects wait at least RETRY_S, doubling up to the link's bound;
+    failed calls start at FIRST_RETRY_S; both counted as failures in a row."""
+    import time
+
+    from kvtier.vllm.daemon import FIRST_RETRY_S, RETRY_S, DaemonDown, DaemonLink
+
+    link = DaemonLink("/nonexistent/kvtier.sock", 0, 100, "test", max_retry_s=30.0)
+    delays = []
+    for _ in range(10):
+        link._next_try = 0.0
+        with pytest.raises(DaemonDown):
+            link.client()
+        delays.append(link._next_try - time.monotonic())
+    assert all(RETRY_S - 0.1 <= d <= 30.0 for d in delays), delays
+    assert delays == sorted(delays, key=lambda d: round(d, 1)) and delays[-1] > 29, delays
+    worker_link = DaemonLink("/nonexistent/kvtier.sock", 0, 100, "test")
+    for _ in range(10):
+        worker_link._next_try = 0.0
+        with pytest.raises(DaemonDown):
+            worker_link.client()
+    assert worker_link._next_try - time.monotonic() <= RETRY_S
+    calls = DaemonLink("/nonexistent/kvtier.sock", 0, 100, "test", max_retry_s=30.0)
+    calls.fail(RuntimeError("timed out"))
+    assert calls._next_try - time.monotonic() <= FIRST_RETRY_S
