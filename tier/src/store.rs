@@ -1390,22 +1390,36 @@ impl ChunkStore {
     }
 
     /// [`ChunkStore::ids`] with whether each chunk is in RAM.
+    ///
+    /// The disk index is only copied under its read lock and merged after:
+    /// a writer waiting for the lock, and every local lookup queued behind
+    /// it (the lock is fair), waits for a copy, not for a map of a million
+    /// entries being built (every peer link's snapshot asks for this).
     pub fn ids_with_tier(&self) -> Vec<(ChunkId, u64, bool)> {
-        let mut out: HashMap<ChunkId, (u64, bool)> = HashMap::new();
-        if let Some(d) = &self.inner.disk {
-            out.extend(
-                d.index
-                    .read()
-                    .iter()
-                    .map(|(id, l)| (*id, (u64::from(l.payload_len), false))),
-            );
-        }
+        let mut ram: HashMap<ChunkId, u64> = HashMap::new();
         for (id, _) in self.inner.ram.ids() {
             if let Some(e) = self.inner.ram.peek_any(&id) {
-                out.insert(id, (e.data.len() as u64, true));
+                ram.insert(id, e.data.len() as u64);
             }
         }
-        out.into_iter().map(|(id, (l, r))| (id, l, r)).collect()
+        let disk: Vec<(ChunkId, u64)> = match &self.inner.disk {
+            Some(d) => d
+                .index
+                .read()
+                .iter()
+                .map(|(id, l)| (*id, u64::from(l.payload_len)))
+                .collect(),
+            None => Vec::new(),
+        };
+        let mut out = Vec::with_capacity(disk.len() + ram.len());
+        for (id, len) in disk {
+            match ram.remove(&id) {
+                Some(l) => out.push((id, l, true)),
+                None => out.push((id, len, false)),
+            }
+        }
+        out.extend(ram.into_iter().map(|(id, l)| (id, l, true)));
+        out
     }
 
     /// Re-reads and checks every chunk on disk. `progress(done, total)` is

@@ -2132,3 +2132,32 @@ fn reads_for_peers_are_not_local_hits_and_not_cached() {
         (1, Some(Tier::Ram))
     );
 }
+
+/// The peer snapshot's list: every chunk once, in RAM or not, with its
+/// length (the disk index is copied under its lock and merged after).
+#[test]
+fn ids_with_tier_lists_each_chunk_once_with_its_tier() {
+    let dir = tempfile::tempdir().unwrap();
+    let ns;
+    {
+        let s = ChunkStore::open(config(dir.path())).unwrap();
+        ns = s.register_namespace(&record(0)).unwrap();
+        for n in 1..=3 {
+            s.put(id(ns, n), payload(n, 1000 * n as usize)).unwrap();
+        }
+        s.close(Duration::from_secs(10)).unwrap();
+    }
+    let s = ChunkStore::open(config(dir.path())).unwrap();
+    assert!(s.get(&id(ns, 2)).is_some()); // now in RAM (clean) and on disk
+    s.put(id(ns, 4), payload(4, 4000)).unwrap(); // RAM only
+    let mut got = s.ids_with_tier();
+    got.sort_by_key(|(i, _, _)| i.key);
+    let mut want = vec![
+        (id(ns, 1), 1000, false),
+        (id(ns, 2), 2000, true),
+        (id(ns, 3), 3000, false),
+        (id(ns, 4), 4000, true),
+    ];
+    want.sort_by_key(|(i, _, _)| i.key);
+    assert_eq!(got, want);
+}
