@@ -486,6 +486,11 @@ struct ServeStats {
     /// Under a serve rate, one reply at a time, in arrival order (see
     /// `serve_fetch`).
     turn: tokio::sync::Mutex<()>,
+    /// Fetches being served to this peer: at most twice what a peer asks of
+    /// one holder at once (`max_fetches_per_peer`); more are answered `Busy`
+    /// (each serve may hold a thread of the blocking pool, which local disk
+    /// reads need too).
+    serving: Semaphore,
 }
 
 /// One configured peer.
@@ -1246,6 +1251,7 @@ async fn serve_conn(shared: Arc<Shared>, conn: Connection) {
                 bytes: AtomicU64::new(0),
                 limiter: RateLimiter::new(shared.cfg.serve_rate_limit),
                 turn: tokio::sync::Mutex::new(()),
+                serving: Semaphore::new(2 * shared.cfg.max_fetches_per_peer as usize),
             })
         })
         .clone();
@@ -1409,6 +1415,17 @@ async fn serve_fetch(
     stats: &ServeStats,
 ) -> Result<(), StreamErr> {
     let limiter = &stats.limiter;
+    let Ok(_serving) = stats.serving.try_acquire() else {
+        let busy = Message::FetchReply {
+            status: FetchStatus::Busy,
+            id,
+            len: 0,
+            crc: 0,
+        };
+        write_msg(&mut send, &busy).await?;
+        let _ = send.finish();
+        return Ok(());
+    };
     // Under a serve rate, replies to one peer go one at a time in arrival
     // order: interleaved piece by piece, up to 16 of them shared the rate
     // and all finished late together, past the requester's timeout (the

@@ -982,3 +982,43 @@ async fn a_frame_body_that_never_comes_ends_its_stream() {
     conn.close(0u32.into(), b"done");
     a.handle.shutdown(Duration::from_secs(2)).await;
 }
+
+/// A peer gets at most twice `max-fetches-per-peer` fetches served at once;
+/// more are answered Busy at once (each serve may hold a thread of the
+/// holder's blocking pool, which its local disk reads need too).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_gets_a_bounded_number_of_serves_at_once() {
+    use peer::proto::{FetchStatus, Message};
+    let c = Cluster::new("prod");
+    let a = start(c.node("node-a"), fast_cfg(vec![]));
+    a.source.insert(id(3), payload(1000, 3));
+    a.source.stall.store(true, Ordering::Relaxed); // every serve hangs in its read
+    let cap = 2 * PeerConfig::default().max_fetches_per_peer as usize;
+    let (_ep, conn) = raw_conn(a.addr, &c.node("node-evil")).await;
+    let mut streams = Vec::new();
+    for _ in 0..cap + 8 {
+        let (mut s, r) = conn.open_bi().await.expect("stream");
+        s.write_all(&peer::proto::frame::encode(&Message::FetchRequest {
+            id: id(3),
+        }))
+        .await
+        .expect("request");
+        streams.push((s, r));
+        tokio::time::sleep(Duration::from_millis(2)).await; // in order
+    }
+    let mut busy = 0;
+    // One deadline for all: a reply already received is read even past it.
+    let end = tokio::time::Instant::now() + Duration::from_millis(500);
+    for (_, r) in &mut streams {
+        if let Ok(Some(Message::FetchReply { status, .. })) =
+            tokio::time::timeout_at(end, raw_frame(r)).await
+        {
+            assert_eq!(status, FetchStatus::Busy);
+            busy += 1;
+        }
+    }
+    assert_eq!(busy, 8, "{busy} of {} answered Busy", cap + 8);
+    a.source.stall.store(false, Ordering::Relaxed);
+    conn.close(0u32.into(), b"done");
+    a.handle.shutdown(Duration::from_secs(2)).await;
+}
