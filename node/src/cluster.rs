@@ -24,7 +24,7 @@ use peer::{
     PeerNamespace, PeerStatus, SourceFuture, TransportTuning,
 };
 use tier::buffers::{Filler, POOL_MIN};
-use tier::{ChunkId, ChunkKey, ChunkObserver, ChunkStore, GroupId, Namespace, WritePolicy};
+use tier::{ChunkId, ChunkKey, ChunkObserver, ChunkStore, GroupId, Namespace};
 
 use crate::error::NodeError;
 
@@ -305,22 +305,13 @@ impl Cluster {
                     // local client used it yet) is simply not admitted.
                     let store = Arc::clone(&self.store);
                     let (id, data) = (*id, b.clone());
-                    let admit = move || store.put_clean(id, name, data);
-                    let res = if self.store.config().write_policy == WritePolicy::Backpressure {
-                        // The insert's evictions are handed to the disk
-                        // writer, which may wait for room in its queue:
-                        // never on a runtime worker (as RESP SET).
-                        tokio::task::spawn_blocking(admit)
-                            .await
-                            .unwrap_or_else(|e| {
-                                Err(tier::Error::InvalidArgument {
-                                    what: "admission task",
-                                    value: e.to_string(),
-                                })
-                            })
-                    } else {
-                        admit()
-                    };
+                    // Its evictions may wait for the disk writer (as RESP SET).
+                    let res = crate::context::insert_off_runtime(
+                        &self.store,
+                        "admission task",
+                        move || store.put_clean(id, name, data),
+                    )
+                    .await;
                     if let Err(e) = res {
                         tracing::debug!(error = %e, "fetched chunk not admitted");
                     }

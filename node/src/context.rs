@@ -65,6 +65,27 @@ impl NodeCounters {
     }
 }
 
+/// Runs a store insert `f` (a put, an admission) where it may wait: under
+/// `write-policy = backpressure` an insert's evictions wait for room in the
+/// disk writer's queue, so it runs on the blocking pool, never on a runtime
+/// worker; otherwise inline (it never waits). `what` names it in the error
+/// of a task that failed.
+pub(crate) async fn insert_off_runtime<T: Send + 'static>(
+    store: &ChunkStore,
+    what: &'static str,
+    f: impl FnOnce() -> tier::Result<T> + Send + 'static,
+) -> tier::Result<T> {
+    if store.config().write_policy != tier::WritePolicy::Backpressure {
+        return f();
+    }
+    tokio::task::spawn_blocking(f).await.unwrap_or_else(|e| {
+        Err(tier::Error::InvalidArgument {
+            what,
+            value: e.to_string(),
+        })
+    })
+}
+
 /// State shared by all local interfaces of a running node.
 pub struct NodeContext {
     /// The local chunk store.

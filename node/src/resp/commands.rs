@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use tier::{ChunkId, WritePolicy};
+use tier::ChunkId;
 
 use super::RespOptions;
 use super::keys::{KeyMapper, MAX_KEY_LEN};
@@ -985,19 +985,10 @@ async fn set(shared: &Shared, args: &[Bytes], out: &mut Output) -> Res {
         shared.bump(&id);
         let store = Arc::clone(&ctx.store);
         let (k, v) = (key.clone(), value.clone());
-        let res = if store.config().write_policy == WritePolicy::Backpressure {
-            // May wait for the disk writer: never on a runtime worker.
-            tokio::task::spawn_blocking(move || store.put_named(id, k, v))
-                .await
-                .unwrap_or_else(|e| {
-                    Err(tier::Error::InvalidArgument {
-                        what: "put task",
-                        value: e.to_string(),
-                    })
-                })
-        } else {
+        let res = crate::context::insert_off_runtime(&ctx.store, "put task", move || {
             store.put_named(id, k, v)
-        };
+        })
+        .await;
         res.map_err(|e| format!("kvtier could not store the value: {e}").into_bytes())?;
         shared.bump(&id);
     }
