@@ -289,7 +289,7 @@ impl Cluster {
     /// [`Cluster::fetch`] for a chunk stored under a name (RESP keys). (The
     /// peer protocol carries no names: the id is the hash of the name.)
     ///
-    /// Chunks of RESP namespaces are never admitted: their keys are
+    /// Chunks of plain RESP keys are never admitted: their keys are
     /// mutable, and nothing tells a copy here that its holder deleted or
     /// overwrote the key, so an admitted copy (announced to peers like any
     /// local chunk) would serve the old value here and back to the holder.
@@ -329,9 +329,11 @@ impl Cluster {
     /// Whether a chunk fetched for `id` may be admitted: its namespace is
     /// registered here and its keys are immutable (not a RESP namespace).
     fn admits(&self, id: &ChunkId) -> bool {
+        // Plain RESP keys are mutable; LMCache's keys name their chunk's
+        // content hash, like the native engines' keys.
         self.store
             .namespace_record(&id.ns)
-            .is_some_and(|r| !crate::resp::keys::is_resp_engine(&r.engine))
+            .is_some_and(|r| r.engine != crate::resp::keys::RESP_ENGINE)
     }
 
     /// Status of every peer.

@@ -301,9 +301,10 @@ pub struct NodeConfig {
     /// Bytes per second this node serves to one peer; 0 = unlimited.
     /// Default: 0.
     pub peer_serve_rate: ByteSize,
-    /// Keep chunks fetched from peers in local RAM. RESP values are never
-    /// kept (their keys are mutable: a copy would outlive a DEL or an
-    /// overwrite on the node holding them). Default: true.
+    /// Keep chunks fetched from peers in local RAM. Values of plain RESP
+    /// keys are never kept (their keys are mutable: a copy would outlive a
+    /// DEL or an overwrite on the node holding them); LMCache's keys name
+    /// their content and are kept. Default: true.
     pub peer_admit: bool,
     /// QUIC connections to each peer that carry fetches (the control
     /// connection and `peer-fetch-connections - 1` fetch-only ones), 1 to

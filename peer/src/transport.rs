@@ -491,6 +491,9 @@ struct ServeStats {
     /// (each serve may hold a thread of the blocking pool, which local disk
     /// reads need too).
     serving: Semaphore,
+    /// Subscriptions (control streams) this peer holds, over all its
+    /// connections (see [`MAX_CONTROL_STREAMS`]).
+    control: Arc<AtomicUsize>,
 }
 
 /// One configured peer.
@@ -519,20 +522,36 @@ struct Slot {
     /// Until when fetches skip this peer: a fetch from it timed out (see
     /// [`SLOW_PEER_COOLDOWN`]).
     slow_until: Mutex<Option<Instant>>,
+    /// When any fetch from this peer last received something (a reply
+    /// header or payload bytes): a timed-out fetch blames the peer only if
+    /// it sent nothing at all meanwhile.
+    progress: Mutex<Option<Instant>>,
 }
 
-/// How long fetches skip a peer after a fetch from it timed out. A holder
-/// whose link is up but whose fetches hang (a stopped disk, a saturated
-/// node) is not marked down by the membership protocol; without this every
-/// chunk of a restore waited out its own timeout there, so a GET of N
-/// chunks took about N / 16 timeouts. Now the first wave times out and the
-/// rest are misses at once (or go to another holder) until the cooldown
-/// ends, when one fetch tries the peer again.
+/// How long a peer is skipped (by fetches and by lookups' availability)
+/// after a fetch from it timed out while it sent nothing on any fetch. A
+/// holder whose link is up but whose fetches hang (a stopped disk, a hung
+/// process behind a live QUIC stack) is not marked down by the membership
+/// protocol; without this every chunk of a restore waited out its own
+/// timeout there, so a GET of N chunks took about N / 16 timeouts. Now the
+/// first wave times out and the rest are misses at once (or go to another
+/// holder) until the cooldown ends or the link is made again. A holder that
+/// is merely slow (a serve rate, a queue of large chunks) keeps sending
+/// bytes on some fetch and is never put in cooldown.
 pub const SLOW_PEER_COOLDOWN: Duration = Duration::from_secs(10);
 
 impl Slot {
     fn cooling(&self, now: Instant) -> bool {
         self.slow_until.lock().is_some_and(|t| now < t)
+    }
+
+    fn progressed(&self) {
+        *self.progress.lock() = Some(Instant::now());
+    }
+
+    /// Whether any fetch from this peer received something since `t`.
+    fn progressed_since(&self, t: Instant) -> bool {
+        self.progress.lock().is_some_and(|p| p >= t)
     }
 
     fn label(&self) -> String {
@@ -680,6 +699,7 @@ impl PeerHandle {
                     fetches_failed: AtomicU64::new(0),
                     connects: AtomicU64::new(0),
                     slow_until: Mutex::new(None),
+                    progress: Mutex::new(None),
                 })
             })
             .collect();
@@ -797,6 +817,7 @@ impl PeerHandle {
             .iter()
             .filter(|s| {
                 s.health.lock().state(now) != PeerState::Down
+                    && !s.cooling(now)
                     && s.namespaces.lock().iter().any(|(n, _)| *n == ns)
             })
             .map(|s| self.shared.directory.ram_prefix(s.index, ids))
@@ -808,7 +829,7 @@ impl PeerHandle {
         let now = Instant::now();
         let mut m = 0u32;
         for s in &self.shared.slots {
-            if s.health.lock().state(now) != PeerState::Down {
+            if s.health.lock().state(now) != PeerState::Down && !s.cooling(now) {
                 m |= 1 << s.index;
             }
         }
@@ -826,7 +847,7 @@ impl PeerHandle {
                 continue;
             }
             let state = s.health.lock().state(now);
-            if state == PeerState::Down {
+            if state == PeerState::Down || s.cooling(now) {
                 continue;
             }
             let Some(name) = s.name.read().clone() else {
@@ -867,17 +888,17 @@ impl PeerHandle {
         let deadline = now
             .checked_add(timeout)
             .unwrap_or_else(|| now + MAX_PEER_DURATION);
-        let mut holders = self.holders(id);
-        // Peers whose fetches timed out lately are skipped (see
-        // SLOW_PEER_COOLDOWN): with no other holder, a miss at once.
+        // Without peers in cooldown (see SLOW_PEER_COOLDOWN): with no other
+        // holder, a miss at once.
         let at = Instant::now();
-        holders.retain(|h| !self.shared.slots[h.slot as usize].cooling(at));
+        let holders = self.holders(id);
         if holders.is_empty() {
             return Err(FetchError::NoHolder);
         }
         let mut last = FetchError::NoHolder;
         for h in holders.iter().take(2) {
             let slot = self.shared.slots[h.slot as usize].clone();
+            let asked = Instant::now();
             slot.in_flight.fetch_add(1, Ordering::Relaxed);
             let r = tokio::time::timeout_at(deadline, fetch_from(&self.shared, &slot, id)).await;
             slot.in_flight.fetch_sub(1, Ordering::Relaxed);
@@ -908,15 +929,23 @@ impl PeerHandle {
                 }
                 Err(_) => {
                     slot.fetches_failed.fetch_add(1, Ordering::Relaxed);
-                    let until = Instant::now() + SLOW_PEER_COOLDOWN;
-                    if slot
-                        .slow_until
-                        .lock()
-                        .replace(until)
-                        .is_none_or(|t| t <= at)
-                    {
-                        tracing::warn!(peer = %h.name, after = ?timeout, cooldown = ?SLOW_PEER_COOLDOWN,
-                            "a fetch from a peer timed out; fetches skip it for the cooldown");
+                    // Blamed only when it sent nothing on any fetch for at
+                    // least half the timeout (not a first holder's leftover
+                    // time): a hung peer, not a busy one.
+                    let now = Instant::now();
+                    let fair = now.saturating_duration_since(asked) >= timeout / 2;
+                    if fair && !slot.progressed_since(asked) {
+                        let until = now + SLOW_PEER_COOLDOWN;
+                        if slot
+                            .slow_until
+                            .lock()
+                            .replace(until)
+                            .is_none_or(|t| t <= at)
+                        {
+                            tracing::warn!(peer = %h.name, after = ?timeout, cooldown = ?SLOW_PEER_COOLDOWN,
+                                "a fetch from a peer timed out with nothing received from it; \
+                                 it is skipped for the cooldown");
+                        }
                     }
                     return Err(FetchError::Timeout {
                         peer: h.name.to_string(),
@@ -1252,11 +1281,12 @@ async fn serve_conn(shared: Arc<Shared>, conn: Connection) {
                 limiter: RateLimiter::new(shared.cfg.serve_rate_limit),
                 turn: tokio::sync::Mutex::new(()),
                 serving: Semaphore::new(2 * shared.cfg.max_fetches_per_peer as usize),
+                control: Arc::new(AtomicUsize::new(0)),
             })
         })
         .clone();
     let mut shutdown = shared.shutdown.subscribe();
-    let control = Arc::new(AtomicUsize::new(0));
+    let control = Arc::clone(&stats.control);
     loop {
         let (send, recv) = tokio::select! {
             r = conn.accept_bi() => match r {
@@ -1305,9 +1335,10 @@ async fn serve_stream(
                 tracing::warn!(peer = %node_name, cert = ?cert_name, "refused hello: name differs from certificate");
                 return Err(StreamErr::Io("name mismatch".into()));
             }
-            // A peer subscribes once per connection (a new link is a new
-            // connection): each subscription costs a snapshot of every id
-            // and a delta feed, so more are refused.
+            // A peer subscribes once per link (its old connection's
+            // subscription may linger a moment after it reconnects): each
+            // costs a snapshot of every id and a delta feed, so more than a
+            // few at once, over all its connections, are refused.
             let _subscription = ControlSlot::take(&control).ok_or_else(|| {
                 if crate::logonce::warn_now(format!("control|{node_name}")) {
                     tracing::warn!(peer = %node_name, most = MAX_CONTROL_STREAMS,
@@ -1334,8 +1365,13 @@ async fn serve_stream(
     }
 }
 
-/// Subscriptions (control streams) one inbound connection may hold at once.
-const MAX_CONTROL_STREAMS: usize = 2;
+/// How long a link dropped for announcing more than `max-chunks-per-peer`
+/// chunks waits before it is dialed again.
+const OVER_LIMIT_RETRY: Duration = Duration::from_secs(60);
+
+/// Subscriptions (control streams) one peer may hold at once, over all its
+/// connections.
+const MAX_CONTROL_STREAMS: usize = 4;
 
 /// Least time between two snapshots a subscriber's `Resync` asks for (each
 /// is a walk of every id and a copy of them all to the peer).
@@ -1374,6 +1410,9 @@ async fn serve_control(
     send_namespaces(&shared, &mut send).await?;
     let mut deltas = send_snapshot(&shared, &mut send).await?;
     let mut last_snapshot = tokio::time::Instant::now();
+    // A snapshot asked for within RESYNC_INTERVAL of the last one is sent
+    // when the interval has passed; pings and deltas go on meanwhile.
+    let mut resync_at: Option<tokio::time::Instant> = None;
     loop {
         tokio::select! {
             d = deltas.recv() => match d {
@@ -1381,6 +1420,7 @@ async fn serve_control(
                 Err(broadcast::error::RecvError::Lagged(n)) => {
                     tracing::info!(lagged = n, "peer subscriber lagged; sending a new snapshot");
                     deltas = send_snapshot(&shared, &mut send).await?;
+                    (last_snapshot, resync_at) = (tokio::time::Instant::now(), None);
                 }
                 Err(broadcast::error::RecvError::Closed) => return Ok(()),
             },
@@ -1390,14 +1430,22 @@ async fn serve_control(
                     // At most one asked-for snapshot per RESYNC_INTERVAL: a
                     // peer looping Resync got a whole snapshot per 16-byte
                     // frame (50 frames: 59 MB back, and as many index walks).
-                    tokio::time::sleep_until(last_snapshot + RESYNC_INTERVAL).await;
-                    deltas = send_snapshot(&shared, &mut send).await?;
-                    last_snapshot = tokio::time::Instant::now();
+                    let due = last_snapshot + RESYNC_INTERVAL;
+                    if due <= tokio::time::Instant::now() {
+                        deltas = send_snapshot(&shared, &mut send).await?;
+                        (last_snapshot, resync_at) = (tokio::time::Instant::now(), None);
+                    } else {
+                        resync_at = Some(due);
+                    }
                 }
                 Some(Ok(_)) => {}
                 Some(Err(e)) => return Err(e),
                 None => return Ok(()),
             },
+            () = tokio::time::sleep_until(resync_at.unwrap_or(last_snapshot)), if resync_at.is_some() => {
+                deltas = send_snapshot(&shared, &mut send).await?;
+                (last_snapshot, resync_at) = (tokio::time::Instant::now(), None);
+            }
             r = ns_rx.changed() => {
                 if r.is_ok() {
                     send_namespaces(&shared, &mut send).await?;
@@ -1455,20 +1503,36 @@ async fn serve_fetch(
         return Ok(());
     };
     let len = chunk.payload.len() as u64;
-    write_msg(&mut send, &reply(FetchStatus::Ok, len, chunk.crc)).await?;
     if limiter.limited() {
-        let mut rest = chunk.payload;
-        while !rest.is_empty() {
-            let piece = rest.split_to(rest.len().min(256 << 10));
-            tokio::select! {
-                () = limiter.acquire(piece.len() as u64) => {}
-                _ = &mut stopped => return Ok(()),
+        // The turn is held for at most twice the reply's time at the rate,
+        // plus 10 s: a requester that neither reads nor stops its stream
+        // would hold it (and every later fetch of that peer) for good.
+        let most = Duration::from_secs_f64(2.0 * len as f64 / limiter.rate as f64)
+            + Duration::from_secs(10);
+        let send_all = async {
+            write_msg(&mut send, &reply(FetchStatus::Ok, len, chunk.crc)).await?;
+            let mut rest = chunk.payload;
+            while !rest.is_empty() {
+                let piece = rest.split_to(rest.len().min(256 << 10));
+                limiter.acquire(piece.len() as u64).await;
+                send.write_chunk(piece)
+                    .await
+                    .map_err(|e| StreamErr::Io(e.to_string()))?;
             }
-            send.write_chunk(piece)
-                .await
-                .map_err(|e| StreamErr::Io(e.to_string()))?;
+            Ok::<(), StreamErr>(())
+        };
+        tokio::select! {
+            r = tokio::time::timeout(most, send_all) => match r {
+                Ok(r) => r?,
+                Err(_) => {
+                    let _ = send.reset(VarInt::from_u32(0));
+                    return Err(StreamErr::Io(format!("reply not taken within {most:?}")));
+                }
+            },
+            _ = &mut stopped => return Ok(()),
         }
     } else {
+        write_msg(&mut send, &reply(FetchStatus::Ok, len, chunk.crc)).await?;
         send.write_chunk(chunk.payload)
             .await
             .map_err(|e| StreamErr::Io(e.to_string()))?;
@@ -1550,7 +1614,7 @@ async fn link_loop(shared: Arc<Shared>, slot: Arc<Slot>) {
                         conn.remote_address(),
                     )))
                 });
-                run_link(&shared, &slot, &conn, send, recv).await;
+                let over_limit = run_link(&shared, &slot, &conn, send, recv).await;
                 drop(_extras);
                 for c in std::mem::take(&mut *slot.extra.write()) {
                     c.close(VarInt::from_u32(0), b"link closed");
@@ -1562,6 +1626,14 @@ async fn link_loop(shared: Arc<Shared>, slot: Arc<Slot>) {
                 shared.directory.clear_slot(slot.index);
                 if let Some((old, new)) = slot.health.lock().poll_transition(Instant::now()) {
                     tracing::warn!(peer = %slot.label(), from = old.as_str(), to = new.as_str(), "peer state");
+                }
+                if over_limit {
+                    // Dialed again at once, it would send the same snapshot
+                    // (its every id, walked and copied) to be refused again.
+                    tokio::select! {
+                        _ = tokio::time::sleep(OVER_LIMIT_RETRY) => {}
+                        _ = shutdown.changed() => return,
+                    }
                 }
             }
             Ok(None) => {
@@ -1774,13 +1846,15 @@ fn pick_conn(slot: &Slot) -> Option<Connection> {
     }
 }
 
+/// Runs a link until it ends. Returns true when it was dropped because the
+/// peer announced more than `max-chunks-per-peer` chunks.
 async fn run_link(
     shared: &Arc<Shared>,
     slot: &Slot,
     conn: &Connection,
     mut send: SendStream,
     recv: RecvStream,
-) {
+) -> bool {
     let (mut frames, reader) = frame_reader(recv);
     let _reader = AbortOnDrop(reader);
     let mut shutdown = shared.shutdown.subscribe();
@@ -1798,9 +1872,9 @@ async fn run_link(
                     Some(Ok(m)) => m,
                     Some(Err(e)) => {
                         tracing::warn!(peer = %label, error = %e, "peer control stream failed");
-                        return;
+                        return false;
                     }
-                    None => return,
+                    None => return false,
                 };
                 match msg {
                     Message::Pong { nonce } => {
@@ -1831,7 +1905,7 @@ async fn run_link(
                             SyncAction::RequestResync => {
                                 tracing::info!(peer = %label, "availability gap; asking for a new snapshot");
                                 if write_msg(&mut send, &Message::Resync).await.is_err() {
-                                    return;
+                                    return false;
                                 }
                                 Ok(())
                             }
@@ -1843,10 +1917,12 @@ async fn run_link(
                         };
                         if let Err(e) = applied {
                             // The caller closes the link and clears the slot.
-                            tracing::warn!(peer = %label, error = %e,
-                                "peer announced too many chunks; dropping its link (max-chunks-per-peer)");
+                            if crate::logonce::warn_now(format!("over-limit|{label}")) {
+                                tracing::warn!(peer = %label, error = %e, retry = ?OVER_LIMIT_RETRY,
+                                    "peer announced too many chunks; dropping its link (max-chunks-per-peer)");
+                            }
                             *slot.last_error.lock() = Some(e.to_string());
-                            return;
+                            return true;
                         }
                     }
                 }
@@ -1854,9 +1930,9 @@ async fn run_link(
             _ = tokio::time::sleep_until(tokio::time::Instant::from_std(next)) => {}
             e = conn.closed() => {
                 tracing::warn!(peer = %label, reason = %e, "peer connection lost");
-                return;
+                return false;
             }
-            _ = shutdown.changed() => return,
+            _ = shutdown.changed() => return false,
         }
         let now = Instant::now();
         let (ping, transition, state) = {
@@ -1867,14 +1943,14 @@ async fn run_link(
             tracing::warn!(peer = %label, from = old.as_str(), to = new.as_str(), "peer state");
         }
         if state == PeerState::Down {
-            return;
+            return false;
         }
         if let Some(nonce) = ping {
             if write_msg(&mut send, &Message::Ping { nonce })
                 .await
                 .is_err()
             {
-                return;
+                return false;
             }
         }
     }
@@ -1908,6 +1984,7 @@ async fn fetch_from(
         },
         other => tr(other.to_string()),
     })?;
+    slot.progressed();
     let corrupt = |why: String| FetchError::Corrupt {
         peer: peer.clone(),
         why,
@@ -1965,6 +2042,7 @@ async fn fetch_from(
                 buf.extend_from_slice(&c.bytes);
                 filled += c.bytes.len();
                 got.update(&c.bytes);
+                slot.progressed();
             }
             Ok(None) => {
                 return Err(corrupt(format!(

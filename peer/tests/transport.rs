@@ -629,10 +629,9 @@ async fn stalled_and_dead_peers_become_misses_within_the_timeout() {
     }
     let took = t.elapsed();
     assert!(took < Duration::from_millis(150), "took {took:?}");
-    assert!(
-        !b.handle.holders(&id(4)).is_empty(),
-        "still listed as a holder"
-    );
+    // Lookups leave it out too (a LOOKUP would plan a restore from it).
+    assert!(b.handle.holders(&id(4)).is_empty());
+    assert_eq!(b.handle.available(&[id(4)]), vec![false]);
     a.source.stall.store(false, Ordering::Relaxed);
 
     // Dead holder: B marks it down and stops offering it.
@@ -694,6 +693,11 @@ async fn a_serve_rate_serves_whole_chunks_in_turn() {
         }
     }
     assert!(ok >= 5, "{ok} of 16 chunks arrived within the timeout");
+    // A busy holder that kept sending is not a hung one: no cooldown.
+    assert!(
+        !b.handle.holders(&id(100)).is_empty(),
+        "a holder that kept sending bytes was put in cooldown"
+    );
     a.handle.shutdown(Duration::from_secs(2)).await;
     b.handle.shutdown(Duration::from_secs(2)).await;
 }
@@ -899,8 +903,8 @@ fn hello(name: &str) -> Vec<u8> {
     })
 }
 
-/// An authenticated peer may subscribe at most twice on one connection
-/// (100 subscriptions on one connection took ~215 MB on the holder), and a
+/// An authenticated peer may hold at most four subscriptions over all its
+/// connections (100 on one connection took ~215 MB on the holder), and a
 /// loop of Resync frames gets at most one snapshot a second (50 frames got
 /// 59 MB back).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -910,24 +914,30 @@ async fn a_peer_cannot_multiply_subscriptions_or_snapshots() {
     let a = start(c.node("node-a"), fast_cfg(vec![]));
     a.source.insert(id(9), payload(1000, 9));
     a.handle.local_added(id(9), 1000);
-    let (_ep, conn) = raw_conn(a.addr, &c.node("node-evil")).await;
+    // Two subscriptions on each of three connections: four are answered.
+    let evil = c.node("node-evil");
+    let mut conns = Vec::new();
+    for _ in 0..3 {
+        conns.push(raw_conn(a.addr, &evil).await);
+    }
+    let conn = conns[0].1.clone();
     let mut streams = Vec::new();
-    for i in 0..3 {
-        let (mut s, mut r) = conn.open_bi().await.expect("stream");
+    for i in 0..6 {
+        let (mut s, mut r) = conns[i % 3].1.open_bi().await.expect("stream");
         s.write_all(&hello("node-evil")).await.expect("hello");
         let answered = tokio::time::timeout(Duration::from_secs(3), raw_frame(&mut r))
             .await
             .ok()
             .flatten();
-        if i < 2 {
+        if i < 4 {
             assert!(
                 matches!(answered, Some(Message::Hello { .. })),
-                "{answered:?}"
+                "{i}: {answered:?}"
             );
         } else {
             assert!(
                 answered.is_none(),
-                "third subscription answered: {answered:?}"
+                "subscription {i} answered: {answered:?}"
             );
         }
         streams.push((s, r));
@@ -939,13 +949,24 @@ async fn a_peer_cannot_multiply_subscriptions_or_snapshots() {
             .await
             .expect("resync");
     }
-    let mut snapshots = 0;
+    // A ping behind them is answered at once: a Resync that must wait does
+    // not hold the stream (the subscriber would mark us suspect).
+    let pinged = Instant::now();
+    s.write_all(&peer::proto::frame::encode(&Message::Ping { nonce: 99 }))
+        .await
+        .expect("ping");
+    let (mut snapshots, mut pong) = (0, None);
     let end = tokio::time::Instant::now() + Duration::from_millis(1500);
     while let Ok(Some(m)) = tokio::time::timeout_at(end, raw_frame(r)).await {
         snapshots += usize::from(matches!(m, Message::SnapshotBegin { .. }));
+        if matches!(m, Message::Pong { nonce: 99 }) && pong.is_none() {
+            pong = Some(pinged.elapsed());
+        }
     }
     // The subscription's own snapshot, then at most one per second.
     assert!((1..=3).contains(&snapshots), "{snapshots} snapshots");
+    let pong = pong.expect("no pong");
+    assert!(pong < Duration::from_millis(500), "pong after {pong:?}");
     conn.close(0u32.into(), b"done");
     a.handle.shutdown(Duration::from_secs(2)).await;
 }
@@ -1019,6 +1040,90 @@ async fn a_peer_gets_a_bounded_number_of_serves_at_once() {
     }
     assert_eq!(busy, 8, "{busy} of {} answered Busy", cap + 8);
     a.source.stall.store(false, Ordering::Relaxed);
+    conn.close(0u32.into(), b"done");
+    a.handle.shutdown(Duration::from_secs(2)).await;
+}
+
+/// A peer dropped for announcing more than `max_chunks_per_peer` chunks is
+/// dialed again only after a long wait: at once (its backoff reset by the
+/// successful connect) it sent the same refused snapshot ~13 times a second.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_over_the_chunk_limit_is_not_redialed_at_once() {
+    let c = Cluster::new("prod");
+    let a = start(c.node("node-a"), fast_cfg(vec![]));
+    for i in 0..5u8 {
+        a.source.insert(id(40 + i), payload(100, i));
+        a.handle.local_added(id(40 + i), 100);
+    }
+    let b = start(
+        c.node("node-b"),
+        PeerConfig {
+            max_chunks_per_peer: 3,
+            ..fast_cfg(vec![a.addr.to_string()])
+        },
+    );
+    poll("first link", Duration::from_secs(10), || {
+        (b.handle.peers()[0].connects >= 1).then_some(())
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let st = &b.handle.peers()[0];
+    assert_eq!(st.connects, 1, "redialed: {st:?}");
+    assert!(
+        st.last_error
+            .as_deref()
+            .is_some_and(|e| e.contains("chunks")),
+        "{st:?}"
+    );
+    assert!(b.handle.holders(&id(40)).is_empty());
+    a.handle.shutdown(Duration::from_secs(2)).await;
+    b.handle.shutdown(Duration::from_secs(2)).await;
+}
+
+/// Under a serve rate, a requester that neither reads its reply nor stops
+/// its stream holds the peer's serve turn at most twice the reply's time at
+/// the rate plus 10 s; the peer's next fetch is then served (it waited for
+/// good).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reply_nobody_reads_gives_up_the_serve_turn() {
+    use peer::proto::{FetchStatus, Message};
+    let c = Cluster::new("prod");
+    let a = start(
+        c.node("node-a"),
+        PeerConfig {
+            serve_rate_limit: 64 << 20,
+            ..fast_cfg(vec![])
+        },
+    );
+    a.source.insert(id(50), payload(32 << 20, 1)); // more than the stream window
+    a.source.insert(id(51), payload(1000, 2));
+    let (_ep, conn) = raw_conn(a.addr, &c.node("node-evil")).await;
+    let (mut s1, _r1_never_read) = conn.open_bi().await.expect("stream");
+    s1.write_all(&peer::proto::frame::encode(&Message::FetchRequest {
+        id: id(50),
+    }))
+    .await
+    .expect("request");
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let (mut s2, mut r2) = conn.open_bi().await.expect("stream");
+    s2.write_all(&peer::proto::frame::encode(&Message::FetchRequest {
+        id: id(51),
+    }))
+    .await
+    .expect("request");
+    let t = Instant::now();
+    let reply = tokio::time::timeout(Duration::from_secs(25), raw_frame(&mut r2)).await;
+    assert!(
+        matches!(
+            reply,
+            Ok(Some(Message::FetchReply {
+                status: FetchStatus::Ok,
+                ..
+            }))
+        ),
+        "{reply:?} after {:?}",
+        t.elapsed()
+    );
     conn.close(0u32.into(), b"done");
     a.handle.shutdown(Duration::from_secs(2)).await;
 }

@@ -1070,3 +1070,28 @@ fn the_corrupt_peer_reply_count_is_exported() {
     let status = http_get(http, "/status");
     assert!(status.contains("\"peer_corrupt_replies\": 0"), "{status}");
 }
+
+/// LMCache's keys name their chunk's content hash: a value fetched from a
+/// peer is kept (admitted) as for the native engines, unlike plain RESP
+/// keys, and is served after its holder is gone.
+#[test]
+fn lmcache_values_fetched_from_a_peer_are_kept() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let Two { a, mut b, .. } = two_nodes(dir.path());
+    let (ra, rb) = (a.resp.expect("resp on a"), b.resp.expect("resp on b"));
+    // a registers the LMCache namespace with a key of its own.
+    let own = b"m@2@0@00aa@bfloat16";
+    let key = b"m@2@0@11bb@bfloat16";
+    assert_eq!(resp(ra, &[b"SET", own, b"x"]), b"+OK\r\n");
+    assert_eq!(resp(rb, &[b"SET", key, b"kv-bytes"]), b"+OK\r\n");
+    poll("the key on a", Duration::from_secs(15), || {
+        (resp(ra, &[b"EXISTS", key]) == b":1\r\n").then_some(())
+    });
+    assert_eq!(resp(ra, &[b"GET", key]), b"$8\r\nkv-bytes\r\n");
+    b.kill9();
+    assert_eq!(
+        resp(ra, &[b"GET", key]),
+        b"$8\r\nkv-bytes\r\n",
+        "not kept on a"
+    );
+}
