@@ -491,9 +491,9 @@ struct ServeStats {
     /// (each serve may hold a thread of the blocking pool, which local disk
     /// reads need too).
     serving: Semaphore,
-    /// Subscriptions (control streams) this peer holds, over all its
-    /// connections (see [`MAX_CONTROL_STREAMS`]).
-    control: Arc<AtomicUsize>,
+    /// Subscriptions (control streams) this peer may still open, over all
+    /// its connections (see [`MAX_CONTROL_STREAMS`]).
+    control: Arc<Semaphore>,
 }
 
 /// One configured peer.
@@ -888,9 +888,8 @@ impl PeerHandle {
         let deadline = now
             .checked_add(timeout)
             .unwrap_or_else(|| now + MAX_PEER_DURATION);
-        // Without peers in cooldown (see SLOW_PEER_COOLDOWN): with no other
-        // holder, a miss at once.
-        let at = Instant::now();
+        // Peers in cooldown are left out (see SLOW_PEER_COOLDOWN): with no
+        // other holder, a miss at once.
         let holders = self.holders(id);
         if holders.is_empty() {
             return Err(FetchError::NoHolder);
@@ -940,7 +939,7 @@ impl PeerHandle {
                             .slow_until
                             .lock()
                             .replace(until)
-                            .is_none_or(|t| t <= at)
+                            .is_none_or(|t| t <= now)
                         {
                             tracing::warn!(peer = %h.name, after = ?timeout, cooldown = ?SLOW_PEER_COOLDOWN,
                                 "a fetch from a peer timed out with nothing received from it; \
@@ -1281,12 +1280,11 @@ async fn serve_conn(shared: Arc<Shared>, conn: Connection) {
                 limiter: RateLimiter::new(shared.cfg.serve_rate_limit),
                 turn: tokio::sync::Mutex::new(()),
                 serving: Semaphore::new(2 * shared.cfg.max_fetches_per_peer as usize),
-                control: Arc::new(AtomicUsize::new(0)),
+                control: Arc::new(Semaphore::new(MAX_CONTROL_STREAMS)),
             })
         })
         .clone();
     let mut shutdown = shared.shutdown.subscribe();
-    let control = Arc::clone(&stats.control);
     loop {
         let (send, recv) = tokio::select! {
             r = conn.accept_bi() => match r {
@@ -1302,9 +1300,8 @@ async fn serve_conn(shared: Arc<Shared>, conn: Connection) {
         let st = stats.clone();
         let cn = cert_name.clone();
         let lb = label.clone();
-        let ctl = control.clone();
         tokio::spawn(async move {
-            if let Err(e) = serve_stream(s2, send, recv, cn, st, ctl).await {
+            if let Err(e) = serve_stream(s2, send, recv, cn, st).await {
                 tracing::debug!(peer = %lb, error = %e, "peer stream ended");
             }
         });
@@ -1317,7 +1314,6 @@ async fn serve_stream(
     mut recv: RecvStream,
     cert_name: Option<String>,
     stats: Arc<ServeStats>,
-    control: Arc<AtomicUsize>,
 ) -> Result<(), StreamErr> {
     let first = tokio::time::timeout(shared.cfg.connect_timeout, read_frame(&mut recv))
         .await
@@ -1339,13 +1335,15 @@ async fn serve_stream(
             // subscription may linger a moment after it reconnects): each
             // costs a snapshot of every id and a delta feed, so more than a
             // few at once, over all its connections, are refused.
-            let _subscription = ControlSlot::take(&control).ok_or_else(|| {
-                if crate::logonce::warn_now(format!("control|{node_name}")) {
-                    tracing::warn!(peer = %node_name, most = MAX_CONTROL_STREAMS,
-                        "refused a peer's extra subscription on one connection");
-                }
-                StreamErr::Io("too many subscriptions on one connection".into())
-            })?;
+            let _subscription = Arc::clone(&stats.control)
+                .try_acquire_owned()
+                .map_err(|_| {
+                    if crate::logonce::warn_now(format!("control|{node_name}")) {
+                        tracing::warn!(peer = %node_name, most = MAX_CONTROL_STREAMS,
+                        "refused a peer's extra subscription");
+                    }
+                    StreamErr::Io("too many subscriptions from one peer".into())
+                })?;
             let epoch = shared.publisher.lock().epoch();
             write_msg(
                 &mut send,
@@ -1377,26 +1375,6 @@ const MAX_CONTROL_STREAMS: usize = 4;
 /// is a walk of every id and a copy of them all to the peer).
 const RESYNC_INTERVAL: Duration = Duration::from_secs(1);
 
-/// One of [`MAX_CONTROL_STREAMS`], given back when dropped.
-struct ControlSlot(Arc<AtomicUsize>);
-
-impl ControlSlot {
-    fn take(count: &Arc<AtomicUsize>) -> Option<Self> {
-        count
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
-                (n < MAX_CONTROL_STREAMS).then_some(n + 1)
-            })
-            .ok()
-            .map(|_| Self(Arc::clone(count)))
-    }
-}
-
-impl Drop for ControlSlot {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::AcqRel);
-    }
-}
-
 async fn serve_control(
     shared: Arc<Shared>,
     mut send: SendStream,
@@ -1410,8 +1388,8 @@ async fn serve_control(
     send_namespaces(&shared, &mut send).await?;
     let mut deltas = send_snapshot(&shared, &mut send).await?;
     let mut last_snapshot = tokio::time::Instant::now();
-    // A snapshot asked for within RESYNC_INTERVAL of the last one is sent
-    // when the interval has passed; pings and deltas go on meanwhile.
+    // An asked-for snapshot is sent once RESYNC_INTERVAL has passed since
+    // the last one; pings and deltas go on meanwhile.
     let mut resync_at: Option<tokio::time::Instant> = None;
     loop {
         tokio::select! {
@@ -1430,13 +1408,8 @@ async fn serve_control(
                     // At most one asked-for snapshot per RESYNC_INTERVAL: a
                     // peer looping Resync got a whole snapshot per 16-byte
                     // frame (50 frames: 59 MB back, and as many index walks).
-                    let due = last_snapshot + RESYNC_INTERVAL;
-                    if due <= tokio::time::Instant::now() {
-                        deltas = send_snapshot(&shared, &mut send).await?;
-                        (last_snapshot, resync_at) = (tokio::time::Instant::now(), None);
-                    } else {
-                        resync_at = Some(due);
-                    }
+                    // Sent by the timer arm below (at once when it is due).
+                    resync_at = Some(last_snapshot + RESYNC_INTERVAL);
                 }
                 Some(Ok(_)) => {}
                 Some(Err(e)) => return Err(e),
@@ -1463,14 +1436,14 @@ async fn serve_fetch(
     stats: &ServeStats,
 ) -> Result<(), StreamErr> {
     let limiter = &stats.limiter;
+    let reply = |status, len, crc| Message::FetchReply {
+        status,
+        id,
+        len,
+        crc,
+    };
     let Ok(_serving) = stats.serving.try_acquire() else {
-        let busy = Message::FetchReply {
-            status: FetchStatus::Busy,
-            id,
-            len: 0,
-            crc: 0,
-        };
-        write_msg(&mut send, &busy).await?;
+        write_msg(&mut send, &reply(FetchStatus::Busy, 0, 0)).await?;
         let _ = send.finish();
         return Ok(());
     };
@@ -1491,12 +1464,6 @@ async fn serve_fetch(
         None
     };
     let got = shared.source.read(&id).await;
-    let reply = |status, len, crc| Message::FetchReply {
-        status,
-        id,
-        len,
-        crc,
-    };
     let Some(chunk) = got else {
         write_msg(&mut send, &reply(FetchStatus::NotFound, 0, 0)).await?;
         let _ = send.finish();
