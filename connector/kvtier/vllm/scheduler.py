@@ -27,14 +27,13 @@ class _Req:
     request: Any
     #: Local prefix-cache hit passed to the last get_num_new_matched_tokens.
     local_tokens: int = 0
-    #: Cached lookup: ((number of keys, first chunk asked), loadable chunks, present chunks).
-    lookup: tuple[tuple[int, int], int, int] | None = None
-    #: When it was asked (time.monotonic): reused for LOOKUP_TTL_S at most,
-    #: and only while the request was not preempted since (`num_preemptions`).
+    #: Cached lookup: (ask, loadable chunks, present chunks), where the ask is
+    #: (number of keys, first chunk asked, the request's preemptions so far).
+    lookup: tuple[tuple[int, int, int], int, int] | None = None
+    #: When it was asked (time.monotonic): reused for LOOKUP_TTL_S at most.
     lookup_at: float = 0.0
-    lookup_preemptions: int = 0
-    #: The ask (keys, first chunk, preemptions) whose tokens the stats counted:
-    #: a refreshed lookup of the same ask is not counted again.
+    #: The ask whose tokens the stats counted: a refreshed lookup of the same
+    #: ask is not counted again.
     counted: tuple[int, int, int] | None = None
     #: Chunks known stored on every rank or already scheduled for a save.
     stored_chunks: int = 0
@@ -105,22 +104,18 @@ class KvtierScheduler:
             self.evict.bind(pool)
 
     @staticmethod
-    def _lookup_fresh(st: _Req, nkeys: int, first: int) -> bool:
-        """Whether the request's cached lookup answers this one: the same keys,
-        asked within LOOKUP_TTL_S, and no preemption since (its own saves may
-        be what restores it now)."""
-        return (
-            st.lookup is not None
-            and st.lookup[0] == (nkeys, first)
-            and time.monotonic() - st.lookup_at < LOOKUP_TTL_S
-            and getattr(st.request, "num_preemptions", 0) == st.lookup_preemptions
-        )
+    def _ask(st: _Req, keys: list[bytes], first: int) -> tuple[int, int, int]:
+        """What a lookup answers: the keys (their count: a request's keys only
+        grow), the first chunk asked, and the request's preemptions so far
+        (after one, its own saves may be what restores it)."""
+        return len(keys), first, getattr(st.request, "num_preemptions", 0)
 
     def _lookup(self, st: _Req, keys: list[bytes], first: int = 0) -> tuple[int, int]:
         """(loadable chunks after the size gate, chunks present on every rank), asking
-        only from chunk `first` on: the chunks before it count as present."""
-        if self._lookup_fresh(st, len(keys), first):
-            assert st.lookup is not None
+        only from chunk `first` on: the chunks before it count as present. A cached
+        answer to the same ask is reused for LOOKUP_TTL_S."""
+        ask = self._ask(st, keys, first)
+        if st.lookup is not None and st.lookup[0] == ask and time.monotonic() - st.lookup_at < LOOKUP_TTL_S:
             return st.lookup[1], st.lookup[2]
         assert self.layout is not None
         layout = self.layout
@@ -148,9 +143,8 @@ class KvtierScheduler:
         self.stats.observe("lookup_s", time.perf_counter() - t0)
         self.stats.add(lookups=1)
         loadable = max(0, min(loadable, len(keys)))
-        st.lookup = ((len(keys), first), loadable, max(0, min(present, len(keys))))
+        st.lookup = (ask, loadable, max(0, min(present, len(keys))))
         st.lookup_at = time.monotonic()
-        st.lookup_preemptions = getattr(st.request, "num_preemptions", 0)
         if self.evict is not None:
             self.evict.mark_stored(keys[first : st.lookup[2]])
         return st.lookup[1], st.lookup[2]
@@ -180,7 +174,7 @@ class KvtierScheduler:
         # chunk the local hit does not cover. prefill-and-finish asks from chunk
         # 0, so that chunks kvtier lost are stored again from the local copy.
         first = num_computed_tokens // layout.chunk_tokens if self.evict is not None else 0
-        ask = (len(keys), first, getattr(request, "num_preemptions", 0))
+        ask = self._ask(st, keys, first)
         loadable, present = self._lookup(st, keys, first)
         if st.counted != ask:
             # Once per ask: a request that waits asks again every second.

@@ -408,8 +408,7 @@ class KvtierWorker:
             for r in sending:
                 self._seen_finished.discard(r)
                 self._finishing.discard(r)
-                self._pending_saves.pop(r, None)
-                self._save_jobs.pop(r, None)
+                self._forget_saves(r)
             # Finished and not held (e.g. aborted during a restore): nothing
             # to report; drop its bookkeeping once its saves are done.
             for r in finished_req_ids:
@@ -417,8 +416,7 @@ class KvtierWorker:
                     if self._pending_saves.get(r):
                         self._released.add(r)
                     else:
-                        self._pending_saves.pop(r, None)
-                        self._save_jobs.pop(r, None)
+                        self._forget_saves(r)
             done, self._done_loads = self._done_loads, []
         recving, failed = set(), set()
         multi = self.layout is not None and len(self.layout.groups) > 1
@@ -433,6 +431,11 @@ class KvtierWorker:
             else:
                 self._load_errors |= bad_blocks
         return sending, recving, failed
+
+    def _forget_saves(self, req_id: str) -> None:
+        """Drops a request's save bookkeeping (under the lock)."""
+        self._pending_saves.pop(req_id, None)
+        self._save_jobs.pop(req_id, None)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks of the requests just reported as received whose restore failed."""
@@ -540,8 +543,7 @@ class KvtierWorker:
             self._pending_saves[job.req_id] = self._pending_saves.get(job.req_id, 1) - 1
             if job.req_id in self._released and not self._pending_saves[job.req_id]:
                 self._released.discard(job.req_id)
-                self._pending_saves.pop(job.req_id, None)
-                self._save_jobs.pop(job.req_id, None)
+                self._forget_saves(job.req_id)
         job.gathered.set()
         job.done.set()
 
