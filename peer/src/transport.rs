@@ -494,6 +494,8 @@ struct ServeStats {
     /// Subscriptions (control streams) this peer may still open, over all
     /// its connections (see [`MAX_CONTROL_STREAMS`]).
     control: Arc<Semaphore>,
+    /// Connections this peer may still open (see [`MAX_CONNECTIONS_PER_PEER`]).
+    conns: Arc<Semaphore>,
 }
 
 /// One configured peer.
@@ -1281,9 +1283,26 @@ async fn serve_conn(shared: Arc<Shared>, conn: Connection) {
                 turn: tokio::sync::Mutex::new(()),
                 serving: Semaphore::new(2 * shared.cfg.max_fetches_per_peer as usize),
                 control: Arc::new(Semaphore::new(MAX_CONTROL_STREAMS)),
+                conns: Arc::new(Semaphore::new(MAX_CONNECTIONS_PER_PEER)),
             })
         })
         .clone();
+    // Each connection may buffer up to `conn_window` bytes its streams sent
+    // and nobody read (64 MiB by default), so one peer's connections are
+    // bounded, like its subscriptions and serves.
+    let Ok(_conn_permit) = Arc::clone(&stats.conns).try_acquire_owned() else {
+        if crate::logonce::warn_now(format!("conns|{label}")) {
+            tracing::warn!(peer = %label, most = MAX_CONNECTIONS_PER_PEER,
+                "refused a peer's extra connection (repeats are logged at debug)");
+        } else {
+            tracing::debug!(peer = %label, "refused a peer's extra connection");
+        }
+        conn.close(
+            CLOSE_TOO_MANY_CONNECTIONS,
+            b"too many connections from this peer",
+        );
+        return;
+    };
     let mut shutdown = shared.shutdown.subscribe();
     loop {
         let (send, recv) = tokio::select! {
@@ -1370,6 +1389,15 @@ const OVER_LIMIT_RETRY: Duration = Duration::from_secs(60);
 /// Subscriptions (control streams) one peer may hold at once, over all its
 /// connections.
 const MAX_CONTROL_STREAMS: usize = 4;
+
+/// Inbound connections one peer may hold at once: twice the most a link
+/// dials ([`MAX_FETCH_CONNECTIONS`]), so a link being re-made while its old
+/// connections close fits.
+pub const MAX_CONNECTIONS_PER_PEER: usize = 2 * MAX_FETCH_CONNECTIONS as usize;
+
+/// QUIC application close code of a connection refused for going past
+/// [`MAX_CONNECTIONS_PER_PEER`].
+pub const CLOSE_TOO_MANY_CONNECTIONS: VarInt = VarInt::from_u32(0x4b01);
 
 /// Least time between two snapshots a subscriber's `Resync` asks for (each
 /// is a walk of every id and a copy of them all to the peer).

@@ -903,6 +903,75 @@ fn hello(name: &str) -> Vec<u8> {
     })
 }
 
+/// An authenticated peer may hold at most `MAX_CONNECTIONS_PER_PEER`
+/// connections at once (each may buffer up to the connection window, 64 MiB,
+/// of stream data nobody reads); the extras are closed with their own code,
+/// and a closed connection's place is free again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_cannot_multiply_connections() {
+    use peer::transport::{CLOSE_TOO_MANY_CONNECTIONS, MAX_CONNECTIONS_PER_PEER};
+    let c = Cluster::new("prod");
+    let a = start(c.node("node-a"), fast_cfg(vec![]));
+    let evil = c.node("node-evil");
+    let mut conns = Vec::new();
+    for _ in 0..MAX_CONNECTIONS_PER_PEER + 3 {
+        conns.push(raw_conn(a.addr, &evil).await);
+    }
+    let refused = |conns: &[(quinn::Endpoint, quinn::Connection)]| {
+        conns
+            .iter()
+            .filter(|(_, c)| {
+                matches!(c.close_reason(),
+                    Some(quinn::ConnectionError::ApplicationClosed(ref e))
+                        if e.error_code == CLOSE_TOO_MANY_CONNECTIONS)
+            })
+            .count()
+    };
+    poll("three refused", Duration::from_secs(10), || {
+        (refused(&conns) == 3).then_some(())
+    })
+    .await;
+    poll("the rest kept", Duration::from_secs(10), || {
+        (a.handle.open_connections() == MAX_CONNECTIONS_PER_PEER).then_some(())
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let open = conns.iter().filter(|(_, c)| c.close_reason().is_none());
+    assert_eq!(open.count(), MAX_CONNECTIONS_PER_PEER);
+    // Another node is not held back by this one's connections.
+    let (_ep, other) = raw_conn(a.addr, &c.node("node-b")).await;
+    let (mut s, mut r) = other.open_bi().await.expect("stream");
+    s.write_all(&hello("node-b")).await.expect("hello");
+    let answered = tokio::time::timeout(Duration::from_secs(3), raw_frame(&mut r)).await;
+    assert!(
+        matches!(answered, Ok(Some(peer::proto::Message::Hello { .. }))),
+        "{answered:?}"
+    );
+    // Closing one of the kept connections makes room for one more.
+    let (_, kept) = conns
+        .iter()
+        .find(|(_, c)| c.close_reason().is_none())
+        .expect("a kept connection");
+    kept.close(0u32.into(), b"done");
+    poll("its place freed", Duration::from_secs(10), || {
+        (a.handle.open_connections() == MAX_CONNECTIONS_PER_PEER).then_some(())
+    })
+    .await;
+    let (_ep2, again) = raw_conn(a.addr, &evil).await;
+    let (mut s, mut r) = again.open_bi().await.expect("stream");
+    s.write_all(&hello("node-evil")).await.expect("hello");
+    let answered = tokio::time::timeout(Duration::from_secs(3), raw_frame(&mut r)).await;
+    assert!(
+        matches!(answered, Ok(Some(peer::proto::Message::Hello { .. }))),
+        "{answered:?}"
+    );
+    assert!(again.close_reason().is_none());
+    for (_, c) in &conns {
+        c.close(0u32.into(), b"done");
+    }
+    a.handle.shutdown(Duration::from_secs(2)).await;
+}
+
 /// An authenticated peer may hold at most four subscriptions over all its
 /// connections (100 on one connection took ~215 MB on the holder), and a
 /// loop of Resync frames gets at most one snapshot a second (50 frames got
