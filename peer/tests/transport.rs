@@ -903,6 +903,18 @@ fn hello(name: &str) -> Vec<u8> {
     })
 }
 
+/// Sends a hello as `name` on a new stream of `conn` and asserts it is
+/// answered with the holder's hello within 3 s.
+async fn assert_subscribes(conn: &quinn::Connection, name: &str) {
+    let (mut s, mut r) = conn.open_bi().await.expect("stream");
+    s.write_all(&hello(name)).await.expect("hello");
+    let answered = tokio::time::timeout(Duration::from_secs(3), raw_frame(&mut r)).await;
+    assert!(
+        matches!(answered, Ok(Some(peer::proto::Message::Hello { .. }))),
+        "{name}: {answered:?}"
+    );
+}
+
 /// An authenticated peer may hold at most `MAX_CONNECTIONS_PER_PEER`
 /// connections at once (each may buffer up to the connection window, 64 MiB,
 /// of stream data nobody reads); the extras are closed with their own code,
@@ -940,13 +952,7 @@ async fn a_peer_cannot_multiply_connections() {
     assert_eq!(open.count(), MAX_CONNECTIONS_PER_PEER);
     // Another node is not held back by this one's connections.
     let (_ep, other) = raw_conn(a.addr, &c.node("node-b")).await;
-    let (mut s, mut r) = other.open_bi().await.expect("stream");
-    s.write_all(&hello("node-b")).await.expect("hello");
-    let answered = tokio::time::timeout(Duration::from_secs(3), raw_frame(&mut r)).await;
-    assert!(
-        matches!(answered, Ok(Some(peer::proto::Message::Hello { .. }))),
-        "{answered:?}"
-    );
+    assert_subscribes(&other, "node-b").await;
     // Closing one of the kept connections makes room for one more.
     let (_, kept) = conns
         .iter()
@@ -958,13 +964,7 @@ async fn a_peer_cannot_multiply_connections() {
     })
     .await;
     let (_ep2, again) = raw_conn(a.addr, &evil).await;
-    let (mut s, mut r) = again.open_bi().await.expect("stream");
-    s.write_all(&hello("node-evil")).await.expect("hello");
-    let answered = tokio::time::timeout(Duration::from_secs(3), raw_frame(&mut r)).await;
-    assert!(
-        matches!(answered, Ok(Some(peer::proto::Message::Hello { .. }))),
-        "{answered:?}"
-    );
+    assert_subscribes(&again, "node-evil").await;
     assert!(again.close_reason().is_none());
     for (_, c) in &conns {
         c.close(0u32.into(), b"done");
