@@ -730,11 +730,18 @@ pub async fn run(config: NodeConfig, shutdown: impl Future<Output = ()>) -> Resu
                     "kvtier ready"
         );
     }
+    crate::notify::notify(&format!(
+        "READY=1\nSTATUS=serving; {} chunk(s) recovered in {:.1} ms\nMAINPID={}",
+        st.chunks,
+        st.recovery.as_secs_f64() * 1e3,
+        std::process::id()
+    ));
     tokio::pin!(shutdown);
     let failure = tokio::select! {
         () = &mut shutdown => None,
         e = node.failed() => Some(e),
     };
+    crate::notify::notify("STOPPING=1\nSTATUS=flushing dirty chunks, then exiting");
     let summary = node.shutdown().await;
     match failure {
         Some(e) => Err(e),

@@ -20,6 +20,7 @@ pub mod http;
 pub mod logging;
 pub mod memory;
 pub mod native;
+pub mod notify;
 pub mod resp;
 pub mod size;
 

@@ -1,7 +1,7 @@
 //! Signals during shutdown: a second SIGTERM / SIGINT while the daemon is
 //! still flushing its dirty chunks after the first one exits at once with
 //! code 130, and the store it leaves behind reopens and never serves wrong
-//! bytes.
+//! bytes. And what the service manager is told (`READY=1`, `STOPPING=1`).
 
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -203,4 +203,64 @@ fn a_closed_log_pipe_never_stops_the_shutdown_flush() {
     let ns2 = c.hello(&test_record(0)).expect("HELLO");
     assert_eq!(ns2, ns);
     assert_eq!(c.get_bytes(ns, 0, k).expect("GET"), Some(v));
+}
+
+/// Under systemd's `Type=notify` (the unit in deploy/systemd): `READY=1`
+/// once the socket serves, with the daemon's pid, and `STOPPING=1` when a
+/// SIGTERM starts the shutdown. Without it `systemctl start` returned
+/// before the socket existed and units ordered after kvtier raced it.
+#[test]
+fn the_service_manager_is_told_ready_then_stopping() {
+    use std::os::unix::net::UnixDatagram;
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("notify.sock");
+    let manager = UnixDatagram::bind(&path).expect("bind the notify socket");
+    manager
+        .set_read_timeout(Some(Duration::from_secs(30)))
+        .expect("timeout");
+    let mut d = Daemon::start(
+        dir.path(),
+        &[],
+        &[("NOTIFY_SOCKET", path.to_str().expect("utf-8 path"))],
+    )
+    .expect("start");
+    let mut buf = [0u8; 512];
+    let recv = |buf: &mut [u8]| -> String {
+        let n = manager.recv(buf).expect("a notification");
+        String::from_utf8_lossy(&buf[..n]).into_owned()
+    };
+    let ready = recv(&mut buf);
+    assert!(ready.lines().any(|l| l == "READY=1"), "{ready:?}");
+    assert!(
+        ready.lines().any(|l| l == format!("MAINPID={}", d.pid())),
+        "{ready:?}"
+    );
+    d.client()
+        .ping()
+        .expect("the socket serves once READY=1 is sent");
+    let status = d.stop_with(libc::SIGTERM);
+    assert!(status.success(), "{status:?}");
+    let stopping = recv(&mut buf);
+    assert!(stopping.lines().any(|l| l == "STOPPING=1"), "{stopping:?}");
+}
+
+/// A `NOTIFY_SOCKET` nobody listens on is a warning, not a failed start.
+#[test]
+fn an_unreachable_notify_socket_only_warns() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let nowhere = dir.path().join("no-such-socket");
+    let mut d = Daemon::start(
+        dir.path(),
+        &[],
+        &[("NOTIFY_SOCKET", nowhere.to_str().expect("utf-8 path"))],
+    )
+    .expect("start");
+    d.client().ping().expect("serves");
+    let status = d.stop_with(libc::SIGTERM);
+    assert!(status.success(), "{status:?}");
+    assert!(
+        d.log().contains("could not notify the service manager"),
+        "{}",
+        d.log()
+    );
 }
