@@ -269,6 +269,10 @@ pub struct ConfigCheckArgs {
     /// Print JSON instead of TOML.
     #[arg(long)]
     pub json: bool,
+    /// Exit 1 when there are warnings too (e.g. this user could not create
+    /// the data dir): a preflight run as the service's user.
+    #[arg(long)]
+    pub strict: bool,
     /// The configuration to check.
     #[command(flatten)]
     pub config: ConfigArgs,

@@ -13,7 +13,7 @@ use node::tier::{self, ChunkStore, GcOptions, Namespace, NamespaceRecord, Verify
 use node::{ByteSize, HumanDuration};
 
 use crate::args::*;
-use crate::{EXIT_MISS, EXIT_OK, EXIT_VERIFY_FAILED};
+use crate::{EXIT_ERROR, EXIT_MISS, EXIT_OK, EXIT_VERIFY_FAILED};
 
 /// Runs one parsed command.
 pub fn run(cli: Cli) -> Result<u8> {
@@ -204,22 +204,48 @@ fn config_check(args: &ConfigCheckArgs) -> Result<u8> {
         });
         outln!("{}", serde_json::to_string_pretty(&doc)?);
     } else {
-        match &loaded.file {
-            Some(f) => outln!("# configuration OK: {} + environment + flags", f.display()),
-            None => {
-                outln!("# configuration OK: built-in defaults + environment + flags (no file)")
-            }
+        use std::fmt::Write as _;
+        // One write: a reader that takes only the first line (`| head -1`)
+        // gets it whole and the command still exits 0 (cli.md, "Output").
+        let mut text = String::new();
+        let source = match &loaded.file {
+            Some(f) => format!("{} + environment + flags", f.display()),
+            None => "built-in defaults + environment + flags (no file)".to_string(),
+        };
+        if warnings.is_empty() {
+            let _ = writeln!(text, "# configuration OK: {source}");
+        } else {
+            let _ = writeln!(
+                text,
+                "# configuration valid, with {} warning(s) below (the start may still fail): {source}",
+                warnings.len()
+            );
         }
         for w in &warnings {
-            outln!("# WARNING: {w}");
+            let _ = writeln!(text, "# WARNING: {w}");
         }
         if cfg.gpu_kv_pool.is_none() {
-            outln!("# gpu-kv-pool is unset: set it to get a warning when the tier is too small");
+            let _ = writeln!(
+                text,
+                "# gpu-kv-pool is unset: set it to get a warning when the tier is too small"
+            );
         }
         for key in &hidden {
-            outln!("# {key} is set ({}); not shown", loaded.sources.of(key));
+            let _ = writeln!(
+                text,
+                "# {key} is set ({}); not shown",
+                loaded.sources.of(key)
+            );
         }
-        out!("{}", cfg.to_toml());
+        text.push_str(&cfg.to_toml());
+        out!("{text}");
+    }
+    if args.strict && !warnings.is_empty() {
+        errln!(
+            "kvtier: config check --strict: {} warning(s), see above",
+            warnings.len()
+        );
+        return Ok(EXIT_ERROR);
     }
     Ok(EXIT_OK)
 }

@@ -551,6 +551,76 @@ fn config_check_prints_a_config_that_parses_back() {
     }
 }
 
+/// A config whose socket directory this user could not create is valid but not
+/// "OK": the header says how many warnings follow, and `--strict` exits 1
+/// (QA: a scripted preflight passed, then the start failed). The output is
+/// one write, so `| head -1` leaves the exit status 0 (it was 141).
+#[test]
+fn config_check_warnings_are_not_ok_and_strict_fails_on_them() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    std::fs::write(dir.path().join("file"), b"x").expect("write");
+    // A socket below a regular file: nobody can create it, root included.
+    let sock = dir.path().join("file").join("kvtier.sock");
+    let sock = sock.to_string_lossy().into_owned();
+    let data = dir.path().join("data").to_string_lossy().into_owned();
+    let env = [("KVTIER_RESP_LISTEN", "off"), ("KVTIER_HTTP_LISTEN", "off")];
+    let out = run_kvtier(
+        &["config", "check", "--data-dir", &data, "--socket", &sock],
+        &env,
+    );
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let said = text(&out.stdout);
+    let first = said.lines().next().unwrap_or_default();
+    assert!(
+        first.starts_with("# configuration valid, with 1 warning(s)"),
+        "{said}"
+    );
+    assert!(!said.contains("configuration OK"), "{said}");
+    let out = run_kvtier(
+        &[
+            "config",
+            "check",
+            "--strict",
+            "--data-dir",
+            &data,
+            "--socket",
+            &sock,
+        ],
+        &env,
+    );
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out.stdout));
+    assert!(text(&out.stderr).contains("--strict: 1 warning(s)"));
+    let (ok, sock) = (data, dir.path().join("kvtier.sock"));
+    let sock = sock.to_string_lossy().into_owned();
+    let out = run_kvtier(
+        &[
+            "config",
+            "check",
+            "--strict",
+            "--data-dir",
+            &ok,
+            "--socket",
+            &sock,
+        ],
+        &env,
+    );
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    assert!(text(&out.stdout).starts_with("# configuration OK"));
+    let bin = kvtier_tests::kvtier_bin();
+    for _ in 0..3 {
+        let out = std::process::Command::new("bash")
+            .arg("-c")
+            .arg(format!(
+                "KVTIER_RESP_LISTEN=off KVTIER_HTTP_LISTEN=off '{}' config check --data-dir '{ok}' \
+                 --socket '{sock}' | head -1 >/dev/null; echo ${{PIPESTATUS[0]}}",
+                bin.display()
+            ))
+            .output()
+            .expect("bash");
+        assert_eq!(text(&out.stdout).trim(), "0", "{}", text(&out.stderr));
+    }
+}
+
 #[test]
 fn verify_and_gc_work_offline_and_report_bad_chunks() {
     let dir = tempfile::tempdir().expect("temp dir");
