@@ -39,10 +39,6 @@ const UNITS: &[(&str, u64)] = &[
     ("mb", 1_000_000),
     ("gb", 1_000_000_000),
     ("tb", 1_000_000_000_000),
-    ("k", 1_000),
-    ("m", 1_000_000),
-    ("g", 1_000_000_000),
-    ("t", 1_000_000_000_000),
     ("b", 1),
 ];
 
@@ -91,6 +87,14 @@ impl FromStr for ByteSize {
         let unit = unit.trim();
         let mult = if unit.is_empty() {
             1
+        } else if let [letter @ (b'k' | b'm' | b'g' | b't')] = unit.as_bytes() {
+            // systemd and the JVM read "8G" as GiB, SI as GB: a 7 % gap
+            // either way, so the unit must say which.
+            let l = (*letter as char).to_ascii_uppercase();
+            return Err(err(&format!(
+                "the unit \"{l}\" is ambiguous: write \"{l}iB\" (powers of 1024) or \"{l}B\" \
+                 (powers of 1000)"
+            )));
         } else {
             UNITS
                 .iter()
@@ -305,7 +309,7 @@ mod tests {
             ("1.5GiB", 3 << 29),
             ("4096", 4096),
             ("16 gib", 16 << 30),
-            ("2k", 2000),
+            ("2kb", 2000),
             ("0", 0),
             ("0.5KiB", 512),
             ("10B", 10),
@@ -349,6 +353,11 @@ mod tests {
             ("1.5", "no fraction"),
             ("1.5B", "no fraction"),
             ("12XB", "unknown unit \"XB\""),
+            ("8G", "\"G\" is ambiguous: write \"GiB\""),
+            ("8g", "\"G\" is ambiguous"),
+            ("512M", "\"MiB\" (powers of 1024) or \"MB\""),
+            ("2 k", "\"K\" is ambiguous"),
+            ("1.5T", "\"T\" is ambiguous"),
         ] {
             let e = s.parse::<ByteSize>().unwrap_err().to_string();
             assert!(e.contains(why), "{s}: {e}");
