@@ -23,7 +23,7 @@ pub struct PeersArgs {
     /// Refresh until interrupted.
     #[arg(long)]
     pub watch: bool,
-    /// Refresh interval with --watch. Default: 1s.
+    /// Refresh interval with --watch.
     #[arg(long, value_name = "DURATION", default_value = "1s")]
     pub interval: HumanDuration,
     /// The daemon.

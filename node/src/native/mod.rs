@@ -111,7 +111,7 @@ pub enum NativeError {
     /// The daemon is not reachable.
     #[error(
         "cannot connect to the kvtier daemon at {path}: {source} ({})",
-        unavailable_hint(source)
+        unavailable_hint(path, source)
     )]
     Unavailable {
         /// Socket path.
@@ -154,8 +154,12 @@ pub enum NativeError {
     Invalid(String),
 }
 
-/// What to check when connecting failed with `e`.
-fn unavailable_hint(e: &io::Error) -> &'static str {
+/// What to check when connecting to `path` failed with `e`.
+fn unavailable_hint(path: &std::path::Path, e: &io::Error) -> &'static str {
+    use std::os::unix::fs::FileTypeExt as _;
+    if std::fs::metadata(path).is_ok_and(|m| !m.file_type().is_socket()) {
+        return "that path is not a socket: check --socket or `socket` in the config";
+    }
     match e.kind() {
         io::ErrorKind::PermissionDenied => {
             "this user may not use the socket: run as the daemon's user or a member of its group \
@@ -251,5 +255,18 @@ mod tests {
             missing.contains("is `kvtier node start` running?"),
             "{missing}"
         );
+        // A regular file or a directory at the path (QA: it said "is
+        // kvtier node start running?").
+        let dir = tempfile::tempdir().expect("temp dir");
+        let file = dir.path().join("file");
+        std::fs::write(&file, b"x").expect("write");
+        for path in [file, dir.path().to_path_buf()] {
+            let said = NativeError::Unavailable {
+                path: path.clone(),
+                source: io::Error::from(io::ErrorKind::ConnectionRefused),
+            }
+            .to_string();
+            assert!(said.contains("not a socket"), "{said}");
+        }
     }
 }
