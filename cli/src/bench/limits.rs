@@ -30,7 +30,7 @@ use crate::EXIT_OK;
 /// `kvtier bench limits`
 #[derive(Debug, Args, Clone)]
 pub struct LimitsArgs {
-    /// Chunk / block sizes. Default: 256KiB,1MiB,2.5MiB,4MiB.
+    /// Chunk / block sizes.
     #[arg(long, value_delimiter = ',', value_parser = parse_size, default_value = "256KiB,1MiB,2.5MiB,4MiB")]
     pub sizes: Vec<u64>,
     /// Each memcpy pool (source and destination) in bytes; at least 1GiB for
