@@ -95,7 +95,26 @@ fn node_start(args: &ConfigArgs) -> Result<u8> {
         flush_failed = summary.flush.as_ref().map_or(0, |f| f.failed),
         "kvtier stopped"
     );
-    Ok(EXIT_OK)
+    Ok(stop_status(&summary))
+}
+
+/// The exit status of a graceful stop: 1 when the final flush could not
+/// write every dirty chunk (they are lost: a full disk, an I/O error), so
+/// that systemd and the operator are not told the stop made everything
+/// durable (QA: it exited 0, with the loss logged at info only).
+fn stop_status(summary: &node::RunSummary) -> u8 {
+    match &summary.flush {
+        Some(f) if f.failed > 0 => {
+            tracing::error!(
+                lost = f.failed,
+                "the final flush could not write {} dirty chunk(s) (see the warnings above: \
+                 no space or an I/O error); they are lost",
+                f.failed
+            );
+            EXIT_ERROR
+        }
+        _ => EXIT_OK,
+    }
 }
 
 struct Signals {
@@ -1203,5 +1222,37 @@ mod printable_tests {
             super::printable("a\u{202e}gpj.exe b\u{200b}c\u{feff}\u{2066}é中"),
             "a\\u{202e}gpj.exe b\\u{200b}c\\u{feff}\\u{2066}é中"
         );
+    }
+}
+
+#[cfg(test)]
+mod stop_status_tests {
+    use node::tier::store::FlushReport;
+
+    fn summary(flush: Option<FlushReport>) -> node::RunSummary {
+        node::RunSummary {
+            uptime: std::time::Duration::from_secs(1),
+            flush,
+            aborted: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn a_stop_that_lost_dirty_chunks_is_a_failure() {
+        let report = |failed| FlushReport {
+            chunks: 3,
+            bytes: 3 << 20,
+            failed,
+        };
+        assert_eq!(
+            super::stop_status(&summary(Some(report(0)))),
+            crate::EXIT_OK
+        );
+        assert_eq!(
+            super::stop_status(&summary(Some(report(16)))),
+            crate::EXIT_ERROR
+        );
+        // A store that failed to close is an error before this point.
+        assert_eq!(super::stop_status(&summary(None)), crate::EXIT_OK);
     }
 }

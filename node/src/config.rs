@@ -527,6 +527,7 @@ impl NodeConfig {
             write_policy: self.write_policy,
             direct_io: self.direct_io,
             huge_pages: self.huge_pages,
+            disk_reserve: self.disk_reserve.map_or(0, |r| r.0),
             ..TierConfig::default()
         }
     }
@@ -795,7 +796,39 @@ impl NodeConfig {
     /// a tier not larger than the GPU KV pool) that do not prevent a start.
     pub fn resolve(&mut self, loaded: &Loaded) -> Result<Vec<String>> {
         let space = disk_space(&self.data_dir)?;
-        self.resolve_with(loaded, space)
+        let mut warnings = self.resolve_with(loaded, space)?;
+        warnings.extend(self.sparse_store_warning());
+        Ok(warnings)
+    }
+
+    /// A warning when the data dir's store file is sparse (copied without
+    /// its holes) and backing it again would leave less than `disk-reserve`
+    /// free: the start then leaves it sparse, and its writes pause when the
+    /// filesystem fills.
+    fn sparse_store_warning(&self) -> Option<String> {
+        use std::os::unix::fs::MetadataExt as _;
+        let path = self.data_dir.join(STORE_FILE);
+        let md = std::fs::symlink_metadata(&path)
+            .ok()
+            .filter(|m| m.is_file())?;
+        let missing = md.len().checked_sub(md.blocks().saturating_mul(512))?;
+        if missing == 0 {
+            return None;
+        }
+        let st = rustix::fs::statvfs(&path).ok()?;
+        let free = st.f_bavail.saturating_mul(st.f_frsize.max(1));
+        let reserve = self.disk_reserve.map_or(0, |r| r.0);
+        (free < missing.saturating_add(reserve)).then(|| {
+            format!(
+                "the store file {} is sparse: backing it again needs {} more, and the \
+                 filesystem has {} free with disk-reserve {}; it is left sparse, so disk writes \
+                 pause (no space) when the filesystem fills: free space, or move the data dir",
+                path.display(),
+                ByteSize(missing).approx(),
+                ByteSize(free).approx(),
+                ByteSize(reserve).approx()
+            )
+        })
     }
 
     /// [`NodeConfig::resolve`] against a given filesystem size.
@@ -1986,6 +2019,25 @@ mod tests {
             let e = load(&sources, &env()).unwrap_err().to_string();
             assert!(e.contains(why), "{path:?}: {e}");
         }
+    }
+
+    #[test]
+    fn a_sparse_store_that_backing_would_push_into_the_reserve_is_warned_about() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut c = NodeConfig::defaults_for(&Environment::default());
+        c.data_dir = dir.path().to_path_buf();
+        assert_eq!(c.sparse_store_warning(), None, "no store");
+        // A store file with no blocks: all of it is a hole.
+        let f = std::fs::File::create(dir.path().join(STORE_FILE)).unwrap();
+        f.set_len(64 << 20).unwrap();
+        c.disk_reserve = Some(ByteSize(0));
+        assert_eq!(c.sparse_store_warning(), None, "64 MiB fits");
+        c.disk_reserve = Some(ByteSize(1 << 60));
+        let w = c.sparse_store_warning().expect("a warning");
+        assert!(
+            w.contains("is sparse") && w.contains("64.0 MiB more"),
+            "{w}"
+        );
     }
 
     #[test]

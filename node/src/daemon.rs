@@ -10,7 +10,7 @@
 
 use std::fs::File;
 use std::future::Future;
-use std::io::{Read, Seek, Write};
+use std::io::Read;
 use std::net::SocketAddr;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
@@ -136,26 +136,40 @@ impl DataDirLock {
             }
         }
         let mut lock = Self { file, path };
-        lock.write(&LockInfo {
+        lock.write_or_warn(&LockInfo {
             pid: std::process::id(),
             role: role.into(),
             ..Default::default()
-        })?;
+        });
         Ok(lock)
     }
 
-    /// Replaces the recorded holder information.
+    /// Replaces the recorded holder information: written over the old text,
+    /// then cut to length. A rewrite thus needs no new block, so it works on
+    /// a full filesystem (QA: truncating first freed the block, the write
+    /// then failed with ENOSPC and every later start, `verify` and `gc`
+    /// refused on the empty file).
     pub fn write(&mut self, info: &LockInfo) -> Result<()> {
-        let text = serde_json::to_string(info).expect("LockInfo serializes");
+        use std::os::unix::fs::FileExt as _;
+        let mut text = serde_json::to_string(info).expect("LockInfo serializes");
+        text.push('\n');
         let io = |e| NodeError::Io {
             op: "write lock file",
             path: self.path.clone(),
             source: e,
         };
-        self.file.set_len(0).map_err(io)?;
-        self.file.rewind().map_err(io)?;
-        self.file.write_all(text.as_bytes()).map_err(io)?;
-        self.file.write_all(b"\n").map_err(io)
+        self.file.write_all_at(text.as_bytes(), 0).map_err(io)?;
+        self.file.set_len(text.len() as u64).map_err(io)
+    }
+
+    /// [`DataDirLock::write`], with a failure only logged: the `flock` is
+    /// what excludes other processes; the text only names the holder to
+    /// them (and a full filesystem may refuse a first block for it).
+    pub fn write_or_warn(&mut self, info: &LockInfo) {
+        if let Err(e) = self.write(info) {
+            tracing::warn!(error = %e, "could not record this process in the data dir's LOCK \
+                file; others see \"another process\" holding it");
+        }
     }
 
     /// Reads who holds the lock of `data_dir` without taking it: `None` when
@@ -530,14 +544,14 @@ pub async fn start(config: NodeConfig) -> Result<NodeHandle> {
         peer: peer_addr,
     };
     let mut lock = lock;
-    lock.write(&LockInfo {
+    lock.write_or_warn(&LockInfo {
         pid: std::process::id(),
         role: "daemon".into(),
         socket: Some(addrs.socket.clone()),
         resp: addrs.resp,
         http: addrs.http,
         ready: true,
-    })?;
+    });
     let startup = StartupInfo {
         version: env!("CARGO_PKG_VERSION"),
         data_dir,
@@ -661,17 +675,29 @@ impl NodeHandle {
             })?;
         let flush = match closed {
             Ok(report) => {
-                tracing::info!(
-                    chunks = report.chunks,
-                    bytes = report.bytes,
-                    failed = report.failed,
-                    ms = t0.elapsed().as_secs_f64() * 1e3,
-                    "store closed"
-                );
+                let ms = t0.elapsed().as_millis() as u64;
+                if report.failed > 0 {
+                    tracing::warn!(
+                        chunks = report.chunks,
+                        bytes = report.bytes,
+                        failed = report.failed,
+                        ms,
+                        "store closed; some dirty chunks were not written"
+                    );
+                } else {
+                    tracing::info!(
+                        chunks = report.chunks,
+                        bytes = report.bytes,
+                        ms,
+                        "store closed"
+                    );
+                }
                 Some(report)
             }
             Err(e) => {
-                tracing::error!(error = %e, "closing the store failed");
+                // The process exits next: nothing is tried again here.
+                tracing::error!(error = %e,
+                    "closing the store failed; what is not on disk now is lost at this exit");
                 first_error.get_or_insert(NodeError::Store(e));
                 None
             }
@@ -683,7 +709,7 @@ impl NodeHandle {
         {
             tracing::warn!(socket = %self.startup.addrs.socket.display(), error = %e, "could not remove the socket file");
         }
-        let _ = self.lock.write(&LockInfo {
+        self.lock.write_or_warn(&LockInfo {
             pid: std::process::id(),
             role: "daemon".into(),
             ready: false,
@@ -782,6 +808,34 @@ mod tests {
         drop(lock);
         assert!(DataDirLock::holder(&data).is_none(), "released on drop");
         let _again = DataDirLock::acquire(&data, "gc").expect("free again");
+    }
+
+    #[test]
+    fn a_shorter_record_replaces_a_longer_one_whole() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let data = dir.path().join("data");
+        let mut lock = DataDirLock::acquire(&data, "daemon").expect("lock");
+        let long = LockInfo {
+            pid: 4242,
+            role: "daemon".into(),
+            socket: Some(dir.path().join("a-rather-long-socket-name.sock")),
+            ready: true,
+            ..Default::default()
+        };
+        lock.write(&long).expect("write");
+        let short = LockInfo {
+            pid: 7,
+            role: "daemon".into(),
+            ..Default::default()
+        };
+        lock.write(&short).expect("rewrite");
+        let text = std::fs::read_to_string(data.join(LOCK_FILE)).expect("read");
+        let back: LockInfo = serde_json::from_str(&text).expect("one JSON record");
+        assert_eq!((back.pid, back.socket, back.ready), (7, None, false));
+        assert!(
+            text.ends_with("}\n") && text.matches('{').count() == 1,
+            "{text:?}"
+        );
     }
 
     #[test]

@@ -169,7 +169,7 @@ fn raw_read_at(path: &Path, records: &[(u64, u64)]) -> f64 {
 /// piece as it lands (the store now). GB/s of each.
 fn read_strategies(path: &Path, block: usize, count: u64, stride: u64) -> [f64; 3] {
     let len = std::fs::metadata(path).expect("raw file").len();
-    let dev = FileDevice::open(path, len, DirectMode::Auto).expect("open raw");
+    let dev = FileDevice::open(path, len, DirectMode::Auto, 0).expect("open raw");
     let mut buf = AlignedBuf::zeroed(block);
     let mut secs = [0f64; 3];
     let mut bytes = [0u64; 3];

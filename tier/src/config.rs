@@ -100,6 +100,13 @@ pub struct TierConfig {
     /// config file key. Default: false.
     #[serde(skip)]
     pub read_only: bool,
+    /// Bytes kept free on the data dir's filesystem when a sparse store
+    /// file (copied without its holes, or holes punched in it) is backed
+    /// again at open: where backing it would leave less, it stays sparse
+    /// (its writes pause on ENOSPC when they reach a hole) rather than
+    /// filling the filesystem. The node passes its `disk-reserve`.
+    /// Default: 0.
+    pub disk_reserve: u64,
 }
 
 mod duration_ms {
@@ -132,6 +139,7 @@ impl Default for TierConfig {
             max_namespaces: 4096,
             spill_limit: None,
             read_only: false,
+            disk_reserve: 0,
         }
     }
 }

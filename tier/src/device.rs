@@ -196,7 +196,10 @@ impl FileDevice {
     /// With [`DirectMode::Auto`] it opens with `O_DIRECT` and probes one
     /// aligned read; a filesystem that refuses either is logged and served
     /// buffered ([`Device::direct_io`] tells which).
-    pub fn open(path: &Path, len: u64, mode: DirectMode) -> io::Result<Self> {
+    ///
+    /// A sparse file is backed again only where the filesystem keeps
+    /// `reserve` bytes free after it.
+    pub fn open(path: &Path, len: u64, mode: DirectMode, reserve: u64) -> io::Result<Self> {
         let existed = path.symlink_metadata().is_ok();
         let file = crate::store::open_data_file(
             path,
@@ -220,8 +223,17 @@ impl FileDevice {
             // Sparse (copied without its holes, or they were punched): backed
             // again, so that a full filesystem shows now, not as a paused
             // writer later. Where it cannot be, the store still opens; its
-            // writes pause on ENOSPC when they reach a hole.
-            if let Err(e) = preallocate(&file, len) {
+            // writes pause on ENOSPC when they reach a hole. Only where the
+            // reserve stays free: a fallocate that fails part way keeps what
+            // it allocated (QA: it took the filesystem to 0 bytes free).
+            let missing = len - file.metadata()?.blocks() * 512;
+            let free = free_bytes(&file)?;
+            if free < missing.saturating_add(reserve) {
+                tracing::warn!(path = %path.display(), missing, free, reserve,
+                    "the store file is sparse and backing it again would leave less than \
+                     disk-reserve free; it stays sparse: disk writes pause (ENOSPC) if the \
+                     filesystem fills");
+            } else if let Err(e) = preallocate(&file, len) {
                 tracing::warn!(path = %path.display(), error = %e,
                     "the store file is sparse and cannot be preallocated again; \
                      disk writes pause (ENOSPC) if the filesystem fills");
@@ -288,6 +300,18 @@ impl FileDevice {
         f.read_exact_at(&mut probe, 0)?;
         Ok(f)
     }
+}
+
+/// Bytes an unprivileged writer may still allocate on `file`'s filesystem.
+fn free_bytes(file: &File) -> io::Result<u64> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: statvfs is plain data; all zeroes is a valid value.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: a valid fd and a valid out-parameter; fstatvfs(2) only writes it.
+    if unsafe { libc::fstatvfs(file.as_raw_fd(), &mut st) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(st.f_bavail.saturating_mul(st.f_frsize.max(1)))
 }
 
 fn preallocate(file: &File, len: u64) -> io::Result<()> {
@@ -368,7 +392,7 @@ mod tests {
     /// A 16 MiB device with a known pattern on it.
     fn patterned(dir: &Path) -> (FileDevice, AlignedBuf) {
         let len = 16 << 20;
-        let dev = FileDevice::open(&dir.join("d"), len, DirectMode::Auto).unwrap();
+        let dev = FileDevice::open(&dir.join("d"), len, DirectMode::Auto, 0).unwrap();
         let mut w = AlignedBuf::zeroed(len as usize);
         w.iter_mut()
             .enumerate()
@@ -447,7 +471,7 @@ mod tests {
     #[test]
     fn a_read_past_the_end_is_an_error_split_or_not() {
         let dir = tempfile::tempdir().unwrap();
-        let dev = FileDevice::open(&dir.path().join("d"), 2 << 20, DirectMode::Auto).unwrap();
+        let dev = FileDevice::open(&dir.path().join("d"), 2 << 20, DirectMode::Auto, 0).unwrap();
         for _ in 0..2 {
             // 1 MiB from 1.5 MiB: the second half is past the end.
             let (parts, res) = read_in_order(&dev, 3 << 19, 1 << 20);
@@ -472,7 +496,7 @@ mod tests {
         .enumerate()
         {
             let p = dir.path().join(format!("d{i}"));
-            let dev = FileDevice::open(&p, 1 << 20, mode).unwrap();
+            let dev = FileDevice::open(&p, 1 << 20, mode, 0).unwrap();
             assert_eq!(std::fs::metadata(&p).unwrap().len(), 1 << 20);
             if mode != DirectMode::Auto {
                 assert!(!dev.direct_io());

@@ -715,7 +715,7 @@ impl ChunkStore {
                 return Ok(store);
             }
             warn_if_store_file_lost(&path, &config.data_dir);
-            let dev = FileDevice::open(&path, len, mode).map_err(|e| {
+            let dev = FileDevice::open(&path, len, mode, config.disk_reserve).map_err(|e| {
                 if e.raw_os_error() == Some(libc::ENOSPC) {
                     Error::NoSpace {
                         detail: format!("preallocating {len} bytes for {}: {e}", path.display()),
@@ -2536,7 +2536,7 @@ mod race_tests {
 
     /// A buffered file device of `len` bytes in `dir`.
     fn file(dir: &std::path::Path, len: u64) -> Arc<dyn Device> {
-        Arc::new(FileDevice::open(&dir.join("dev"), len, DirectMode::Off).unwrap())
+        Arc::new(FileDevice::open(&dir.join("dev"), len, DirectMode::Off, 0).unwrap())
     }
 
     /// [`open_on`] a 16 MiB file through a [`HoldingDevice`].

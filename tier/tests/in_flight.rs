@@ -41,7 +41,7 @@ fn open(dir: &std::path::Path, dev: &Arc<HoldingDevice>) -> (ChunkStore, tier::N
 }
 
 fn device(dir: &std::path::Path) -> Arc<HoldingDevice> {
-    let file = FileDevice::open(&dir.join("dev"), 16 * MIB, DirectMode::Auto).unwrap();
+    let file = FileDevice::open(&dir.join("dev"), 16 * MIB, DirectMode::Auto, 0).unwrap();
     Arc::new(HoldingDevice::new(Arc::new(file)))
 }
 
