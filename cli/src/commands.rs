@@ -1114,6 +1114,13 @@ fn gc(args: &GcArgs) -> Result<u8> {
         .into());
     }
     let cfg = offline_config(&args.config, "gc")?;
+    let pending = || {
+        tier::maintenance::pending_gc(&cfg.data_dir)
+            .ok()
+            .flatten()
+            .unwrap_or_default()
+    };
+    let pending_before = if args.apply { pending() } else { Vec::new() };
     let (store, lock, _) = open_offline(
         &cfg,
         "gc",
@@ -1123,13 +1130,28 @@ fn gc(args: &GcArgs) -> Result<u8> {
             Access::ReadOnly
         },
     )?;
+    // A writable open first finishes an interrupted `gc --apply` (one that
+    // failed, e.g. on a full filesystem, after its selection was durable):
+    // said, or a retry read "dropped: 0 namespace(s)" (QA).
+    let finished: Vec<Namespace> = if pending_before.is_empty() || !pending().is_empty() {
+        Vec::new()
+    } else {
+        pending_before
+    };
+    if !finished.is_empty() {
+        let ids: Vec<String> = finished.iter().map(Namespace::to_string).collect();
+        errln!(
+            "kvtier: finished an interrupted gc --apply first (gc.pending): dropped {}",
+            ids.join(", ")
+        );
+    }
     // An id that is not in this store (a typo, another node's store) is said,
     // not reported as "dropped: 1 namespace(s), 0 chunk(s)".
     let known: Vec<Namespace> = store.namespaces().iter().map(|n| n.id).collect();
     let unknown: Vec<String> = args
         .namespaces
         .iter()
-        .filter(|ns| !known.contains(ns))
+        .filter(|ns| !known.contains(ns) && !finished.contains(ns))
         .map(Namespace::to_string)
         .collect();
     if !unknown.is_empty() {
@@ -1148,7 +1170,15 @@ fn gc(args: &GcArgs) -> Result<u8> {
     };
     let report = store.gc(&opts).context("gc the store");
     close_offline(store, lock)?;
-    let report = report?;
+    let report = match report {
+        Err(e) if args.apply && !pending().is_empty() => {
+            return Err(e.context(
+                "the drop is recorded in gc.pending: the next writable open of this data dir \
+                 (a daemon start, verify --repair, gc --apply) finishes it once it can write",
+            ));
+        }
+        r => r?,
+    };
     if args.json {
         let doc = serde_json::json!({ "dry_run": !args.apply, "report": report });
         outln!("{}", serde_json::to_string_pretty(&doc)?);
