@@ -446,7 +446,10 @@ pub struct StoreStats {
     pub writer_paused_nospace: bool,
     /// Whether O_DIRECT is in use (false: buffered fallback).
     pub direct_io: bool,
-    /// Chunks the disk writer failed to write (I/O error, no space, too big).
+    /// Chunk writes the disk writer failed (I/O error, no space, too big),
+    /// each attempt counted: a dirty chunk still in RAM is tried again by
+    /// the next flush or idle pass and counted again, so this is a rate of
+    /// failures, not a count of lost chunks.
     pub disk_write_failures: u64,
     /// Whether the disk tier is poisoned by a failed write or sync.
     pub disk_poisoned: bool,
