@@ -265,10 +265,16 @@ pub(crate) fn write_atomic(dir: &Path, name: &str, body: &[u8]) -> Result<()> {
         )
     }
     .map_err(|e| io("create", &tmp, e))?;
-    crate::store::own_like_dir(&f, dir).map_err(|e| io("chown", &tmp, e))?;
-    f.write_all(body).map_err(|e| io("write", &tmp, e))?;
-    f.sync_all().map_err(|e| io("fsync", &tmp, e))?;
+    let filled = crate::store::own_like_dir(&f, dir)
+        .map_err(|e| io("chown", &tmp, e))
+        .and_then(|()| f.write_all(body).map_err(|e| io("write", &tmp, e)))
+        .and_then(|()| f.sync_all().map_err(|e| io("fsync", &tmp, e)));
     drop(f);
+    if let Err(e) = filled {
+        // Not left behind (QA: a full filesystem left empty `.tmp` files).
+        let _ = fs::remove_file(&tmp);
+        return Err(e);
+    }
     fs::rename(&tmp, &path).map_err(|e| io("rename into place", &path, e))?;
     File::open(dir)
         .and_then(|d| d.sync_all())

@@ -1146,7 +1146,9 @@ impl Writer {
             self.fail_all(&items);
             return false;
         }
-        self.disk.paused_nospace.store(false, Ordering::Relaxed);
+        if self.disk.paused_nospace.swap(false, Ordering::Relaxed) {
+            tracing::info!("the disk writer resumes: a batch was written after the pause (ENOSPC)");
+        }
         let c = &self.disk.counters;
         c.disk_write_bytes.fetch_add(total, Ordering::Relaxed);
         {

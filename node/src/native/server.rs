@@ -156,6 +156,11 @@ fn store_error(e: &tier::Error) -> (ErrorCode, String) {
         tier::Error::UnknownNamespace(_) => ErrorCode::UnknownNamespace,
         tier::Error::TooLarge { .. } => ErrorCode::TooLarge,
         tier::Error::NoSpace { .. } => ErrorCode::NoSpace,
+        // A full filesystem under a file the store writes beside its chunks
+        // (a HELLO's manifest rewrite).
+        tier::Error::Io { source, .. } if source.raw_os_error() == Some(libc::ENOSPC) => {
+            ErrorCode::NoSpace
+        }
         tier::Error::Unimplemented(_) => ErrorCode::Unimplemented,
         tier::Error::Closed => ErrorCode::ShuttingDown,
         tier::Error::InvalidArgument { .. } | tier::Error::RecordTooLarge { .. } => {
@@ -1046,4 +1051,20 @@ pub fn stats_json(ctx: &NodeContext) -> serde_json::Value {
             "connections": c.connections.load(Relaxed),
         },
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_full_filesystem_is_no_space_and_other_io_errors_are_store_errors() {
+        let io = |errno| tier::Error::Io {
+            op: "write",
+            path: "namespaces.json.tmp".into(),
+            source: std::io::Error::from_raw_os_error(errno),
+        };
+        assert_eq!(store_error(&io(libc::ENOSPC)).0, ErrorCode::NoSpace);
+        assert_eq!(store_error(&io(libc::EIO)).0, ErrorCode::Store);
+    }
 }
