@@ -331,6 +331,16 @@ fn render_table(doc: &serde_json::Value) -> String {
                 }
             }
             serde_json::Value::String(s) => out.push((prefix.into(), s.clone())),
+            // A list of records (the peers) is a table of its own:
+            // `kvtier peers` prints it.
+            serde_json::Value::Array(items) if items.iter().any(|i| i.is_object()) => {
+                let hint = if prefix == "peers" {
+                    " (see `kvtier peers`)"
+                } else {
+                    " (see --json)"
+                };
+                out.push((prefix.into(), format!("{}{hint}", items.len())));
+            }
             other => {
                 let mut text = other.to_string();
                 // Byte counts are easier to read with a unit.
@@ -786,7 +796,11 @@ fn namespaces(args: &NamespacesArgs) -> Result<u8> {
             info.pid
         ),
         None if !cfg.data_dir.join(config::STORE_FILE).exists() => {
-            errln!("no chunk store in {} yet", cfg.data_dir.display());
+            errln!(
+                "no chunk store in {} yet (not the daemon's data dir? give its --data-dir or \
+                 --config)",
+                cfg.data_dir.display()
+            );
             serde_json::Value::Array(vec![])
         }
         None => {
@@ -1284,5 +1298,22 @@ mod stop_status_tests {
         );
         // A store that failed to close is an error before this point.
         assert_eq!(super::stop_status(&summary(None)), crate::EXIT_OK);
+    }
+}
+
+#[cfg(test)]
+mod render_table_tests {
+    #[test]
+    fn lists_of_records_are_counted_not_dumped() {
+        let doc = serde_json::json!({
+            "ram_bytes": 2048,
+            "peers": [{"name": "n2", "state": "up"}, {"name": "n3", "state": "down"}],
+            "tags": ["a", "b"],
+        });
+        let t = super::render_table(&doc);
+        assert!(t.contains("peers      2 (see `kvtier peers`)"), "{t}");
+        assert!(!t.contains("\"n2\""), "{t}");
+        assert!(t.contains("ram_bytes  2048 (2.0 KiB)"), "{t}");
+        assert!(t.contains("tags       [\"a\",\"b\"]"), "{t}");
     }
 }
