@@ -408,6 +408,12 @@ impl Collector for NodeCollector {
         )?;
         counter(
             &mut enc,
+            "lost_writes",
+            "Dirty chunks lost because their disk write failed after RAM evicted them",
+            s.lost_writes,
+        )?;
+        counter(
+            &mut enc,
             "verify_failures",
             "Reads that failed verification (CRC, identity, length) or I/O",
             s.verify_failures,

@@ -110,6 +110,7 @@ async fn metrics_status_and_health() {
         "kvtier_dirty_bytes",
         "kvtier_writer_queue_depth",
         "kvtier_dropped_unwritten_total",
+        "kvtier_lost_writes_total",
         "kvtier_verify_failures_total",
         "kvtier_recovery_seconds",
         "kvtier_uptime_seconds",

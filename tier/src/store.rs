@@ -433,6 +433,11 @@ pub struct StoreStats {
     pub disk_reads: u64,
     /// Dirty chunks evicted from RAM that were dropped unwritten (no-tax).
     pub dropped_unwritten: u64,
+    /// Dirty chunks lost because their disk write failed (no space, an I/O
+    /// error) after RAM had evicted them: with `dropped_unwritten`, the
+    /// chunks put here that no read will ever return. Each counted once,
+    /// unlike `disk_write_failures` (every failed attempt).
+    pub lost_writes: u64,
     /// Reads that failed verification (CRC, identity, length) or I/O.
     pub verify_failures: u64,
     /// Region slots, summaries or batch records found damaged (bit rot) when
@@ -567,6 +572,7 @@ struct Counters {
     bytes_out: AtomicU64,
     ram_evictions: AtomicU64,
     dropped_unwritten: AtomicU64,
+    lost_writes: AtomicU64,
 }
 
 pub(crate) struct Inner {
@@ -1348,6 +1354,7 @@ impl ChunkStore {
             bytes_out: c.bytes_out.load(Ordering::Relaxed),
             ram_evictions: c.ram_evictions.load(Ordering::Relaxed),
             dropped_unwritten: c.dropped_unwritten.load(Ordering::Relaxed),
+            lost_writes: c.lost_writes.load(Ordering::Relaxed),
             recovery_micros: i.recovery_micros.load(Ordering::Relaxed),
             ..Default::default()
         };
@@ -2328,6 +2335,15 @@ impl Hooks for Inner {
             self.ram.unspill(&job.id, seq);
         }
         if job.ram_seq.is_none() {
+            // An eviction's write: no copy is left in RAM to try again. Not
+            // a loss when a newer version or a delete already replaced it.
+            if !job.superseded
+                && !self.cancelled(job)
+                && !self.ram.contains(&job.id)
+                && !self.on_disk(&job.id)
+            {
+                self.counters.lost_writes.fetch_add(1, Ordering::Relaxed);
+            }
             self.lost(&job.id);
         }
     }
@@ -2583,6 +2599,17 @@ mod race_tests {
         until("nothing spilled", || s.inner.ram.spilled_len() == 0);
         assert!(s.get(&id(0)).is_none(), "the evicted chunk is lost");
         assert_eq!(s.locate(&id(0)), None);
+        for n in 1..=4 {
+            assert_eq!(s.get(&id(n)).unwrap().data, data(n, 1));
+        }
+        // Counted once as lost; the dirty chunks still in RAM whose flush
+        // fails are failed attempts, not losses.
+        assert_eq!(s.stats().lost_writes, 1);
+        let failures = s.stats().disk_write_failures;
+        let _ = s.flush();
+        let _ = s.flush();
+        assert!(s.stats().disk_write_failures > failures);
+        assert_eq!(s.stats().lost_writes, 1);
         for n in 1..=4 {
             assert_eq!(s.get(&id(n)).unwrap().data, data(n, 1));
         }
