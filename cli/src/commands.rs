@@ -614,10 +614,20 @@ fn flush(args: &FlushArgs) -> Result<u8> {
         );
     }
     if r.failed > 0 {
-        bail!(
-            "{} dirty chunk(s) could not be written (see the daemon's log)",
-            r.failed
-        );
+        // Why, when the daemon's state says it (the log has the details).
+        let store = client.stats().ok().map(|d| d["store"].clone());
+        let why = match store {
+            Some(s) if s["disk_poisoned"] == true => {
+                "disk writes failed and stay stopped until a restart (an I/O error; see the \
+                 daemon's log)"
+            }
+            Some(s) if s["writer_paused_nospace"] == true => {
+                "the data dir's filesystem is full (the disk writer is paused): free space there \
+                 and flush again"
+            }
+            _ => "see the daemon's log",
+        };
+        bail!("{} dirty chunk(s) could not be written: {why}", r.failed);
     }
     Ok(EXIT_OK)
 }
