@@ -747,7 +747,9 @@ fn open_offline(
     let lock = DataDirLock::acquire(&cfg.data_dir, role).map_err(|e| match e {
         node::NodeError::Locked { data_dir, holder } => {
             // Another offline command is waited for; a daemon is stopped.
-            let way = if holder.contains("daemon") {
+            let way = if holder.starts_with("another process") {
+                "stop the daemon if one runs there, or wait for the command to finish"
+            } else if holder.contains("daemon") {
                 "stop the daemon first (systemctl stop kvtier, or SIGTERM)"
             } else {
                 "try again when it is done"
@@ -799,6 +801,12 @@ fn namespaces(args: &NamespacesArgs) -> Result<u8> {
     let cfg = offline_config(&args.config, "namespaces")?;
     let list: serde_json::Value = match DataDirLock::holder(&cfg.data_dir) {
         Some(info) if info.role == "daemon" => namespaces_from_daemon(&info)?,
+        Some(info) if info.pid == 0 => bail!(
+            "data dir {} is locked by a process whose LOCK record is empty or unreadable (a \
+             daemon that could not write it, e.g. on a full filesystem?); ask the daemon over \
+             HTTP /status, or stop it and run this again",
+            cfg.data_dir.display()
+        ),
         Some(info) => bail!(
             "data dir {} is in use by `kvtier {}` (pid {}); try again when it is done",
             cfg.data_dir.display(),
@@ -1145,6 +1153,8 @@ fn gc(args: &GcArgs) -> Result<u8> {
             .unwrap_or_default()
     };
     let pending_before = if args.apply { pending() } else { Vec::new() };
+    // The open logs why it could not finish an earlier gc (`warn`).
+    let _ = node::logging::init(node::logging::LogFormat::Human, "warn");
     let (store, lock, _) = open_offline(
         &cfg,
         "gc",
@@ -1157,11 +1167,20 @@ fn gc(args: &GcArgs) -> Result<u8> {
     // A writable open first finishes an interrupted `gc --apply` (one that
     // failed, e.g. on a full filesystem, after its selection was durable):
     // said, or a retry read "dropped: 0 namespace(s)" (QA).
-    let finished: Vec<Namespace> = if pending_before.is_empty() || !pending().is_empty() {
+    let after_open = pending();
+    let finished: Vec<Namespace> = if pending_before.is_empty() || !after_open.is_empty() {
         Vec::new()
     } else {
         pending_before
     };
+    if args.apply && !after_open.is_empty() {
+        let ids: Vec<String> = after_open.iter().map(Namespace::to_string).collect();
+        errln!(
+            "kvtier: warning: an interrupted gc --apply of {} could not be finished at open; \
+             this gc drops it too",
+            ids.join(", ")
+        );
+    }
     if !finished.is_empty() {
         let ids: Vec<String> = finished.iter().map(Namespace::to_string).collect();
         errln!(
@@ -1193,15 +1212,34 @@ fn gc(args: &GcArgs) -> Result<u8> {
         dry_run: !args.apply,
     };
     let report = store.gc(&opts).context("gc the store");
-    close_offline(store, lock)?;
-    let report = match report {
-        Err(e) if args.apply && !pending().is_empty() => {
-            return Err(e.context(
-                "the drop is recorded in gc.pending: the next writable open of this data dir \
-                 (a daemon start, verify --repair, gc --apply) finishes it once it can write",
-            ));
+    let closed = close_offline(store, lock);
+    let report = match (report, closed) {
+        (Ok(report), closed) => {
+            closed?;
+            report
         }
-        r => r?,
+        (Err(e), closed) => {
+            if let Err(c) = closed {
+                errln!("kvtier: warning: {c:#}");
+            }
+            // Recorded when this run wrote its selection (gc.pending
+            // changed), or the ids it was given are all in it already.
+            let now = pending();
+            let recorded = args.apply
+                && !now.is_empty()
+                && (now != after_open
+                    || (!args.namespaces.is_empty()
+                        && args.namespaces.iter().all(|n| now.contains(n))));
+            return Err(if recorded {
+                e.context(
+                    "the drop is recorded in gc.pending: the next writable open of this data \
+                     dir (a daemon start, verify --repair, gc --apply) finishes it once it can \
+                     write",
+                )
+            } else {
+                e
+            });
+        }
     };
     if args.json {
         let doc = serde_json::json!({ "dry_run": !args.apply, "report": report });

@@ -807,6 +807,10 @@ impl NodeConfig {
     /// filesystem fills.
     fn sparse_store_warning(&self) -> Option<String> {
         use std::os::unix::fs::MetadataExt as _;
+        if self.disk_budget.is_some_and(|b| b.0 == 0) {
+            // RAM only: the store is not opened (its own warning says so).
+            return None;
+        }
         let path = self.data_dir.join(STORE_FILE);
         let md = std::fs::symlink_metadata(&path)
             .ok()
@@ -2038,6 +2042,8 @@ mod tests {
             w.contains("is sparse") && w.contains("64.0 MiB more"),
             "{w}"
         );
+        c.disk_budget = Some(ByteSize(0));
+        assert_eq!(c.sparse_store_warning(), None, "RAM only: not opened");
     }
 
     #[test]

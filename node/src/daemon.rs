@@ -64,6 +64,13 @@ pub struct LockInfo {
     pub ready: bool,
 }
 
+/// The holder record of a LOCK file: its first line. A rewrite writes over
+/// the old record and then cuts it, so a reader in between may see the new
+/// line followed by the old one's tail.
+fn parse_record(text: &str) -> serde_json::Result<LockInfo> {
+    serde_json::from_str(text.lines().next().unwrap_or(""))
+}
+
 impl DataDirLock {
     /// Creates `data_dir` if needed and takes its lock without waiting.
     /// Fails with [`NodeError::Locked`] naming the holder when another
@@ -111,7 +118,7 @@ impl DataDirLock {
             Err(e) if e == rustix::io::Errno::WOULDBLOCK => {
                 let mut text = String::new();
                 let _ = file.read_to_string(&mut text);
-                let holder = match serde_json::from_str::<LockInfo>(&text) {
+                let holder = match parse_record(&text) {
                     Ok(info) if info.role == "daemon" => format!(
                         "a running kvtier daemon (pid {}{})",
                         info.pid,
@@ -120,7 +127,10 @@ impl DataDirLock {
                             .unwrap_or_default()
                     ),
                     Ok(info) => format!("`kvtier {}` (pid {})", info.role, info.pid),
-                    Err(_) => "another process".into(),
+                    Err(_) => "another process (its LOCK record is empty or unreadable: a \
+                               daemon that could not write it, e.g. on a full filesystem, or a \
+                               command still starting)"
+                        .into(),
                 };
                 return Err(NodeError::Locked {
                     data_dir: data_dir.to_owned(),
@@ -184,9 +194,7 @@ impl DataDirLock {
             Err(_) => {
                 let mut text = String::new();
                 file.read_to_string(&mut text).ok()?;
-                serde_json::from_str(&text)
-                    .ok()
-                    .or(Some(LockInfo::default()))
+                parse_record(&text).ok().or(Some(LockInfo::default()))
             }
         }
     }
@@ -836,6 +844,31 @@ mod tests {
             text.ends_with("}\n") && text.matches('{').count() == 1,
             "{text:?}"
         );
+    }
+
+    #[test]
+    fn a_torn_or_empty_record_reads_as_what_it_is() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let data = dir.path().join("data");
+        let _lock = DataDirLock::acquire(&data, "daemon").expect("lock");
+        let path = data.join(LOCK_FILE);
+        // A reader between a shorter rewrite and its cut: the new record,
+        // then the old one's tail.
+        std::fs::write(
+            &path,
+            "{\"pid\":7,\"role\":\"daemon\"}\n-rather-long-socket-name.sock\",\"ready\":true}\n",
+        )
+        .expect("write");
+        assert_eq!(DataDirLock::holder(&data).expect("held").pid, 7);
+        // A daemon that could not write its record (a full filesystem).
+        std::fs::write(&path, "").expect("truncate");
+        assert_eq!(DataDirLock::holder(&data).expect("held").pid, 0);
+        match DataDirLock::acquire(&data, "verify") {
+            Err(NodeError::Locked { holder, .. }) => {
+                assert!(holder.contains("empty or unreadable"), "{holder}");
+            }
+            other => panic!("expected Locked, got {other:?}"),
+        }
     }
 
     #[test]

@@ -2,8 +2,9 @@
 //! "30s") for configuration and command-line flags, with serde support.
 //!
 //! Sizes accept a decimal number and an optional unit, case-insensitive and
-//! with optional spaces: `B`, `K`/`KB` (10^3), `KiB` (2^10), `M`/`MB`, `MiB`,
-//! `G`/`GB`, `GiB`, `T`/`TB`, `TiB`. A bare integer is bytes. Durations use
+//! with optional spaces: `B`, `KB` (10^3), `KiB` (2^10), `MB`, `MiB`, `GB`,
+//! `GiB`, `TB`, `TiB`; a bare `K`, `M`, `G` or `T` is refused as ambiguous.
+//! A bare integer is bytes. Durations use
 //! humantime's syntax (`30s`, `5min`, `1h 30m`, `250ms`).
 
 use std::fmt;

@@ -16,7 +16,7 @@
 //! the read path, and [`PeerHandle::shutdown`] at the end (returns once
 //! every task has finished).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;
@@ -494,8 +494,49 @@ struct ServeStats {
     /// Subscriptions (control streams) this peer may still open, over all
     /// its connections (see [`MAX_CONTROL_STREAMS`]).
     control: Arc<Semaphore>,
-    /// Connections this peer may still open (see [`MAX_CONNECTIONS_PER_PEER`]).
-    conns: Arc<Semaphore>,
+    /// This peer's open inbound connections, oldest first (at most
+    /// [`MAX_CONNECTIONS_PER_PEER`]).
+    conns: Mutex<VecDeque<Connection>>,
+}
+
+/// Removes `conn` from its peer's list when its serving ends.
+struct ConnEntry<'a> {
+    stats: &'a ServeStats,
+    id: usize,
+}
+
+impl Drop for ConnEntry<'_> {
+    fn drop(&mut self) {
+        self.stats.conns.lock().retain(|c| c.stable_id() != self.id);
+    }
+}
+
+impl ServeStats {
+    /// Lists `conn` as one of this peer's connections. Past
+    /// [`MAX_CONNECTIONS_PER_PEER`] the oldest is closed (code
+    /// [`CLOSE_TOO_MANY_CONNECTIONS`]) and returned: stale connections of a
+    /// peer that reconnected go before its new ones.
+    fn admit_conn(&self, conn: &Connection) -> (ConnEntry<'_>, Option<Connection>) {
+        let mut conns = self.conns.lock();
+        conns.retain(|c| c.close_reason().is_none());
+        let evicted = if conns.len() >= MAX_CONNECTIONS_PER_PEER {
+            conns.pop_front()
+        } else {
+            None
+        };
+        if let Some(old) = &evicted {
+            old.close(
+                CLOSE_TOO_MANY_CONNECTIONS,
+                b"too many connections from this peer; the oldest is closed",
+            );
+        }
+        conns.push_back(conn.clone());
+        let entry = ConnEntry {
+            stats: self,
+            id: conn.stable_id(),
+        };
+        (entry, evicted)
+    }
 }
 
 /// One configured peer.
@@ -1283,26 +1324,23 @@ async fn serve_conn(shared: Arc<Shared>, conn: Connection) {
                 turn: tokio::sync::Mutex::new(()),
                 serving: Semaphore::new(2 * shared.cfg.max_fetches_per_peer as usize),
                 control: Arc::new(Semaphore::new(MAX_CONTROL_STREAMS)),
-                conns: Arc::new(Semaphore::new(MAX_CONNECTIONS_PER_PEER)),
+                conns: Mutex::new(VecDeque::new()),
             })
         })
         .clone();
     // Each connection may buffer up to `conn_window` bytes its streams sent
     // and nobody read (64 MiB by default), so one peer's connections are
-    // bounded, like its subscriptions and serves.
-    let Ok(_conn_permit) = Arc::clone(&stats.conns).try_acquire_owned() else {
+    // bounded, like its subscriptions and serves. The oldest goes: a peer
+    // that reconnected while its old connections linger keeps its new ones.
+    let (_entry, evicted) = stats.admit_conn(&conn);
+    if evicted.is_some() {
         if crate::logonce::warn_now(format!("conns|{label}")) {
             tracing::warn!(peer = %label, most = MAX_CONNECTIONS_PER_PEER,
-                "refused a peer's extra connection (repeats are logged at debug)");
+                "closed a peer's oldest connection to admit a new one (repeats are logged at debug)");
         } else {
-            tracing::debug!(peer = %label, "refused a peer's extra connection");
+            tracing::debug!(peer = %label, "closed a peer's oldest connection");
         }
-        conn.close(
-            CLOSE_TOO_MANY_CONNECTIONS,
-            b"too many connections from this peer",
-        );
-        return;
-    };
+    }
     let mut shutdown = shared.shutdown.subscribe();
     loop {
         let (send, recv) = tokio::select! {
@@ -1395,8 +1433,8 @@ const MAX_CONTROL_STREAMS: usize = 4;
 /// connections close fits.
 pub const MAX_CONNECTIONS_PER_PEER: usize = 2 * MAX_FETCH_CONNECTIONS as usize;
 
-/// QUIC application close code of a connection refused for going past
-/// [`MAX_CONNECTIONS_PER_PEER`].
+/// QUIC application close code of a peer's oldest connection, closed to
+/// admit a new one past [`MAX_CONNECTIONS_PER_PEER`].
 pub const CLOSE_TOO_MANY_CONNECTIONS: VarInt = VarInt::from_u32(0x4b01);
 
 /// Least time between two snapshots a subscriber's `Resync` asks for (each

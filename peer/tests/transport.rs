@@ -917,8 +917,10 @@ async fn assert_subscribes(conn: &quinn::Connection, name: &str) {
 
 /// An authenticated peer may hold at most `MAX_CONNECTIONS_PER_PEER`
 /// connections at once (each may buffer up to the connection window, 64 MiB,
-/// of stream data nobody reads); the extras are closed with their own code,
-/// and a closed connection's place is free again.
+/// of stream data nobody reads). Past it the oldest is closed with its own
+/// code, so a peer that reconnected while its old connections linger keeps
+/// its new ones (review: refusing the newest left a re-made link without its
+/// fetch connections).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_peer_cannot_multiply_connections() {
     use peer::transport::{CLOSE_TOO_MANY_CONNECTIONS, MAX_CONNECTIONS_PER_PEER};
@@ -929,7 +931,7 @@ async fn a_peer_cannot_multiply_connections() {
     for _ in 0..MAX_CONNECTIONS_PER_PEER + 3 {
         conns.push(raw_conn(a.addr, &evil).await);
     }
-    let refused = |conns: &[(quinn::Endpoint, quinn::Connection)]| {
+    let closed = |conns: &[(quinn::Endpoint, quinn::Connection)]| {
         conns
             .iter()
             .filter(|(_, c)| {
@@ -939,8 +941,8 @@ async fn a_peer_cannot_multiply_connections() {
             })
             .count()
     };
-    poll("three refused", Duration::from_secs(10), || {
-        (refused(&conns) == 3).then_some(())
+    poll("three closed", Duration::from_secs(10), || {
+        (closed(&conns) == 3).then_some(())
     })
     .await;
     poll("the rest kept", Duration::from_secs(10), || {
@@ -950,22 +952,34 @@ async fn a_peer_cannot_multiply_connections() {
     tokio::time::sleep(Duration::from_millis(300)).await;
     let open = conns.iter().filter(|(_, c)| c.close_reason().is_none());
     assert_eq!(open.count(), MAX_CONNECTIONS_PER_PEER);
+    // The newest are the ones kept.
+    let newest = &conns[conns.len() - 1].1;
+    assert!(newest.close_reason().is_none());
+    assert_subscribes(newest, "node-evil").await;
     // Another node is not held back by this one's connections.
     let (_ep, other) = raw_conn(a.addr, &c.node("node-b")).await;
     assert_subscribes(&other, "node-b").await;
-    // Closing one of the kept connections makes room for one more.
-    let (_, kept) = conns
-        .iter()
-        .find(|(_, c)| c.close_reason().is_none())
-        .expect("a kept connection");
-    kept.close(0u32.into(), b"done");
+    // One more: admitted, and one more of the old ones goes.
+    conns.push(raw_conn(a.addr, &evil).await);
+    assert_subscribes(&conns[conns.len() - 1].1, "node-evil").await;
+    poll("a fourth closed", Duration::from_secs(10), || {
+        (closed(&conns) == 4).then_some(())
+    })
+    .await;
+    poll("still bounded", Duration::from_secs(10), || {
+        (a.handle.open_connections() == MAX_CONNECTIONS_PER_PEER + 1).then_some(())
+    })
+    .await;
+    // A closed connection frees its place: nothing more is closed.
+    conns[conns.len() - 1].1.close(0u32.into(), b"done");
     poll("its place freed", Duration::from_secs(10), || {
         (a.handle.open_connections() == MAX_CONNECTIONS_PER_PEER).then_some(())
     })
     .await;
-    let (_ep2, again) = raw_conn(a.addr, &evil).await;
-    assert_subscribes(&again, "node-evil").await;
-    assert!(again.close_reason().is_none());
+    conns.push(raw_conn(a.addr, &evil).await);
+    assert_subscribes(&conns[conns.len() - 1].1, "node-evil").await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(closed(&conns), 4);
     for (_, c) in &conns {
         c.close(0u32.into(), b"done");
     }

@@ -208,22 +208,37 @@ fn a_closed_log_pipe_never_stops_the_shutdown_flush() {
 /// Under systemd's `Type=notify` (the unit in deploy/systemd): `READY=1`
 /// once the socket serves, with the daemon's pid, and `STOPPING=1` when a
 /// SIGTERM starts the shutdown. Without it `systemctl start` returned
-/// before the socket existed and units ordered after kvtier raced it.
+/// before the socket existed and units ordered after kvtier raced it. The
+/// daemon is spawned bare (not through `Daemon::start`, which waits for its
+/// LOCK record) so that READY=1 is the only signal the ping relies on.
 #[test]
 fn the_service_manager_is_told_ready_then_stopping() {
     use std::os::unix::net::UnixDatagram;
+    use std::process::{Child, Stdio};
+    struct Reap(Child);
+    impl Drop for Reap {
+        fn drop(&mut self) {
+            if self.0.try_wait().ok().flatten().is_none() {
+                let _ = self.0.kill();
+                let _ = self.0.wait();
+            }
+        }
+    }
     let dir = tempfile::tempdir().expect("temp dir");
     let path = dir.path().join("notify.sock");
     let manager = UnixDatagram::bind(&path).expect("bind the notify socket");
-    manager
-        .set_read_timeout(Some(Duration::from_secs(30)))
-        .expect("timeout");
-    let mut d = Daemon::start(
-        dir.path(),
-        &[],
-        &[("NOTIFY_SOCKET", path.to_str().expect("utf-8 path"))],
-    )
-    .expect("start");
+    manager.set_read_timeout(Some(DEADLINE)).expect("timeout");
+    let log = std::fs::File::create(dir.path().join("daemon.log")).expect("log");
+    let mut d = Reap(
+        kvtier_tests::kvtier_command()
+            .args(kvtier_tests::test_args(dir.path()))
+            .env("NOTIFY_SOCKET", &path)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().expect("log"))
+            .stderr(log)
+            .spawn()
+            .expect("spawn kvtier"),
+    );
     let mut buf = [0u8; 512];
     let recv = |buf: &mut [u8]| -> String {
         let n = manager.recv(buf).expect("a notification");
@@ -232,16 +247,24 @@ fn the_service_manager_is_told_ready_then_stopping() {
     let ready = recv(&mut buf);
     assert!(ready.lines().any(|l| l == "READY=1"), "{ready:?}");
     assert!(
-        ready.lines().any(|l| l == format!("MAINPID={}", d.pid())),
+        ready.lines().any(|l| l == format!("MAINPID={}", d.0.id())),
         "{ready:?}"
     );
-    d.client()
-        .ping()
+    node::native::Client::connect(dir.path().join("kvtier.sock"))
+        .and_then(|mut c| c.ping())
         .expect("the socket serves once READY=1 is sent");
-    let status = d.stop_with(libc::SIGTERM);
-    assert!(status.success(), "{status:?}");
+    kvtier_tests::signal(d.0.id(), libc::SIGTERM);
     let stopping = recv(&mut buf);
     assert!(stopping.lines().any(|l| l == "STOPPING=1"), "{stopping:?}");
+    let t0 = Instant::now();
+    let status = loop {
+        if let Some(st) = d.0.try_wait().expect("wait") {
+            break st;
+        }
+        assert!(t0.elapsed() < DEADLINE, "no exit after SIGTERM");
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    assert!(status.success(), "{status:?}");
 }
 
 /// A `NOTIFY_SOCKET` nobody listens on is a warning, not a failed start.

@@ -162,6 +162,14 @@ pub(crate) fn verify(
 pub(crate) fn gc(inner: &Inner, opts: &GcOptions) -> Result<GcReport> {
     let now = crate::layout::now_ms();
     let mut chosen: HashSet<Namespace> = opts.namespaces.iter().copied().collect();
+    if !opts.dry_run && inner.disk.is_some() {
+        // An earlier drop the open could not finish (no space) is part of
+        // this one: this gc's selection replaces `gc.pending`, and must not
+        // forget it.
+        if let Ok(Some(earlier)) = pending_gc(&inner.config.data_dir) {
+            chosen.extend(earlier);
+        }
+    }
     if let Some(age) = opts.older_than {
         let age_ms = u64::try_from(age.as_millis()).unwrap_or(u64::MAX);
         for (ns, last) in inner.namespace_last_used() {

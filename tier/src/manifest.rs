@@ -275,7 +275,10 @@ pub(crate) fn write_atomic(dir: &Path, name: &str, body: &[u8]) -> Result<()> {
         let _ = fs::remove_file(&tmp);
         return Err(e);
     }
-    fs::rename(&tmp, &path).map_err(|e| io("rename into place", &path, e))?;
+    if let Err(e) = fs::rename(&tmp, &path) {
+        let _ = fs::remove_file(&tmp);
+        return Err(io("rename into place", &path, e));
+    }
     File::open(dir)
         .and_then(|d| d.sync_all())
         .map_err(|e| io("fsync the directory of", &path, e))?;

@@ -193,6 +193,49 @@ fn gc_is_finished_by_the_next_open_when_its_selection_is_left_behind() {
     drop(s);
 }
 
+/// A gc whose store holds an earlier selection it could not finish (the
+/// open that should have found no space) drops that selection too: its own
+/// replaces `gc.pending`, which forgot the earlier one (review).
+#[test]
+fn a_gc_over_an_unfinished_one_drops_both() {
+    let dir = tempfile::tempdir().unwrap();
+    let pending = dir.path().join(tier::maintenance::GC_PENDING_FILE);
+    let s = ChunkStore::open(config(dir.path())).unwrap();
+    let a = s.register_namespace(&record(0)).unwrap();
+    let b = s.register_namespace(&record(1)).unwrap();
+    let c = s.register_namespace(&record(2)).unwrap();
+    for n in 0..3 {
+        for ns in [a, b, c] {
+            s.put(id(ns, n), payload(n, 3000)).unwrap();
+        }
+    }
+    s.flush().unwrap();
+    // What an open that could not finish a gc of `a` leaves behind.
+    std::fs::write(
+        &pending,
+        format!("{{\"version\":1,\"namespaces\":[\"{a}\"]}}"),
+    )
+    .unwrap();
+    let report = s
+        .gc(&GcOptions {
+            namespaces: vec![b],
+            older_than: None,
+            dry_run: false,
+        })
+        .unwrap();
+    assert_eq!(report.namespaces, {
+        let mut v = vec![a, b];
+        v.sort();
+        v
+    });
+    assert!(!pending.exists());
+    assert!((0..3).all(|n| s.get(&id(a, n)).is_none() && s.get(&id(b, n)).is_none()));
+    assert!((0..3).all(|n| s.get(&id(c, n)).is_some()), "c kept");
+    let ids: Vec<_> = s.namespaces().iter().map(|n| n.id).collect();
+    assert_eq!(ids, vec![c]);
+    s.close(Duration::from_secs(10)).unwrap();
+}
+
 /// A store of [`config`] over an 8 MiB file in `dir`, through a device that
 /// counts its reads and writes.
 fn counting_store(dir: &std::path::Path) -> (ChunkStore, Arc<CountingDevice>) {
