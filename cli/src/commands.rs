@@ -987,11 +987,13 @@ fn verify(args: &VerifyArgs) -> Result<u8> {
             }
             if args.json {
                 // The same keys as a report of a store that opened.
+                let (gc_pending, gc_pending_error) = gc_pending_state(&cfg.data_dir);
                 let doc = serde_json::json!({
                     "checked": 0, "bad": 1, "dropped": 0, "dropped_at_open": 0,
                     "damaged_metadata": 0, "sealed_open_region": false,
                     "grown_from": null, "manifest_repaired": null,
                     "problems": [problem],
+                    "gc_pending": gc_pending, "gc_pending_error": gc_pending_error,
                 });
                 outln!("{}", serde_json::to_string_pretty(&doc)?);
             } else {
@@ -1034,10 +1036,7 @@ fn verify(args: &VerifyArgs) -> Result<u8> {
     // finished it): said, not counted as damage.
     // One that does not parse is damage: a writable open removes it without
     // finishing its drop (`verify --repair`, then `gc --apply` again).
-    let (gc_pending, gc_pending_error) = match tier::maintenance::pending_gc(&cfg.data_dir) {
-        Ok(p) => (p.unwrap_or_default(), None),
-        Err(e) => (Vec::new(), Some(e.to_string())),
-    };
+    let (gc_pending, gc_pending_error) = gc_pending_state(&cfg.data_dir);
     if args.json {
         let mut doc = serde_json::to_value(&report)?;
         doc["gc_pending"] = serde_json::to_value(&gc_pending)?;
@@ -1135,6 +1134,15 @@ fn verify(args: &VerifyArgs) -> Result<u8> {
             EXIT_OK
         },
     )
+}
+
+/// The namespaces of an interrupted `gc --apply` in `data_dir`, or why its
+/// `gc.pending` could not be read.
+fn gc_pending_state(data_dir: &Path) -> (Vec<Namespace>, Option<String>) {
+    match tier::maintenance::pending_gc(data_dir) {
+        Ok(p) => (p.unwrap_or_default(), None),
+        Err(e) => (Vec::new(), Some(e.to_string())),
+    }
 }
 
 fn gc(args: &GcArgs) -> Result<u8> {
