@@ -1154,12 +1154,7 @@ fn gc(args: &GcArgs) -> Result<u8> {
         .into());
     }
     let cfg = offline_config(&args.config, "gc")?;
-    let pending = || {
-        tier::maintenance::pending_gc(&cfg.data_dir)
-            .ok()
-            .flatten()
-            .unwrap_or_default()
-    };
+    let pending = || gc_pending_state(&cfg.data_dir).0;
     let pending_before = if args.apply { pending() } else { Vec::new() };
     // The open logs why it could not finish an earlier gc (`warn`).
     let _ = node::logging::init(node::logging::LogFormat::Human, "warn");
@@ -1181,19 +1176,23 @@ fn gc(args: &GcArgs) -> Result<u8> {
     } else {
         pending_before
     };
+    let joined = |ids: &[Namespace]| {
+        ids.iter()
+            .map(Namespace::to_string)
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
     if args.apply && !after_open.is_empty() {
-        let ids: Vec<String> = after_open.iter().map(Namespace::to_string).collect();
         errln!(
             "kvtier: warning: an interrupted gc --apply of {} could not be finished at open; \
              this gc drops it too",
-            ids.join(", ")
+            joined(&after_open)
         );
     }
     if !finished.is_empty() {
-        let ids: Vec<String> = finished.iter().map(Namespace::to_string).collect();
         errln!(
             "kvtier: finished an interrupted gc --apply first (gc.pending): dropped {}",
-            ids.join(", ")
+            joined(&finished)
         );
     }
     // An id that is not in this store (a typo, another node's store) is said,

@@ -806,7 +806,7 @@ impl NodeConfig {
     /// free: the start then leaves it sparse, and its writes pause when the
     /// filesystem fills.
     fn sparse_store_warning(&self) -> Option<String> {
-        use std::os::unix::fs::MetadataExt as _;
+        use tier::device::Sparse;
         if self.disk_budget.is_some_and(|b| b.0 == 0) {
             // RAM only: the store is not opened (its own warning says so).
             return None;
@@ -815,14 +815,11 @@ impl NodeConfig {
         let md = std::fs::symlink_metadata(&path)
             .ok()
             .filter(|m| m.is_file())?;
-        let missing = md.len().checked_sub(md.blocks().saturating_mul(512))?;
-        if missing == 0 {
-            return None;
-        }
-        let st = rustix::fs::statvfs(&path).ok()?;
-        let free = st.f_bavail.saturating_mul(st.f_frsize.max(1));
+        let file = std::fs::File::open(&path).ok()?;
+        let sparse = Sparse::check(&file, md.len()).ok()??;
         let reserve = self.disk_reserve.map_or(0, |r| r.0);
-        (free < missing.saturating_add(reserve)).then(|| {
+        let Sparse { missing, free } = sparse;
+        (!sparse.leaves(reserve)).then(|| {
             format!(
                 "the store file {} is sparse: backing it again needs {} more, and the \
                  filesystem has {} free with disk-reserve {}; it is left sparse, so disk writes \

@@ -130,6 +130,15 @@ fn fast_cfg(peers: Vec<String>) -> PeerConfig {
     }
 }
 
+/// [`fast_cfg`] with no seeds, serving each peer at most `rate` bytes a
+/// second.
+fn rated(rate: u64) -> PeerConfig {
+    PeerConfig {
+        serve_rate_limit: rate,
+        ..fast_cfg(vec![])
+    }
+}
+
 struct Cluster {
     ca: CaMaterial,
 }
@@ -656,13 +665,7 @@ async fn stalled_and_dead_peers_become_misses_within_the_timeout() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_serve_rate_serves_whole_chunks_in_turn() {
     let c = Cluster::new("prod");
-    let a = start(
-        c.node("node-a"),
-        PeerConfig {
-            serve_rate_limit: 4 << 20,
-            ..fast_cfg(vec![])
-        },
-    );
+    let a = start(c.node("node-a"), rated(4 << 20));
     let b = start(c.node("node-b"), fast_cfg(vec![a.addr.to_string()]));
     for i in 0..16u8 {
         let p = payload(1 << 20, i);
@@ -884,6 +887,20 @@ async fn raw_conn(addr: SocketAddr, tls: &TlsSetup) -> (quinn::Endpoint, quinn::
     (ep, conn)
 }
 
+/// A new stream of `conn` with a fetch request for `chunk` sent on it.
+async fn raw_fetch(
+    conn: &quinn::Connection,
+    chunk: PeerChunkId,
+) -> (quinn::SendStream, quinn::RecvStream) {
+    let (mut s, r) = conn.open_bi().await.expect("stream");
+    s.write_all(&peer::proto::frame::encode(
+        &peer::proto::Message::FetchRequest { id: chunk },
+    ))
+    .await
+    .expect("request");
+    (s, r)
+}
+
 /// Reads one frame, or None when the stream ended or failed.
 async fn raw_frame(recv: &mut quinn::RecvStream) -> Option<peer::proto::Message> {
     use peer::proto::frame::{FrameHeader, HEADER_LEN};
@@ -1101,13 +1118,7 @@ async fn a_peer_gets_a_bounded_number_of_serves_at_once() {
     let (_ep, conn) = raw_conn(a.addr, &c.node("node-evil")).await;
     let mut streams = Vec::new();
     for _ in 0..cap + 8 {
-        let (mut s, r) = conn.open_bi().await.expect("stream");
-        s.write_all(&peer::proto::frame::encode(&Message::FetchRequest {
-            id: id(3),
-        }))
-        .await
-        .expect("request");
-        streams.push((s, r));
+        streams.push(raw_fetch(&conn, id(3)).await);
         tokio::time::sleep(Duration::from_millis(2)).await; // in order
     }
     let mut busy = 0;
@@ -1171,29 +1182,13 @@ async fn a_peer_over_the_chunk_limit_is_not_redialed_at_once() {
 async fn a_reply_nobody_reads_gives_up_the_serve_turn() {
     use peer::proto::{FetchStatus, Message};
     let c = Cluster::new("prod");
-    let a = start(
-        c.node("node-a"),
-        PeerConfig {
-            serve_rate_limit: 64 << 20,
-            ..fast_cfg(vec![])
-        },
-    );
+    let a = start(c.node("node-a"), rated(64 << 20));
     a.source.insert(id(50), payload(32 << 20, 1)); // more than the stream window
     a.source.insert(id(51), payload(1000, 2));
     let (_ep, conn) = raw_conn(a.addr, &c.node("node-evil")).await;
-    let (mut s1, _r1_never_read) = conn.open_bi().await.expect("stream");
-    s1.write_all(&peer::proto::frame::encode(&Message::FetchRequest {
-        id: id(50),
-    }))
-    .await
-    .expect("request");
+    let (_s1, _r1_never_read) = raw_fetch(&conn, id(50)).await;
     tokio::time::sleep(Duration::from_millis(200)).await;
-    let (mut s2, mut r2) = conn.open_bi().await.expect("stream");
-    s2.write_all(&peer::proto::frame::encode(&Message::FetchRequest {
-        id: id(51),
-    }))
-    .await
-    .expect("request");
+    let (_s2, mut r2) = raw_fetch(&conn, id(51)).await;
     let t = Instant::now();
     let reply = tokio::time::timeout(Duration::from_secs(25), raw_frame(&mut r2)).await;
     assert!(

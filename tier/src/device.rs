@@ -219,16 +219,15 @@ impl FileDevice {
         }
         if cur < len {
             preallocate(&file, len)?;
-        } else if file.metadata()?.blocks() * 512 < len {
+        } else if let Some(sparse) = Sparse::check(&file, len)? {
             // Sparse (copied without its holes, or they were punched): backed
             // again, so that a full filesystem shows now, not as a paused
             // writer later. Where it cannot be, the store still opens; its
             // writes pause on ENOSPC when they reach a hole. Only where the
             // reserve stays free: a fallocate that fails part way keeps what
             // it allocated (QA: it took the filesystem to 0 bytes free).
-            let missing = len - file.metadata()?.blocks() * 512;
-            let free = free_bytes(&file)?;
-            if free < missing.saturating_add(reserve) {
+            if !sparse.leaves(reserve) {
+                let Sparse { missing, free } = sparse;
                 tracing::warn!(path = %path.display(), missing, free, reserve,
                     "the store file is sparse and backing it again would leave less than \
                      disk-reserve free; it stays sparse: disk writes pause (ENOSPC) if the \
@@ -299,6 +298,37 @@ impl FileDevice {
         let mut probe = AlignedBuf::zeroed(BLOCK as usize);
         f.read_exact_at(&mut probe, 0)?;
         Ok(f)
+    }
+}
+
+/// A store file with holes in its first `len` bytes (copied without them,
+/// or they were punched): what backing it again needs, and what its
+/// filesystem has. [`FileDevice::open`] backs it only where `disk-reserve`
+/// stays free; the node's `config check` warns by the same rule.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Sparse {
+    /// Bytes of the first `len` with no blocks behind them.
+    pub missing: u64,
+    /// Bytes an unprivileged writer may still allocate on its filesystem.
+    pub free: u64,
+}
+
+impl Sparse {
+    /// `None` when `len` bytes of `file` are backed by blocks.
+    pub fn check(file: &File, len: u64) -> io::Result<Option<Self>> {
+        let missing = len.saturating_sub(file.metadata()?.blocks().saturating_mul(512));
+        if missing == 0 {
+            return Ok(None);
+        }
+        Ok(Some(Self {
+            missing,
+            free: free_bytes(file)?,
+        }))
+    }
+
+    /// Whether backing the missing bytes leaves `reserve` free.
+    pub fn leaves(&self, reserve: u64) -> bool {
+        self.free >= self.missing.saturating_add(reserve)
     }
 }
 

@@ -1888,9 +1888,10 @@ impl Inner {
     }
 
     /// A chunk is gone from this node: tell the observer, break its group.
-    fn lost(&self, id: &ChunkId) {
+    /// Returns false when another copy of it is still here (RAM or disk).
+    fn lost(&self, id: &ChunkId) -> bool {
         if self.ram.contains(id) || self.on_disk(id) {
-            return;
+            return false;
         }
         if let Some(o) = self.observer() {
             o.removed(id);
@@ -1899,6 +1900,7 @@ impl Inner {
         if txn != 0 {
             self.break_group(txn);
         }
+        true
     }
 
     pub(crate) fn handle_evicted(&self, evicted: Vec<Evicted>) {
@@ -2334,17 +2336,10 @@ impl Hooks for Inner {
         if let Some(seq) = job.spill_seq {
             self.ram.unspill(&job.id, seq);
         }
-        if job.ram_seq.is_none() {
-            // An eviction's write: no copy is left in RAM to try again. Not
-            // a loss when a newer version or a delete already replaced it.
-            if !job.superseded
-                && !self.cancelled(job)
-                && !self.ram.contains(&job.id)
-                && !self.on_disk(&job.id)
-            {
-                self.counters.lost_writes.fetch_add(1, Ordering::Relaxed);
-            }
-            self.lost(&job.id);
+        // An eviction's write: no copy is left in RAM to try again. Not a
+        // loss when a newer version or a delete already replaced it.
+        if job.ram_seq.is_none() && self.lost(&job.id) && !job.superseded && !self.cancelled(job) {
+            self.counters.lost_writes.fetch_add(1, Ordering::Relaxed);
         }
     }
 

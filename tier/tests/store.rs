@@ -13,8 +13,8 @@ use bytes::Bytes;
 use tier::device::{Device, DirectMode, FileDevice};
 use tier::testdev::{CountingDevice, CrashDevice, FaultyDevice};
 use tier::{
-    ChunkId, ChunkKey, ChunkObserver, ChunkStore, Error, GcOptions, NamespaceRecord, Tier,
-    TierConfig, VerifyOptions, WritePolicy,
+    ChunkId, ChunkKey, ChunkObserver, ChunkStore, Error, GcOptions, Namespace, NamespaceRecord,
+    Tier, TierConfig, VerifyOptions, WritePolicy,
 };
 
 const MIB: u64 = 1 << 20;
@@ -144,6 +144,31 @@ fn namespaces_without_a_record_are_listed_by_id() {
     assert_eq!(s.namespaces().len(), 1);
 }
 
+/// A store of [`config`] in `dir` with `namespaces` namespaces (records
+/// 0, 1, ...), each holding chunks 0..`chunks` of 3,000 bytes, flushed.
+fn flushed_store(
+    dir: &std::path::Path,
+    namespaces: u32,
+    chunks: u64,
+) -> (ChunkStore, Vec<Namespace>) {
+    let s = ChunkStore::open(config(dir)).unwrap();
+    let ns: Vec<Namespace> = (0..namespaces)
+        .map(|r| s.register_namespace(&record(r)).unwrap())
+        .collect();
+    for n in 0..chunks {
+        for &x in &ns {
+            s.put(id(x, n), payload(n, 3000)).unwrap();
+        }
+    }
+    s.flush().unwrap();
+    (s, ns)
+}
+
+/// Writes `path` as a `gc --apply` of `ns` that did not finish leaves it.
+fn leave_pending_gc(path: &std::path::Path, ns: Namespace) {
+    std::fs::write(path, format!("{{\"version\":1,\"namespaces\":[\"{ns}\"]}}")).unwrap();
+}
+
 /// A `gc --apply` leaves no trace once done; the selection file it keeps
 /// while deleting is finished by a writable open if it is found there
 /// (after a kill), and an unreadable one is removed without dropping
@@ -152,14 +177,8 @@ fn namespaces_without_a_record_are_listed_by_id() {
 fn gc_is_finished_by_the_next_open_when_its_selection_is_left_behind() {
     let dir = tempfile::tempdir().unwrap();
     let pending = dir.path().join(tier::maintenance::GC_PENDING_FILE);
-    let s = ChunkStore::open(config(dir.path())).unwrap();
-    let a = s.register_namespace(&record(0)).unwrap();
-    let b = s.register_namespace(&record(1)).unwrap();
-    for n in 0..4 {
-        s.put(id(a, n), payload(n, 3000)).unwrap();
-        s.put(id(b, n), payload(n, 3000)).unwrap();
-    }
-    s.flush().unwrap();
+    let (s, ns) = flushed_store(dir.path(), 2, 4);
+    let (a, b) = (ns[0], ns[1]);
     let report = s
         .gc(&GcOptions {
             namespaces: vec![a],
@@ -175,11 +194,7 @@ fn gc_is_finished_by_the_next_open_when_its_selection_is_left_behind() {
     s.close(Duration::from_secs(10)).unwrap();
 
     // As a gc killed after choosing b and before its deletes leaves it.
-    std::fs::write(
-        &pending,
-        format!("{{\"version\":1,\"namespaces\":[\"{b}\"]}}"),
-    )
-    .unwrap();
+    leave_pending_gc(&pending, b);
     let s = ChunkStore::open(config(dir.path())).unwrap();
     assert!(!pending.exists());
     assert!((0..4).all(|n| s.get(&id(b, n)).is_none()), "b dropped");
@@ -200,22 +215,10 @@ fn gc_is_finished_by_the_next_open_when_its_selection_is_left_behind() {
 fn a_gc_over_an_unfinished_one_drops_both() {
     let dir = tempfile::tempdir().unwrap();
     let pending = dir.path().join(tier::maintenance::GC_PENDING_FILE);
-    let s = ChunkStore::open(config(dir.path())).unwrap();
-    let a = s.register_namespace(&record(0)).unwrap();
-    let b = s.register_namespace(&record(1)).unwrap();
-    let c = s.register_namespace(&record(2)).unwrap();
-    for n in 0..3 {
-        for ns in [a, b, c] {
-            s.put(id(ns, n), payload(n, 3000)).unwrap();
-        }
-    }
-    s.flush().unwrap();
+    let (s, ns) = flushed_store(dir.path(), 3, 3);
+    let (a, b, c) = (ns[0], ns[1], ns[2]);
     // What an open that could not finish a gc of `a` leaves behind.
-    std::fs::write(
-        &pending,
-        format!("{{\"version\":1,\"namespaces\":[\"{a}\"]}}"),
-    )
-    .unwrap();
+    leave_pending_gc(&pending, a);
     let report = s
         .gc(&GcOptions {
             namespaces: vec![b],
