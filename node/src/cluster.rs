@@ -423,7 +423,7 @@ impl Cluster {
                 }
             }
         }
-        let gauges: [Metric<i64>; 4] = [
+        let gauges: [Metric<i64>; 5] = [
             (
                 "peer_up",
                 "1 while the peer is up, 0 when suspect or down",
@@ -443,6 +443,11 @@ impl Cluster {
                 "peer_rtt_microseconds",
                 "Smoothed RTT to the peer (0 when not connected)",
                 |p| p.rtt_us.unwrap_or(0) as i64,
+            ),
+            (
+                "peer_fetches_in_flight",
+                "Fetches from the peer running now",
+                |p| i64::from(p.fetches_in_flight),
             ),
         ];
         ConstCounter::new(self.handle.corrupt_replies()).encode(enc.encode_descriptor(

@@ -50,6 +50,9 @@ pub struct NodeCounters {
     pub native_requests: AtomicU64,
     /// Native-protocol requests answered with an error.
     pub native_errors: AtomicU64,
+    /// Native GETs dropped because their client hung up while their disk
+    /// or peer reads waited.
+    pub native_abandoned: AtomicU64,
     /// RESP commands served.
     pub resp_commands: AtomicU64,
     /// RESP commands answered with an error.

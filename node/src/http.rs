@@ -244,6 +244,7 @@ pub fn status_json(ctx: &NodeContext) -> serde_json::Value {
         "requests": {
             "native": c.native_requests.load(Ordering::Relaxed),
             "native_errors": c.native_errors.load(Ordering::Relaxed),
+            "native_abandoned": c.native_abandoned.load(Ordering::Relaxed),
             "resp": c.resp_commands.load(Ordering::Relaxed),
             "resp_errors": c.resp_errors.load(Ordering::Relaxed),
             "connections": c.connections.load(Ordering::Relaxed),
@@ -577,6 +578,12 @@ impl Collector for NodeCollector {
                 ("native", ld(&c.native_errors)),
                 ("resp", ld(&c.resp_errors)),
             ],
+        )?;
+        counter(
+            &mut enc,
+            "native_abandoned_requests",
+            "Native GETs dropped because their client hung up while their reads waited",
+            ld(&c.native_abandoned),
         )?;
         counter(
             &mut enc,

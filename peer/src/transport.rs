@@ -467,6 +467,9 @@ pub struct PeerStatus {
     pub fetches_ok: u64,
     /// Fetches from this peer that failed (any reason).
     pub fetches_failed: u64,
+    /// Fetches from this peer running now (a fetch whose requester gave
+    /// up, e.g. a client that hung up, is no longer counted).
+    pub fetches_in_flight: u32,
     /// Successful connects so far.
     pub connects: u64,
     /// Open QUIC connections that carry fetches (the control connection
@@ -569,6 +572,22 @@ struct Slot {
     /// header or payload bytes): a timed-out fetch blames the peer only if
     /// it sent nothing at all meanwhile.
     progress: Mutex<Option<Instant>>,
+}
+
+/// One fetch counted in a peer's `in_flight` for as long as it lives.
+struct InFlight<'a>(&'a AtomicU32);
+
+impl<'a> InFlight<'a> {
+    fn new(count: &'a AtomicU32) -> Self {
+        count.fetch_add(1, Ordering::Relaxed);
+        Self(count)
+    }
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 /// How long a peer is skipped (by fetches and by lookups' availability)
@@ -941,9 +960,13 @@ impl PeerHandle {
         for h in holders.iter().take(2) {
             let slot = self.shared.slots[h.slot as usize].clone();
             let asked = Instant::now();
-            slot.in_flight.fetch_add(1, Ordering::Relaxed);
+            // A guard, not an add and a sub around the await: a fetch
+            // whose future is dropped (its client hung up, a shutdown)
+            // must not stay counted, or the holder order would shun this
+            // peer for good.
+            let counted = InFlight::new(&slot.in_flight);
             let r = tokio::time::timeout_at(deadline, fetch_from(&self.shared, &slot, id)).await;
-            slot.in_flight.fetch_sub(1, Ordering::Relaxed);
+            drop(counted);
             match r {
                 Ok(Ok(b)) => {
                     *slot.slow_until.lock() = None;
@@ -1038,6 +1061,7 @@ impl PeerHandle {
                     bytes_served,
                     fetches_ok: s.fetches_ok.load(Ordering::Relaxed),
                     fetches_failed: s.fetches_failed.load(Ordering::Relaxed),
+                    fetches_in_flight: s.in_flight.load(Ordering::Relaxed),
                     connects: s.connects.load(Ordering::Relaxed),
                     connections: s.conn.read().as_ref().map_or(0, |_| {
                         let live = s

@@ -746,6 +746,130 @@ fn a_stopped_peer_never_hangs_a_get_past_its_timeout() {
     );
 }
 
+/// A peer row's number field on `d` (its STATS), by peer name.
+fn peer_field(d: &Daemon, name: &str, field: &str) -> Option<u64> {
+    let doc = d.client().stats().ok()?;
+    doc["peers"]
+        .as_array()?
+        .iter()
+        .find(|p| p["name"] == name)?[field]
+        .as_u64()
+}
+
+/// A client that hangs up while its GET waits for peer fetches ends that
+/// GET: the fetches are dropped (not run to their timeout for nobody, and
+/// not counted as failures or as still in flight), and the rest of the
+/// GET's keys are never asked for.
+#[test]
+fn a_get_whose_client_hung_up_stops_fetching_from_peers() {
+    use node::native::codec::{RegionEntry, Request};
+    let dir = tempfile::tempdir().expect("temp dir");
+    let Two { a, b, .. } = two_nodes(dir.path());
+    let rec = test_record(0);
+    let ns = a.client().hello(&rec).expect("HELLO");
+    b.client().hello(&rec).expect("HELLO");
+    let keys: Vec<(ChunkKey, Vec<u8>)> = (0..40).map(|i| chunk_bytes(11, i)).collect();
+    for (k, v) in &keys {
+        put(&a, ns, *k, v);
+    }
+    for (k, _) in &keys {
+        wait_present(&b, ns, *k, Duration::from_secs(15));
+    }
+    let mut c = b.client();
+    let slot = 300 * 1024;
+    c.create_region((slot * keys.len()) as u64).expect("region");
+    let entries: Vec<RegionEntry> = keys
+        .iter()
+        .enumerate()
+        .map(|(i, (k, _))| RegionEntry {
+            key: *k,
+            offset: (i * slot) as u64,
+            len: slot as u64,
+        })
+        .collect();
+    // a frozen: b's fetches wait for their timeout (1 s).
+    kvtier_tests::signal(a.pid(), libc::SIGSTOP);
+    c.send(&Request::Get {
+        ns,
+        group: 0,
+        entries,
+    })
+    .expect("send GET");
+    poll("b fetching from a", Duration::from_millis(800), || {
+        (peer_field(&b, "a", "fetches_in_flight")? > 0).then_some(())
+    });
+    drop(c);
+    poll("b's fetches dropped", Duration::from_millis(800), || {
+        (peer_field(&b, "a", "fetches_in_flight")? == 0).then_some(())
+    });
+    // Past the fetch timeout, nothing of that GET ran on to fail.
+    std::thread::sleep(Duration::from_millis(1500));
+    let doc = b.client().stats().expect("STATS");
+    assert_eq!(
+        peer_field(&b, "a", "fetches_failed"),
+        Some(0),
+        "fetches of the abandoned GET ran to their timeout; b's STATS: {doc}"
+    );
+    assert_eq!(peer_field(&b, "a", "fetches_in_flight"), Some(0));
+    assert_eq!(doc["counters"]["native-abandoned"], 1, "STATS: {doc}");
+    kvtier_tests::signal(a.pid(), libc::SIGCONT);
+    // The connection's end leaves b serving: a's chunks come back.
+    poll("a up again at b", Duration::from_secs(15), || {
+        (peer_state(&b, "a").as_deref() == Some("up")).then_some(())
+    });
+    assert_eq!(
+        b.client().get_bytes(ns, 0, keys[0].0).expect("GET"),
+        Some(keys[0].1.clone())
+    );
+}
+
+/// A client that only shut its sending side (done asking, still reading)
+/// gets the reply of a GET that waited for a peer: only a client gone both
+/// ways abandons its GET.
+#[test]
+fn a_half_closed_client_still_gets_its_get_reply() {
+    use node::native::codec::{GetStatus, RegionEntry, Reply, Request, Response};
+    let dir = tempfile::tempdir().expect("temp dir");
+    let Two { a, b, .. } = two_nodes(dir.path());
+    let rec = test_record(0);
+    let ns = a.client().hello(&rec).expect("HELLO");
+    b.client().hello(&rec).expect("HELLO");
+    let (k, v) = chunk_bytes(12, 0);
+    put(&a, ns, k, &v);
+    wait_present(&b, ns, k, Duration::from_secs(15));
+    let mut c = b.client();
+    c.create_region(v.len() as u64).expect("region");
+    kvtier_tests::signal(a.pid(), libc::SIGSTOP);
+    c.send(&Request::Get {
+        ns,
+        group: 0,
+        entries: vec![RegionEntry {
+            key: k,
+            offset: 0,
+            len: v.len() as u64,
+        }],
+    })
+    .expect("send GET");
+    poll("b fetching from a", Duration::from_millis(800), || {
+        (peer_field(&b, "a", "fetches_in_flight")? > 0).then_some(())
+    });
+    c.stream()
+        .shutdown(std::net::Shutdown::Write)
+        .expect("shutdown");
+    // The fetch times out (1 s, a is frozen): a miss, answered.
+    let (_, reply) = c.recv().expect("a half-closed client gets its reply");
+    kvtier_tests::signal(a.pid(), libc::SIGCONT);
+    match reply {
+        Reply::Ok(Response::Get { results }) => {
+            assert_eq!(results.len(), 1);
+            assert_eq!(results[0].status, GetStatus::Miss, "{results:?}");
+        }
+        other => panic!("GET reply: {other:?}"),
+    }
+    let doc = b.client().stats().expect("STATS");
+    assert_eq!(doc["counters"]["native-abandoned"], 0, "STATS: {doc}");
+}
+
 /// A different node taking over a peer's address starts with its own
 /// counters (the old node's fetched bytes were shown as the new one's:
 /// QA); a node answering with this node's own name is a warning, not a

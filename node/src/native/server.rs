@@ -39,6 +39,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use rustix::net::RecvFlags;
 use tokio::io::{AsyncWriteExt, Interest};
 use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::{Semaphore, watch};
@@ -905,8 +906,13 @@ impl Connection {
         // below. Anything else (disk, peers) is read concurrently, up to
         // MAX_CONCURRENT_READS at a time, each read placing its own chunk,
         // so a restore from disk or a peer keeps several reads in flight.
+        // While reads wait, a client that hangs up ends the GET: its
+        // pending reads are dropped (a peer fetch stops; a disk read already
+        // running finishes), so a restore whose engine died does not go on
+        // pulling chunks from peers for nobody.
         let mut hits = Vec::new();
         let mut pending = JoinSet::new();
+        let mut watch = HangupWatch::new();
         for (i, e) in entries.iter().enumerate() {
             let id = ChunkId::new(ns, e.key, group);
             if let Some(hit) = self.ctx.get_ram(&id, None) {
@@ -914,7 +920,7 @@ impl Connection {
                 continue;
             }
             while pending.len() >= MAX_CONCURRENT_READS {
-                Self::settle(&mut pending, &mut results).await;
+                self.settle(&mut pending, &mut results, &mut watch).await?;
             }
             let (ctx, region, e) = (Arc::clone(&self.ctx), Arc::clone(region), *e);
             let slots = Arc::clone(&self.slots);
@@ -929,14 +935,31 @@ impl Connection {
             }
         }
         while !pending.is_empty() {
-            Self::settle(&mut pending, &mut results).await;
+            self.settle(&mut pending, &mut results, &mut watch).await?;
         }
         Ok(Response::Get { results })
     }
 
-    /// Waits for one concurrent read (which placed its chunk) and notes its result.
-    async fn settle(pending: &mut JoinSet<Vec<(usize, GetResult)>>, results: &mut [GetResult]) {
-        match pending.join_next().await {
+    /// Waits for one concurrent read (which placed its chunk) and notes its
+    /// result, or for the client to hang up ([`HangupWatch`]): then the
+    /// GET's reads are dropped (the `JoinSet` aborts them) and it fails.
+    async fn settle(
+        &self,
+        pending: &mut JoinSet<Vec<(usize, GetResult)>>,
+        results: &mut [GetResult],
+        watch: &mut HangupWatch,
+    ) -> Result<(), (ErrorCode, String)> {
+        let joined = tokio::select! {
+            biased;
+            j = pending.join_next() => j,
+            () = watch.hung_up(&self.stream) => {
+                pending.abort_all();
+                NodeCounters::inc(&self.ctx.counters.native_abandoned);
+                debug!(reads = pending.len(), "native client hung up during a GET; its reads are dropped");
+                return Err((ErrorCode::Internal, "the client hung up; GET abandoned".into()));
+            }
+        };
+        match joined {
             Some(Ok(placed)) => {
                 for (i, r) in placed {
                     results[i] = r;
@@ -946,7 +969,60 @@ impl Connection {
             Some(Err(e)) => warn!(error = %e, "native GET: a read task failed"),
             None => {}
         }
+        Ok(())
     }
+}
+
+/// Watches a connection for its client hanging up while a request waits
+/// for reads. Only a client that closed both ways counts: one that only
+/// shut its sending side (it still reads replies) does not. Readiness for
+/// reading is the signal, so once the client's next request has arrived
+/// (pipelined bytes keep the socket readable) nothing can be told without
+/// reading it, and the watch stops; that GET runs to its end as before.
+struct HangupWatch {
+    on: bool,
+}
+
+impl HangupWatch {
+    fn new() -> Self {
+        Self { on: true }
+    }
+
+    /// Resolves when the client has hung up; pending for good otherwise.
+    async fn hung_up(&mut self, stream: &UnixStream) {
+        while self.on {
+            if stream.readable().await.is_err() {
+                break;
+            }
+            // A peek tells what the readiness meant; one that would block
+            // clears it (the flag may be stale: requests are also read by
+            // polling, around tokio).
+            let mut byte = [0u8; 1];
+            let peek = stream.try_io(Interest::READABLE, || {
+                rustix::net::recv(stream, &mut byte, RecvFlags::PEEK | RecvFlags::DONTWAIT)
+                    .map_err(io::Error::from)
+            });
+            match peek {
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                // End of stream: hung up unless only half closed (replies
+                // are still wanted).
+                Ok(0) if closed_both_ways(stream) => return,
+                // The next request is waiting, the client is half closed,
+                // or the socket failed (the reply's write will tell).
+                _ => self.on = false,
+            }
+        }
+        std::future::pending::<()>().await;
+    }
+}
+
+/// Whether the other end of `stream` is gone (`POLLHUP`: both directions
+/// shut), as opposed to a client that only shut its sending side.
+fn closed_both_ways(stream: &UnixStream) -> bool {
+    use rustix::event::{PollFd, PollFlags, poll};
+    let mut fds = [PollFd::new(stream, PollFlags::IN)];
+    matches!(poll(&mut fds, 0), Ok(n) if n > 0)
+        && fds[0].revents().intersects(PollFlags::HUP | PollFlags::ERR)
 }
 
 /// A GET's hits for entry `i` (range checked), to place in the region.
@@ -1046,6 +1122,7 @@ pub fn stats_json(ctx: &NodeContext) -> serde_json::Value {
         "counters": {
             "native-requests": c.native_requests.load(Relaxed),
             "native-errors": c.native_errors.load(Relaxed),
+            "native-abandoned": c.native_abandoned.load(Relaxed),
             "resp-commands": c.resp_commands.load(Relaxed),
             "resp-errors": c.resp_errors.load(Relaxed),
             "connections": c.connections.load(Relaxed),
