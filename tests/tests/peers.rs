@@ -746,6 +746,22 @@ fn a_stopped_peer_never_hangs_a_get_past_its_timeout() {
     );
 }
 
+/// Registers the rank-0 test namespace on both nodes and PUTs `n` chunks
+/// of `round` on a, waiting until b sees each of them at a.
+fn a_holds(t: &Two, round: u32, n: u32) -> (Namespace, Vec<(ChunkKey, Vec<u8>)>) {
+    let rec = test_record(0);
+    let ns = t.a.client().hello(&rec).expect("HELLO");
+    t.b.client().hello(&rec).expect("HELLO");
+    let keys: Vec<(ChunkKey, Vec<u8>)> = (0..n).map(|i| chunk_bytes(round, i)).collect();
+    for (k, v) in &keys {
+        put(&t.a, ns, *k, v);
+    }
+    for (k, _) in &keys {
+        wait_present(&t.b, ns, *k, Duration::from_secs(15));
+    }
+    (ns, keys)
+}
+
 /// A peer row's number field on `d` (its STATS), by peer name.
 fn peer_field(d: &Daemon, name: &str, field: &str) -> Option<u64> {
     let doc = d.client().stats().ok()?;
@@ -764,17 +780,9 @@ fn peer_field(d: &Daemon, name: &str, field: &str) -> Option<u64> {
 fn a_get_whose_client_hung_up_stops_fetching_from_peers() {
     use node::native::codec::{RegionEntry, Request};
     let dir = tempfile::tempdir().expect("temp dir");
-    let Two { a, b, .. } = two_nodes(dir.path());
-    let rec = test_record(0);
-    let ns = a.client().hello(&rec).expect("HELLO");
-    b.client().hello(&rec).expect("HELLO");
-    let keys: Vec<(ChunkKey, Vec<u8>)> = (0..40).map(|i| chunk_bytes(11, i)).collect();
-    for (k, v) in &keys {
-        put(&a, ns, *k, v);
-    }
-    for (k, _) in &keys {
-        wait_present(&b, ns, *k, Duration::from_secs(15));
-    }
+    let two = two_nodes(dir.path());
+    let (ns, keys) = a_holds(&two, 11, 40);
+    let Two { a, b, .. } = two;
     let mut c = b.client();
     let slot = 300 * 1024;
     c.create_region((slot * keys.len()) as u64).expect("region");
@@ -830,13 +838,10 @@ fn a_get_whose_client_hung_up_stops_fetching_from_peers() {
 fn a_half_closed_client_still_gets_its_get_reply() {
     use node::native::codec::{GetStatus, RegionEntry, Reply, Request, Response};
     let dir = tempfile::tempdir().expect("temp dir");
-    let Two { a, b, .. } = two_nodes(dir.path());
-    let rec = test_record(0);
-    let ns = a.client().hello(&rec).expect("HELLO");
-    b.client().hello(&rec).expect("HELLO");
-    let (k, v) = chunk_bytes(12, 0);
-    put(&a, ns, k, &v);
-    wait_present(&b, ns, k, Duration::from_secs(15));
+    let two = two_nodes(dir.path());
+    let (ns, keys) = a_holds(&two, 12, 1);
+    let Two { a, b, .. } = two;
+    let (k, v) = &keys[0];
     let mut c = b.client();
     c.create_region(v.len() as u64).expect("region");
     kvtier_tests::signal(a.pid(), libc::SIGSTOP);
@@ -844,7 +849,7 @@ fn a_half_closed_client_still_gets_its_get_reply() {
         ns,
         group: 0,
         entries: vec![RegionEntry {
-            key: k,
+            key: *k,
             offset: 0,
             len: v.len() as u64,
         }],
