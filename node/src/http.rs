@@ -76,7 +76,7 @@ pub async fn serve(
                     let (ctx, registry, mut stop) = (Arc::clone(&ctx), Arc::clone(&registry), stop_rx.clone());
                     tasks.spawn(async move {
                         tokio::select! {
-                            r = handle(sock, &ctx, &registry) => {
+                            r = handle(sock, ctx, registry) => {
                                 if let Err(e) = r {
                                     tracing::debug!(error = %e, "HTTP connection ended");
                                 }
@@ -284,8 +284,8 @@ async fn write_response(
 
 async fn handle(
     mut sock: TcpStream,
-    ctx: &NodeContext,
-    registry: &Registry,
+    ctx: Arc<NodeContext>,
+    registry: Arc<Registry>,
 ) -> std::io::Result<()> {
     let mut buf = Vec::with_capacity(1024);
     let read = async {
@@ -315,7 +315,15 @@ async fn handle(
             }
         };
     let (resp, head_only) = match parsed? {
-        Ok(req) => (respond(&req, ctx, registry), req.method == "HEAD"),
+        Ok(req) => {
+            let head_only = req.method == "HEAD";
+            // `/status` lists every namespace with its chunk counts (a walk
+            // over the indexes, O(chunks)): never on a runtime worker.
+            let resp = tokio::task::spawn_blocking(move || respond(&req, &ctx, &registry))
+                .await
+                .unwrap_or_else(|_| text(500, "the request's task failed\n"));
+            (resp, head_only)
+        }
         Err(HeadError::TooLarge) => (text(431, "request head too large\n"), false),
         Err(_) => (text(400, "malformed HTTP request\n"), false),
     };

@@ -1545,15 +1545,22 @@ async fn serve_fetch(
     // goes to the next one.
     let stopped = send.stopped();
     tokio::pin!(stopped);
+    // A requester that left is seen first: it neither takes the turn from
+    // one still waiting nor has a chunk read for it.
     let _turn = if limiter.limited() {
         tokio::select! {
-            t = stats.turn.lock() => Some(t),
+            biased;
             _ = &mut stopped => return Ok(()),
+            t = stats.turn.lock() => Some(t),
         }
     } else {
         None
     };
-    let got = shared.source.read(&id).await;
+    let got = tokio::select! {
+        biased;
+        _ = &mut stopped => return Ok(()),
+        got = shared.source.read(&id) => got,
+    };
     let Some(chunk) = got else {
         write_msg(&mut send, &reply(FetchStatus::NotFound, 0, 0)).await?;
         let _ = send.finish();
@@ -1571,10 +1578,11 @@ async fn serve_fetch(
             let mut rest = chunk.payload;
             while !rest.is_empty() {
                 let piece = rest.split_to(rest.len().min(256 << 10));
-                limiter.acquire(piece.len() as u64).await;
+                let debit = limiter.acquire(piece.len() as u64).await;
                 send.write_chunk(piece)
                     .await
                     .map_err(|e| StreamErr::Io(e.to_string()))?;
+                debit.spent();
             }
             Ok::<(), StreamErr>(())
         };
@@ -1618,7 +1626,11 @@ impl RateLimiter {
         self.rate > 0
     }
 
-    async fn acquire(&self, n: u64) {
+    /// Takes `n` bytes from the bucket, waiting while it is in debt. The
+    /// bytes go back if the returned [`Debit`] is dropped before
+    /// [`Debit::spent`] (or this future before it returns): a reply cut
+    /// short by its requester must not delay the next one.
+    async fn acquire(&self, n: u64) -> Debit<'_> {
         let wait = {
             let mut s = self.state.lock();
             let now = Instant::now();
@@ -1632,8 +1644,43 @@ impl RateLimiter {
                 Duration::from_secs_f64(-s.0 / rate)
             }
         };
+        let debit = Debit {
+            limiter: self,
+            n,
+            spent: false,
+        };
         if !wait.is_zero() {
             tokio::time::sleep(wait).await;
+        }
+        debit
+    }
+
+    /// Tokens in the bucket now (tests).
+    #[cfg(test)]
+    fn tokens(&self) -> f64 {
+        self.state.lock().0
+    }
+}
+
+/// Bytes taken from a [`RateLimiter`]; refunded when dropped unspent.
+struct Debit<'a> {
+    limiter: &'a RateLimiter,
+    n: u64,
+    spent: bool,
+}
+
+impl Debit<'_> {
+    /// The bytes went out: the debit stands.
+    fn spent(mut self) {
+        self.spent = true;
+    }
+}
+
+impl Drop for Debit<'_> {
+    fn drop(&mut self) {
+        if !self.spent {
+            let mut s = self.limiter.state.lock();
+            s.0 = (s.0 + self.n as f64).min(self.limiter.rate as f64);
         }
     }
 }
@@ -2116,4 +2163,31 @@ async fn fetch_from(
         )));
     }
     Ok(buf.freeze())
+}
+
+#[cfg(test)]
+mod limiter_tests {
+    use super::*;
+
+    /// A reply cut short (its requester stopped the stream) gives back the
+    /// bytes it took and did not send: the next reply is not delayed for it.
+    #[tokio::test(start_paused = true)]
+    async fn bytes_of_a_reply_cut_short_go_back_to_the_bucket() {
+        let l = RateLimiter::new(1_000_000);
+        l.acquire(600_000).await.spent();
+        let after_spent = l.tokens();
+        assert!(after_spent < 410_000.0, "{after_spent}");
+        // Taken, then dropped before the bytes went out: refunded.
+        drop(l.acquire(300_000).await);
+        assert!(l.tokens() >= after_spent, "{} < {after_spent}", l.tokens());
+        // Dropped while it waits for the bucket's debt to clear.
+        let mut wait = Box::pin(l.acquire(900_000));
+        assert!(
+            tokio::time::timeout(Duration::from_millis(1), &mut wait)
+                .await
+                .is_err()
+        );
+        drop(wait);
+        assert!(l.tokens() >= after_spent, "{} < {after_spent}", l.tokens());
+    }
 }

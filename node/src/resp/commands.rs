@@ -391,15 +391,21 @@ async fn dispatch(shared: &Shared, s: &mut Session, args: &[Bytes], out: &mut Ou
         "command" => command(args, out),
         "config" => config(shared, args, out),
         "dbsize" => {
-            out.integer(resp_keys(shared) as i64);
+            out.integer(resp_keys(shared).await? as i64);
             Ok(())
         }
-        "del" => del(shared, args, out),
+        "del" => del(shared, args, out).await,
         "exists" => exists(shared, s, args, out),
         "get" => get(shared, s, &args[1], out).await,
         "hello" => hello(shared, s, args, out),
         "info" => {
-            out.verbatim_text(super::info::info_text(shared, &args[1..]).as_bytes());
+            let sections = &args[1..];
+            let keys = if super::info::wants_keyspace(sections) {
+                Some(resp_keys(shared).await?)
+            } else {
+                None
+            };
+            out.verbatim_text(super::info::info_text(shared, sections, keys).as_bytes());
             Ok(())
         }
         "ping" => match args.len() {
@@ -831,15 +837,20 @@ fn glob_match(pattern: &[u8], name: &[u8]) -> bool {
 }
 
 /// Chunks held in RESP namespaces.
-pub(super) fn resp_keys(shared: &Shared) -> u64 {
-    shared
-        .ctx
-        .store
-        .namespaces()
-        .iter()
-        .filter(|n| super::keys::is_resp_engine(&n.record.engine))
-        .map(|n| n.chunks)
-        .sum()
+/// Keys stored through RESP (DBSIZE, INFO's keyspace). Counting them walks
+/// the indexes (O(chunks)), so it runs on the blocking pool.
+pub(super) async fn resp_keys(shared: &Shared) -> Result<u64, Vec<u8>> {
+    let store = Arc::clone(&shared.ctx.store);
+    tokio::task::spawn_blocking(move || {
+        store
+            .namespaces()
+            .iter()
+            .filter(|n| super::keys::is_resp_engine(&n.record.engine))
+            .map(|n| n.chunks)
+            .sum()
+    })
+    .await
+    .map_err(|e| format!("kvtier could not count the keys: {e}").into_bytes())
 }
 
 fn exists(shared: &Shared, s: &mut Session, args: &[Bytes], out: &mut Output) -> Res {
@@ -913,19 +924,28 @@ async fn get(shared: &Shared, s: &mut Session, key: &Bytes, out: &mut Output) ->
     Ok(())
 }
 
-fn del(shared: &Shared, args: &[Bytes], out: &mut Output) -> Res {
-    let mut n = 0i64;
-    for key in &args[1..] {
-        if key.len() > MAX_KEY_LEN {
-            continue;
-        }
-        let id = shared.keys.id(key);
-        shared.bump(&id);
-        if shared.ctx.store.delete(&id) {
-            n += 1;
-        }
+async fn del(shared: &Shared, args: &[Bytes], out: &mut Output) -> Res {
+    let ids: Vec<ChunkId> = args[1..]
+        .iter()
+        .filter(|key| key.len() <= MAX_KEY_LEN)
+        .map(|key| shared.keys.id(key))
+        .collect();
+    for id in &ids {
+        shared.bump(id);
     }
-    out.integer(n);
+    // A delete hands its tombstone to the disk writer and waits for room
+    // in its queue (on a hung disk, for good): never on a runtime worker.
+    let store = Arc::clone(&shared.ctx.store);
+    let (n, ids) = tokio::task::spawn_blocking(move || {
+        let n = ids.iter().filter(|id| store.delete(id)).count();
+        (n, ids)
+    })
+    .await
+    .map_err(|e| format!("kvtier could not delete: {e}").into_bytes())?;
+    for id in &ids {
+        shared.bump(id);
+    }
+    out.integer(n as i64);
     Ok(())
 }
 

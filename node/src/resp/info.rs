@@ -6,7 +6,7 @@ use std::sync::atomic::Ordering;
 
 use bytes::Bytes;
 
-use super::commands::{REDIS_COMPAT_VERSION, Shared, resp_keys};
+use super::commands::{REDIS_COMPAT_VERSION, Shared};
 
 fn human(bytes: u64) -> String {
     const UNITS: [&str; 5] = ["B", "K", "M", "G", "T"];
@@ -23,20 +23,27 @@ fn human(bytes: u64) -> String {
     }
 }
 
+/// Whether INFO of `sections` asks for section `name` (no section: the
+/// default ones, which include every section served).
+fn includes(sections: &[Bytes], name: &str) -> bool {
+    sections.is_empty()
+        || sections.iter().any(|s| {
+            let w = String::from_utf8_lossy(s).to_ascii_lowercase();
+            w == name || w == "all" || w == "default" || w == "everything"
+        })
+}
+
+/// Whether INFO of `sections` needs the key count ([`info_text`]'s `keys`).
+pub fn wants_keyspace(sections: &[Bytes]) -> bool {
+    includes(sections, "keyspace")
+}
+
 /// The INFO text for the requested sections (Redis's layout: `# Name`
-/// headers, `field:value` lines, a blank line between sections).
-pub fn info_text(shared: &Shared, sections: &[Bytes]) -> String {
+/// headers, `field:value` lines, a blank line between sections). `keys`:
+/// the RESP key count, when [`wants_keyspace`].
+pub fn info_text(shared: &Shared, sections: &[Bytes], keys: Option<u64>) -> String {
     let all = ["server", "clients", "memory", "stats", "keyspace"];
-    let wanted: Vec<String> = sections
-        .iter()
-        .map(|s| String::from_utf8_lossy(s).to_ascii_lowercase())
-        .collect();
-    let include = |name: &str| {
-        wanted.is_empty()
-            || wanted
-                .iter()
-                .any(|w| w == name || w == "all" || w == "default" || w == "everything")
-    };
+    let include = |name: &str| includes(sections, name);
     let ctx = &shared.ctx;
     let st = ctx.store.stats();
     let uptime = ctx.started.elapsed().as_secs();
@@ -102,7 +109,7 @@ pub fn info_text(shared: &Shared, sections: &[Bytes]) -> String {
                 ("kvtier_hits_disk".into(), st.hits_disk.to_string()),
             ],
             _ => {
-                let keys = resp_keys(shared);
+                let keys = keys.unwrap_or(0);
                 if keys == 0 {
                     vec![]
                 } else {
