@@ -93,8 +93,11 @@ pub fn check_bind(addr: &SocketAddr, password: Option<&str>) -> Result<(), RespE
 }
 
 /// Serves RESP2 on `listener` until `shutdown` completes, then closes every
-/// connection (after the command it is executing) and returns once all
-/// connection tasks have finished.
+/// connection at its next wait and returns once all connection tasks have
+/// finished. A command still waiting then (a peer fetch, a SET waiting for
+/// the disk writer under `backpressure`) goes unanswered: its client sees
+/// the connection close and cannot count it as done (a SET whose store call
+/// had begun may still land, before the store's final flush or not).
 pub async fn serve(
     listener: tokio::net::TcpListener,
     ctx: Arc<NodeContext>,
