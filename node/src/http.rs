@@ -423,6 +423,12 @@ impl Collector for NodeCollector {
         )?;
         counter(
             &mut enc,
+            "reclaimed_rewrites",
+            "Chunks whose disk copy was reclaimed while RAM held them: marked dirty, written again",
+            s.reclaimed_rewrites,
+        )?;
+        counter(
+            &mut enc,
             "verify_failures",
             "Reads that failed verification (CRC, identity, length) or I/O",
             s.verify_failures,

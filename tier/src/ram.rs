@@ -1103,6 +1103,26 @@ impl RamCache {
         true
     }
 
+    /// Marks a clean chunk dirty again: its disk copy is gone (its region
+    /// was reclaimed) while RAM still holds it, so the next flush, idle
+    /// pass, eviction or shutdown writes it again. Returns whether it
+    /// changed anything (a dirty or spilled entry is written anyway).
+    pub fn mark_dirty(&self, id: &ChunkId) -> bool {
+        let (slot, hash) = self.locate(id);
+        let mut shard = slot.inner.lock();
+        let Some(i) = shard.find(hash, id) else {
+            return false;
+        };
+        let node = shard.node_mut(i);
+        if node.spilled || node.entry.dirty {
+            return false;
+        }
+        node.entry.dirty = true;
+        self.dirty
+            .fetch_add(node.entry.charged_bytes(), Ordering::AcqRel);
+        true
+    }
+
     /// Up to `limit` dirty entries, oldest insert first; with `older_than`,
     /// only those inserted at least that long ago (idle flush). Walks every
     /// entry (one shard locked at a time): O(entries), meant for periodic

@@ -438,6 +438,9 @@ pub struct StoreStats {
     /// chunks put here that no read will ever return. Each counted once,
     /// unlike `disk_write_failures` (every failed attempt).
     pub lost_writes: u64,
+    /// Chunks whose disk copy was reclaimed (its region reused) while RAM
+    /// held them clean: marked dirty again, so they are written anew.
+    pub reclaimed_rewrites: u64,
     /// Reads that failed verification (CRC, identity, length) or I/O.
     pub verify_failures: u64,
     /// Region slots, summaries or batch records found damaged (bit rot) when
@@ -573,6 +576,7 @@ struct Counters {
     ram_evictions: AtomicU64,
     dropped_unwritten: AtomicU64,
     lost_writes: AtomicU64,
+    reclaimed_rewrites: AtomicU64,
 }
 
 pub(crate) struct Inner {
@@ -1355,6 +1359,7 @@ impl ChunkStore {
             ram_evictions: c.ram_evictions.load(Ordering::Relaxed),
             dropped_unwritten: c.dropped_unwritten.load(Ordering::Relaxed),
             lost_writes: c.lost_writes.load(Ordering::Relaxed),
+            reclaimed_rewrites: c.reclaimed_rewrites.load(Ordering::Relaxed),
             recovery_micros: i.recovery_micros.load(Ordering::Relaxed),
             ..Default::default()
         };
@@ -2345,6 +2350,15 @@ impl Hooks for Inner {
 
     fn reclaimed(&self, removed: Vec<(ChunkId, Location)>) {
         let obs = self.observer();
+        // A chunk still in RAM (hot: read since it was written, or promoted
+        // by a disk hit) lost only its disk copy: it is marked dirty again,
+        // so a flush or a stop writes it anew instead of a restart losing
+        // the most used chunks. Not where RAM can hold as much as the disk:
+        // then rewriting what RAM holds would reclaim more of it, for good.
+        let rewrite = self.disk.as_ref().is_some_and(|d| {
+            self.ram.budget() + 2 * d.region_size < d.region_size * u64::from(d.region_count)
+        });
+        let mut rewritten = 0u64;
         for (id, loc) in removed {
             if loc.txn != 0 {
                 self.break_group(loc.txn);
@@ -2353,7 +2367,14 @@ impl Hooks for Inner {
                 if let Some(o) = &obs {
                     o.removed(&id);
                 }
+            } else if rewrite && self.ram.mark_dirty(&id) {
+                rewritten += 1;
             }
+        }
+        if rewritten > 0 {
+            self.counters
+                .reclaimed_rewrites
+                .fetch_add(rewritten, Ordering::Relaxed);
         }
     }
 
