@@ -807,6 +807,38 @@ async fn exists_pins_a_key_until_its_get() {
     s.stop().await;
 }
 
+/// EXISTS is not a read: it counts no hit and no `bytes_out` (as Redis
+/// counts no keyspace hit for it; QA saw each EXISTS of a 1 MiB value add
+/// a hit and 1 MiB out); the GET that follows counts the read, also when
+/// it is served from the pin.
+#[tokio::test]
+async fn exists_counts_no_read_and_its_get_counts_one() {
+    let s = Server::start(RespOptions::default()).await;
+    let mut c = s.connect().await;
+    rt(
+        &mut c,
+        b"SET p1 value1\r\nSET p2 value2\r\n",
+        b"+OK\r\n+OK\r\n",
+    )
+    .await;
+    let before = s.ctx.store.stats();
+    rt(&mut c, b"EXISTS p1 p2 nokey\r\n", b":2\r\n").await;
+    let after = s.ctx.store.stats();
+    assert_eq!(
+        (after.hits_ram, after.bytes_out, after.misses),
+        (before.hits_ram, before.bytes_out, before.misses)
+    );
+    rt(&mut c, b"GET p1\r\n", b"$6\r\nvalue1\r\n").await;
+    // p2 goes behind the client's back: its GET is served from the pin.
+    let mapper = resp::keys::KeyMapper::new();
+    assert!(s.ctx.store.delete(&mapper.id(b"p2")));
+    rt(&mut c, b"GET p2\r\n", b"$6\r\nvalue2\r\n").await;
+    let end = s.ctx.store.stats();
+    assert_eq!(end.hits_ram, before.hits_ram + 2);
+    assert_eq!(end.bytes_out, before.bytes_out + 12);
+    s.stop().await;
+}
+
 #[tokio::test]
 async fn connection_limit_and_shutdown() {
     let opts = RespOptions {

@@ -1201,6 +1201,32 @@ impl ChunkStore {
         self.inner.get_ram_inner(id, name).ok().flatten()
     }
 
+    /// [`ChunkStore::get_ram`] that counts nothing (no hit, no `bytes_out`):
+    /// for holding on to a chunk a client only asked about (RESP `EXISTS`
+    /// keeps it for the `GET` that usually follows, which counts the read,
+    /// see [`ChunkStore::count_ram_hit`]).
+    pub fn peek_ram(&self, id: &ChunkId, name: Option<&[u8]>) -> Option<Bytes> {
+        let e = {
+            let _g = self.inner.gate.read();
+            self.inner.ram.get_or_mark(id).ok()?
+        };
+        if name.is_some_and(|want| e.name.as_deref().unwrap_or(&[]) != want) {
+            return None;
+        }
+        Some(e.data)
+    }
+
+    /// Counts a RAM hit of `len` bytes in namespace `ns` for bytes a client
+    /// gets from a copy taken with [`ChunkStore::peek_ram`].
+    pub fn count_ram_hit(&self, ns: &Namespace, len: u64) {
+        self.inner.counters.hits_ram.fetch_add(1, Ordering::Relaxed);
+        self.inner
+            .counters
+            .bytes_out
+            .fetch_add(len, Ordering::Relaxed);
+        self.inner.touch(ns);
+    }
+
     /// Reads a chunk, RAM then disk, to serve it to another node: not
     /// counted in `hits_ram`, `hits_disk`, `misses` or `bytes_out` (they
     /// count this node's clients' reads; the peer layer counts what it

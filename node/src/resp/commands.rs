@@ -880,7 +880,9 @@ fn pin(shared: &Shared, s: &mut Session, key: &Bytes, id: &ChunkId) {
     let epoch = shared.epoch_slot(id).load(Ordering::Acquire);
     // RAM only: a chunk evicted since the EXISTS is not pinned (its GET
     // reads the disk on the blocking pool), and no disk read runs here.
-    let Some(hit) = shared.ctx.store.get_ram(id, Some(key)) else {
+    // Not counted as a read: EXISTS only asks (Redis counts no keyspace
+    // hit for it either); the GET that takes the pin counts it.
+    let Some(data) = shared.ctx.store.peek_ram(id, Some(key)) else {
         return;
     };
     s.pins.retain(|p| p.key != *key);
@@ -891,7 +893,7 @@ fn pin(shared: &Shared, s: &mut Session, key: &Bytes, id: &ChunkId) {
         key: key.clone(),
         epoch,
         at: Instant::now(),
-        data: hit.data,
+        data,
     });
 }
 
@@ -917,7 +919,10 @@ async fn get(shared: &Shared, s: &mut Session, key: &Bytes, out: &mut Output) ->
             out.bulk_bytes(hit.data);
         }
         None => match take_pin(shared, s, key, &id) {
-            Some(data) => out.bulk_bytes(data),
+            Some(data) => {
+                shared.ctx.store.count_ram_hit(&id.ns, data.len() as u64);
+                out.bulk_bytes(data);
+            }
             None => out.null(),
         },
     }
