@@ -174,6 +174,10 @@ struct Node {
     /// Evicted dirty and on its way to disk: indexed and readable, but out
     /// of the LRU list and the budget.
     spilled: bool,
+    /// Read since it was inserted or last marked dirty again
+    /// ([`RamCache::mark_dirty`]): a hot chunk, worth writing anew when
+    /// its disk copy is reclaimed.
+    referenced: bool,
     prev: u32,
     next: u32,
 }
@@ -661,6 +665,7 @@ impl RamCache {
             },
             tick: 0,
             spilled: false,
+            referenced: false,
             prev: NIL,
             next: NIL,
         };
@@ -758,6 +763,7 @@ impl RamCache {
         if !shard.node(i).spilled {
             let tick = self.tick();
             shard.promote(i, tick);
+            shard.node_mut(i).referenced = true;
             slot.tail_tick.store(shard.tail_tick(), Ordering::Release);
         }
         Ok(shard.node(i).entry.clone())
@@ -1103,24 +1109,37 @@ impl RamCache {
         true
     }
 
-    /// Marks a clean chunk dirty again: its disk copy is gone (its region
-    /// was reclaimed) while RAM still holds it, so the next flush, idle
-    /// pass, eviction or shutdown writes it again. Returns whether it
-    /// changed anything (a dirty or spilled entry is written anyway).
-    pub fn mark_dirty(&self, id: &ChunkId) -> bool {
+    /// Marks a clean chunk dirty again when its disk copy is gone (its
+    /// region was reclaimed) while RAM still holds it, so the next flush,
+    /// idle pass, eviction or shutdown writes it again; only a version
+    /// older than `below_seq` ([`RamCache::next_seq`] when the disk copy
+    /// left the index: a newer one never had that copy, e.g. a peer's chunk
+    /// admitted meanwhile, which must stay off the local disk) and read
+    /// since it was inserted or last marked (a hot chunk: an idle store's
+    /// rewrites cannot reclaim each other's regions for good). Returns
+    /// whether it changed anything (a dirty or spilled entry is written
+    /// anyway).
+    pub fn mark_dirty(&self, id: &ChunkId, below_seq: u64) -> bool {
         let (slot, hash) = self.locate(id);
         let mut shard = slot.inner.lock();
         let Some(i) = shard.find(hash, id) else {
             return false;
         };
         let node = shard.node_mut(i);
-        if node.spilled || node.entry.dirty {
+        if node.spilled || node.entry.dirty || !node.referenced || node.entry.seq >= below_seq {
             return false;
         }
+        node.referenced = false;
         node.entry.dirty = true;
         self.dirty
             .fetch_add(node.entry.charged_bytes(), Ordering::AcqRel);
         true
+    }
+
+    /// The sequence number the next insert gets: every version in the
+    /// cache now has a lower one.
+    pub fn next_seq(&self) -> u64 {
+        self.next_seq.load(Ordering::Relaxed)
     }
 
     /// Up to `limit` dirty entries, oldest insert first; with `older_than`,

@@ -1515,7 +1515,36 @@ impl ChunkStore {
             self.file_lock.lock().take();
             return Ok(FlushReport::default());
         }
-        let report = self.inner.flush_inner(Some(Instant::now() + deadline));
+        let end = Instant::now() + deadline;
+        let rewrites = || {
+            self.inner
+                .counters
+                .reclaimed_rewrites
+                .load(Ordering::Relaxed)
+        };
+        let mut report = Ok(FlushReport::default());
+        // Regions reclaimed by a round may have marked hot chunks dirty
+        // again (see `Hooks::reclaimed`): a few more rounds write them. Each
+        // marks only chunks read since they were last marked, and nothing
+        // reads while the store closes, so this ends.
+        for _ in 0..4 {
+            let before = rewrites();
+            report = match (report, self.inner.flush_inner(Some(end))) {
+                (Ok(a), Ok(b)) => Ok(FlushReport {
+                    chunks: a.chunks + b.chunks,
+                    bytes: a.bytes + b.bytes,
+                    // What is still unwritten: the last round tried it all.
+                    failed: b.failed,
+                }),
+                (Err(e), _) | (_, Err(e)) => Err(e),
+            };
+            let again = report.as_ref().is_ok_and(|r| r.failed == 0)
+                && rewrites() != before
+                && Instant::now() < end;
+            if !again {
+                break;
+            }
+        }
         self.inner.persist_last_used();
         self.stop_threads();
         self.file_lock.lock().take();
@@ -2374,13 +2403,17 @@ impl Hooks for Inner {
         }
     }
 
-    fn reclaimed(&self, removed: Vec<(ChunkId, Location)>) {
+    fn ram_seq(&self) -> u64 {
+        self.ram.next_seq()
+    }
+
+    fn reclaimed(&self, removed: Vec<(ChunkId, Location)>, ram_seq: u64) {
         let obs = self.observer();
-        // A chunk still in RAM (hot: read since it was written, or promoted
-        // by a disk hit) lost only its disk copy: it is marked dirty again,
-        // so a flush or a stop writes it anew instead of a restart losing
-        // the most used chunks. Not where RAM can hold as much as the disk:
-        // then rewriting what RAM holds would reclaim more of it, for good.
+        // A chunk still in RAM and read since it got there lost only its
+        // disk copy: it is marked dirty again ([`RamCache::mark_dirty`]), so
+        // a flush or a stop writes it anew instead of a restart losing the
+        // most used chunks. Not where RAM can hold as much as the disk: then
+        // rewriting what RAM holds would reclaim more of it.
         let rewrite = self.disk.as_ref().is_some_and(|d| {
             self.ram.budget() + 2 * d.region_size < d.region_size * u64::from(d.region_count)
         });
@@ -2393,7 +2426,7 @@ impl Hooks for Inner {
                 if let Some(o) = &obs {
                     o.removed(&id);
                 }
-            } else if rewrite && self.ram.mark_dirty(&id) {
+            } else if rewrite && self.ram.mark_dirty(&id, ram_seq) {
                 rewritten += 1;
             }
         }

@@ -145,8 +145,14 @@ pub(crate) trait Hooks: Send + Sync {
     fn written(&self, job: &Job);
     /// The job's chunk could not be written.
     fn failed(&self, job: &Job);
-    /// These entries left the index because their region was reclaimed.
-    fn reclaimed(&self, removed: Vec<(ChunkId, Location)>);
+    /// A bound on the RAM versions that exist now (every one has a lower
+    /// sequence number), taken under the index lock as a reclaim removes
+    /// its entries, for [`Hooks::reclaimed`].
+    fn ram_seq(&self) -> u64;
+    /// These entries left the index because their region was reclaimed;
+    /// `ram_seq`: [`Hooks::ram_seq`] while they did (a RAM version from
+    /// then on never had their disk copy).
+    fn reclaimed(&self, removed: Vec<(ChunkId, Location)>, ram_seq: u64);
     /// A tombstone for `id` deleted at `at` was written, or (for
     /// [`Msg::Forget`]) every job queued before it is done: cancellations of
     /// `id` made at or before `at` are no longer needed.
@@ -1419,9 +1425,11 @@ impl Writer {
                 .filter(|s| s.generation == generation && s.region == r)
         };
         let from_summary = seal.and_then(|s| self.disk.read_summary(r, &s).ok());
+        let ram_seq;
         match from_summary.as_ref().and_then(|b| decode_entries(b).ok()) {
             Some(arch) => {
                 let mut ix = self.disk.index.write();
+                ram_seq = self.hooks.ram_seq();
                 for a in arch.iter() {
                     let id = crate::layout::ArchivedEntry::to_native(a).id();
                     if ix.get(&id).is_some_and(|l| l.region == r) {
@@ -1432,7 +1440,9 @@ impl Writer {
                 }
             }
             None => {
-                removed = self.disk.index.write().retain(|_, l| l.region != r);
+                let mut ix = self.disk.index.write();
+                ram_seq = self.hooks.ram_seq();
+                removed = ix.retain(|_, l| l.region != r);
             }
         }
         let bytes: u64 = removed.iter().map(|(_, l)| u64::from(l.payload_len)).sum();
@@ -1442,7 +1452,7 @@ impl Writer {
             .region_evictions
             .fetch_add(1, Ordering::Relaxed);
         self.regions[r as usize] = (0, false);
-        self.hooks.reclaimed(removed);
+        self.hooks.reclaimed(removed, ram_seq);
     }
 }
 
