@@ -894,6 +894,9 @@ impl NodeConfig {
             }
             Some(_) => {}
         }
+        if let Some(w) = self.disk_not_larger_than_ram() {
+            warnings.push(w);
+        }
         if let Some(pool) = self.gpu_kv_pool {
             let tier = self.ram_budget.0 + self.disk_budget.map_or(0, |b| b.0);
             if tier <= pool.0 {
@@ -911,6 +914,25 @@ impl NodeConfig {
             }
         }
         Ok(warnings)
+    }
+
+    /// A warning when the disk tier is no larger than the RAM budget plus
+    /// two regions: the store then does not write again the chunks RAM
+    /// holds whose disk copy was reclaimed (the rewrites would reclaim more
+    /// of what RAM holds), so a restart, a clean one too, loses them.
+    fn disk_not_larger_than_ram(&self) -> Option<String> {
+        let disk = self.disk_budget.filter(|b| b.0 > 0)?;
+        let region = self.region_size.0.max(1);
+        let floor = self.ram_budget.0 + 2 * region;
+        (disk.0 / region * region <= floor).then(|| {
+            format!(
+                "disk-budget {} is not larger than ram-budget {} plus two regions of {}: chunks                  RAM holds whose disk copy is reclaimed to make room are not written again (that                  would reclaim more of what RAM holds), so a restart, even after a clean stop,                  loses them; make the disk tier several times the RAM budget (disk-budget above                  {}) or lower ram-budget",
+                disk.approx(),
+                self.ram_budget.approx(),
+                self.region_size.approx(),
+                ByteSize(floor).approx(),
+            )
+        })
     }
 
     /// A warning when this process could not create or write the data dir
@@ -2095,6 +2117,33 @@ mod tests {
             w.len() == 1 && w[0].contains("holds a store of 1.0 MiB") && w[0].contains("unused"),
             "{w:?}"
         );
+    }
+
+    /// A disk tier no larger than RAM plus two regions is warned about (a
+    /// restart loses what RAM held beyond the disk's copies: QA saw 63 % of
+    /// the keys gone after a clean stop, with nothing said).
+    #[test]
+    fn a_disk_no_larger_than_ram_is_warned_about() {
+        let dir = tempfile::tempdir().unwrap();
+        let space = || DiskSpace {
+            total: 100 << 30,
+            available_to_store: 40 << 30,
+        };
+        for (disk, warned) in [(32, true), (72, true), (80, false), (1024, false)] {
+            let flags = Overrides {
+                data_dir: Some(dir.path().join("data")),
+                ram_budget: Some(ByteSize::mib(64)),
+                disk_budget: Some(ByteSize::mib(disk)),
+                region_size: Some(ByteSize::mib(4)),
+                ..Default::default()
+            };
+            let l = load_with(None, &[], flags).unwrap();
+            let w = l.config.clone().resolve_with(&l, space()).unwrap();
+            let said = w
+                .iter()
+                .any(|w| w.contains("is not larger than ram-budget"));
+            assert_eq!(said, warned, "disk {disk} MiB: {w:?}");
+        }
     }
 
     #[test]
