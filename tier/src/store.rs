@@ -2080,13 +2080,28 @@ impl Inner {
                     .bytes_out
                     .fetch_add(data.len() as u64, Ordering::Relaxed);
                 self.touch(&id.ns);
+                // Failpoint `tier::store::promote` (feature `failpoints`): a
+                // `pause` holds a disk hit between its read and its promotion.
+                #[cfg(feature = "failpoints")]
+                fail::fail_point!("tier::store::promote");
                 if self.config.promote_on_read {
-                    // Only if nothing put, deleted or wrote `id` meanwhile:
-                    // the copy read may be older than what is current now.
-                    if let Ok((inserted, ev)) =
-                        self.ram
-                            .insert_if_unchanged(*id, data.clone(), stored_name, mark)
-                    {
+                    // Only while the disk copy is still indexed (held so: a
+                    // reclaim cannot take it out during the insert): one
+                    // whose region was reclaimed during the read would leave
+                    // a clean RAM copy that no flush writes and no reclaim
+                    // rewrites, lost at the next restart. And only if
+                    // nothing put, deleted or wrote `id` meanwhile: the copy
+                    // read may be older than what is current now.
+                    let indexed = self.disk.as_ref().map(|d| d.index.read());
+                    let promoted = indexed
+                        .as_ref()
+                        .is_some_and(|ix| ix.get(id).is_some())
+                        .then(|| {
+                            self.ram
+                                .insert_if_unchanged(*id, data.clone(), stored_name, mark)
+                        });
+                    drop(indexed);
+                    if let Some(Ok((inserted, ev))) = promoted {
                         if inserted.is_some() {
                             if let Some(o) = self.observer() {
                                 o.in_ram(id, true);

@@ -32,7 +32,11 @@
 //!   `tier::aio::setup=return(eagain|eperm)`: a split read whose pieces come
 //!   back short or failed reads them again plainly, and a store whose AIO
 //!   contexts are refused reads unsplit; every read stays byte-exact, none
-//!   counts as a verification failure.
+//!   counts as a verification failure;
+//! - `tier::store::promote=pause`: a disk hit whose region is reclaimed
+//!   between its read and its promotion is served but not cached in RAM (a
+//!   clean RAM copy with no disk copy behind it was lost at the next
+//!   restart although it was served until then).
 
 use std::time::Duration;
 
@@ -85,6 +89,7 @@ fn failpoints() {
     a_read_error_in_the_recovery_walk_leaves_the_region_untouched();
     split_reads_recover_from_failed_pieces_and_refused_contexts();
     a_gc_stopped_before_its_deletes_is_finished_at_the_next_open();
+    a_disk_hit_whose_region_is_reclaimed_during_its_read_is_not_promoted();
     scenario.teardown();
 }
 
@@ -520,4 +525,61 @@ fn a_gc_stopped_before_its_deletes_is_finished_at_the_next_open() {
     let s = ChunkStore::open(cfg(dir.path())).unwrap();
     assert!(s.get(&id(a, 2)).is_none(), "still dropped after a restart");
     assert!(s.get(&id(b, 2)).is_some());
+}
+
+/// A disk hit whose region is reclaimed between its read and its promotion
+/// into RAM is served, and not promoted: a clean RAM copy with no disk copy
+/// behind it is never written (not dirty) nor rewritten (no longer
+/// indexed), so it was served until a restart lost it.
+fn a_disk_hit_whose_region_is_reclaimed_during_its_read_is_not_promoted() {
+    let dir = tempfile::tempdir().unwrap();
+    // RAM larger than the disk: the writes that reclaim region 0 below are
+    // all queued before the read (no insert meanwhile changes its mark).
+    let cfg = |dir: &std::path::Path| TierConfig {
+        ram_budget: 16 * MIB,
+        ..cfg(dir)
+    };
+    let s = ChunkStore::open(cfg(dir.path())).unwrap();
+    let ns = s.register_namespace(&record()).unwrap();
+    for n in 0..50 {
+        s.put(id(ns, n), payload(n)).unwrap();
+    }
+    s.close(Duration::from_secs(30)).unwrap();
+    drop(s);
+    // Reopened: chunk 0 is on disk only, in region 0.
+    let s = ChunkStore::open(cfg(dir.path())).unwrap();
+    let first = id(ns, 0);
+    assert_eq!(s.disk_location(&first).map(|l| l.0), Some(0));
+    // ~9 MiB dirty in RAM, for an 8 MiB disk.
+    for n in 1000..1400 {
+        s.put(id(ns, n), payload(n % 300)).unwrap();
+    }
+    struct Unpause;
+    impl Drop for Unpause {
+        fn drop(&mut self) {
+            fail::cfg("tier::store::promote", "off").unwrap();
+        }
+    }
+    fail::cfg("tier::store::promote", "pause").unwrap();
+    std::thread::scope(|scope| {
+        let unpause = Unpause;
+        let hits = s.stats().hits_disk;
+        let reader = scope.spawn(|| s.get(&first).map(|h| h.data));
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        while s.stats().hits_disk == hits {
+            assert!(std::time::Instant::now() < deadline, "no disk hit");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        // Writing them reclaims region 0 while the read waits.
+        s.flush().unwrap();
+        assert_eq!(s.disk_location(&first), None, "region 0 not reclaimed");
+        drop(unpause);
+        assert_eq!(reader.join().unwrap(), Some(payload(0)));
+    });
+    assert_eq!(
+        s.locate(&first),
+        None,
+        "promoted with no disk copy behind it"
+    );
+    assert!(s.get(&first).is_none());
 }
