@@ -1687,6 +1687,15 @@ impl Drop for Debit<'_> {
 
 struct AbortOnDrop(JoinHandle<()>);
 
+impl AbortOnDrop {
+    /// Aborts the task and waits until it is gone: an abort alone lets a
+    /// task that is running on another worker finish its current step.
+    async fn stop(mut self) {
+        self.0.abort();
+        let _ = (&mut self.0).await;
+    }
+}
+
 impl Drop for AbortOnDrop {
     fn drop(&mut self) {
         self.0.abort();
@@ -1711,7 +1720,7 @@ async fn link_loop(shared: Arc<Shared>, slot: Arc<Slot>) {
                 backoff.reset();
                 warned = None;
                 *slot.last_error.lock() = None;
-                let _extras = (shared.cfg.fetch_connections > 1).then(|| {
+                let extras = (shared.cfg.fetch_connections > 1).then(|| {
                     AbortOnDrop(tokio::spawn(dial_extra(
                         shared.clone(),
                         slot.clone(),
@@ -1719,7 +1728,12 @@ async fn link_loop(shared: Arc<Shared>, slot: Arc<Slot>) {
                     )))
                 });
                 let over_limit = run_link(&shared, &slot, &conn, send, recv).await;
-                drop(_extras);
+                // Gone before the fetch connections are closed: a dial that
+                // was finishing could add one after, which then outlived
+                // this link (and was counted in `connections`).
+                if let Some(extras) = extras {
+                    extras.stop().await;
+                }
                 for c in std::mem::take(&mut *slot.extra.write()) {
                     c.close(VarInt::from_u32(0), b"link closed");
                 }
