@@ -723,6 +723,37 @@ fn regions_are_reclaimed_fifo_and_observers_told() {
     }
 }
 
+/// A store of `ram` and `disk` bytes (1 MiB regions; every eviction
+/// written: no-tax may drop some when the writer is behind, and then fewer
+/// regions are reclaimed) holding one flushed 100 KiB "hot" chunk.
+fn hot_chunk_flushed(
+    dir: &std::path::Path,
+    ram: u64,
+    disk: u64,
+) -> (ChunkStore, TierConfig, ChunkId, Bytes) {
+    let mut cfg = config(dir);
+    cfg.disk_budget = disk;
+    cfg.ram_budget = ram;
+    cfg.write_policy = WritePolicy::Backpressure;
+    let s = ChunkStore::open(cfg.clone()).unwrap();
+    let ns = s.register_namespace(&record(0)).unwrap();
+    let hot = id(ns, 1_000_000);
+    let bytes = payload(1_000_000, 100 << 10);
+    s.put(hot, bytes.clone()).unwrap();
+    s.flush().unwrap();
+    (s, cfg, hot, bytes)
+}
+
+/// PUTs 100 KiB chunks `range` in `hot`'s namespace, reading `hot` (a RAM
+/// hit, byte-exact) after each.
+fn put_cold_reading_hot(s: &ChunkStore, range: std::ops::Range<u64>, hot: &ChunkId) {
+    let want = payload(1_000_000, 100 << 10);
+    for n in range {
+        s.put(id(hot.ns, n), payload(n, 100 << 10)).unwrap();
+        assert_eq!(s.get(hot).unwrap().data, want);
+    }
+}
+
 /// A chunk kept hot in RAM whose disk copy goes with a reclaimed region is
 /// marked dirty again, so the next flush writes it anew and a restart
 /// still has it (QA: the hot chunk was lost while every cold chunk written
@@ -732,23 +763,9 @@ fn regions_are_reclaimed_fifo_and_observers_told() {
 fn a_hot_chunk_whose_region_is_reclaimed_survives_a_restart() {
     for (disk, rewritten) in [(8 * MIB, true), (3 * MIB, false)] {
         let dir = tempfile::tempdir().unwrap();
-        let mut cfg = config(dir.path());
-        cfg.disk_budget = disk; // regions of 1 MiB
-        cfg.ram_budget = 2 * MIB;
-        // Every eviction written (no-tax may drop some when the writer is
-        // behind, and then fewer regions are reclaimed).
-        cfg.write_policy = WritePolicy::Backpressure;
-        let s = ChunkStore::open(cfg.clone()).unwrap();
-        let ns = s.register_namespace(&record(0)).unwrap();
-        let hot = id(ns, 1_000_000);
-        let bytes = payload(1_000_000, 100 << 10);
-        s.put(hot, bytes.clone()).unwrap();
-        s.flush().unwrap();
+        let (s, cfg, hot, bytes) = hot_chunk_flushed(dir.path(), 2 * MIB, disk);
         // 24 MiB of cold chunks through the disk, the hot one read after each.
-        for n in 0..240 {
-            s.put(id(ns, n), payload(n, 100 << 10)).unwrap();
-            assert_eq!(s.get(&hot).unwrap().data, bytes);
-        }
+        put_cold_reading_hot(&s, 0..240, &hot);
         s.flush().unwrap();
         let st = s.stats();
         assert!(st.region_evictions >= 16, "{st:?}");
@@ -769,27 +786,12 @@ fn a_hot_chunk_whose_region_is_reclaimed_survives_a_restart() {
 #[test]
 fn a_stop_writes_hot_chunks_its_own_flush_reclaimed() {
     let dir = tempfile::tempdir().unwrap();
-    let mut cfg = config(dir.path());
-    cfg.disk_budget = 8 * MIB; // regions of 1 MiB
-    cfg.ram_budget = 5 * MIB;
-    cfg.write_policy = WritePolicy::Backpressure;
-    let s = ChunkStore::open(cfg.clone()).unwrap();
-    let ns = s.register_namespace(&record(0)).unwrap();
-    let hot = id(ns, 1_000_000);
-    let bytes = payload(1_000_000, 100 << 10);
-    s.put(hot, bytes.clone()).unwrap();
-    s.flush().unwrap();
+    let (s, cfg, hot, bytes) = hot_chunk_flushed(dir.path(), 5 * MIB, 8 * MIB);
     // 6 MiB flushed after it, then 4 MiB dirty in RAM: their write at the
     // stop reclaims the hot chunk's region.
-    for n in 0..60 {
-        s.put(id(ns, n), payload(n, 100 << 10)).unwrap();
-        assert!(s.get(&hot).is_some());
-    }
+    put_cold_reading_hot(&s, 0..60, &hot);
     s.flush().unwrap();
-    for n in 100..140 {
-        s.put(id(ns, n), payload(n, 100 << 10)).unwrap();
-        assert!(s.get(&hot).is_some());
-    }
+    put_cold_reading_hot(&s, 100..140, &hot);
     let before = s.stats();
     s.close(Duration::from_secs(30)).unwrap();
     drop(s);
