@@ -924,7 +924,7 @@ impl NodeConfig {
         let disk = self.disk_budget.filter(|b| b.0 > 0)?;
         let region = self.region_size.0.max(1);
         let floor = self.ram_budget.0 + 2 * region;
-        (disk.0 / region * region <= floor).then(|| {
+        (!tier::store::rewrites_reclaimed(self.ram_budget.0, region, disk.0 / region)).then(|| {
             format!(
                 "disk-budget {} is not larger than ram-budget {} plus two regions of {}: chunks                  RAM holds whose disk copy is reclaimed to make room are not written again (that                  would reclaim more of what RAM holds), so a restart, even after a clean stop,                  loses them; make the disk tier several times the RAM budget (disk-budget above                  {}) or lower ram-budget",
                 disk.approx(),

@@ -253,6 +253,15 @@ pub fn store_file_unformatted(data_dir: &std::path::Path) -> bool {
     block.iter().all(|&b| b == 0)
 }
 
+/// Whether a store of `region_count` regions of `region_size` bytes
+/// writes again the chunks RAM (`ram_budget`) holds whose disk copy went
+/// with a reclaimed region: only where the disk is larger than the RAM
+/// budget plus two regions; on a smaller disk the rewrites would reclaim
+/// more of what RAM holds (and a restart loses such chunks: the node warns).
+pub fn rewrites_reclaimed(ram_budget: u64, region_size: u64, region_count: u64) -> bool {
+    ram_budget + 2 * region_size < region_size * region_count
+}
+
 /// The region size of the store in `data_dir`, from its superblock (see
 /// [`existing_layout`]).
 pub fn existing_region_size(data_dir: &std::path::Path) -> Option<u64> {
@@ -1206,25 +1215,13 @@ impl ChunkStore {
     /// keeps it for the `GET` that usually follows, which counts the read,
     /// see [`ChunkStore::count_ram_hit`]).
     pub fn peek_ram(&self, id: &ChunkId, name: Option<&[u8]>) -> Option<Bytes> {
-        let e = {
-            let _g = self.inner.gate.read();
-            self.inner.ram.get_or_mark(id).ok()?
-        };
-        if name.is_some_and(|want| e.name.as_deref().unwrap_or(&[]) != want) {
-            return None;
-        }
-        Some(e.data)
+        self.inner.peek_ram_inner(id, name).ok().flatten()
     }
 
     /// Counts a RAM hit of `len` bytes in namespace `ns` for bytes a client
     /// gets from a copy taken with [`ChunkStore::peek_ram`].
     pub fn count_ram_hit(&self, ns: &Namespace, len: u64) {
-        self.inner.counters.hits_ram.fetch_add(1, Ordering::Relaxed);
-        self.inner
-            .counters
-            .bytes_out
-            .fetch_add(len, Ordering::Relaxed);
-        self.inner.touch(ns);
+        self.inner.count_ram_hit(ns, len);
     }
 
     /// Reads a chunk, RAM then disk, to serve it to another node: not
@@ -2023,6 +2020,23 @@ impl Inner {
     /// `Ok(None)` when it is under another name (not counted),
     /// `Ok(Some(hit))` a hit (counted).
     fn get_ram_inner(&self, id: &ChunkId, name: Option<&[u8]>) -> Result<Option<Hit>, AbsentMark> {
+        let Some(data) = self.peek_ram_inner(id, name)? else {
+            return Ok(None);
+        };
+        self.count_ram_hit(&id.ns, data.len() as u64);
+        Ok(Some(Hit {
+            data,
+            tier: Tier::Ram,
+        }))
+    }
+
+    /// The RAM half of a read, counting nothing: `Err(mark)` when the id
+    /// is not in RAM, `Ok(None)` when it is under another name.
+    fn peek_ram_inner(
+        &self,
+        id: &ChunkId,
+        name: Option<&[u8]>,
+    ) -> Result<Option<Bytes>, AbsentMark> {
         let e = {
             let _g = self.gate.read();
             self.ram.get_or_mark(id)?
@@ -2030,15 +2044,14 @@ impl Inner {
         if name.is_some_and(|want| e.name.as_deref().unwrap_or(&[]) != want) {
             return Ok(None);
         }
+        Ok(Some(e.data))
+    }
+
+    /// Counts a client's RAM hit of `len` bytes in namespace `ns`.
+    fn count_ram_hit(&self, ns: &Namespace, len: u64) {
         self.counters.hits_ram.fetch_add(1, Ordering::Relaxed);
-        self.counters
-            .bytes_out
-            .fetch_add(e.data.len() as u64, Ordering::Relaxed);
-        self.touch(&id.ns);
-        Ok(Some(Hit {
-            data: e.data,
-            tier: Tier::Ram,
-        }))
+        self.counters.bytes_out.fetch_add(len, Ordering::Relaxed);
+        self.touch(ns);
     }
 
     fn get_for_peer_inner(&self, id: &ChunkId) -> Option<Bytes> {
@@ -2430,7 +2443,7 @@ impl Hooks for Inner {
         // most used chunks. Not where RAM can hold as much as the disk: then
         // rewriting what RAM holds would reclaim more of it.
         let rewrite = self.disk.as_ref().is_some_and(|d| {
-            self.ram.budget() + 2 * d.region_size < d.region_size * u64::from(d.region_count)
+            rewrites_reclaimed(self.ram.budget(), d.region_size, u64::from(d.region_count))
         });
         let mut rewritten = 0u64;
         for (id, loc) in removed {

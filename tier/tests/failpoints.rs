@@ -75,6 +75,16 @@ fn record() -> NamespaceRecord {
     }
 }
 
+/// Turns a failpoint off when dropped: a paused thread goes on even when
+/// an assertion fails.
+struct Off(&'static str);
+
+impl Drop for Off {
+    fn drop(&mut self) {
+        fail::cfg(self.0, "off").unwrap();
+    }
+}
+
 #[test]
 fn failpoints() {
     let scenario = fail::FailScenario::setup();
@@ -338,16 +348,10 @@ fn a_flush_covers_a_chunk_evicted_but_not_yet_handed_off() {
     let s = ChunkStore::open(cfg(dir.path())).unwrap();
     let ns = s.register_namespace(&record()).unwrap();
     let big = |n: u64| Bytes::from(vec![n as u8 | 1; 512 * 1024]);
-    /// Lets the held put go on even when an assertion fails.
-    struct Unpause;
-    impl Drop for Unpause {
-        fn drop(&mut self) {
-            fail::cfg("tier::store::hand_off", "off").unwrap();
-        }
-    }
     fail::cfg("tier::store::hand_off", "pause").unwrap();
     std::thread::scope(|scope| {
-        let unpause = Unpause;
+        // Lets the held put go on even when an assertion fails.
+        let unpause = Off("tier::store::hand_off");
         // 9 x 512 KiB through 4 MiB: the 9th put evicts chunk 0 and is
         // held before handing it to the writer.
         let putter = scope.spawn(|| {
@@ -554,15 +558,9 @@ fn a_disk_hit_whose_region_is_reclaimed_during_its_read_is_not_promoted() {
     for n in 1000..1400 {
         s.put(id(ns, n), payload(n % 300)).unwrap();
     }
-    struct Unpause;
-    impl Drop for Unpause {
-        fn drop(&mut self) {
-            fail::cfg("tier::store::promote", "off").unwrap();
-        }
-    }
     fail::cfg("tier::store::promote", "pause").unwrap();
     std::thread::scope(|scope| {
-        let unpause = Unpause;
+        let unpause = Off("tier::store::promote");
         let hits = s.stats().hits_disk;
         let reader = scope.spawn(|| s.get(&first).map(|h| h.data));
         let deadline = std::time::Instant::now() + Duration::from_secs(20);

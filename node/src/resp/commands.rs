@@ -836,7 +836,6 @@ fn glob_match(pattern: &[u8], name: &[u8]) -> bool {
     pi == pattern.len()
 }
 
-/// Chunks held in RESP namespaces.
 /// Keys stored through RESP (DBSIZE, INFO's keyspace). Counting them walks
 /// the indexes (O(chunks)), so it runs on the blocking pool.
 pub(super) async fn resp_keys(shared: &Shared) -> Result<u64, Vec<u8>> {
