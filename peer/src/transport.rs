@@ -646,6 +646,48 @@ struct Shared {
     // parking_lot: pushed at start and per connection, drained at shutdown.
     tasks: Mutex<Vec<JoinHandle<()>>>,
     corrupt_replies: AtomicU64,
+    /// Which slot links to each peer node, by name: claimed when a hello
+    /// names the node and held until that link ends (see [`NameClaim`]).
+    /// One check-and-claim under this lock, so two seeds that reach one
+    /// node (aliases of one address) never both link to it.
+    // parking_lot: taken once per link made and once per link ended.
+    linked: Mutex<HashMap<Arc<str>, usize>>,
+}
+
+/// A slot's claim on a peer node's name in [`Shared::linked`], released
+/// when the link it was taken for ends.
+struct NameClaim {
+    shared: Arc<Shared>,
+    name: Arc<str>,
+    index: usize,
+}
+
+impl NameClaim {
+    /// Claims `name` for slot `index`, or names the slot that holds it.
+    fn take(shared: &Arc<Shared>, name: &str, index: usize) -> Result<Self, usize> {
+        let mut linked = shared.linked.lock();
+        match linked.get(name) {
+            Some(&other) if other != index => Err(other),
+            _ => {
+                let name: Arc<str> = Arc::from(name);
+                linked.insert(name.clone(), index);
+                Ok(Self {
+                    shared: shared.clone(),
+                    name,
+                    index,
+                })
+            }
+        }
+    }
+}
+
+impl Drop for NameClaim {
+    fn drop(&mut self) {
+        let mut linked = self.shared.linked.lock();
+        if linked.get(&self.name) == Some(&self.index) {
+            linked.remove(&self.name);
+        }
+    }
 }
 
 /// Handle to the running peer layer; cheap to clone.
@@ -790,6 +832,7 @@ impl PeerHandle {
             shutdown: watch::channel(false).0,
             tasks: Mutex::new(Vec::new()),
             corrupt_replies: AtomicU64::new(0),
+            linked: Mutex::new(HashMap::new()),
         });
         spawn(&shared, accept_loop(shared.clone()));
         spawn(&shared, flush_loop(shared.clone()));
@@ -1716,7 +1759,7 @@ async fn link_loop(shared: Arc<Shared>, slot: Arc<Slot>) {
             return;
         }
         match connect(&shared, &slot).await {
-            Ok(Some((conn, send, recv))) => {
+            Ok(Some((conn, send, recv, claim))) => {
                 backoff.reset();
                 warned = None;
                 *slot.last_error.lock() = None;
@@ -1742,6 +1785,7 @@ async fn link_loop(shared: Arc<Shared>, slot: Arc<Slot>) {
                 slot.health.lock().on_disconnected();
                 slot.sync.lock().reset();
                 shared.directory.clear_slot(slot.index);
+                drop(claim);
                 if let Some((old, new)) = slot.health.lock().poll_transition(Instant::now()) {
                     tracing::warn!(peer = %slot.label(), from = old.as_str(), to = new.as_str(), "peer state");
                 }
@@ -1776,7 +1820,9 @@ async fn link_loop(shared: Arc<Shared>, slot: Arc<Slot>) {
     }
 }
 
-type Link = (Connection, SendStream, RecvStream);
+/// A link made: its control connection and stream, and the claim on the
+/// peer's name it holds until the link ends.
+type Link = (Connection, SendStream, RecvStream, NameClaim);
 
 /// Dials the seed and exchanges hellos. `Ok(None)`: the seed is us.
 async fn connect(shared: &Arc<Shared>, slot: &Slot) -> Result<Option<Link>, String> {
@@ -1864,22 +1910,6 @@ async fn connect(shared: &Arc<Shared>, slot: &Slot) -> Result<Option<Link>, Stri
             }
             return Ok(None);
         }
-        if let Some(other) = shared.slots.iter().find(|o| {
-            o.index != slot.index
-                && o.conn.read().is_some()
-                && o.name.read().as_deref() == Some(node_name.as_str())
-        }) {
-            // Another seed already links to this node (an alias of one
-            // address, e.g. localhost and 127.0.0.1).
-            conn.close(VarInt::from_u32(0), b"duplicate");
-            tracing::warn!(
-                seed = %slot.seed,
-                other = %other.seed,
-                name = %node_name,
-                "this seed reaches a peer another seed already links to; it is skipped"
-            );
-            return Ok(None);
-        }
         Ok(Some((conn, send, recv, node_name)))
     };
     let r = tokio::time::timeout(shared.cfg.connect_timeout, fut)
@@ -1887,6 +1917,21 @@ async fn connect(shared: &Arc<Shared>, slot: &Slot) -> Result<Option<Link>, Stri
         .map_err(|_| format!("connect to {} timed out", slot.seed))??;
     let Some((conn, send, recv, name)) = r else {
         return Ok(None);
+    };
+    let claim = match NameClaim::take(shared, &name, slot.index) {
+        Ok(claim) => claim,
+        Err(other) => {
+            // Another seed already links to this node (an alias of one
+            // address, e.g. localhost and 127.0.0.1).
+            conn.close(VarInt::from_u32(0), b"duplicate");
+            tracing::warn!(
+                seed = %slot.seed,
+                other = %shared.slots[other].seed,
+                name = %name,
+                "this seed reaches a peer another seed already links to; it is skipped"
+            );
+            return Ok(None);
+        }
     };
     let prev = slot.name.write().replace(Arc::from(name.as_str()));
     if prev.as_deref().is_some_and(|p| p != name) {
@@ -1911,7 +1956,7 @@ async fn connect(shared: &Arc<Shared>, slot: &Slot) -> Result<Option<Link>, Stri
     if let Some((old, new)) = h.poll_transition(now) {
         tracing::info!(peer = %name, addr = %conn.remote_address(), from = old.as_str(), to = new.as_str(), "peer state");
     }
-    Ok(Some((conn, send, recv)))
+    Ok(Some((conn, send, recv, claim)))
 }
 
 /// Dials the fetch-only connections of `slot` (all but its control

@@ -1205,3 +1205,42 @@ async fn a_reply_nobody_reads_gives_up_the_serve_turn() {
     conn.close(0u32.into(), b"done");
     a.handle.shutdown(Duration::from_secs(2)).await;
 }
+
+/// Several seeds that are one address in different spellings, all dialled
+/// at once: exactly one links and the rest are skipped. The claim on the
+/// peer's name is one check-and-set, so two handshakes that finish together
+/// cannot both link (each used to see the other's link not made yet).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn seeds_that_alias_one_peer_make_one_link() {
+    let c = Cluster::new("prod");
+    let a = start(c.node("node-a"), fast_cfg(vec![]));
+    let p = a.addr.port();
+    let aliases: Vec<String> = [
+        "127.0.0.1",
+        "[::ffff:127.0.0.1]",
+        "127.1",
+        "127.0.1",
+        "0x7f000001",
+        "2130706433",
+        "0177.0.0.1",
+        "0x7f.1",
+    ]
+    .iter()
+    .map(|h| format!("{h}:{p}"))
+    .collect();
+    for round in 0..4 {
+        let b = start(c.node("node-b"), fast_cfg(aliases.clone()));
+        poll("one row", Duration::from_secs(10), || {
+            let peers = b.handle.peers();
+            (peers.len() == 1 && peers[0].state == PeerState::Up).then_some(())
+        })
+        .await;
+        // Still one a moment later: no late duplicate link.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let peers = b.handle.peers();
+        assert_eq!(peers.len(), 1, "round {round}: {peers:?}");
+        assert_eq!(peers[0].name.as_deref(), Some("node-a"));
+        b.handle.shutdown(Duration::from_secs(2)).await;
+    }
+    a.handle.shutdown(Duration::from_secs(2)).await;
+}
