@@ -1409,27 +1409,33 @@ async fn serve_conn(shared: Arc<Shared>, conn: Connection) {
         }
     }
     let mut shutdown = shared.shutdown.subscribe();
+    // The connection's streams end with it: when it closes, or at a
+    // shutdown, those still serving are aborted and waited for, so none
+    // reads the store after the peer layer has stopped.
+    let mut streams = tokio::task::JoinSet::new();
     loop {
         let (send, recv) = tokio::select! {
             r = conn.accept_bi() => match r {
                 Ok(s) => s,
                 Err(e) => {
                     tracing::debug!(peer = %label, error = %e, "inbound peer connection ended");
-                    return;
+                    break;
                 }
             },
-            _ = shutdown.changed() => return,
+            Some(_) = streams.join_next(), if !streams.is_empty() => continue,
+            _ = shutdown.changed() => break,
         };
         let s2 = shared.clone();
         let st = stats.clone();
         let cn = cert_name.clone();
         let lb = label.clone();
-        tokio::spawn(async move {
+        streams.spawn(async move {
             if let Err(e) = serve_stream(s2, send, recv, cn, st).await {
                 tracing::debug!(peer = %lb, error = %e, "peer stream ended");
             }
         });
     }
+    streams.shutdown().await;
 }
 
 async fn serve_stream(

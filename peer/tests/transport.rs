@@ -29,6 +29,24 @@ struct MemSource {
     /// Lend fetch buffers (filled with 0xEE first), counted in `lent`.
     lend: AtomicBool,
     lent: AtomicU64,
+    /// Reads started and not yet dropped (see [`LiveRead`]).
+    live_reads: Arc<AtomicU64>,
+}
+
+/// Counts a read in [`MemSource::live_reads`] until its future is dropped.
+struct LiveRead(Arc<AtomicU64>);
+
+impl LiveRead {
+    fn new(n: &Arc<AtomicU64>) -> Self {
+        n.fetch_add(1, Ordering::Relaxed);
+        Self(n.clone())
+    }
+}
+
+impl Drop for LiveRead {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 /// A lent fetch buffer: a `Vec` prefilled with garbage.
@@ -58,7 +76,9 @@ impl ChunkSource for MemSource {
         let got = self.chunks.lock().get(id).cloned();
         let corrupt = self.corrupt.load(Ordering::Relaxed);
         let stall = self.stall.load(Ordering::Relaxed);
+        let live = LiveRead::new(&self.live_reads);
         Box::pin(async move {
+            let _live = live;
             if stall {
                 std::future::pending::<()>().await;
             }
@@ -1243,4 +1263,35 @@ async fn seeds_that_alias_one_peer_make_one_link() {
         b.handle.shutdown(Duration::from_secs(2)).await;
     }
     a.handle.shutdown(Duration::from_secs(2)).await;
+}
+
+/// A holder's shutdown ends the serves it has running: a read still
+/// waiting on its store is dropped before `shutdown` returns (its task used
+/// to live on, reading a store its node then closed).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shutdown_ends_the_serves_in_progress() {
+    let c = Cluster::new("prod");
+    let (a, b) = pair(&c);
+    let p = payload(64 << 10, 9);
+    a.source.insert(id(9), p.clone());
+    a.handle.local_added(id(9), p.len() as u64);
+    poll("sync", Duration::from_secs(10), || {
+        (!b.handle.holders(&id(9)).is_empty()).then_some(())
+    })
+    .await;
+    a.source.stall.store(true, Ordering::Relaxed);
+    let bh = b.handle.clone();
+    let fetch = tokio::spawn(async move { bh.fetch(&id(9), Duration::from_secs(30)).await });
+    poll("a read waiting at A", Duration::from_secs(10), || {
+        (a.source.live_reads.load(Ordering::Relaxed) == 1).then_some(())
+    })
+    .await;
+    a.handle.shutdown(Duration::from_secs(2)).await;
+    assert_eq!(a.source.live_reads.load(Ordering::Relaxed), 0);
+    let r = tokio::time::timeout(Duration::from_secs(10), fetch)
+        .await
+        .expect("the fetch ends with its holder")
+        .expect("join");
+    assert!(r.is_err(), "{r:?}");
+    b.handle.shutdown(Duration::from_secs(2)).await;
 }
