@@ -138,6 +138,40 @@ pub fn signal(pid: u32, sig: libc::c_int) {
     );
 }
 
+/// Stops `pid` (a process this test started) with `SIGSTOP` and waits, up
+/// to 5 s, until every one of its threads is stopped: the signal is
+/// delivered to each thread as it next runs, so under load a thread could
+/// still answer a request sent right after `kill` returned.
+pub fn freeze(pid: u32) {
+    signal(pid, libc::SIGSTOP);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    loop {
+        if all_threads_stopped(pid) {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "process {pid} not stopped 5 s after SIGSTOP"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+}
+
+/// Whether every thread of `pid` is in state `T` (stopped) in `/proc`.
+fn all_threads_stopped(pid: u32) -> bool {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return false;
+    };
+    tasks.flatten().all(|t| {
+        std::fs::read_to_string(t.path().join("stat")).is_ok_and(|stat| {
+            // The state follows the command name, which is in parentheses
+            // and may itself contain spaces or parentheses.
+            stat.rsplit_once(") ")
+                .is_some_and(|(_, rest)| rest.starts_with(['T', 't', 'Z', 'X']))
+        })
+    })
+}
+
 /// A running `kvtier node start` process.
 pub struct Daemon {
     child: Option<Child>,

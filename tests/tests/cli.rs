@@ -344,7 +344,7 @@ fn a_daemon_that_stopped_answering_exits_3_after_the_timeout() {
     let dir = tempfile::tempdir().expect("temp dir");
     let d = Daemon::start(dir.path(), &[], &[]).unwrap_or_else(|e| panic!("{e}"));
     let sock = d.socket.to_string_lossy().into_owned();
-    kvtier_tests::signal(d.pid(), libc::SIGSTOP);
+    kvtier_tests::freeze(d.pid());
     // `flush` waits forever by default; `--timeout` bounds it too.
     for cmd in ["stats", "flush", "peers"] {
         let t = std::time::Instant::now();
@@ -358,7 +358,7 @@ fn a_daemon_that_stopped_answering_exits_3_after_the_timeout() {
             "{cmd} took {:?}",
             t.elapsed()
         );
-        kvtier_tests::signal(d.pid(), libc::SIGSTOP);
+        kvtier_tests::freeze(d.pid());
     }
     // `namespaces` on a running daemon asks its HTTP /status: the same exit.
     let data = d.data_dir.to_string_lossy().into_owned();

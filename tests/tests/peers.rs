@@ -710,7 +710,7 @@ fn a_stopped_peer_never_hangs_a_get_past_its_timeout() {
     }
     // Freeze a (a partition, as seen from b): every GET on b ends within the
     // fetch timeout (1s) plus scheduling margin, as a miss.
-    kvtier_tests::signal(a.pid(), libc::SIGSTOP);
+    kvtier_tests::freeze(a.pid());
     for (k, _) in &keys {
         let t = Instant::now();
         let got = cb.get_bytes(ns, 0, *k).expect("GET");
@@ -796,7 +796,7 @@ fn a_get_whose_client_hung_up_stops_fetching_from_peers() {
         })
         .collect();
     // a frozen: b's fetches wait for their timeout (1 s).
-    kvtier_tests::signal(a.pid(), libc::SIGSTOP);
+    kvtier_tests::freeze(a.pid());
     c.send(&Request::Get {
         ns,
         group: 0,
@@ -844,7 +844,7 @@ fn a_half_closed_client_still_gets_its_get_reply() {
     let (k, v) = &keys[0];
     let mut c = b.client();
     c.create_region(v.len() as u64).expect("region");
-    kvtier_tests::signal(a.pid(), libc::SIGSTOP);
+    kvtier_tests::freeze(a.pid());
     c.send(&Request::Get {
         ns,
         group: 0,
