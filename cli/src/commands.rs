@@ -625,7 +625,8 @@ fn flush(args: &FlushArgs) -> Result<u8> {
                 "the data dir's filesystem is full (the disk writer is paused): free space there \
                  and flush again"
             }
-            _ => "see the daemon's log",
+            // The writer may have resumed since (space was freed).
+            _ => "no space or an I/O error (see the daemon's log)",
         };
         bail!("{} dirty chunk(s) could not be written: {why}", r.failed);
     }

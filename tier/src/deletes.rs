@@ -100,8 +100,18 @@ impl Journal {
             Ok(m) => {
                 let good = read(dir)?;
                 let len = (good.len() * RECORD) as u64;
-                if m.len() != len {
+                if m.len() != len || good.is_empty() {
+                    // Opened with the data dir's checks (no links) first.
                     let f = crate::store::open_data_file(&path, OpenOptions::new().write(true), 0)?;
+                    if good.is_empty() {
+                        // Nothing in it (a first append that failed, a torn
+                        // first record): it goes, as a cleared journal does,
+                        // rather than stay behind empty.
+                        drop(f);
+                        fs::remove_file(&path)?;
+                        sync_dir(dir)?;
+                        return Ok(Self::empty(dir));
+                    }
                     f.set_len(len)?;
                     f.sync_all()?;
                 }
@@ -118,6 +128,17 @@ impl Journal {
             file: None,
             exists,
         })
+    }
+
+    fn empty(dir: &Path) -> Self {
+        Self {
+            dir: dir.to_path_buf(),
+            len: 0,
+            ids: Default::default(),
+            order: Vec::new(),
+            file: None,
+            exists: false,
+        }
     }
 
     /// The ids the journal holds, in the order they were added.
@@ -181,7 +202,14 @@ impl Journal {
             .and_then(|()| file.sync_data())
             .and_then(|()| if created { sync_dir(&self.dir) } else { Ok(()) });
         if let Err(e) = written {
-            let _ = file.set_len(self.len);
+            if created {
+                // The file this call made holds nothing: it goes.
+                self.file = None;
+                self.exists = false;
+                let _ = fs::remove_file(self.dir.join(FILE_NAME));
+            } else {
+                let _ = file.set_len(self.len);
+            }
             return Err(e);
         }
         self.len += buf.len() as u64;
@@ -218,6 +246,25 @@ mod tests {
 
     fn id(n: u8) -> ChunkId {
         ChunkId::new(Namespace([n; 16]), ChunkKey([n ^ 0x5a; 32]), u16::from(n))
+    }
+
+    /// An empty journal file (its first append failed: QA saw one on a full
+    /// filesystem outlive flushes and restarts) is removed at open.
+    #[test]
+    fn an_empty_journal_file_is_removed_at_open() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join(FILE_NAME);
+        fs::write(&path, b"").unwrap();
+        let mut j = Journal::open(dir.path()).unwrap();
+        assert!(!path.exists());
+        assert!(j.ids().is_empty());
+        // It is created anew by the next append.
+        j.add_all(&[id(1)]).unwrap();
+        assert_eq!(read(dir.path()).unwrap(), vec![id(1)]);
+        // A torn first record is nothing too.
+        fs::write(&path, &encode(&id(2))[..20]).unwrap();
+        assert!(Journal::open(dir.path()).unwrap().ids().is_empty());
+        assert!(!path.exists());
     }
 
     #[test]

@@ -218,7 +218,23 @@ impl FileDevice {
             }
         }
         if cur < len {
-            preallocate(&file, len)?;
+            if let Err(e) = preallocate(&file, len) {
+                // A fallocate that fails part way keeps what it allocated
+                // (QA: a zero-filled file of nearly the whole size left the
+                // filesystem with 0 bytes free): undo it, removing a file
+                // this call made, or trimming one it grew to its old size.
+                let undone = if existed {
+                    file.set_len(cur)
+                } else {
+                    drop(file);
+                    std::fs::remove_file(path)
+                };
+                if let Err(u) = undone {
+                    tracing::warn!(path = %path.display(), error = %u,
+                        "could not undo a failed preallocation of the store file");
+                }
+                return Err(e);
+            }
         } else if let Some(sparse) = Sparse::check(&file, len)? {
             // Sparse (copied without its holes, or they were punched): backed
             // again, so that a full filesystem shows now, not as a paused

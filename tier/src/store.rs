@@ -2252,12 +2252,24 @@ impl Inner {
         // not report success.
         let n = d.counters.tombstones_unwritten.load(Ordering::Relaxed);
         if n > 0 {
+            // This error replaces the report: it says the chunks it could
+            // not write too (QA: a stop on a full disk named only the
+            // deletes, not the dirty chunks it lost).
+            let failed = ticket.failed.load(Ordering::Relaxed);
+            let also = if failed > 0 {
+                format!(
+                    "; {failed} dirty chunk(s) could not be written either (no space or an I/O \
+                     error)"
+                )
+            } else {
+                String::new()
+            };
             return Err(Error::NoSpace {
                 detail: format!(
                     "{n} delete(s) are not on disk: the disk refused their tombstones and the \
                      deletes journal could not take them either; the tombstones are written \
                      again with the next write once there is room; until then a restart may \
-                     bring back chunks they deleted"
+                     bring back chunks they deleted{also}"
                 ),
             });
         }

@@ -197,10 +197,17 @@ fn a_close_with_a_delete_not_on_disk_says_so() {
     fail::cfg("tier::writer::batch_write", "return(enospc)").unwrap();
     fail::cfg("tier::deletes::append", "return(enospc)").unwrap();
     assert!(s.delete(&id(ns, 1)));
+    // A dirty chunk the disk refuses too: the error counts it as well (QA:
+    // it named only the deletes).
+    s.put(id(ns, 3), payload(3)).unwrap();
     let e = s
         .close(Duration::from_secs(10))
         .expect_err("a delete is not on disk");
-    assert!(matches!(e, tier::Error::NoSpace { .. }), "{e}");
+    assert!(
+        matches!(&e, tier::Error::NoSpace { detail }
+            if detail.contains("1 delete(s)") && detail.contains("1 dirty chunk(s) could not be written")),
+        "{e}"
+    );
     fail::remove("tier::writer::batch_write");
     fail::remove("tier::deletes::append");
     // As the close said: the delete did not reach the disk.

@@ -2405,3 +2405,168 @@ fn ids_with_tier_lists_each_chunk_once_with_its_tier() {
     want.sort_by_key(|(i, _, _)| i.key);
     assert_eq!(got, want);
 }
+
+/// A store file whose preallocation fails is undone: a new one is removed,
+/// and one the open grew is trimmed back to its old length (QA: a failed
+/// fallocate on ext4 keeps what it allocated, and left a zero-filled file
+/// of nearly the whole size with 0 bytes free on the filesystem). The
+/// failure comes from `RLIMIT_FSIZE`, set in a child process (this test
+/// binary run again for `failed_preallocation_child`), so no other test
+/// shares the limit.
+#[test]
+fn a_failed_preallocation_leaves_no_store_file_behind() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = |what: &str| {
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "failed_preallocation_child", "--nocapture"])
+            .env("KVTIER_TEST_PREALLOC_CHILD", what)
+            .env("KVTIER_TEST_PREALLOC_DIR", dir.path())
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned()
+            + &String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{what}: {text}");
+        assert!(
+            text.contains("child done"),
+            "{what}: the child ran nothing: {text}"
+        );
+    };
+    let file = dir.path().join("store.kvt");
+    run("new");
+    assert!(!file.exists(), "a new store file is removed");
+    // A store file shorter than its size (a start that stopped part way):
+    // the open that cannot grow it leaves its length as it was.
+    std::fs::write(&file, vec![0u8; 4096]).unwrap();
+    run("grow");
+    assert_eq!(std::fs::metadata(&file).unwrap().len(), 4096);
+    // Without the limit it opens and grows as usual.
+    drop(ChunkStore::open(config(dir.path())).unwrap());
+    assert_eq!(
+        std::fs::metadata(&file).unwrap().len(),
+        config(dir.path()).disk_budget
+    );
+}
+
+/// The child of [`a_failed_preallocation_leaves_no_store_file_behind`]:
+/// does nothing unless that test runs it.
+#[test]
+fn failed_preallocation_child() {
+    let Ok(what) = std::env::var("KVTIER_TEST_PREALLOC_CHILD") else {
+        return;
+    };
+    let dir = std::path::PathBuf::from(std::env::var("KVTIER_TEST_PREALLOC_DIR").unwrap());
+    let limit = libc::rlimit {
+        rlim_cur: 1 << 20,
+        rlim_max: libc::RLIM_INFINITY,
+    };
+    // SAFETY: plain syscalls; ignoring SIGXFSZ makes an oversized write or
+    // fallocate fail with EFBIG instead of ending the process.
+    unsafe {
+        libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
+        assert_eq!(libc::setrlimit(libc::RLIMIT_FSIZE, &limit), 0);
+    }
+    let err = ChunkStore::open(config(&dir))
+        .err()
+        .expect("the open fails");
+    println!("{what}: {err}");
+    assert!(
+        matches!(&err, Error::Io { source, .. } if source.raw_os_error() == Some(libc::EFBIG)),
+        "{what}: not the preallocation's failure: {err}"
+    );
+    println!("child done");
+}
+
+/// A small ext4 filesystem mounted from an image file (`mount -o loop`),
+/// unmounted when dropped; `None` where this test cannot mount one (not
+/// root, no `mkfs.ext4`, no loop devices).
+struct LoopExt4 {
+    dir: tempfile::TempDir,
+}
+
+impl LoopExt4 {
+    fn new(size_mib: u64) -> Option<Self> {
+        let dir = tempfile::tempdir().ok()?;
+        let img = dir.path().join("fs.img");
+        let mnt = dir.path().join("mnt");
+        std::fs::create_dir(&mnt).ok()?;
+        std::fs::File::create(&img)
+            .and_then(|f| f.set_len(size_mib * MIB))
+            .ok()?;
+        let ok = |c: &mut std::process::Command| {
+            c.stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::null())
+                .status()
+                .is_ok_and(|s| s.success())
+        };
+        // `-m 0`: no blocks reserved for root, so root fills it too.
+        if !ok(std::process::Command::new("mkfs.ext4")
+            .args(["-q", "-F", "-m", "0"])
+            .arg(&img))
+        {
+            return None;
+        }
+        if !ok(std::process::Command::new("mount")
+            .args(["-o", "loop"])
+            .arg(&img)
+            .arg(&mnt))
+        {
+            return None;
+        }
+        Some(Self { dir })
+    }
+
+    fn path(&self) -> std::path::PathBuf {
+        self.dir.path().join("mnt")
+    }
+}
+
+impl Drop for LoopExt4 {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount")
+            .arg(self.path())
+            .status();
+    }
+}
+
+/// The same on a real full filesystem: ext4 keeps what a failed fallocate
+/// allocated (and the length it reached), so without the undo a store too
+/// large for its filesystem left it with no space at all.
+#[test]
+fn a_store_too_large_for_its_filesystem_leaves_the_space_free() {
+    let Some(fs) = LoopExt4::new(24) else {
+        eprintln!(
+            "skipped: cannot mount a loop ext4 here (needs root, mkfs.ext4 and loop devices)"
+        );
+        return;
+    };
+    let free = || {
+        let path = std::ffi::CString::new(fs.path().into_os_string().into_encoded_bytes()).unwrap();
+        // SAFETY: a zeroed statvfs is a valid out-parameter.
+        let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+        // SAFETY: `path` is NUL-terminated and `st` is writable.
+        assert_eq!(unsafe { libc::statvfs(path.as_ptr(), &mut st) }, 0);
+        st.f_bavail * st.f_frsize
+    };
+    let data = fs.path().join("data");
+    let before = free();
+    let mut cfg = config(&data);
+    cfg.disk_budget = 32 * MIB;
+    let err = ChunkStore::open(cfg.clone()).err().expect("too large");
+    assert!(matches!(err, Error::NoSpace { .. }), "{err}");
+    assert!(!data.join("store.kvt").exists());
+    // The directory and its small files may take a few blocks.
+    assert!(free() + MIB >= before, "free {} of {before}", free());
+    // A store file shorter than its size, grown by an open that fails:
+    // trimmed back.
+    std::fs::write(data.join("store.kvt"), vec![0u8; 4096]).unwrap();
+    let err = ChunkStore::open(cfg).err().expect("too large");
+    assert!(matches!(err, Error::NoSpace { .. }), "{err}");
+    assert_eq!(
+        std::fs::metadata(data.join("store.kvt")).unwrap().len(),
+        4096
+    );
+    assert!(free() + MIB >= before, "free {} of {before}", free());
+    // One that fits opens.
+    std::fs::remove_file(data.join("store.kvt")).unwrap();
+    drop(ChunkStore::open(config(&data)).unwrap());
+}
