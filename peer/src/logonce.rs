@@ -33,8 +33,38 @@ pub(crate) fn warn_now(reason: String) -> bool {
     true
 }
 
+/// `reason` with each run of ASCII digits as one `#`: the same reason when
+/// its text carries a time or a count that changes at every attempt (QA:
+/// an expired certificate's "19 seconds ago" made every refusal a new
+/// reason, logged at warn every 2 s).
+pub(crate) fn shape(reason: &str) -> String {
+    let mut out = String::with_capacity(reason.len());
+    let mut in_digits = false;
+    for c in reason.chars() {
+        if c.is_ascii_digit() {
+            if !in_digits {
+                out.push('#');
+            }
+            in_digits = true;
+        } else {
+            out.push(c);
+            in_digits = false;
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn reasons_that_differ_in_numbers_only_have_one_shape() {
+        assert_eq!(
+            super::shape("expired 19 seconds ago (at 1796583062)"),
+            super::shape("expired 21 seconds ago (at 1796583064)")
+        );
+        assert_ne!(super::shape("BadSignature"), super::shape("UnknownIssuer"));
+    }
+
     #[test]
     fn a_reason_is_warned_once_then_quiet() {
         assert!(super::warn_now("test: a".into()));

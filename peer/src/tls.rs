@@ -93,7 +93,7 @@ fn check_identity(
 fn refused(side: &str, reason: &str) -> rustls::Error {
     // A peer with a wrong certificate retries for good: said once per
     // reason at warn (and again after a while), else at debug.
-    if crate::logonce::warn_now(format!("cert|{side}|{reason}")) {
+    if crate::logonce::warn_now(format!("cert|{side}|{}", crate::logonce::shape(reason))) {
         tracing::warn!(
             side,
             reason,

@@ -557,6 +557,10 @@ struct Slot {
     sync: Mutex<RemoteSync>,
     namespaces: Mutex<Vec<(PeerNamespace, Vec<u8>)>>,
     is_self: AtomicBool,
+    /// The seed reached a node another seed links to (an alias of its
+    /// address): no row of its own while that lasts. Dialled again now and
+    /// then, since what answers at an address can change.
+    alias: AtomicBool,
     /// Why the last connect failed (cleared when one succeeds).
     last_error: Mutex<Option<String>>,
     fetch_sem: Semaphore,
@@ -795,6 +799,7 @@ impl PeerHandle {
                     sync: Mutex::new(RemoteSync::new()),
                     namespaces: Mutex::new(Vec::new()),
                     is_self: AtomicBool::new(false),
+                    alias: AtomicBool::new(false),
                     last_error: Mutex::new(None),
                     fetch_sem: Semaphore::new(cfg.max_fetches_per_peer as usize),
                     in_flight: AtomicU32::new(0),
@@ -1078,7 +1083,7 @@ impl PeerHandle {
         self.shared
             .slots
             .iter()
-            .filter(|s| !s.is_self.load(Ordering::Relaxed))
+            .filter(|s| !s.is_self.load(Ordering::Relaxed) && !s.alias.load(Ordering::Relaxed))
             .map(|s| {
                 let name = s.name.read().as_deref().map(str::to_owned);
                 let state = s.health.lock().state(now);
@@ -1350,7 +1355,11 @@ async fn accept_loop(shared: Arc<Shared>) {
             let conn = match tokio::time::timeout(s2.cfg.connect_timeout, incoming).await {
                 Ok(Ok(c)) => c,
                 Ok(Err(e)) => {
-                    if crate::logonce::warn_now(format!("inbound|{}|{e}", remote.ip())) {
+                    if crate::logonce::warn_now(format!(
+                        "inbound|{}|{}",
+                        remote.ip(),
+                        crate::logonce::shape(&e.to_string())
+                    )) {
                         tracing::warn!(%remote, error = %e,
                             "inbound peer handshake failed (repeats are logged at debug)");
                     } else {
@@ -1765,10 +1774,11 @@ async fn link_loop(shared: Arc<Shared>, slot: Arc<Slot>) {
             return;
         }
         match connect(&shared, &slot).await {
-            Ok(Some((conn, send, recv, claim))) => {
+            Ok(Dialed::Link((conn, send, recv, claim))) => {
                 backoff.reset();
                 warned = None;
                 *slot.last_error.lock() = None;
+                slot.alias.store(false, Ordering::Relaxed);
                 let extras = (shared.cfg.fetch_connections > 1).then(|| {
                     AbortOnDrop(tokio::spawn(dial_extra(
                         shared.clone(),
@@ -1804,14 +1814,31 @@ async fn link_loop(shared: Arc<Shared>, slot: Arc<Slot>) {
                     }
                 }
             }
-            Ok(None) => {
+            Ok(Dialed::Itself) => {
                 slot.is_self.store(true, Ordering::Relaxed);
                 return;
             }
+            Ok(Dialed::Alias { other, name }) => {
+                // Said at warn once per other seed and name, then at debug
+                // on every later dial while it stays so.
+                let why = format!("alias of {other} ({name})");
+                if warned.as_deref() != Some(why.as_str()) {
+                    tracing::warn!(seed = %slot.seed, %other, %name,
+                        "this seed reaches a peer another seed already links to; it is skipped                          while that link lasts");
+                    warned = Some(why);
+                } else {
+                    tracing::debug!(seed = %slot.seed, %other, %name, "seed still reaches a linked peer");
+                }
+                *slot.last_error.lock() = None;
+                slot.alias.store(true, Ordering::Relaxed);
+            }
             Err(e) => {
-                if warned.as_deref() != Some(e.as_str()) {
+                // Compared without its digits: a reason that carries a time
+                // or a count ("expired 19 seconds ago") is the same reason.
+                let e_shape = crate::logonce::shape(&e);
+                if warned.as_deref() != Some(e_shape.as_str()) {
                     tracing::warn!(seed = %slot.seed, error = %e, "cannot connect to peer");
-                    warned = Some(e.clone());
+                    warned = Some(e_shape);
                 } else {
                     tracing::debug!(seed = %slot.seed, error = %e, attempt = backoff.attempts(), "cannot connect to peer");
                 }
@@ -1830,8 +1857,19 @@ async fn link_loop(shared: Arc<Shared>, slot: Arc<Slot>) {
 /// peer's name it holds until the link ends.
 type Link = (Connection, SendStream, RecvStream, NameClaim);
 
-/// Dials the seed and exchanges hellos. `Ok(None)`: the seed is us.
-async fn connect(shared: &Arc<Shared>, slot: &Slot) -> Result<Option<Link>, String> {
+/// What dialling a seed found.
+enum Dialed {
+    /// A link to a peer.
+    Link(Link),
+    /// This node itself (its own address, or its own hello): never dialled
+    /// again.
+    Itself,
+    /// A peer another seed already links to (`other`: that seed).
+    Alias { other: String, name: String },
+}
+
+/// Dials the seed and exchanges hellos.
+async fn connect(shared: &Arc<Shared>, slot: &Slot) -> Result<Dialed, String> {
     let fut = async {
         let addr = tokio::net::lookup_host(slot.seed.as_str())
             .await
@@ -1904,17 +1942,16 @@ async fn connect(shared: &Arc<Shared>, slot: &Slot) -> Result<Option<Link>, Stri
             conn.close(VarInt::from_u32(0), b"self");
             if their_epoch == epoch {
                 tracing::debug!(seed = %slot.seed, "seed is this node; skipped");
-            } else {
-                // Another process answered with our name: two nodes share
-                // one (a certificate issued twice, or copied).
-                tracing::warn!(
-                    seed = %slot.seed,
-                    name = %node_name,
-                    "the node at this seed presents this node's own name: two nodes share it \
-                     (issue each node its own certificate); this seed is skipped"
-                );
+                return Ok(None);
             }
-            return Ok(None);
+            // Another process answered with our name: two nodes share one
+            // (a certificate issued twice, or copied). A failure, dialled
+            // again with backoff: once that node has its own certificate,
+            // it is linked (QA: the seed was skipped for good).
+            return Err(format!(
+                "the node at this seed presents this node's own name {node_name:?}: two nodes \
+                 share it (issue each node its own certificate)"
+            ));
         }
         Ok(Some((conn, send, recv, node_name)))
     };
@@ -1922,7 +1959,7 @@ async fn connect(shared: &Arc<Shared>, slot: &Slot) -> Result<Option<Link>, Stri
         .await
         .map_err(|_| format!("connect to {} timed out", slot.seed))??;
     let Some((conn, send, recv, name)) = r else {
-        return Ok(None);
+        return Ok(Dialed::Itself);
     };
     let claim = match NameClaim::take(shared, &name, slot.index) {
         Ok(claim) => claim,
@@ -1930,13 +1967,10 @@ async fn connect(shared: &Arc<Shared>, slot: &Slot) -> Result<Option<Link>, Stri
             // Another seed already links to this node (an alias of one
             // address, e.g. localhost and 127.0.0.1).
             conn.close(VarInt::from_u32(0), b"duplicate");
-            tracing::warn!(
-                seed = %slot.seed,
-                other = %shared.slots[other].seed,
-                name = %name,
-                "this seed reaches a peer another seed already links to; it is skipped"
-            );
-            return Ok(None);
+            return Ok(Dialed::Alias {
+                other: shared.slots[other].seed.clone(),
+                name,
+            });
         }
     };
     let prev = slot.name.write().replace(Arc::from(name.as_str()));
@@ -1962,7 +1996,7 @@ async fn connect(shared: &Arc<Shared>, slot: &Slot) -> Result<Option<Link>, Stri
     if let Some((old, new)) = h.poll_transition(now) {
         tracing::info!(peer = %name, addr = %conn.remote_address(), from = old.as_str(), to = new.as_str(), "peer state");
     }
-    Ok(Some((conn, send, recv, claim)))
+    Ok(Dialed::Link((conn, send, recv, claim)))
 }
 
 /// Dials the fetch-only connections of `slot` (all but its control

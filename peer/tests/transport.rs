@@ -1295,3 +1295,93 @@ async fn a_shutdown_ends_the_serves_in_progress() {
     assert!(r.is_err(), "{r:?}");
     b.handle.shutdown(Duration::from_secs(2)).await;
 }
+
+/// A seed where a node answered with a certificate issued to another node
+/// (one this node already links to, or this node itself) is dialled again:
+/// once the node there has its own certificate it is linked. Both seeds
+/// used to be skipped for good, so the fixed node stayed missing here
+/// until this node restarted (QA).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_seed_that_showed_a_copied_certificate_is_linked_once_fixed() {
+    let c = Cluster::new("prod");
+    let b = start(c.node("node-b"), fast_cfg(vec![]));
+    // Two addresses for nodes not started yet.
+    let free: Vec<SocketAddr> = (0..2)
+        .map(|_| {
+            std::net::UdpSocket::bind("127.0.0.1:0")
+                .and_then(|s| s.local_addr())
+                .expect("bind")
+        })
+        .collect();
+    let at = |addr: SocketAddr| PeerConfig {
+        listen: addr,
+        ..fast_cfg(vec![])
+    };
+    // At the first, a copy of b's certificate; at the second, of d's own.
+    let copy_b = start(c.node("node-b"), at(free[0]));
+    let copy_d = start(c.node("node-d"), at(free[1]));
+    let seeds = vec![b.addr.to_string(), free[0].to_string(), free[1].to_string()];
+    let d = start(c.node("node-d"), fast_cfg(seeds));
+    poll(
+        "b up, the copies not linked",
+        Duration::from_secs(10),
+        || {
+            let peers = d.handle.peers();
+            let up: Vec<_> = peers
+                .iter()
+                .filter(|p| p.state == PeerState::Up)
+                .map(|p| p.name.clone())
+                .collect();
+            (up == [Some("node-b".to_string())]
+                && peers
+                    .iter()
+                    .any(|p| p.addr == free[1].to_string() && p.state != PeerState::Up))
+            .then_some(())
+        },
+    )
+    .await;
+    // The alias of b has no row; the node with d's name has one, down.
+    let peers = d.handle.peers();
+    assert_eq!(peers.len(), 2, "{peers:?}");
+    copy_b.handle.shutdown(Duration::from_secs(2)).await;
+    copy_d.handle.shutdown(Duration::from_secs(2)).await;
+    drop((copy_b, copy_d));
+    // The right nodes at those addresses (each bound once the old one's
+    // socket is released).
+    let start_at = |name: &str, addr: SocketAddr| {
+        let tls = c.node(name);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let source = Arc::new(MemSource::default());
+            match PeerHandle::start(at(addr), tls.clone(), source.clone()) {
+                Ok(handle) => {
+                    return Node {
+                        handle,
+                        source,
+                        addr,
+                    };
+                }
+                Err(e) => assert!(Instant::now() < deadline, "{name}: {e}"),
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+    let x = start_at("node-x", free[0]);
+    let y = start_at("node-y", free[1]);
+    poll("b, x and y up", Duration::from_secs(15), || {
+        let mut up: Vec<String> = d
+            .handle
+            .peers()
+            .iter()
+            .filter(|p| p.state == PeerState::Up)
+            .filter_map(|p| p.name.clone())
+            .collect();
+        up.sort();
+        (up == ["node-b", "node-x", "node-y"]).then_some(())
+    })
+    .await;
+    assert_eq!(d.handle.peers().len(), 3);
+    for n in [d, x, y, b] {
+        n.handle.shutdown(Duration::from_secs(2)).await;
+    }
+}
