@@ -1082,7 +1082,9 @@ fn verify(args: &VerifyArgs) -> Result<u8> {
         }
         if let Some(e) = &gc_pending_error {
             outln!(
-                "gc pending: unreadable ({e}); a `gc --apply` may have been interrupted and its                  namespaces are unknown: `verify --repair` (or the next start) removes the file,                  then run that gc again"
+                "gc pending: unreadable ({e}); a `gc --apply` may have been interrupted and its \
+                 namespaces are unknown: `verify --repair` (or the next start) removes the file, \
+                 then run that gc again"
             );
         }
         if sealed && at_open > 0 {

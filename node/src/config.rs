@@ -926,7 +926,11 @@ impl NodeConfig {
         let floor = self.ram_budget.0 + 2 * region;
         (!tier::store::rewrites_reclaimed(self.ram_budget.0, region, disk.0 / region)).then(|| {
             format!(
-                "disk-budget {} is not larger than ram-budget {} plus two regions of {}: chunks                  RAM holds whose disk copy is reclaimed to make room are not written again (that                  would reclaim more of what RAM holds), so a restart, even after a clean stop,                  loses them; make the disk tier several times the RAM budget (disk-budget above                  {}) or lower ram-budget",
+                "disk-budget {} is not larger than ram-budget {} plus two regions of {}: chunks \
+                 RAM holds whose disk copy is reclaimed to make room are not written again (that \
+                 would reclaim more of what RAM holds), so a restart, even after a clean stop, \
+                 loses them; make the disk tier several times the RAM budget (disk-budget above \
+                 {}) or lower ram-budget",
                 disk.approx(),
                 self.ram_budget.approx(),
                 self.region_size.approx(),
@@ -2143,6 +2147,9 @@ mod tests {
                 .iter()
                 .any(|w| w.contains("is not larger than ram-budget"));
             assert_eq!(said, warned, "disk {disk} MiB: {w:?}");
+            // One line of prose (a lost line continuation left runs of
+            // spaces in it: QA).
+            assert!(w.iter().all(|w| !w.contains("  ")), "{w:?}");
         }
     }
 

@@ -191,21 +191,33 @@ impl NodeContext {
         }
         let store = Arc::clone(&self.store);
         let local_name = name.clone();
-        let local = tokio::task::spawn_blocking(move || match local_name {
-            Some(n) => store.get_named(&id, &n),
-            None => store.get(&id),
-        })
-        .await
-        .ok()
-        .flatten();
+        // A local miss is counted below, once the peers missed too: a GET
+        // a peer served is a hit (`hits_peer`), not a miss (QA: a node
+        // restoring from its peers showed a hit ratio of 0).
+        let local =
+            tokio::task::spawn_blocking(move || store.get_local(&id, local_name.as_deref()))
+                .await
+                .ok()
+                .flatten();
         if let Some(hit) = local {
             return Some((hit.data, hit.tier.into()));
         }
         // Peers: only those the in-RAM directory says hold it; the fetch is
         // verified (id, length, CRC32C) and bounded by peer-fetch-timeout.
-        let cluster = self.cluster.as_ref()?;
-        let data = cluster.fetch_named(&id, name).await?;
-        Some((data, Location::Peer))
+        let fetched = match &self.cluster {
+            Some(cluster) => cluster.fetch_named(&id, name).await,
+            None => None,
+        };
+        match fetched {
+            Some(data) => {
+                self.store.count_peer_hit(data.len() as u64);
+                Some((data, Location::Peer))
+            }
+            None => {
+                self.store.count_miss();
+                None
+            }
+        }
     }
 
     /// The chunk if it is in this node's RAM (no disk, no network, never

@@ -391,7 +391,11 @@ impl Collector for NodeCollector {
             "hits",
             "Chunk reads served, by where the chunk was found",
             "tier",
-            &[("ram", s.hits_ram), ("disk", s.hits_disk)],
+            &[
+                ("ram", s.hits_ram),
+                ("disk", s.hits_disk),
+                ("peer", s.hits_peer),
+            ],
         )?;
         counter(
             &mut enc,

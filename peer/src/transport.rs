@@ -1824,7 +1824,8 @@ async fn link_loop(shared: Arc<Shared>, slot: Arc<Slot>) {
                 let why = format!("alias of {other} ({name})");
                 if warned.as_deref() != Some(why.as_str()) {
                     tracing::warn!(seed = %slot.seed, %other, %name,
-                        "this seed reaches a peer another seed already links to; it is skipped                          while that link lasts");
+                        "this seed reaches a peer another seed already links to; it is skipped \
+                         while that link lasts");
                     warned = Some(why);
                 } else {
                     tracing::debug!(seed = %slot.seed, %other, %name, "seed still reaches a linked peer");

@@ -1158,8 +1158,9 @@ fn a_resp_value_deleted_or_overwritten_on_its_holder_never_comes_back_through_a_
 }
 
 /// Chunks a node serves to a peer are not its clients' hits: `hits_ram`,
-/// `hits_disk`, `misses` and `bytes_out` count local reads only (each chunk
-/// served was a local hit on the holder: review).
+/// `hits_disk`, `misses` and `bytes_out` count its own clients' reads only
+/// (each chunk served was a local hit on the holder: review), and those
+/// a peer served count in `hits_peer` on the node that fetched them.
 #[test]
 fn chunks_served_to_a_peer_are_not_counted_as_local_hits() {
     let dir = tempfile::tempdir().expect("temp dir");
@@ -1174,9 +1175,25 @@ fn chunks_served_to_a_peer_are_not_counted_as_local_hits() {
     assert_eq!(cb.get_bytes(ns, 0, key).expect("GET"), Some(data.clone()));
     let st = a.client().stats().expect("STATS");
     let store = &st["store"];
-    for k in ["hits_ram", "hits_disk", "misses", "bytes_out"] {
+    for k in ["hits_ram", "hits_disk", "hits_peer", "misses", "bytes_out"] {
         assert_eq!(store[k], 0, "{k} on the holder: {store}");
     }
+    // On the node that fetched it, a GET a peer served is a hit, not a
+    // miss (QA: a node restoring from its peers showed a hit ratio of 0);
+    // a key nobody holds is a miss.
+    let (absent, _) = chunk_bytes(11, 2);
+    assert_eq!(cb.get_bytes(ns, 0, absent).expect("GET"), None);
+    let st = cb.stats().expect("STATS");
+    let store = &st["store"];
+    assert_eq!(store["hits_peer"], 1, "{store}");
+    assert_eq!(store["misses"], 1, "{store}");
+    assert_eq!(store["bytes_out"], data.len(), "{store}");
+    let metrics = http_get(b.http.expect("http"), "/metrics");
+    assert_eq!(
+        kvtier_tests::metric(&metrics, "kvtier_hits_total{tier=\"peer\"}"),
+        Some(1.0),
+        "{metrics}"
+    );
 }
 
 /// The count of peer replies that failed verification is exported in

@@ -422,6 +422,9 @@ pub struct StoreStats {
     pub hits_ram: u64,
     /// GET hits served from disk.
     pub hits_disk: u64,
+    /// GET hits a node served with bytes fetched from a peer (counted by
+    /// the node: [`ChunkStore::count_peer_hit`]).
+    pub hits_peer: u64,
     /// GET misses.
     pub misses: u64,
     /// PUTs accepted.
@@ -578,6 +581,7 @@ struct Txns {
 struct Counters {
     hits_ram: AtomicU64,
     hits_disk: AtomicU64,
+    hits_peer: AtomicU64,
     misses: AtomicU64,
     puts: AtomicU64,
     bytes_in: AtomicU64,
@@ -1193,13 +1197,36 @@ impl ChunkStore {
 
     /// Reads a chunk: RAM, then disk. Any failure is a miss (counted, logged).
     pub fn get(&self, id: &ChunkId) -> Option<Hit> {
-        self.inner.get_inner(id, None)
+        self.inner.get_inner(id, None, true)
+    }
+
+    /// [`ChunkStore::get`] or [`ChunkStore::get_named`] (with `name`) for a
+    /// caller that goes on to other nodes on a miss: a miss is not counted
+    /// here; the caller counts what it finds with
+    /// [`ChunkStore::count_peer_hit`] or [`ChunkStore::count_miss`]. A hit
+    /// counts as usual.
+    pub fn get_local(&self, id: &ChunkId, name: Option<&[u8]>) -> Option<Hit> {
+        self.inner.get_inner(id, name, false)
+    }
+
+    /// Counts a GET miss (see [`ChunkStore::get_local`]).
+    pub fn count_miss(&self) {
+        self.inner.counters.misses.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Counts a GET of `len` bytes that a local miss served with bytes
+    /// fetched from a peer (see [`ChunkStore::get_local`]): in `hits_peer`
+    /// and `bytes_out`.
+    pub fn count_peer_hit(&self, len: u64) {
+        let c = &self.inner.counters;
+        c.hits_peer.fetch_add(1, Ordering::Relaxed);
+        c.bytes_out.fetch_add(len, Ordering::Relaxed);
     }
 
     /// Reads a chunk stored with [`ChunkStore::put_named`]; a chunk whose
     /// stored name differs (a hash collision, or no name) is a miss.
     pub fn get_named(&self, id: &ChunkId, name: &[u8]) -> Option<Hit> {
-        self.inner.get_inner(id, Some(name))
+        self.inner.get_inner(id, Some(name), true)
     }
 
     /// Reads a chunk from RAM only: `None` when it is not in RAM (or, with
@@ -1375,6 +1402,7 @@ impl ChunkStore {
             disk_budget: i.config.disk_budget,
             hits_ram: c.hits_ram.load(Ordering::Relaxed),
             hits_disk: c.hits_disk.load(Ordering::Relaxed),
+            hits_peer: c.hits_peer.load(Ordering::Relaxed),
             misses: c.misses.load(Ordering::Relaxed),
             puts: c.puts.load(Ordering::Relaxed),
             bytes_in: c.bytes_in.load(Ordering::Relaxed),
@@ -2071,11 +2099,15 @@ impl Inner {
         Some(data)
     }
 
-    fn get_inner(&self, id: &ChunkId, name: Option<&[u8]>) -> Option<Hit> {
+    /// `count_miss`: whether a miss is counted here (see
+    /// [`ChunkStore::get_local`]).
+    fn get_inner(&self, id: &ChunkId, name: Option<&[u8]>, count_miss: bool) -> Option<Hit> {
         let mark = match self.get_ram_inner(id, name) {
             Ok(Some(hit)) => return Some(hit),
             Ok(None) => {
-                self.counters.misses.fetch_add(1, Ordering::Relaxed);
+                if count_miss {
+                    self.counters.misses.fetch_add(1, Ordering::Relaxed);
+                }
                 return None;
             }
             Err(mark) => mark,
@@ -2129,7 +2161,9 @@ impl Inner {
                 })
             }
             Err(_) => {
-                self.counters.misses.fetch_add(1, Ordering::Relaxed);
+                if count_miss {
+                    self.counters.misses.fetch_add(1, Ordering::Relaxed);
+                }
                 None
             }
         }

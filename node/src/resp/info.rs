@@ -101,12 +101,13 @@ pub fn info_text(shared: &Shared, sections: &[Bytes], keys: Option<u64>) -> Stri
                 ),
                 (
                     "keyspace_hits".into(),
-                    (st.hits_ram + st.hits_disk).to_string(),
+                    (st.hits_ram + st.hits_disk + st.hits_peer).to_string(),
                 ),
                 ("keyspace_misses".into(), st.misses.to_string()),
                 ("evicted_keys".into(), st.ram_evictions.to_string()),
                 ("kvtier_hits_ram".into(), st.hits_ram.to_string()),
                 ("kvtier_hits_disk".into(), st.hits_disk.to_string()),
+                ("kvtier_hits_peer".into(), st.hits_peer.to_string()),
             ],
             _ => {
                 let keys = keys.unwrap_or(0);
