@@ -207,7 +207,10 @@ pub fn issue(
         format!("kvtier cluster {}", ca.cluster),
     );
     p.distinguished_name = dn;
-    p.is_ca = IsCa::ExplicitNoCa;
+    // No basic constraints extension: an end entity. rcgen's `ExplicitNoCa`
+    // encodes `cA FALSE`, a default value, which DER forbids (QA: Python
+    // `cryptography` refused to parse the node certificates).
+    p.is_ca = IsCa::NoCa;
     p.key_usages = vec![KeyUsagePurpose::DigitalSignature];
     p.extended_key_usages = vec![
         ExtendedKeyUsagePurpose::ServerAuth,
@@ -489,6 +492,12 @@ mod tests {
             CertIdentity::parse(&pem_certs(&ca.cert_pem, "ca").expect("pem")[0]).expect("parse");
         assert_eq!(ca_id.cluster.as_deref(), Some("prod"));
         pem_key(&node.key_pem).expect("key parses");
+        // Strict DER: the node certificate is no CA and carries no basic
+        // constraints extension (one with `cA FALSE` spelled out is not
+        // DER, and strict parsers refuse it).
+        let (_, c) = x509_parser::parse_x509_certificate(&der[0]).expect("x509");
+        assert!(!c.is_ca());
+        assert!(c.basic_constraints().expect("unique").is_none());
     }
 
     #[test]
