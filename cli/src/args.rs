@@ -58,7 +58,7 @@ pub enum Command {
     /// Print a shell completion script (bash, zsh, fish, elvish, powershell).
     Completions(CompletionsArgs),
     /// End-to-end benchmarks against real daemons (limits, local, vs, crash,
-    /// churn, restore); see docs/benchmarks.md.
+    /// churn, restore, two-rank); see docs/benchmarks.md.
     Bench(crate::bench::BenchArgs),
     /// Cluster certificates: `init-ca` and `issue` (mutual TLS between nodes).
     #[command(subcommand)]

@@ -347,7 +347,14 @@ fn render_table(doc: &serde_json::Value) -> String {
                 if (prefix.ends_with("bytes") || prefix.ends_with("budget"))
                     && let Some(n) = other.as_u64()
                 {
-                    text = format!("{n} ({})", ByteSize(n).approx());
+                    // A limit rounds down, as the start-up summary's: a
+                    // 32 MiB chunk does not fit in "31.9 MiB".
+                    let approx = if prefix.starts_with("max-") {
+                        ByteSize(n).approx_floor()
+                    } else {
+                        ByteSize(n).approx()
+                    };
+                    text = format!("{n} ({approx})");
                 }
                 out.push((prefix.into(), text));
             }
@@ -502,7 +509,7 @@ fn put(args: &PutArgs) -> Result<u8> {
         anyhow!(
             "{}: the chunk is {len} bytes, this daemon takes chunks up to {max} bytes ({}; region-size and ram-budget set it)",
             status_error(ErrorCode::TooLarge as u16),
-            ByteSize(max).approx()
+            ByteSize(max).approx_floor()
         )
     };
     let (data, more) = read_limited(&mut input, max.map_or(u64::MAX, |m| m.saturating_add(1)))

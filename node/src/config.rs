@@ -897,6 +897,7 @@ impl NodeConfig {
         if let Some(w) = self.disk_not_larger_than_ram() {
             warnings.push(w);
         }
+        warnings.extend(self.peer_warnings());
         if let Some(pool) = self.gpu_kv_pool {
             let tier = self.ram_budget.0 + self.disk_budget.map_or(0, |b| b.0);
             if tier <= pool.0 {
@@ -914,6 +915,41 @@ impl NodeConfig {
             }
         }
         Ok(warnings)
+    }
+
+    /// Peer settings that work but not as an operator may expect (QA).
+    fn peer_warnings(&self) -> Vec<String> {
+        let mut w = Vec::new();
+        if self.peer_listen.addr().is_none() {
+            return w;
+        }
+        if self.insecure_dev
+            && let Some(dir) = &self.tls_dir
+        {
+            w.push(format!(
+                "tls-dir {} is ignored with insecure-dev: this node uses a throw-away \
+                 certificate in cluster \"insecure-dev\", and peers that use the cluster's \
+                 certificates refuse it; drop insecure-dev to use them",
+                dir.display()
+            ));
+        }
+        let rate = self.peer_serve_rate.0;
+        let timeout = self.peer_fetch_timeout.0.as_secs_f64();
+        let in_time = (rate as f64 * timeout) as u64;
+        if rate > 0 && in_time < self.region_size.0 {
+            w.push(format!(
+                "peer-serve-rate {}/s x peer-fetch-timeout {} serves at most {} to a peer within \
+                 its timeout (if the peers use the same peer-fetch-timeout): a larger chunk is \
+                 never fetched from this node, every try times out; chunks may be up to about \
+                 region-size ({}), so raise peer-serve-rate to at least your largest chunk \
+                 divided by peer-fetch-timeout",
+                self.peer_serve_rate.approx(),
+                self.peer_fetch_timeout,
+                ByteSize(in_time).approx(),
+                self.region_size.approx(),
+            ));
+        }
+        w
     }
 
     /// A warning when the disk tier is no larger than the RAM budget plus
@@ -2121,6 +2157,46 @@ mod tests {
             w.len() == 1 && w[0].contains("holds a store of 1.0 MiB") && w[0].contains("unused"),
             "{w:?}"
         );
+    }
+
+    /// Peer settings that cannot work as meant are warned about (QA): a
+    /// `tls-dir` that `insecure-dev` ignores, and a serve rate too slow to
+    /// send a large chunk within the fetch timeout.
+    #[test]
+    fn peer_settings_that_cannot_work_as_meant_are_warned_about() {
+        let dir = tempfile::tempdir().unwrap();
+        let space = || DiskSpace {
+            total: 100 << 30,
+            available_to_store: 40 << 30,
+        };
+        let warnings = |vars: &[(&str, &str)]| {
+            let flags = Overrides {
+                data_dir: Some(dir.path().join("data")),
+                region_size: Some(ByteSize::mib(64)),
+                ..Default::default()
+            };
+            let l = load_with(None, vars, flags).unwrap();
+            l.config.clone().resolve_with(&l, space()).unwrap()
+        };
+        let dev = [
+            ("KVTIER_PEER_LISTEN", "127.0.0.1:0"),
+            ("KVTIER_INSECURE_DEV", "true"),
+        ];
+        assert!(warnings(&dev).is_empty(), "{:?}", warnings(&dev));
+        let w = warnings(&[dev[0], dev[1], ("KVTIER_TLS_DIR", "/etc/kvtier/tls")]);
+        assert!(
+            w.len() == 1 && w[0].contains("tls-dir /etc/kvtier/tls is ignored with insecure-dev"),
+            "{w:?}"
+        );
+        // 16 MiB/s for 2 s: 32 MiB, under the 64 MiB regions.
+        let w = warnings(&[dev[0], dev[1], ("KVTIER_PEER_SERVE_RATE", "16MiB")]);
+        assert!(
+            w.len() == 1 && w[0].contains("serves at most 32.0 MiB"),
+            "{w:?}"
+        );
+        assert!(warnings(&[dev[0], dev[1], ("KVTIER_PEER_SERVE_RATE", "32MiB")]).is_empty());
+        // Without a peer listener neither applies.
+        assert!(warnings(&[("KVTIER_PEER_SERVE_RATE", "16MiB")]).is_empty());
     }
 
     /// A disk tier no larger than RAM plus two regions is warned about (a

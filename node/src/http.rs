@@ -455,7 +455,12 @@ impl Collector for NodeCollector {
             "Bytes written to disk, headers and padding included",
             s.disk_write_bytes,
         )?;
-        counter(&mut enc, "disk_reads", "Disk read operations", s.disk_reads)?;
+        counter(
+            &mut enc,
+            "disk_reads",
+            "Chunks read from disk (one each, however many pieces a large one is read in)",
+            s.disk_reads,
+        )?;
         counter(
             &mut enc,
             "disk_read_bytes",
@@ -508,7 +513,7 @@ impl Collector for NodeCollector {
         gauge(
             &mut enc,
             "ram_bytes",
-            "Payload bytes in RAM",
+            "Bytes of chunks in RAM: payloads and stored names (RESP keys)",
             s.ram_bytes as i64,
         )?;
         gauge(
