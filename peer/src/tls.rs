@@ -57,6 +57,58 @@ impl std::fmt::Debug for TlsSetup {
     }
 }
 
+/// `secs` since the Unix epoch as a UTC time, `2026-12-06T18:35:55Z` (QA:
+/// a refusal named raw Unix seconds).
+fn utc(secs: i64) -> String {
+    let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
+    // The civil date of a day count (H. Hinnant's `civil_from_days`).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}Z",
+        rem / 3_600,
+        rem % 3_600 / 60,
+        rem % 60
+    )
+}
+
+/// A certificate refusal of the TLS library, in an operator's words where
+/// the library's are terse (QA: `BadSignature`, raw Unix seconds).
+fn describe(e: &rustls::Error) -> String {
+    use rustls::CertificateError as C;
+    let secs = |t: &UnixTime| i64::try_from(t.as_secs()).unwrap_or(i64::MAX);
+    match e {
+        rustls::Error::InvalidCertificate(c) => match c {
+            C::ExpiredContext { time, not_after } => format!(
+                "certificate expired at {} ({} s ago)",
+                utc(secs(not_after)),
+                secs(time) - secs(not_after)
+            ),
+            C::NotValidYetContext { time, not_before } => format!(
+                "certificate not valid before {} (in {} s; are the clocks of the nodes apart?)",
+                utc(secs(not_before)),
+                secs(not_before) - secs(time)
+            ),
+            C::BadSignature => "certificate was not signed by this cluster's CA (BadSignature: \
+                 issued by another CA, perhaps one with the same cluster name; issue it from \
+                 this cluster's ca.key)"
+                .into(),
+            C::UnknownIssuer => "certificate was issued by a CA this node does not trust \
+                 (UnknownIssuer: another cluster's CA, or a missing intermediate)"
+                .into(),
+            _ => e.to_string(),
+        },
+        _ => e.to_string(),
+    }
+}
+
 /// Checks the kvtier identity of a peer certificate; returns the node name.
 fn check_identity(
     end_entity: &CertificateDer<'_>,
@@ -67,14 +119,16 @@ fn check_identity(
     let now = i64::try_from(now.as_secs()).unwrap_or(i64::MAX);
     if id.not_after < now {
         return Err(format!(
-            "certificate expired at unix time {} (now {now})",
-            id.not_after
+            "certificate expired at {} ({} s ago)",
+            utc(id.not_after),
+            now - id.not_after
         ));
     }
     if id.not_before > now {
         return Err(format!(
-            "certificate not valid before unix time {} (now {now})",
-            id.not_before
+            "certificate not valid before {} (in {} s; are the clocks of the nodes apart?)",
+            utc(id.not_before),
+            id.not_before - now
         ));
     }
     match id.cluster.as_deref() {
@@ -132,7 +186,7 @@ impl ServerCertVerifier for ClusterServerVerifier {
         })?;
         self.inner
             .verify_server_cert(end_entity, intermediates, &name, ocsp, now)
-            .map_err(|e| refused("client", &e.to_string()))?;
+            .map_err(|e| refused("client", &describe(&e)))?;
         check_identity(end_entity, &self.cluster, now).map_err(|r| refused("client", &r))?;
         Ok(ServerCertVerified::assertion())
     }
@@ -179,7 +233,7 @@ impl ClientCertVerifier for ClusterClientVerifier {
     ) -> Result<ClientCertVerified, rustls::Error> {
         self.inner
             .verify_client_cert(end_entity, intermediates, now)
-            .map_err(|e| refused("server", &e.to_string()))?;
+            .map_err(|e| refused("server", &describe(&e)))?;
         check_identity(end_entity, &self.cluster, now).map_err(|r| refused("server", &r))?;
         Ok(ClientCertVerified::assertion())
     }
@@ -312,7 +366,14 @@ fn build(
         .map_err(|e| tls_err("server protocol versions", e))?
         .with_client_cert_verifier(client_verifier)
         .with_single_cert(chain.clone(), key.clone_key())
-        .map_err(|e| tls_err("server certificate", e))?;
+        .map_err(|e| match e {
+            rustls::Error::InconsistentKeys(_) => tls_err(
+                "server certificate",
+                "node.key is not the key of node.pem (the two files come from different \
+                 `kvtier cert issue` runs; keep the pair one run wrote)",
+            ),
+            e => tls_err("server certificate", e),
+        })?;
     server.alpn_protocols = vec![ALPN.to_vec()];
     let mut client = rustls::ClientConfig::builder_with_provider(provider)
         .with_protocol_versions(&[&rustls::version::TLS13])
@@ -468,4 +529,51 @@ impl TlsSetup {
 pub fn peer_node_name(chain: &[CertificateDer<'static>]) -> Option<String> {
     let id = CertIdentity::parse(chain.first()?).ok()?;
     id.node
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn refusals_are_described_in_plain_words() {
+        use rustls::CertificateError as C;
+        use rustls::pki_types::UnixTime;
+        let t = |s| UnixTime::since_unix_epoch(std::time::Duration::from_secs(s));
+        let e = rustls::Error::InvalidCertificate(C::ExpiredContext {
+            time: t(1_796_583_081),
+            not_after: t(1_796_583_062),
+        });
+        assert_eq!(
+            super::describe(&e),
+            "certificate expired at 2026-12-06T18:51:02Z (19 s ago)"
+        );
+        let e = rustls::Error::InvalidCertificate(C::BadSignature);
+        assert!(super::describe(&e).contains("not signed by this cluster's CA"));
+    }
+
+    #[test]
+    fn a_key_of_another_certificate_is_named_so() {
+        use crate::cert::{Validity, init_ca, issue};
+        let ca = init_ca("prod", Validity::days(1)).expect("ca");
+        let a = issue(&ca, "a", &[], &[], Validity::days(1)).expect("a");
+        let b = issue(&ca, "b", &[], &[], Validity::days(1)).expect("b");
+        let mixed = crate::cert::NodeMaterial {
+            ca_pem: a.ca_pem,
+            cert_pem: a.cert_pem,
+            key_pem: b.key_pem,
+        };
+        let e = super::TlsSetup::from_material(&mixed).expect_err("mismatched key");
+        assert!(
+            e.to_string()
+                .contains("node.key is not the key of node.pem"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn utc_names_the_civil_time() {
+        assert_eq!(super::utc(0), "1970-01-01T00:00:00Z");
+        assert_eq!(super::utc(951_782_400), "2000-02-29T00:00:00Z");
+        assert_eq!(super::utc(1_796_583_062), "2026-12-06T18:51:02Z");
+        assert_eq!(super::utc(-1), "1969-12-31T23:59:59Z");
+    }
 }
