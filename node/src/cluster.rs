@@ -410,7 +410,7 @@ impl Cluster {
                 |p| p.fetches_failed,
             ),
         ];
-        let unlisted = self.handle.served_unlisted();
+        let unlisted = self.handle.served_unlisted(false);
         for (name, help, f) in counters {
             let mut me = enc.encode_descriptor(name, help, None, MetricType::Counter)?;
             for (n, p) in names.iter().zip(&peers) {

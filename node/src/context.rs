@@ -142,7 +142,7 @@ impl NodeContext {
     pub fn served_unlisted_json(&self) -> serde_json::Value {
         let mut m = serde_json::Map::new();
         if let Some(c) = &self.cluster {
-            for (name, bytes) in c.handle().served_unlisted() {
+            for (name, bytes) in c.handle().served_unlisted(true) {
                 m.insert(name, bytes.into());
             }
         }

@@ -1129,7 +1129,11 @@ impl PeerHandle {
 
     /// Payload bytes served to nodes that are not among our peers (a node
     /// whose seed list names us while ours does not name it), by name.
-    pub fn served_unlisted(&self) -> Vec<(String, u64)> {
+    /// `connected_only`: only those connected now, for a list of who dials
+    /// this node (a name seen once, such as the one a node at a peer's
+    /// address showed before it changed, stayed listed for good: QA);
+    /// counters over time want them all.
+    pub fn served_unlisted(&self, connected_only: bool) -> Vec<(String, u64)> {
         let listed: std::collections::HashSet<String> = self
             .shared
             .slots
@@ -1141,7 +1145,11 @@ impl PeerHandle {
             .served
             .lock()
             .iter()
-            .filter(|(n, _)| !listed.contains(*n) && **n != self.shared.node_name)
+            .filter(|(n, st)| {
+                !listed.contains(*n)
+                    && **n != self.shared.node_name
+                    && (!connected_only || !st.conns.lock().is_empty())
+            })
             .map(|(n, st)| (n.clone(), st.bytes.load(Ordering::Relaxed)))
             .collect();
         out.sort();

@@ -986,6 +986,22 @@ fn bytes_served_to_a_node_not_in_our_peers_are_counted() {
         table.contains("d (not in peers, dials this node): served"),
         "{table}"
     );
+    // Once d is gone it no longer dials this node: no row (a name seen
+    // once stayed listed for good: QA); the metric keeps its count.
+    drop(cd);
+    drop(d);
+    poll("d's row gone", Duration::from_secs(15), || {
+        let doc = a.client().stats().ok()?;
+        doc["served_unlisted"].get("d").is_none().then_some(())
+    });
+    let metrics = http_get(a.http.expect("http"), "/metrics");
+    assert!(
+        metrics.contains(&format!(
+            "kvtier_peer_served_bytes_total{{peer=\"d\"}} {}",
+            data.len()
+        )),
+        "{metrics}"
+    );
 }
 
 /// Two `--insecure-dev` nodes started as docs/scale-out.md shows, without
