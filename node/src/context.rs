@@ -89,6 +89,25 @@ pub(crate) async fn insert_off_runtime<T: Send + 'static>(
     })
 }
 
+/// Counts a GET miss in the store when dropped, unless disarmed: a GET
+/// that goes on to the peers counts its local miss only once they missed
+/// too, or once it was dropped while waiting for them.
+struct CountMissOnDrop<'a>(Option<&'a ChunkStore>);
+
+impl CountMissOnDrop<'_> {
+    fn disarm(mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for CountMissOnDrop<'_> {
+    fn drop(&mut self) {
+        if let Some(store) = self.0 {
+            store.count_miss();
+        }
+    }
+}
+
 /// State shared by all local interfaces of a running node.
 pub struct NodeContext {
     /// The local chunk store.
@@ -204,20 +223,15 @@ impl NodeContext {
         }
         // Peers: only those the in-RAM directory says hold it; the fetch is
         // verified (id, length, CRC32C) and bounded by peer-fetch-timeout.
-        let fetched = match &self.cluster {
-            Some(cluster) => cluster.fetch_named(&id, name).await,
-            None => None,
+        // A GET dropped while it waits (its client hung up) is a miss too.
+        let miss = CountMissOnDrop(Some(&self.store));
+        let data = match &self.cluster {
+            Some(cluster) => cluster.fetch_named(&id, name).await?,
+            None => return None,
         };
-        match fetched {
-            Some(data) => {
-                self.store.count_peer_hit(data.len() as u64);
-                Some((data, Location::Peer))
-            }
-            None => {
-                self.store.count_miss();
-                None
-            }
-        }
+        miss.disarm();
+        self.store.count_peer_hit(data.len() as u64);
+        Some((data, Location::Peer))
     }
 
     /// The chunk if it is in this node's RAM (no disk, no network, never

@@ -836,6 +836,8 @@ async fn exists_counts_no_read_and_its_get_counts_one() {
     let end = s.ctx.store.stats();
     assert_eq!(end.hits_ram, before.hits_ram + 2);
     assert_eq!(end.bytes_out, before.bytes_out + 12);
+    // and counts no miss (the store was asked first: a miss and a hit).
+    assert_eq!(end.misses, before.misses);
     s.stop().await;
 }
 

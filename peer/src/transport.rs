@@ -557,10 +557,11 @@ struct Slot {
     sync: Mutex<RemoteSync>,
     namespaces: Mutex<Vec<(PeerNamespace, Vec<u8>)>>,
     is_self: AtomicBool,
-    /// The seed reached a node another seed links to (an alias of its
-    /// address): no row of its own while that lasts. Dialled again now and
-    /// then, since what answers at an address can change.
-    alias: AtomicBool,
+    /// The node another seed links to that this seed reached last (an
+    /// alias of its address): no row of its own while that link lasts.
+    /// Dialled again now and then, since what answers at an address can
+    /// change.
+    alias_of: Mutex<Option<Arc<str>>>,
     /// Why the last connect failed (cleared when one succeeds).
     last_error: Mutex<Option<String>>,
     fetch_sem: Semaphore,
@@ -799,7 +800,7 @@ impl PeerHandle {
                     sync: Mutex::new(RemoteSync::new()),
                     namespaces: Mutex::new(Vec::new()),
                     is_self: AtomicBool::new(false),
-                    alias: AtomicBool::new(false),
+                    alias_of: Mutex::new(None),
                     last_error: Mutex::new(None),
                     fetch_sem: Semaphore::new(cfg.max_fetches_per_peer as usize),
                     in_flight: AtomicU32::new(0),
@@ -1083,7 +1084,7 @@ impl PeerHandle {
         self.shared
             .slots
             .iter()
-            .filter(|s| !s.is_self.load(Ordering::Relaxed) && !s.alias.load(Ordering::Relaxed))
+            .filter(|s| !s.is_self.load(Ordering::Relaxed) && s.alias_of.lock().is_none())
             .map(|s| {
                 let name = s.name.read().as_deref().map(str::to_owned);
                 let state = s.health.lock().state(now);
@@ -1427,8 +1428,9 @@ async fn serve_conn(shared: Arc<Shared>, conn: Connection) {
     }
     let mut shutdown = shared.shutdown.subscribe();
     // The connection's streams end with it: when it closes, or at a
-    // shutdown, those still serving are aborted and waited for, so none
-    // reads the store after the peer layer has stopped.
+    // shutdown, those still serving are aborted and waited for (a blocking
+    // read a source already started finishes on its own thread; its result
+    // goes nowhere).
     let mut streams = tokio::task::JoinSet::new();
     loop {
         let (send, recv) = tokio::select! {
@@ -1786,7 +1788,7 @@ async fn link_loop(shared: Arc<Shared>, slot: Arc<Slot>) {
                 backoff.reset();
                 warned = None;
                 *slot.last_error.lock() = None;
-                slot.alias.store(false, Ordering::Relaxed);
+                *slot.alias_of.lock() = None;
                 let extras = (shared.cfg.fetch_connections > 1).then(|| {
                     AbortOnDrop(tokio::spawn(dial_extra(
                         shared.clone(),
@@ -1839,9 +1841,20 @@ async fn link_loop(shared: Arc<Shared>, slot: Arc<Slot>) {
                     tracing::debug!(seed = %slot.seed, %other, %name, "seed still reaches a linked peer");
                 }
                 *slot.last_error.lock() = None;
-                slot.alias.store(true, Ordering::Relaxed);
+                *slot.alias_of.lock() = Some(Arc::from(name.as_str()));
             }
             Err(e) => {
+                // An alias whose node is still linked by another seed stays
+                // hidden (the address may just be unreachable from here);
+                // otherwise its failure shows as its own row.
+                let mut alias_of = slot.alias_of.lock();
+                if alias_of
+                    .as_ref()
+                    .is_some_and(|n| !shared.linked.lock().contains_key(n))
+                {
+                    *alias_of = None;
+                }
+                drop(alias_of);
                 // Compared without its digits: a reason that carries a time
                 // or a count ("expired 19 seconds ago") is the same reason.
                 let e_shape = crate::logonce::shape(&e);
@@ -1865,6 +1878,16 @@ async fn link_loop(shared: Arc<Shared>, slot: Arc<Slot>) {
 /// A link made: its control connection and stream, and the claim on the
 /// peer's name it holds until the link ends.
 type Link = (Connection, SendStream, RecvStream, NameClaim);
+
+/// What the handshake and hellos with a seed found.
+enum Hello {
+    /// A peer, its hello checked.
+    Peer(Connection, SendStream, RecvStream, String),
+    /// This node itself.
+    Itself,
+    /// A node slot `other` links to (named by its certificate).
+    Alias { other: usize, name: String },
+}
 
 /// What dialling a seed found.
 enum Dialed {
@@ -1897,7 +1920,7 @@ async fn connect(shared: &Arc<Shared>, slot: &Slot) -> Result<Dialed, String> {
             .local_addr()
             .is_ok_and(|a| SocketAddr::new(a.ip().to_canonical(), a.port()) == addr)
         {
-            return Ok(None);
+            return Ok(Hello::Itself);
         }
         let conn = shared
             .endpoint
@@ -1906,6 +1929,20 @@ async fn connect(shared: &Arc<Shared>, slot: &Slot) -> Result<Dialed, String> {
             .await
             .map_err(|e| format!("handshake with {addr}: {e}"))?;
         let cert_name = conn_name(&conn);
+        // A certificate naming a node another seed links to: an alias,
+        // known before any stream is opened (a subscription would make
+        // that node walk and send its whole index at every re-dial). The
+        // claim itself is taken below, once the hello confirms the name.
+        if let Some(name) = &cert_name
+            && let Some(&other) = shared.linked.lock().get(name.as_str())
+            && other != slot.index
+        {
+            conn.close(VarInt::from_u32(0), b"duplicate");
+            return Ok(Hello::Alias {
+                other,
+                name: name.clone(),
+            });
+        }
         let (mut send, mut recv) = conn
             .open_bi()
             .await
@@ -1951,7 +1988,7 @@ async fn connect(shared: &Arc<Shared>, slot: &Slot) -> Result<Dialed, String> {
             conn.close(VarInt::from_u32(0), b"self");
             if their_epoch == epoch {
                 tracing::debug!(seed = %slot.seed, "seed is this node; skipped");
-                return Ok(None);
+                return Ok(Hello::Itself);
             }
             // Another process answered with our name: two nodes share one
             // (a certificate issued twice, or copied). A failure, dialled
@@ -1962,13 +1999,19 @@ async fn connect(shared: &Arc<Shared>, slot: &Slot) -> Result<Dialed, String> {
                  share it (issue each node its own certificate)"
             ));
         }
-        Ok(Some((conn, send, recv, node_name)))
+        Ok(Hello::Peer(conn, send, recv, node_name))
     };
     let r = tokio::time::timeout(shared.cfg.connect_timeout, fut)
         .await
         .map_err(|_| format!("connect to {} timed out", slot.seed))??;
-    let Some((conn, send, recv, name)) = r else {
-        return Ok(Dialed::Itself);
+    let alias = |other: usize, name: String| Dialed::Alias {
+        other: shared.slots[other].seed.clone(),
+        name,
+    };
+    let (conn, send, recv, name) = match r {
+        Hello::Peer(conn, send, recv, name) => (conn, send, recv, name),
+        Hello::Itself => return Ok(Dialed::Itself),
+        Hello::Alias { other, name } => return Ok(alias(other, name)),
     };
     let claim = match NameClaim::take(shared, &name, slot.index) {
         Ok(claim) => claim,
@@ -1976,10 +2019,7 @@ async fn connect(shared: &Arc<Shared>, slot: &Slot) -> Result<Dialed, String> {
             // Another seed already links to this node (an alias of one
             // address, e.g. localhost and 127.0.0.1).
             conn.close(VarInt::from_u32(0), b"duplicate");
-            return Ok(Dialed::Alias {
-                other: shared.slots[other].seed.clone(),
-                name,
-            });
+            return Ok(alias(other, name));
         }
     };
     let prev = slot.name.write().replace(Arc::from(name.as_str()));

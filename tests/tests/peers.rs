@@ -820,6 +820,10 @@ fn a_get_whose_client_hung_up_stops_fetching_from_peers() {
     );
     assert_eq!(peer_field(&b, "a", "fetches_in_flight"), Some(0));
     assert_eq!(doc["counters"]["native-abandoned"], 1, "STATS: {doc}");
+    // The reads it dropped while they waited for a are misses (they
+    // counted nowhere: review); none was a hit.
+    assert!(doc["store"]["misses"].as_u64() > Some(0), "STATS: {doc}");
+    assert_eq!(doc["store"]["hits_peer"], 0, "STATS: {doc}");
     kvtier_tests::signal(a.pid(), libc::SIGCONT);
     // The connection's end leaves b serving: a's chunks come back.
     poll("a up again at b", Duration::from_secs(15), || {

@@ -202,11 +202,13 @@ impl Journal {
             .and_then(|()| file.sync_data())
             .and_then(|()| if created { sync_dir(&self.dir) } else { Ok(()) });
         if let Err(e) = written {
-            if created {
-                // The file this call made holds nothing: it goes.
+            // The file this call made holds nothing: it goes. If it
+            // cannot, it stays known (empty), so the next append writes
+            // into it instead of failing to create it again.
+            let gone = created && fs::remove_file(self.dir.join(FILE_NAME)).is_ok();
+            if gone {
                 self.file = None;
                 self.exists = false;
-                let _ = fs::remove_file(self.dir.join(FILE_NAME));
             } else {
                 let _ = file.set_len(self.len);
             }

@@ -200,17 +200,25 @@ impl FileDevice {
     /// A sparse file is backed again only where the filesystem keeps
     /// `reserve` bytes free after it.
     pub fn open(path: &Path, len: u64, mode: DirectMode, reserve: u64) -> io::Result<Self> {
-        let existed = path.symlink_metadata().is_ok();
-        let file = crate::store::open_data_file(
+        // Whether this call makes the file, from the create itself (a probe
+        // before it could be answered by another process's file a moment
+        // later, which a failed preallocation then removed).
+        let (file, existed) = match crate::store::open_data_file(
             path,
             OpenOptions::new()
                 .read(true)
                 .write(true)
-                .create(true)
-                .truncate(false)
+                .create_new(true)
                 .mode(crate::store::DATA_FILE_MODE),
             0,
-        )?;
+        ) {
+            Ok(f) => (f, false),
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => (
+                crate::store::open_data_file(path, OpenOptions::new().read(true).write(true), 0)?,
+                true,
+            ),
+            Err(e) => return Err(e),
+        };
         let cur = file.metadata()?.len();
         if !existed {
             if let Some(dir) = path.parent() {
@@ -223,11 +231,18 @@ impl FileDevice {
                 // (QA: a zero-filled file of nearly the whole size left the
                 // filesystem with 0 bytes free): undo it, removing a file
                 // this call made, or trimming one it grew to its old size.
-                let undone = if existed {
+                // Only while no other process holds the file (its store
+                // lock, taken after this open): never under a store that
+                // opened it meanwhile (two openers past a removed LOCK).
+                let undone = if !try_flock(&file) {
+                    Ok(())
+                } else if existed {
                     file.set_len(cur)
-                } else {
+                } else if same_file(&file, path) {
                     drop(file);
                     std::fs::remove_file(path)
+                } else {
+                    Ok(())
                 };
                 if let Err(u) = undone {
                     tracing::warn!(path = %path.display(), error = %u,
@@ -358,6 +373,23 @@ fn free_bytes(file: &File) -> io::Result<u64> {
         return Err(io::Error::last_os_error());
     }
     Ok(st.f_bavail.saturating_mul(st.f_frsize.max(1)))
+}
+
+/// Takes an exclusive `flock` on `file` without waiting (released with
+/// it): whether no other open file description holds one.
+fn try_flock(file: &File) -> bool {
+    use std::os::fd::AsRawFd;
+    // SAFETY: flock on a descriptor owned by `file`.
+    unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) == 0 }
+}
+
+/// Whether `path` still names `file` (same device and inode).
+fn same_file(file: &File, path: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    match (file.metadata(), path.symlink_metadata()) {
+        (Ok(a), Ok(b)) => a.dev() == b.dev() && a.ino() == b.ino(),
+        _ => false,
+    }
 }
 
 fn preallocate(file: &File, len: u64) -> io::Result<()> {

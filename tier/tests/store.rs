@@ -2522,9 +2522,17 @@ impl LoopExt4 {
 
 impl Drop for LoopExt4 {
     fn drop(&mut self) {
-        let _ = std::process::Command::new("umount")
+        let unmounted = std::process::Command::new("umount")
             .arg(self.path())
-            .status();
+            .status()
+            .is_ok_and(|s| s.success());
+        if !unmounted {
+            // Busy (a file still open): detached now, gone once released.
+            let _ = std::process::Command::new("umount")
+                .arg("-l")
+                .arg(self.path())
+                .status();
+        }
     }
 }
 
@@ -2559,13 +2567,24 @@ fn a_store_too_large_for_its_filesystem_leaves_the_space_free() {
     // A store file shorter than its size, grown by an open that fails:
     // trimmed back.
     std::fs::write(data.join("store.kvt"), vec![0u8; 4096]).unwrap();
-    let err = ChunkStore::open(cfg).err().expect("too large");
+    let err = ChunkStore::open(cfg.clone()).err().expect("too large");
     assert!(matches!(err, Error::NoSpace { .. }), "{err}");
     assert_eq!(
         std::fs::metadata(data.join("store.kvt")).unwrap().len(),
         4096
     );
     assert!(free() + MIB >= before, "free {} of {before}", free());
+    // A file another process holds (its store lock) is never undone: the
+    // open grows it part way and leaves it so.
+    {
+        use std::os::fd::AsRawFd;
+        let held = std::fs::File::open(data.join("store.kvt")).unwrap();
+        // SAFETY: flock on a descriptor owned here.
+        assert_eq!(unsafe { libc::flock(held.as_raw_fd(), libc::LOCK_EX) }, 0);
+        let err = ChunkStore::open(cfg.clone()).err().expect("too large");
+        assert!(matches!(err, Error::NoSpace { .. }), "{err}");
+        assert!(std::fs::metadata(data.join("store.kvt")).unwrap().len() > 4096);
+    }
     // One that fits opens.
     std::fs::remove_file(data.join("store.kvt")).unwrap();
     drop(ChunkStore::open(config(&data)).unwrap());

@@ -910,20 +910,20 @@ async fn get(shared: &Shared, s: &mut Session, key: &Bytes, out: &mut Output) ->
         return Ok(());
     }
     let id = shared.keys.id(key);
-    match shared.ctx.get(id, Some(key.clone())).await {
-        Some(hit) => {
-            if !s.pins.is_empty() {
-                s.pins.retain(|p| p.key != *key);
-            }
-            out.bulk_bytes(hit.data);
+    // A fresh pin first: nothing set or deleted the key since its EXISTS,
+    // so the pinned bytes are its value (the store may have evicted them
+    // since). Asked after a store miss, the one GET counted as a miss and
+    // a hit.
+    if !s.pins.is_empty() {
+        if let Some(data) = take_pin(shared, s, key, &id) {
+            shared.ctx.store.count_ram_hit(&id.ns, data.len() as u64);
+            out.bulk_bytes(data);
+            return Ok(());
         }
-        None => match take_pin(shared, s, key, &id) {
-            Some(data) => {
-                shared.ctx.store.count_ram_hit(&id.ns, data.len() as u64);
-                out.bulk_bytes(data);
-            }
-            None => out.null(),
-        },
+    }
+    match shared.ctx.get(id, Some(key.clone())).await {
+        Some(hit) => out.bulk_bytes(hit.data),
+        None => out.null(),
     }
     Ok(())
 }
