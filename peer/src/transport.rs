@@ -750,9 +750,16 @@ impl PeerHandle {
         cfg.validate(tls.insecure)?;
         // A seed listed twice would be two links to one peer, and two rows
         // (and duplicate metric series) for it.
+        // Numeric addresses compare as addresses (`[::ffff:127.0.0.1]:P`
+        // is `127.0.0.1:P`); names as written, whatever their case.
         let mut seen = std::collections::HashSet::new();
         cfg.peers.retain(|p| {
-            let first = seen.insert(p.trim().to_ascii_lowercase());
+            let p = p.trim();
+            let key = match p.parse::<SocketAddr>() {
+                Ok(a) => SocketAddr::new(a.ip().to_canonical(), a.port()).to_string(),
+                Err(_) => p.to_ascii_lowercase(),
+            };
+            let first = seen.insert(key);
             if !first {
                 tracing::warn!(seed = %p, "peer listed twice in peers; the repeat is ignored");
             }

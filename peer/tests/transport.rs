@@ -1398,3 +1398,24 @@ async fn a_seed_that_showed_a_copied_certificate_is_linked_once_fixed() {
         n.handle.shutdown(Duration::from_secs(2)).await;
     }
 }
+
+/// Seeds that spell one numeric address differently are one seed from the
+/// start (before any link tells they reach one node, each had a row).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn numeric_spellings_of_one_seed_are_one_seed() {
+    let c = Cluster::new("prod");
+    let p = std::net::UdpSocket::bind("127.0.0.1:0")
+        .and_then(|s| s.local_addr())
+        .expect("bind")
+        .port();
+    let seeds = [
+        format!("127.0.0.1:{p}"),
+        format!("[::ffff:127.0.0.1]:{p}"),
+        format!(" 127.0.0.1:{p} "),
+        format!("[::ffff:7f00:1]:{p}"),
+    ];
+    let b = start(c.node("node-b"), fast_cfg(seeds.to_vec()));
+    let peers = b.handle.peers();
+    assert_eq!(peers.len(), 1, "{peers:?}");
+    b.handle.shutdown(Duration::from_secs(2)).await;
+}
