@@ -1851,17 +1851,21 @@ async fn link_loop(shared: Arc<Shared>, slot: Arc<Slot>) {
                 *slot.alias_of.lock() = Some(Arc::from(name.as_str()));
             }
             Err(e) => {
-                // An alias whose node is still linked by another seed stays
-                // hidden (the address may just be unreachable from here);
-                // otherwise its failure shows as its own row.
-                let mut alias_of = slot.alias_of.lock();
-                if alias_of
-                    .as_ref()
-                    .is_some_and(|n| !shared.linked.lock().contains_key(n))
-                {
-                    *alias_of = None;
+                // An alias stays hidden while another seed's row stands for
+                // its node, linked or not (a node that is down is one down
+                // row, not one per spelling of its address); with no such
+                // row its failure shows as its own.
+                let aliased = slot.alias_of.lock().clone();
+                if let Some(n) = aliased {
+                    let shown = shared.slots.iter().any(|o| {
+                        o.index != slot.index
+                            && o.alias_of.lock().is_none()
+                            && o.name.read().as_deref() == Some(&*n)
+                    });
+                    if !shown {
+                        *slot.alias_of.lock() = None;
+                    }
                 }
-                drop(alias_of);
                 // Compared without its digits: a reason that carries a time
                 // or a count ("expired 19 seconds ago") is the same reason.
                 let e_shape = crate::logonce::shape(&e);
@@ -1874,7 +1878,12 @@ async fn link_loop(shared: Arc<Shared>, slot: Arc<Slot>) {
                 *slot.last_error.lock() = Some(e);
             }
         }
-        let delay = backoff.next_delay(rand::thread_rng().r#gen());
+        let mut delay = backoff.next_delay(rand::thread_rng().r#gen());
+        if slot.alias_of.lock().is_some() {
+            // Its node is linked through another seed: checked now and then
+            // only (each check costs the holder a TLS handshake).
+            delay = delay.max(ALIAS_RECHECK_FACTOR * shared.cfg.backoff_max);
+        }
         tokio::select! {
             _ = tokio::time::sleep(delay) => {}
             _ = shutdown.changed() => return,
@@ -1885,6 +1894,11 @@ async fn link_loop(shared: Arc<Shared>, slot: Arc<Slot>) {
 /// A link made: its control connection and stream, and the claim on the
 /// peer's name it holds until the link ends.
 type Link = (Connection, SendStream, RecvStream, NameClaim);
+
+/// An alias seed (one reaching a node another seed links to) is dialled
+/// again every this many `backoff_max`: what answers at its address may
+/// change (a node that showed a copied certificate gets its own).
+const ALIAS_RECHECK_FACTOR: u32 = 6;
 
 /// What the handshake and hellos with a seed found.
 enum Hello {

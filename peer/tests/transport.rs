@@ -1419,3 +1419,35 @@ async fn numeric_spellings_of_one_seed_are_one_seed() {
     assert_eq!(peers.len(), 1, "{peers:?}");
     b.handle.shutdown(Duration::from_secs(2)).await;
 }
+
+/// A peer reached through several seeds that goes down is one down row,
+/// not one per seed: the aliases stay hidden behind the row of the seed
+/// that linked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_reached_through_aliases_that_goes_down_is_one_row() {
+    let c = Cluster::new("prod");
+    let a = start(c.node("node-a"), fast_cfg(vec![]));
+    let p = a.addr.port();
+    let seeds = ["127.0.0.1", "127.1", "0x7f000001"]
+        .iter()
+        .map(|h| format!("{h}:{p}"))
+        .collect();
+    let b = start(c.node("node-b"), fast_cfg(seeds));
+    poll("one row, up", Duration::from_secs(10), || {
+        let peers = b.handle.peers();
+        (peers.len() == 1 && peers[0].state == PeerState::Up).then_some(())
+    })
+    .await;
+    a.handle.shutdown(Duration::from_secs(2)).await;
+    drop(a);
+    poll("a down at b", Duration::from_secs(10), || {
+        (b.handle.peers()[0].state == PeerState::Down).then_some(())
+    })
+    .await;
+    // Past the aliases' next dials (6 x backoff_max = 2.4 s here), which
+    // fail now: still one row.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let peers = b.handle.peers();
+    assert_eq!(peers.len(), 1, "{peers:?}");
+    b.handle.shutdown(Duration::from_secs(2)).await;
+}
