@@ -975,14 +975,12 @@ fn bytes_served_to_a_node_not_in_our_peers_are_counted() {
         "{}",
         doc["served_unlisted"]
     );
-    let metrics = http_get(a.http.expect("http"), "/metrics");
-    assert!(
-        metrics.contains(&format!(
-            "kvtier_peer_served_bytes_total{{peer=\"d\"}} {}",
-            data.len()
-        )),
-        "{metrics}"
-    );
+    // The served count of d in a's /metrics.
+    let served_metric = || {
+        let metrics = http_get(a.http.expect("http"), "/metrics");
+        kvtier_tests::metric(&metrics, "kvtier_peer_served_bytes_total{peer=\"d\"}")
+    };
+    assert_eq!(served_metric(), Some(data.len() as f64));
     let sock = a.socket.to_string_lossy().into_owned();
     let out = run_kvtier(&["peers", "--socket", &sock], &[]);
     let table = String::from_utf8_lossy(&out.stdout);
@@ -998,14 +996,7 @@ fn bytes_served_to_a_node_not_in_our_peers_are_counted() {
         let doc = a.client().stats().ok()?;
         doc["served_unlisted"].get("d").is_none().then_some(())
     });
-    let metrics = http_get(a.http.expect("http"), "/metrics");
-    assert!(
-        metrics.contains(&format!(
-            "kvtier_peer_served_bytes_total{{peer=\"d\"}} {}",
-            data.len()
-        )),
-        "{metrics}"
-    );
+    assert_eq!(served_metric(), Some(data.len() as f64));
 }
 
 /// Two `--insecure-dev` nodes started as docs/scale-out.md shows, without
