@@ -1835,6 +1835,25 @@ async fn link_loop(shared: Arc<Shared>, slot: Arc<Slot>) {
                 slot.is_self.store(true, Ordering::Relaxed);
                 return;
             }
+            Ok(Dialed::Alias { other, name })
+                if slot.name.read().as_deref().is_some_and(|mine| mine != name) =>
+            {
+                // This seed's node was another one: the node answering here
+                // now shows the certificate of a node another seed links to
+                // (a copied certificate). A failure of this seed's own row,
+                // not an alias (QA: the node vanished from the list).
+                let mine = slot.label();
+                let e = format!(
+                    "the node at this seed, last {mine:?}, now presents the certificate of {name:?}, \
+                     which seed {other} links to: two nodes share a certificate?"
+                );
+                if warned.as_deref() != Some(e.as_str()) {
+                    tracing::warn!(seed = %slot.seed, error = %e, "cannot connect to peer");
+                    warned = Some(e.clone());
+                }
+                *slot.alias_of.lock() = None;
+                *slot.last_error.lock() = Some(e);
+            }
             Ok(Dialed::Alias { other, name }) => {
                 // Said at warn once per other seed and name, then at debug
                 // on every later dial while it stays so.
@@ -2054,6 +2073,24 @@ async fn connect(shared: &Arc<Shared>, slot: &Slot) -> Result<Dialed, String> {
             &slot.connects,
         ] {
             c.store(0, Ordering::Relaxed);
+        }
+    }
+    // Another seed's row for this node (its link ended, and this seed
+    // linked first): hidden now, not at its next dial (QA: two rows and
+    // duplicate metric series for a few seconds), and its counters move
+    // here, so the node's counters do not start over.
+    for o in shared.slots.iter().filter(|o| o.index != slot.index) {
+        if o.name.read().as_deref() != Some(name.as_str()) || o.conn.read().is_some() {
+            continue;
+        }
+        *o.alias_of.lock() = Some(Arc::from(name.as_str()));
+        for (mine, theirs) in [
+            (&slot.bytes_fetched, &o.bytes_fetched),
+            (&slot.fetches_ok, &o.fetches_ok),
+            (&slot.fetches_failed, &o.fetches_failed),
+            (&slot.connects, &o.connects),
+        ] {
+            mine.fetch_add(theirs.swap(0, Ordering::Relaxed), Ordering::Relaxed);
         }
     }
     *slot.conn.write() = Some(conn.clone());
