@@ -1515,6 +1515,14 @@ fn default_region_size(disk_budget: ByteSize) -> ByteSize {
 mod tests {
     use super::*;
 
+    /// A 100 GiB filesystem with 40 GiB free for the store.
+    fn roomy() -> DiskSpace {
+        DiskSpace {
+            total: 100 << 30,
+            available_to_store: 40 << 30,
+        }
+    }
+
     fn env() -> Environment {
         Environment {
             home: Some("/home/u".into()),
@@ -2140,19 +2148,15 @@ mod tests {
             ..Default::default()
         };
         let l = load_with(None, &[], flags).unwrap();
-        let space = || DiskSpace {
-            total: 100 << 30,
-            available_to_store: 40 << 30,
-        };
         assert!(
             l.config
                 .clone()
-                .resolve_with(&l, space())
+                .resolve_with(&l, roomy())
                 .unwrap()
                 .is_empty()
         );
         std::fs::write(dir.path().join(STORE_FILE), vec![0u8; 1 << 20]).unwrap();
-        let w = l.config.clone().resolve_with(&l, space()).unwrap();
+        let w = l.config.clone().resolve_with(&l, roomy()).unwrap();
         assert!(
             w.len() == 1 && w[0].contains("holds a store of 1.0 MiB") && w[0].contains("unused"),
             "{w:?}"
@@ -2165,10 +2169,6 @@ mod tests {
     #[test]
     fn peer_settings_that_cannot_work_as_meant_are_warned_about() {
         let dir = tempfile::tempdir().unwrap();
-        let space = || DiskSpace {
-            total: 100 << 30,
-            available_to_store: 40 << 30,
-        };
         let warnings = |vars: &[(&str, &str)]| {
             let flags = Overrides {
                 data_dir: Some(dir.path().join("data")),
@@ -2176,7 +2176,7 @@ mod tests {
                 ..Default::default()
             };
             let l = load_with(None, vars, flags).unwrap();
-            l.config.clone().resolve_with(&l, space()).unwrap()
+            l.config.clone().resolve_with(&l, roomy()).unwrap()
         };
         let dev = [
             ("KVTIER_PEER_LISTEN", "127.0.0.1:0"),
@@ -2205,10 +2205,6 @@ mod tests {
     #[test]
     fn a_disk_no_larger_than_ram_is_warned_about() {
         let dir = tempfile::tempdir().unwrap();
-        let space = || DiskSpace {
-            total: 100 << 30,
-            available_to_store: 40 << 30,
-        };
         for (disk, warned) in [(32, true), (72, true), (80, false), (1024, false)] {
             let flags = Overrides {
                 data_dir: Some(dir.path().join("data")),
@@ -2218,7 +2214,7 @@ mod tests {
                 ..Default::default()
             };
             let l = load_with(None, &[], flags).unwrap();
-            let w = l.config.clone().resolve_with(&l, space()).unwrap();
+            let w = l.config.clone().resolve_with(&l, roomy()).unwrap();
             let said = w
                 .iter()
                 .any(|w| w.contains("is not larger than ram-budget"));
@@ -2237,10 +2233,6 @@ mod tests {
             ..Default::default()
         };
         // A 100 GiB filesystem with 40 GiB free: the reserve is 1 GiB.
-        let roomy = || DiskSpace {
-            total: 100 << 30,
-            available_to_store: 40 << 30,
-        };
         let mut l = load_with(None, &[], flags.clone()).unwrap();
         let mut c = l.config.clone();
         let w = c.resolve_with(&l, roomy()).unwrap();

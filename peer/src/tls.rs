@@ -79,6 +79,24 @@ fn utc(secs: i64) -> String {
     )
 }
 
+/// A certificate past its `not_after` at `now` (Unix seconds).
+fn expired(not_after: i64, now: i64) -> String {
+    format!(
+        "certificate expired at {} ({} s ago)",
+        utc(not_after),
+        now - not_after
+    )
+}
+
+/// A certificate before its `not_before` at `now` (Unix seconds).
+fn not_valid_yet(not_before: i64, now: i64) -> String {
+    format!(
+        "certificate not valid before {} (in {} s; are the clocks of the nodes apart?)",
+        utc(not_before),
+        not_before - now
+    )
+}
+
 /// A certificate refusal of the TLS library, in an operator's words where
 /// the library's are terse (QA: `BadSignature`, raw Unix seconds).
 fn describe(e: &rustls::Error) -> String {
@@ -86,16 +104,10 @@ fn describe(e: &rustls::Error) -> String {
     let secs = |t: &UnixTime| i64::try_from(t.as_secs()).unwrap_or(i64::MAX);
     match e {
         rustls::Error::InvalidCertificate(c) => match c {
-            C::ExpiredContext { time, not_after } => format!(
-                "certificate expired at {} ({} s ago)",
-                utc(secs(not_after)),
-                secs(time) - secs(not_after)
-            ),
-            C::NotValidYetContext { time, not_before } => format!(
-                "certificate not valid before {} (in {} s; are the clocks of the nodes apart?)",
-                utc(secs(not_before)),
-                secs(not_before) - secs(time)
-            ),
+            C::ExpiredContext { time, not_after } => expired(secs(not_after), secs(time)),
+            C::NotValidYetContext { time, not_before } => {
+                not_valid_yet(secs(not_before), secs(time))
+            }
             C::BadSignature => "certificate was not signed by this cluster's CA (BadSignature: \
                  issued by another CA, perhaps one with the same cluster name; issue it from \
                  this cluster's ca.key)"
@@ -118,18 +130,10 @@ fn check_identity(
     let id = CertIdentity::parse(end_entity).map_err(|e| e.to_string())?;
     let now = i64::try_from(now.as_secs()).unwrap_or(i64::MAX);
     if id.not_after < now {
-        return Err(format!(
-            "certificate expired at {} ({} s ago)",
-            utc(id.not_after),
-            now - id.not_after
-        ));
+        return Err(expired(id.not_after, now));
     }
     if id.not_before > now {
-        return Err(format!(
-            "certificate not valid before {} (in {} s; are the clocks of the nodes apart?)",
-            utc(id.not_before),
-            id.not_before - now
-        ));
+        return Err(not_valid_yet(id.not_before, now));
     }
     match id.cluster.as_deref() {
         Some(c) if c == cluster => {}

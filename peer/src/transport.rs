@@ -608,6 +608,18 @@ impl Drop for InFlight<'_> {
 pub const SLOW_PEER_COOLDOWN: Duration = Duration::from_secs(10);
 
 impl Slot {
+    /// The counters that belong to the peer node this slot links to (they
+    /// start over when another node takes its address, and move with the
+    /// node to another seed's row).
+    fn node_counters(&self) -> [&AtomicU64; 4] {
+        [
+            &self.bytes_fetched,
+            &self.fetches_ok,
+            &self.fetches_failed,
+            &self.connects,
+        ]
+    }
+
     fn cooling(&self, now: Instant) -> bool {
         self.slow_until.lock().is_some_and(|t| now < t)
     }
@@ -1847,12 +1859,8 @@ async fn link_loop(shared: Arc<Shared>, slot: Arc<Slot>) {
                     "the node at this seed, last {mine:?}, now presents the certificate of {name:?}, \
                      which seed {other} links to: two nodes share a certificate?"
                 );
-                if warned.as_deref() != Some(e.as_str()) {
-                    tracing::warn!(seed = %slot.seed, error = %e, "cannot connect to peer");
-                    warned = Some(e.clone());
-                }
                 *slot.alias_of.lock() = None;
-                *slot.last_error.lock() = Some(e);
+                connect_failed(&slot, &mut warned, backoff.attempts(), e);
             }
             Ok(Dialed::Alias { other, name }) => {
                 // Said at warn once per other seed and name, then at debug
@@ -1885,16 +1893,7 @@ async fn link_loop(shared: Arc<Shared>, slot: Arc<Slot>) {
                         *slot.alias_of.lock() = None;
                     }
                 }
-                // Compared without its digits: a reason that carries a time
-                // or a count ("expired 19 seconds ago") is the same reason.
-                let e_shape = crate::logonce::shape(&e);
-                if warned.as_deref() != Some(e_shape.as_str()) {
-                    tracing::warn!(seed = %slot.seed, error = %e, "cannot connect to peer");
-                    warned = Some(e_shape);
-                } else {
-                    tracing::debug!(seed = %slot.seed, error = %e, attempt = backoff.attempts(), "cannot connect to peer");
-                }
-                *slot.last_error.lock() = Some(e);
+                connect_failed(&slot, &mut warned, backoff.attempts(), e);
             }
         }
         let mut delay = backoff.next_delay(rand::thread_rng().r#gen());
@@ -1908,6 +1907,21 @@ async fn link_loop(shared: Arc<Shared>, slot: Arc<Slot>) {
             _ = shutdown.changed() => return,
         }
     }
+}
+
+/// Logs a failed connect of `slot` and keeps it as the row's `last_error`:
+/// at warn when its reason differs from `warned` (the one last said at
+/// warn), else at debug. Reasons are compared without their digits: one
+/// that carries a time or a count ("expired 19 seconds ago") is the same.
+fn connect_failed(slot: &Slot, warned: &mut Option<String>, attempt: u32, e: String) {
+    let shape = crate::logonce::shape(&e);
+    if warned.as_deref() != Some(shape.as_str()) {
+        tracing::warn!(seed = %slot.seed, error = %e, "cannot connect to peer");
+        *warned = Some(shape);
+    } else {
+        tracing::debug!(seed = %slot.seed, error = %e, attempt, "cannot connect to peer");
+    }
+    *slot.last_error.lock() = Some(e);
 }
 
 /// A link made: its control connection and stream, and the claim on the
@@ -2066,12 +2080,7 @@ async fn connect(shared: &Arc<Shared>, slot: &Slot) -> Result<Dialed, String> {
     if prev.as_deref().is_some_and(|p| p != name) {
         tracing::warn!(seed = %slot.seed, old = ?prev, new = %name, "peer at this address changed name");
         // The counters were the old node's.
-        for c in [
-            &slot.bytes_fetched,
-            &slot.fetches_ok,
-            &slot.fetches_failed,
-            &slot.connects,
-        ] {
+        for c in slot.node_counters() {
             c.store(0, Ordering::Relaxed);
         }
     }
@@ -2084,12 +2093,7 @@ async fn connect(shared: &Arc<Shared>, slot: &Slot) -> Result<Dialed, String> {
             continue;
         }
         *o.alias_of.lock() = Some(Arc::from(name.as_str()));
-        for (mine, theirs) in [
-            (&slot.bytes_fetched, &o.bytes_fetched),
-            (&slot.fetches_ok, &o.fetches_ok),
-            (&slot.fetches_failed, &o.fetches_failed),
-            (&slot.connects, &o.connects),
-        ] {
+        for (mine, theirs) in slot.node_counters().into_iter().zip(o.node_counters()) {
             mine.fetch_add(theirs.swap(0, Ordering::Relaxed), Ordering::Relaxed);
         }
     }

@@ -345,6 +345,29 @@ fn start(tls: TlsSetup, cfg: PeerConfig) -> Node {
     }
 }
 
+/// Starts a node with `tls` at `addr`, once the address is free again.
+fn start_at(tls: &TlsSetup, addr: SocketAddr) -> Node {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let source = Arc::new(MemSource::default());
+        let cfg = PeerConfig {
+            listen: addr,
+            ..fast_cfg(vec![])
+        };
+        match PeerHandle::start(cfg, tls.clone(), source.clone()) {
+            Ok(handle) => {
+                return Node {
+                    handle,
+                    source,
+                    addr,
+                };
+            }
+            Err(e) => assert!(Instant::now() < deadline, "{addr}: {e}"),
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 /// Starts A (no seeds) and B (seeded with A).
 fn pair(c: &Cluster) -> (Node, Node) {
     let a = start(c.node("node-a"), fast_cfg(vec![]));
@@ -1361,26 +1384,8 @@ async fn a_seed_that_showed_a_copied_certificate_is_linked_once_fixed() {
     drop((copy_b, copy_d));
     // The right nodes at those addresses (each bound once the old one's
     // socket is released).
-    let start_at = |name: &str, addr: SocketAddr| {
-        let tls = c.node(name);
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            let source = Arc::new(MemSource::default());
-            match PeerHandle::start(at(addr), tls.clone(), source.clone()) {
-                Ok(handle) => {
-                    return Node {
-                        handle,
-                        source,
-                        addr,
-                    };
-                }
-                Err(e) => assert!(Instant::now() < deadline, "{name}: {e}"),
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    };
-    let x = start_at("node-x", free[0]);
-    let y = start_at("node-y", free[1]);
+    let x = start_at(&c.node("node-x"), free[0]);
+    let y = start_at(&c.node("node-y"), free[1]);
     poll("b, x and y up", Duration::from_secs(15), || {
         let mut up: Vec<String> = d
             .handle
@@ -1450,29 +1455,6 @@ async fn a_peer_reached_through_aliases_that_goes_down_is_one_row() {
     let peers = b.handle.peers();
     assert_eq!(peers.len(), 1, "{peers:?}");
     b.handle.shutdown(Duration::from_secs(2)).await;
-}
-
-/// Starts a node with `tls` at `addr`, once the address is free again.
-fn start_at(tls: &TlsSetup, addr: SocketAddr) -> Node {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let source = Arc::new(MemSource::default());
-        let cfg = PeerConfig {
-            listen: addr,
-            ..fast_cfg(vec![])
-        };
-        match PeerHandle::start(cfg, tls.clone(), source.clone()) {
-            Ok(handle) => {
-                return Node {
-                    handle,
-                    source,
-                    addr,
-                };
-            }
-            Err(e) => assert!(Instant::now() < deadline, "{addr}: {e}"),
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
 }
 
 /// A peer reached through two seeds that restarts is relinked through

@@ -100,22 +100,25 @@ impl Journal {
             Ok(m) => {
                 let good = read(dir)?;
                 let len = (good.len() * RECORD) as u64;
-                if m.len() != len || good.is_empty() {
-                    // Opened with the data dir's checks (no links) first.
-                    let f = crate::store::open_data_file(&path, OpenOptions::new().write(true), 0)?;
-                    if good.is_empty() {
-                        // Nothing in it (a first append that failed, a torn
-                        // first record): it goes, as a cleared journal does,
-                        // rather than stay behind empty.
-                        drop(f);
-                        fs::remove_file(&path)?;
-                        sync_dir(dir)?;
-                        return Ok(Self::empty(dir));
+                // Opened with the data dir's checks (no links) first.
+                let open =
+                    || crate::store::open_data_file(&path, OpenOptions::new().write(true), 0);
+                if good.is_empty() {
+                    // Nothing in it (a first append that failed, a torn
+                    // first record): it goes, as a cleared journal does,
+                    // rather than stay behind empty.
+                    drop(open()?);
+                    fs::remove_file(&path)?;
+                    sync_dir(dir)?;
+                    (good, false)
+                } else {
+                    if m.len() != len {
+                        let f = open()?;
+                        f.set_len(len)?;
+                        f.sync_all()?;
                     }
-                    f.set_len(len)?;
-                    f.sync_all()?;
+                    (good, true)
                 }
-                (good, true)
             }
             Err(e) if e.kind() == io::ErrorKind::NotFound => (Vec::new(), false),
             Err(e) => return Err(e),
@@ -128,17 +131,6 @@ impl Journal {
             file: None,
             exists,
         })
-    }
-
-    fn empty(dir: &Path) -> Self {
-        Self {
-            dir: dir.to_path_buf(),
-            len: 0,
-            ids: Default::default(),
-            order: Vec::new(),
-            file: None,
-            exists: false,
-        }
     }
 
     /// The ids the journal holds, in the order they were added.
