@@ -382,6 +382,9 @@ pub struct PutArgs {
     /// The key.
     #[command(flatten)]
     pub key: KeyArg,
+    /// Print JSON: `{"namespace", "key", "group", "bytes"}`.
+    #[arg(long)]
+    pub json: bool,
     /// The daemon.
     #[command(flatten)]
     pub client: ClientArgs,

@@ -525,7 +525,9 @@ fn put(args: &PutArgs) -> Result<u8> {
             let ns = client
                 .hello(&read_record(path)?)
                 .context("register the namespace")?;
-            errln!("namespace {ns}");
+            if !args.json {
+                errln!("namespace {ns}");
+            }
             ns
         }
         (None, None) => bail!("give --namespace ID or --namespace-record FILE"),
@@ -535,6 +537,18 @@ fn put(args: &PutArgs) -> Result<u8> {
         .put_bytes(ns, args.group, &[(key, &data)])
         .context("put the chunk")?;
     match statuses.first() {
+        Some(0) if args.json => {
+            outln!(
+                "{}",
+                serde_json::json!({
+                    "namespace": ns.to_string(),
+                    "key": key.to_string(),
+                    "group": args.group,
+                    "bytes": data.len(),
+                })
+            );
+            Ok(EXIT_OK)
+        }
         Some(0) => {
             outln!("stored {key} ({} bytes) in namespace {ns}", data.len());
             Ok(EXIT_OK)

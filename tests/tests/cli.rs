@@ -146,6 +146,30 @@ fn client_commands_round_trip_and_use_documented_exit_codes() {
         text(&out.stderr)
     );
 
+    // `put --json` with a record: one JSON line on stdout, nothing else.
+    let out = run_kvtier(
+        &[
+            &["put", &p, "--namespace-record", &r, "--name", "again"][..],
+            &["--group", "3", "--json"],
+            &s,
+        ]
+        .concat(),
+        &[],
+    );
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    assert_eq!(text(&out.stderr), "", "--json prints nothing else");
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("put --json");
+    assert_eq!(v["namespace"], ns.as_str(), "{v}");
+    assert_eq!(
+        v["key"],
+        node::tier::ChunkKey::from_name(b"again").to_string(),
+        "{v}"
+    );
+    assert_eq!(
+        (v["group"].as_u64(), v["bytes"].as_u64()),
+        (Some(3), Some(200_000))
+    );
+
     let out = run_kvtier(&[&["flush", "--json"][..], &s].concat(), &[]);
     assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("flush --json");
