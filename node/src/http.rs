@@ -482,7 +482,7 @@ impl Collector for NodeCollector {
         counter(
             &mut enc,
             "disk_syncs",
-            "fdatasyncs of the store file (flushes, region seals and opens)",
+            "fdatasyncs of the store file (flushes, region switches, and the writer's sync once it has been quiet for 200 ms after writing)",
             s.disk_syncs,
         )?;
         counter(
@@ -525,7 +525,7 @@ impl Collector for NodeCollector {
         gauge(
             &mut enc,
             "dirty_bytes",
-            "Bytes in RAM not yet durable on disk",
+            "Bytes in RAM not yet written to disk (written chunks are durable once the writer has been quiet for 200 ms, or at a flush)",
             s.dirty_bytes as i64,
         )?;
         gauge(

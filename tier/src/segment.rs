@@ -35,7 +35,7 @@ pub(crate) struct DiskCounters {
     pub region_evictions: AtomicU64,
     pub verify_failures: AtomicU64,
     pub write_failures: AtomicU64,
-    /// fdatasyncs issued (flushes, region seals and opens).
+    /// fdatasyncs issued (flushes, region switches, quiet-writer syncs).
     pub syncs: AtomicU64,
     /// Time spent in those fdatasyncs, in microseconds.
     pub sync_micros: AtomicU64,

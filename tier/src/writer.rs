@@ -218,7 +218,17 @@ pub(crate) struct Writer {
     /// Deletes whose tombstone failed, kept durable until one is written
     /// (`crate::deletes`).
     journal: crate::deletes::Journal,
+    /// A batch was written since the last fdatasync: once the writer has
+    /// had nothing to do for [`QUIET_SYNC`], it syncs ([`Writer::next_msg`]).
+    unsynced: bool,
 }
+
+/// How long the writer waits with nothing to do before it makes the batches
+/// it wrote since its last fdatasync durable. Idle-pass and eviction writes
+/// otherwise stayed in the device's volatile cache until the next flush or
+/// region seal (a power loss could lose chunks the stats called written).
+/// Only a quiet writer syncs, so no put or write waits for it.
+pub(crate) const QUIET_SYNC: std::time::Duration = std::time::Duration::from_millis(200);
 
 /// Batches in flight to the I/O thread: while it writes one, the next ones
 /// wait in its queue, so the device never idles while the writer packs
@@ -385,6 +395,7 @@ impl Writer {
             unfinished: std::collections::HashMap::new(),
             retry_tombs: Vec::new(),
             journal,
+            unsynced: false,
         }
     }
 
@@ -564,10 +575,20 @@ impl Writer {
 
     /// The next message; while batches are in flight, their completions
     /// are applied as they come (their chunks become readable from disk).
+    /// A writer with nothing to do for [`QUIET_SYNC`] syncs what it wrote
+    /// since its last fdatasync.
     fn next_msg(&mut self, rx: &Receiver<Msg>) -> Option<Msg> {
         loop {
             let done = match (&self.io, self.inflight.is_empty()) {
                 (Some(io), false) => io.done.clone(),
+                _ if self.unsynced => match rx.recv_timeout(QUIET_SYNC) {
+                    Ok(m) => return Some(m),
+                    Err(crossbeam_channel::RecvTimeoutError::Timeout) => {
+                        self.quiet_sync();
+                        continue;
+                    }
+                    Err(crossbeam_channel::RecvTimeoutError::Disconnected) => return None,
+                },
                 _ => return rx.recv().ok(),
             };
             crossbeam_channel::select! {
@@ -602,7 +623,19 @@ impl Writer {
                 source: e,
             });
         }
+        self.unsynced = false;
         Ok(())
+    }
+
+    /// The sync of a quiet writer ([`QUIET_SYNC`]): a failure poisons the
+    /// disk tier as a flush's does (the next flush reports it).
+    fn quiet_sync(&mut self) {
+        self.unsynced = false;
+        if self.disk.poisoned().is_some() {
+            return;
+        }
+        let r = self.sync();
+        self.clear_journal(&r);
     }
 
     /// Removes the deletes journal once a sync succeeded with no tombstone
@@ -1155,6 +1188,7 @@ impl Writer {
         if self.disk.paused_nospace.swap(false, Ordering::Relaxed) {
             tracing::info!("the disk writer resumes: a batch was written after the pause (ENOSPC)");
         }
+        self.unsynced = true;
         let c = &self.disk.counters;
         c.disk_write_bytes.fetch_add(total, Ordering::Relaxed);
         {
