@@ -43,7 +43,9 @@ step, and the wait can be retried; one during a send closes the client.
 
 Concurrency contract: do not modify a PUT range or read a GET range until
 the call (or its ``wait()``) has returned. One client (one connection) must
-not be used from two threads at once; open one client per thread.
+not be used from two threads at once; open one client per thread. A client
+does not survive ``fork()``: in the child it is closed (its requests would
+share the parent's connection), so open a new one there.
 
 Errors: :class:`KvtierError` (the daemon refused a request; ``.code`` is the
 error name, e.g. ``"out-of-range"``), :class:`KvtierUnavailable` (cannot
@@ -62,6 +64,7 @@ import select
 import socket
 import struct
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Generic, Iterable, Sequence, TypeVar, Union
 
@@ -117,6 +120,17 @@ _SAMPLE_EVERY = 0.02
 T = TypeVar("T")
 # Bytes read from the socket at once (more when a reply needs it).
 _RECV_BUFFER = 64 << 10
+
+# Every open client, to close in a forked child (`_after_fork_in_child`).
+_LIVE: weakref.WeakSet[KvtierClient] = weakref.WeakSet()
+
+
+def _close_after_fork() -> None:
+    for client in list(_LIVE):
+        client._after_fork_in_child()
+
+
+os.register_at_fork(after_in_child=_close_after_fork)
 
 BytesLike = Union[bytes, bytearray, memoryview]
 #: A PUT item value: bytes to copy into the region, or an (offset, length)
@@ -356,6 +370,26 @@ def _identity(reply: Any) -> Any:
     return reply
 
 
+def _bytes_view(data: Any) -> memoryview:
+    """``data`` as a flat byte view, or a TypeError naming the fix."""
+    mv = memoryview(data)
+    if not mv.c_contiguous:
+        raise TypeError("PUT values must be C-contiguous buffers; copy it first (e.g. numpy.ascontiguousarray)")
+    return mv.cast("B") if mv.ndim != 1 or mv.format != "B" else mv
+
+
+def _offset_in(mv: memoryview, region: Region) -> int | None:
+    """Where ``mv``'s bytes lie in ``region``: their offset, -1 for a
+    read-only view of it (no address at hand), None when they are not in it."""
+    if mv.nbytes == 0:
+        return None
+    if mv.readonly:
+        return -1 if mv.obj is region._mmap or mv.obj is region.buffer else None
+    address = ctypes.addressof(ctypes.c_char.from_buffer(mv))
+    at = address - region.address
+    return at if 0 <= at and at + mv.nbytes <= region.size else None
+
+
 def _put_codes(codes: Any) -> list[str]:
     return ["ok" if c == 0 else fr.ERROR_NAMES.get(c, "internal") for c in codes]
 
@@ -395,16 +429,12 @@ class Pending(Generic[T]):
         return self._value  # type: ignore[no-any-return]
 
     def _resolve(self, reply: Any) -> None:
+        # An interrupt (Ctrl-C) while decoding leaves the request unresolved
+        # and its reply unconsumed: a retried wait() decodes it again.
         try:
             self._value = self._decode(reply)
         except Exception as e:  # noqa: BLE001 - handed to wait()
             self._error = e
-        except BaseException:
-            # An interrupt (Ctrl-C) while decoding: this result is lost (the
-            # stream stays in step: its reply was read), the interrupt goes on.
-            self._error = KvtierError("interrupted while decoding the reply")
-            self._done = True
-            raise
         self._done = True
 
     def _fail(self, error: BaseException) -> None:
@@ -448,6 +478,10 @@ class KvtierClient:
         self._rbuf = bytearray(_RECV_BUFFER)
         self._rpos = self._rend = 0
         self._next_id = 1
+        # What a call on a closed client says.
+        self._closed_why = "the client is closed"
+        if timeout is not None and timeout <= 0:
+            raise ValueError("timeout must be positive seconds, or None for none")
         self._sock: socket.socket | None = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._region: Region | None = None
         self.limits: dict[str, int] = {}
@@ -462,6 +496,7 @@ class KvtierClient:
             raise KvtierUnavailable(
                 f"cannot connect to the kvtier daemon at {self.socket_path}: {e} (is `kvtier node start` running?)"
             ) from e
+        _LIVE.add(self)
         if region_size:
             try:
                 self.set_region(Region(region_size))
@@ -484,6 +519,7 @@ class KvtierClient:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+            self._closed_why = "the client is closed (close() was called)"
         if self._region is not None:
             self._region.close()
             self._region = None
@@ -505,11 +541,30 @@ class KvtierClient:
         err.__cause__ = e
         self._fail_in_flight(err)
         self.close()
+        self._closed_why = f"the client is closed: {err}"
         return err
+
+    def _after_fork_in_child(self) -> None:
+        """In a forked child: the socket is the parent's connection too (a
+        request from here could take the parent's reply, or give the parent
+        this one's), so the child's copy is closed and the client refuses
+        every call. The parent's connection is untouched (no shutdown)."""
+        if self._sock is None:
+            return
+        self._fail_in_flight(KvtierUnavailable("the process forked with the request in flight"))
+        self._in_flight.clear()
+        self._sock.close()
+        self._sock = None
+        self._closed_why = (
+            "this client was opened by the parent of this process (fork()); open a new KvtierClient in this process"
+        )
+        if self._region is not None:
+            self._region.close()
+            self._region = None
 
     def _send(self, frame: bytes, fd: int | None = None) -> None:
         if self._sock is None:
-            raise KvtierUnavailable("the client is closed")
+            raise KvtierUnavailable(self._closed_why)
         try:
             if fd is None:
                 self._sock.sendall(frame)
@@ -532,6 +587,9 @@ class KvtierClient:
         past ``max-connections``), if one is waiting to be read."""
         assert self._sock is not None
         try:
+            # A socket with a timeout waits for it even with MSG_DONTWAIT.
+            if not self._poller.poll(0):
+                return None
             data = self._sock.recv(4096 + fr.HEADER_LEN, socket.MSG_DONTWAIT)
             h = fr.decode_header(data[: fr.HEADER_LEN])
             body = data[fr.HEADER_LEN : fr.HEADER_LEN + h.body_len]
@@ -596,7 +654,7 @@ class KvtierClient:
 
     def _check_open(self) -> None:
         if self._sock is None:
-            raise KvtierUnavailable("the client is closed")
+            raise KvtierUnavailable(self._closed_why)
 
     def _submit(
         self,
@@ -616,6 +674,7 @@ class KvtierClient:
             len(self._in_flight) >= self.max_in_flight or self._reply_bytes + reply_bytes > _REPLY_BUDGET
         ):
             self._wait_for(self._in_flight[0])
+        self._settle_head()
         self._check_open()
         req_id = self._next_id
         self._next_id += 1
@@ -646,24 +705,41 @@ class KvtierClient:
         while not pending._done:
             if not self._in_flight:
                 # Only a closed client leaves a request neither answered nor in flight.
-                pending._fail(KvtierUnavailable("the client is closed"))
+                pending._fail(KvtierUnavailable(self._closed_why))
                 return
             self._read_reply()
+        self._settle_head()
+
+    def _settle_head(self) -> None:
+        """Finishes taking a reply that an interrupt (Ctrl-C, a signal
+        handler's exception) cut short after its request was resolved: the
+        head of the queue is then done, its reply frame consumed or not yet
+        (told by the frame's request id, which only its reply carries)."""
+        while self._in_flight and self._in_flight[0]._done:
+            head = self._in_flight[0]
+            if self._rend - self._rpos >= fr.HEADER_LEN:
+                h = fr.decode_header(bytes(self._rbuf[self._rpos : self._rpos + fr.HEADER_LEN]))
+                if h.req_id == head.req_id and self._rend - self._rpos >= fr.HEADER_LEN + h.body_len:
+                    self._consume(fr.HEADER_LEN + h.body_len)
+            self._pop_head()
 
     def _read_reply(self) -> None:
         """Reads the reply of the oldest request in flight and resolves it.
         A reply that does not decode or belongs to another request closes
         the connection and fails every request in flight."""
+        self._settle_head()
+        if not self._in_flight:
+            return
         head = self._in_flight[0]
         try:
-            # Nothing is consumed until the whole frame is buffered: an
-            # interrupted wait() can simply be retried.
+            # Nothing is consumed until the reply is decoded and its request
+            # resolved: an interrupted wait() can simply be retried (an
+            # interrupt after the resolve is finished by `_settle_head`).
             self._fill(fr.HEADER_LEN)
             h = fr.decode_header(bytes(self._rbuf[self._rpos : self._rpos + fr.HEADER_LEN]))
             self._fill(fr.HEADER_LEN + h.body_len)
             start = self._rpos + fr.HEADER_LEN
             body = bytes(self._rbuf[start : start + h.body_len])
-            self._consume(fr.HEADER_LEN + h.body_len)
             fr.check_body(h, body)
             reply = fr.decode_reply(h, body)
         except fr.FrameError as e:
@@ -682,12 +758,17 @@ class KvtierClient:
                 # The daemon closes the connection after these.
                 self._broken_in_flight(KvtierUnavailable(reply.message, reply.name))
             else:
-                self._pop_head()._fail(KvtierError(reply.message, reply.name))
+                head._fail(KvtierError(reply.message, reply.name))
+                self._consume(fr.HEADER_LEN + h.body_len)
+                self._pop_head()
             return
         if h.req_id != head.req_id:
             self._broken_in_flight(KvtierProtocolError(f"reply id {h.req_id} does not match request id {head.req_id}"))
             return
-        self._pop_head()._resolve(reply)
+        head._resolve(reply)
+        # Cut short between these steps, `_settle_head` ends the job.
+        self._consume(fr.HEADER_LEN + h.body_len)
+        self._pop_head()
 
     def _broken_in_flight(self, error: KvtierError) -> None:
         self._fail_in_flight(error)
@@ -715,6 +796,8 @@ class KvtierClient:
     def set_region(self, region: Region) -> None:
         """Registers ``region`` with the daemon (replacing the current one,
         which is closed). The client takes ownership of it."""
+        if region.fd < 0:
+            raise ValueError("the region is closed")
         self._call(fr.register_region, region.size, fd=region.fd)
         old, self._region = self._region, region
         if old is not None and old is not region:
@@ -753,7 +836,9 @@ class KvtierClient:
         """Stores chunks. Each item is ``(key, value)`` where ``value`` is an
         ``(offset, length)`` range already written in the region (zero-copy)
         or bytes-like data, which is first copied into the region after the
-        end of every range named in this call. Returns per item ``"ok"`` or
+        end of every range named in this call (a value that is a view of the
+        region, such as a GET result's ``data``, is stored from where it lies).
+        Staging writes over earlier GET results' views past those ranges. Returns per item ``"ok"`` or
         an error name (e.g. ``"no-space"``); a request-level problem
         (unknown namespace, range outside the region) raises KvtierError and
         stores nothing. ``atomic``: all chunks become visible together or
@@ -796,8 +881,24 @@ class KvtierClient:
             else:
                 ranges.append(None)
                 staged.append((i, value))
-        off = high
+        # A value that is a view of this region (a GET's `data`, a slice of
+        # `region.buffer` or `region.numpy()`) is a zero-copy range already:
+        # staging over it would store other bytes under its key.
+        copies: list[tuple[int, BytesLike]] = []
         for i, data in staged:
+            mv = _bytes_view(data)
+            at = _offset_in(mv, region)
+            if at is None:
+                copies.append((i, mv))
+            elif at < 0:
+                # A read-only view of the region: its address is not at
+                # hand, so its bytes are copied out before any staging.
+                copies.append((i, bytes(mv)))
+            else:
+                ranges[i] = (items[i][0], at, mv.nbytes)
+                high = max(high, at + mv.nbytes)
+        off = high
+        for i, data in copies:
             mv = memoryview(data).cast("B")
             n = mv.nbytes
             if off + n > region.size:
