@@ -838,6 +838,12 @@ async fn exists_counts_no_read_and_its_get_counts_one() {
     assert_eq!(end.bytes_out, before.bytes_out + 12);
     // and counts no miss (the store was asked first: a miss and a hit).
     assert_eq!(end.misses, before.misses);
+    // A key too long to store is absent: its GET is a miss (it counted
+    // nothing, so hits + misses fell short of the GETs).
+    let long = vec![b'k'; resp::keys::MAX_KEY_LEN + 1];
+    c.write_all(&cmd(&[b"GET", &long])).await.unwrap();
+    expect(&mut c, b"$-1\r\n").await;
+    assert_eq!(s.ctx.store.stats().misses, end.misses + 1);
     s.stop().await;
 }
 

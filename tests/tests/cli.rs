@@ -1531,3 +1531,55 @@ fn offline_commands_never_format_a_zeroed_store_or_ignore_it() {
         text_of(&out)
     );
 }
+
+/// A bench stopped by SIGTERM (or Ctrl-C) kills the daemon it started and
+/// removes its scratch dir (both were left: a daemon with parent pid 1 and
+/// up to gigabytes of scratch data), and exits 128 + the signal.
+#[test]
+fn a_bench_stopped_by_a_signal_kills_its_daemon_and_removes_its_scratch_dir() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let child = kvtier_tests::kvtier_command()
+        .args(["bench", "local", "--dir"])
+        .arg(dir.path())
+        .args([
+            "--sizes",
+            "256KiB",
+            "--concurrency",
+            "1",
+            "--set-bytes",
+            "8MiB",
+        ])
+        .args(["--cell-bytes", "64GiB", "--pool", "4MiB", "--no-disk"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawn kvtier bench");
+    let scratch = dir
+        .path()
+        .join(format!("kvtier-bench-local-{}", child.id()));
+    let lock = scratch.join("node").join("data").join("LOCK");
+    // Its daemon is up once the LOCK file names a pid (bounded wait).
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    let daemon = loop {
+        let pid = std::fs::read_to_string(&lock)
+            .ok()
+            .and_then(|t| serde_json::from_str::<serde_json::Value>(t.lines().next()?).ok())
+            .and_then(|v| v["pid"].as_i64());
+        if let Some(pid) = pid {
+            break pid as libc::pid_t;
+        }
+        assert!(
+            std::time::Instant::now() < until,
+            "the bench's daemon never started"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    // SAFETY: kill(2) on the bench we spawned.
+    unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
+    let out = child.wait_with_output().expect("wait for the bench");
+    assert_eq!(out.status.code(), Some(143), "{}", text(&out.stderr));
+    assert!(!scratch.exists(), "the scratch dir is removed");
+    // SAFETY: signal 0 only checks that the pid exists.
+    let alive = unsafe { libc::kill(daemon, 0) } == 0;
+    assert!(!alive, "the bench's daemon (pid {daemon}) is gone");
+}

@@ -36,7 +36,7 @@ use crate::{EXIT_ERROR, EXIT_OK};
 #[derive(Debug, Args)]
 pub struct ChurnArgs {
     /// Chunk size of both clients.
-    #[arg(long, default_value = "1MiB")]
+    #[arg(long, value_parser = crate::bench::parse_bytes, default_value = "1MiB")]
     pub size: node::ByteSize,
     /// Length of each measured phase.
     #[arg(long, default_value = "5s")]
@@ -45,14 +45,14 @@ pub struct ChurnArgs {
     #[arg(long, default_value = "3s")]
     pub idle: node::HumanDuration,
     /// RAM budget of the bench's daemon (the background client overflows it).
-    #[arg(long, default_value = "256MiB")]
+    #[arg(long, value_parser = crate::bench::parse_bytes, default_value = "256MiB")]
     pub ram_budget: node::ByteSize,
     /// Offered load of the background client in both busy phases, MB/s
     /// (the same in both, so only the disk writer differs).
     #[arg(long, default_value_t = 1000)]
     pub bg_rate: u64,
     /// Disk budget of the bench's daemon.
-    #[arg(long, default_value = "4GiB")]
+    #[arg(long, value_parser = crate::bench::parse_bytes, default_value = "4GiB")]
     pub disk_budget: node::ByteSize,
     /// Common options.
     #[command(flatten)]
@@ -125,7 +125,7 @@ fn delta(a: &serde_json::Value, b: &serde_json::Value, k: &str) -> u64 {
 
 /// Runs `kvtier bench churn`.
 pub(crate) fn run(a: &ChurnArgs) -> Result<u8> {
-    print_header("churn");
+    print_header("churn")?;
     let scratch = Scratch::new(a.common.dir.as_deref(), "churn")?;
     let spec = DaemonSpec {
         ram_budget: a.ram_budget.to_string(),
@@ -255,22 +255,22 @@ pub(crate) fn run(a: &ChurnArgs) -> Result<u8> {
             p["dropped_unwritten"].to_string(),
         ]);
     }
-    t.print();
+    t.print()?;
     let ratio_busy = p99(2) / p99(1);
     let ratio_idle = p99(2) / p99(0);
     let saturated = phases[2]["disk_write_bytes"].as_u64().unwrap_or(0) > 0;
-    println!(
+    outln!(
         "p99 saturated / p99 busy-RAM-only = {} (target <= 1.10); saturated / idle = {}",
         f2(ratio_busy),
         f2(ratio_idle)
     );
-    println!(
+    outln!(
         "flush wrote {} chunks; then idle {:.0} s: {idle_bytes} bytes in {idle_writes} disk writes (target 0)",
         f.chunks,
         a.idle.0.as_secs_f64()
     );
     if !saturated {
-        println!(
+        outln!(
             "WARNING: the disk writer wrote nothing in the saturated phase: raise --phase or lower --ram-budget"
         );
     }

@@ -46,22 +46,22 @@ const REGION_SIZE: u64 = 8 << 20;
 #[derive(Debug, Args)]
 pub struct CrashArgs {
     /// Kill -9 iterations (at least 100 for the published figure).
-    #[arg(long, default_value_t = 100)]
+    #[arg(long, value_parser = crate::bench::parse_count::<u32>, default_value_t = 100)]
     pub iterations: u32,
     /// Chunk size.
-    #[arg(long, default_value = "64KiB")]
+    #[arg(long, value_parser = crate::bench::parse_bytes, default_value = "64KiB")]
     pub size: node::ByteSize,
     /// Chunks per PUT request.
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, value_parser = crate::bench::parse_count::<usize>, default_value_t = 8)]
     pub batch: usize,
     /// FLUSH after every this many PUT batches.
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, value_parser = crate::bench::parse_count::<u32>, default_value_t = 4)]
     pub flush_every: u32,
     /// Longest time the writer runs before the kill (uniform from 5 ms).
     #[arg(long, default_value = "300ms")]
     pub max_kill_after: node::HumanDuration,
     /// Start a fresh data dir every this many iterations.
-    #[arg(long, default_value_t = 25)]
+    #[arg(long, value_parser = crate::bench::parse_count::<u32>, default_value_t = 25)]
     pub fresh_every: u32,
     /// Random seed (default: from the clock; printed).
     #[arg(long)]
@@ -203,13 +203,13 @@ fn check(c: &mut Client, ns: Namespace, ids: &[u64], size: u64) -> Result<(u64, 
 
 /// Runs `kvtier bench crash`.
 pub(crate) fn run(a: &CrashArgs) -> Result<u8> {
-    print_header("crash");
+    print_header("crash")?;
     let seed = a.seed.unwrap_or_else(|| {
         std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(1, |d| d.as_nanos() as u64)
     });
-    println!("seed {seed} (repeat with --seed {seed})");
+    outln!("seed {seed} (repeat with --seed {seed})");
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let scratch = Scratch::new(a.common.dir.as_deref(), "crash")?;
     let size = a.size.0;
@@ -404,9 +404,9 @@ pub(crate) fn run(a: &CrashArgs) -> Result<u8> {
         format!("{up}/{unfl} = {} %", f2(pct(up, unfl))),
         "reported".into(),
     ]);
-    t.print();
+    t.print()?;
     for e in writer_errors.iter().take(5) {
-        println!("writer error (not a disconnect): {e}");
+        outln!("writer error (not a disconnect): {e}");
     }
     let ok = wrong == 0
         && phantom == 0
@@ -428,7 +428,7 @@ pub(crate) fn run(a: &CrashArgs) -> Result<u8> {
     );
     report.set("iterations", serde_json::to_value(&results)?);
     report.write(a.common.json.as_deref())?;
-    println!(
+    outln!(
         "{}",
         if ok {
             "crash: all checks passed"

@@ -35,13 +35,13 @@ pub struct LimitsArgs {
     pub sizes: Vec<u64>,
     /// Each memcpy pool (source and destination) in bytes; at least 1GiB for
     /// a cold copy.
-    #[arg(long, default_value = "1GiB")]
+    #[arg(long, value_parser = crate::bench::parse_bytes, default_value = "1GiB")]
     pub pool: node::ByteSize,
     /// Bytes written and read per block size with O_DIRECT.
-    #[arg(long, default_value = "512MiB")]
+    #[arg(long, value_parser = crate::bench::parse_bytes, default_value = "512MiB")]
     pub disk_bytes: node::ByteSize,
     /// Bytes sent over TCP and QUIC loopback.
-    #[arg(long, default_value = "512MiB")]
+    #[arg(long, value_parser = crate::bench::parse_bytes, default_value = "512MiB")]
     pub net_bytes: node::ByteSize,
     /// Common options.
     #[command(flatten)]
@@ -92,6 +92,15 @@ impl Limits {
 /// Measures the memcpy and disk limits for `sizes` (and the network ones
 /// when `net` is set) in `dir`.
 pub(crate) fn measure(args: &LimitsArgs, dir: &Path, net: bool) -> Result<Limits> {
+    let largest = args.sizes.iter().copied().max().unwrap_or(0);
+    for (flag, have) in [("--pool", args.pool), ("--disk-bytes", args.disk_bytes)] {
+        if have.0 < largest {
+            anyhow::bail!(
+                "{flag} {have} is smaller than the largest of --sizes ({}): it must hold one chunk at least",
+                node::ByteSize(largest)
+            );
+        }
+    }
     let steps = args.sizes.len() as u64 * 2 + if net { 2 } else { 0 };
     let pb = bar(steps, "limits");
     let mut sizes = Vec::new();
@@ -142,17 +151,17 @@ pub(crate) fn measure(args: &LimitsArgs, dir: &Path, net: bool) -> Result<Limits
 
 /// Runs `kvtier bench limits`.
 pub(crate) fn run(args: &LimitsArgs) -> Result<u8> {
-    print_header("limits");
+    print_header("limits")?;
     let scratch = Scratch::new(args.common.dir.as_deref(), "limits")?;
     let l = measure(args, scratch.path(), true)?;
-    print_limits(&l);
+    print_limits(&l)?;
     let mut report = Report::new("limits");
     report.set("limits", serde_json::to_value(&l)?);
     report.write(args.common.json.as_deref())?;
     Ok(EXIT_OK)
 }
 
-pub(crate) fn print_limits(l: &Limits) {
+pub(crate) fn print_limits(l: &Limits) -> anyhow::Result<()> {
     let io = if l.direct_io {
         "O_DIRECT"
     } else {
@@ -170,24 +179,25 @@ pub(crate) fn print_limits(l: &Limits) {
             f2(s.direct_read_gbps),
         ]);
     }
-    t.print();
+    t.print()?;
     if l.tcp_gbps.is_finite() {
-        println!("TCP loopback, one stream:  {} GB/s", f2(l.tcp_gbps));
+        outln!("TCP loopback, one stream:  {} GB/s", f2(l.tcp_gbps));
         match (&l.quic_gbps, &l.quic_error) {
-            (Some(q), _) => println!(
+            (Some(q), _) => outln!(
                 "QUIC loopback, one stream (quinn, peer transport settings, mTLS): {} GB/s",
                 f2(*q)
             ),
-            (None, Some(e)) => println!("QUIC loopback: not measured: {e}"),
+            (None, Some(e)) => outln!("QUIC loopback: not measured: {e}"),
             (None, None) => {}
         }
         if let Some(q) = l.quic_default_gbps {
-            println!(
+            outln!(
                 "QUIC loopback, one stream (quinn, quinn's default transport settings, mTLS): {} GB/s",
                 f2(q)
             );
         }
     }
+    Ok(())
 }
 
 /// Source and destination pools for the cold copy.

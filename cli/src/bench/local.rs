@@ -41,14 +41,14 @@ pub struct LocalArgs {
     #[arg(long, value_delimiter = ',', value_parser = parse_size, default_value = "256KiB,1MiB,2.5MiB,4MiB")]
     pub sizes: Vec<u64>,
     /// Client concurrencies (threads, one connection each).
-    #[arg(long, value_delimiter = ',', default_value = "1,4,16")]
+    #[arg(long, value_parser = crate::bench::parse_count::<usize>, value_delimiter = ',', default_value = "1,4,16")]
     pub concurrency: Vec<usize>,
     /// Distinct chunks per size, as bytes (the working set; must fit the
     /// RAM budget for RAM hits).
-    #[arg(long, default_value = "256MiB")]
+    #[arg(long, value_parser = crate::bench::parse_bytes, default_value = "256MiB")]
     pub set_bytes: node::ByteSize,
     /// Bytes moved per (operation, size, concurrency) cell.
-    #[arg(long, default_value = "512MiB")]
+    #[arg(long, value_parser = crate::bench::parse_bytes, default_value = "512MiB")]
     pub cell_bytes: node::ByteSize,
     /// LOOKUP requests (of 1,024 keys) per concurrency.
     #[arg(long, default_value_t = 2000)]
@@ -57,7 +57,7 @@ pub struct LocalArgs {
     #[arg(long)]
     pub no_disk: bool,
     /// Memcpy pool for the limit measured in the same run.
-    #[arg(long, default_value = "1GiB")]
+    #[arg(long, value_parser = crate::bench::parse_bytes, default_value = "1GiB")]
     pub pool: node::ByteSize,
     /// Common options.
     #[command(flatten)]
@@ -242,7 +242,7 @@ fn make_cell(
 
 /// Runs `kvtier bench local`.
 pub(crate) fn run(args: &LocalArgs) -> Result<u8> {
-    print_header("local");
+    print_header("local")?;
     let scratch = Scratch::new(args.common.dir.as_deref(), "local")?;
     let set_total = args.set_bytes.0 * args.sizes.len() as u64;
     let mut own = match &args.socket {
@@ -272,7 +272,7 @@ pub(crate) fn run(args: &LocalArgs) -> Result<u8> {
         scratch.path(),
         false,
     )?;
-    limits::print_limits(&lim);
+    limits::print_limits(&lim)?;
 
     let rec = bench_record(1, 0, &format!("local-{}", std::process::id()));
     let mut cells = Vec::new();
@@ -398,9 +398,9 @@ pub(crate) fn run(args: &LocalArgs) -> Result<u8> {
         d.stop()?;
     }
 
-    print_cells(&cells);
+    print_cells(&cells)?;
     if let Some(n) = disk_note {
-        println!("GET disk: {n}");
+        outln!("GET disk: {n}");
     }
     let errors: u64 = cells.iter().map(|c| c.errors).sum();
     let ram_misses: u64 = cells
@@ -421,7 +421,7 @@ pub(crate) fn run(args: &LocalArgs) -> Result<u8> {
     }
 }
 
-fn print_cells(cells: &[Cell]) {
+fn print_cells(cells: &[Cell]) -> anyhow::Result<()> {
     let mut t = Table::new(
         "native socket + shared memory (GB/s, latency in µs; ratio = throughput / limit at the same size)",
         &[
@@ -463,7 +463,7 @@ fn print_cells(cells: &[Cell]) {
             },
         ]);
     }
-    t.print();
+    t.print()
 }
 
 #[cfg(test)]

@@ -92,6 +92,7 @@ pub struct CommonArgs {
 /// Runs a `kvtier bench` scenario; returns the exit code (1 when a
 /// correctness check of the scenario failed).
 pub fn run(args: &BenchArgs) -> Result<u8> {
+    undo_on_signals();
     match &args.scenario {
         Scenario::Limits(a) => limits::run(a),
         Scenario::Local(a) => local::run(a),
@@ -100,6 +101,86 @@ pub fn run(args: &BenchArgs) -> Result<u8> {
         Scenario::Churn(a) => churn::run(a),
         Scenario::Restore(a) => restore::run(a),
         Scenario::TwoRank(a) => restore::run_two_rank(a),
+    }
+}
+
+/// What a bench stopped by a signal leaves behind unless it is undone: its
+/// scratch dirs and the processes it started (daemons, redis-server, the
+/// LMCache server). Each is listed while it exists.
+struct Undo {
+    dirs: Vec<PathBuf>,
+    pids: Vec<u32>,
+}
+
+static UNDO: std::sync::Mutex<Undo> = std::sync::Mutex::new(Undo {
+    dirs: Vec::new(),
+    pids: Vec::new(),
+});
+
+fn undo() -> std::sync::MutexGuard<'static, Undo> {
+    UNDO.lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// Lists a child process to kill if the bench is stopped by a signal.
+pub(crate) fn track_pid(pid: u32) {
+    undo().pids.push(pid);
+}
+
+/// Takes `pid` off that list (before it is reaped: a reaped pid may be reused).
+pub(crate) fn untrack_pid(pid: u32) {
+    undo().pids.retain(|&p| p != pid);
+}
+
+/// SIGINT, SIGTERM and SIGHUP stop a bench cleanly: they are blocked in
+/// every thread (this runs before the bench starts any) and taken by one
+/// thread, which kills the processes the bench started, removes its scratch
+/// dirs and exits with 128 + the signal. Before, a Ctrl-C or `kill` left a
+/// daemon running (parent pid 1) and up to gigabytes of scratch data.
+/// Children start with an empty signal mask (the standard library resets it).
+fn undo_on_signals() {
+    // SAFETY: sigset_t is plain data; sigemptyset/sigaddset initialise it and
+    // pthread_sigmask only reads it.
+    let set = unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        for sig in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP] {
+            libc::sigaddset(&mut set, sig);
+        }
+        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+        set
+    };
+    let spawned = std::thread::Builder::new()
+        .name("kvtier-bench-signals".into())
+        .spawn(move || {
+            let mut sig: libc::c_int = 0;
+            // SAFETY: `set` is initialised; `sig` is a valid out pointer.
+            if unsafe { libc::sigwait(&set, &mut sig) } != 0 {
+                return;
+            }
+            let u = undo();
+            for &pid in &u.pids {
+                if let Ok(pid) = libc::pid_t::try_from(pid) {
+                    // SAFETY: kill(2) and waitpid(2) have no memory-safety
+                    // preconditions; these are our unreaped children.
+                    unsafe {
+                        libc::kill(pid, libc::SIGKILL);
+                        libc::waitpid(pid, std::ptr::null_mut(), 0);
+                    }
+                }
+            }
+            for d in &u.dirs {
+                let _ = std::fs::remove_dir_all(d);
+            }
+            errln!(
+                "kvtier bench: stopped by signal {sig}; its processes are killed and its scratch dir removed"
+            );
+            std::process::exit(128 + sig);
+        });
+    if let Err(e) = spawned {
+        errln!("kvtier bench: no signal thread ({e}); a Ctrl-C may leave its scratch dir behind");
+        // SAFETY: as above; unblocks what this function blocked.
+        unsafe { libc::pthread_sigmask(libc::SIG_UNBLOCK, &set, std::ptr::null_mut()) };
     }
 }
 
@@ -126,6 +207,7 @@ impl Scratch {
             std::fs::remove_dir_all(&path)
                 .with_context(|| format!("remove stale scratch dir {}", path.display()))?;
         }
+        undo().dirs.push(path.clone());
         std::fs::create_dir_all(&path)
             .with_context(|| format!("create scratch dir {}", path.display()))?;
         Ok(Self { path, remove })
@@ -141,6 +223,7 @@ impl Drop for Scratch {
         if self.remove {
             let _ = std::fs::remove_dir_all(&self.path);
         }
+        undo().dirs.retain(|d| d != &self.path);
     }
 }
 
@@ -255,11 +338,13 @@ impl Daemon {
             .stderr(log);
         let child = cmd.spawn().context("spawn `kvtier node start`")?;
         let pid = child.id();
+        track_pid(pid);
         self.child = Some(child);
         let t0 = Instant::now();
         loop {
             if let Some(status) = self.child_mut().try_wait().context("wait for the daemon")? {
                 self.child = None;
+                untrack_pid(pid);
                 bail!(
                     "the daemon exited during start-up with {status}; log {}:\n{}",
                     self.log.display(),
@@ -296,6 +381,7 @@ impl Daemon {
     /// SIGKILL and reap (no-op when not running).
     pub(crate) fn kill9(&mut self) {
         if let Some(mut child) = self.child.take() {
+            untrack_pid(child.id());
             let _ = child.kill();
             let _ = child.wait();
         }
@@ -314,6 +400,7 @@ impl Daemon {
         loop {
             if let Some(status) = self.child_mut().try_wait().context("wait for the daemon")? {
                 self.child = None;
+                untrack_pid(u32::try_from(pid).unwrap_or(0));
                 if !status.success() {
                     bail!(
                         "the daemon exited with {status} after SIGTERM:\n{}",
@@ -472,10 +559,30 @@ pub(crate) const CHUNK_SIZES: [u64; 4] = [256 << 10, 1 << 20, 5 << 19, 4 << 20];
 
 /// Parses one size ("2.5MiB") into bytes.
 pub(crate) fn parse_size(s: &str) -> Result<u64, String> {
-    s.trim()
-        .parse::<node::ByteSize>()
-        .map(|b| b.0)
-        .map_err(|e| format!("{s:?}: {e}"))
+    parse_bytes(s).map(|b| b.0)
+}
+
+/// A size of at least one byte (a bench of 0-byte chunks or pools divides
+/// by zero).
+pub(crate) fn parse_bytes(s: &str) -> Result<node::ByteSize, String> {
+    match s.trim().parse::<node::ByteSize>() {
+        Ok(b) if b.0 == 0 => Err(format!("{s:?}: must be at least 1 byte")),
+        Ok(b) => Ok(b),
+        Err(e) => Err(format!("{s:?}: {e}")),
+    }
+}
+
+/// A count of at least one.
+pub(crate) fn parse_count<T>(s: &str) -> Result<T, String>
+where
+    T: std::str::FromStr + Default + PartialEq,
+    T::Err: std::fmt::Display,
+{
+    match s.trim().parse::<T>() {
+        Ok(n) if n == T::default() => Err(format!("{s:?}: must be at least 1")),
+        Ok(n) => Ok(n),
+        Err(e) => Err(format!("{s:?}: {e}")),
+    }
 }
 
 /// Parses "256KiB,1MiB" into bytes.

@@ -26,7 +26,7 @@ impl Table {
         self.rows.push(cells);
     }
 
-    pub(crate) fn print(&self) {
+    pub(crate) fn print(&self) -> anyhow::Result<()> {
         let n = self.headers.len();
         let mut w: Vec<usize> = self.headers.iter().map(String::len).collect();
         for r in &self.rows {
@@ -34,7 +34,7 @@ impl Table {
                 w[i] = w[i].max(c.len());
             }
         }
-        println!("\n{}", self.title);
+        outln!("\n{}", self.title);
         let line = |cells: &[String]| {
             let mut s = String::new();
             for (i, c) in cells.iter().enumerate().take(n) {
@@ -44,16 +44,18 @@ impl Table {
                     s.push_str(&format!("  {:>width$}", c, width = w[i]));
                 }
             }
-            println!("{}", s.trim_end());
+            outln!("{}", s.trim_end());
+            Ok::<(), anyhow::Error>(())
         };
-        line(&self.headers);
-        println!(
+        line(&self.headers)?;
+        outln!(
             "{}",
             "-".repeat(w.iter().sum::<usize>() + 2 * n.saturating_sub(1))
         );
         for r in &self.rows {
-            line(r);
+            line(r)?;
         }
+        Ok(())
     }
 }
 
@@ -85,7 +87,7 @@ impl Report {
         if let Some(p) = path {
             let text = serde_json::to_string_pretty(&Value::Object(self.doc.clone()))?;
             std::fs::write(p, text + "\n").with_context(|| format!("write {}", p.display()))?;
-            println!("\nwrote {}", p.display());
+            outln!("\nwrote {}", p.display());
         }
         Ok(())
     }
@@ -129,15 +131,16 @@ pub(crate) fn machine() -> Value {
 }
 
 /// Prints the one-line machine summary under a scenario's title.
-pub(crate) fn print_header(scenario: &str) {
+pub(crate) fn print_header(scenario: &str) -> anyhow::Result<()> {
     let m = machine();
-    println!(
+    outln!(
         "kvtier bench {scenario} — {} ({} CPUs, {:.0} GiB RAM, kernel {})",
         m["cpu"].as_str().unwrap_or("?"),
         m["cpus"],
         m["mem_bytes"].as_u64().unwrap_or(0) as f64 / (1u64 << 30) as f64,
         m["kernel"].as_str().unwrap_or("?")
     );
+    Ok(())
 }
 
 /// "12.3" with one decimal, or "-" for NaN.

@@ -46,10 +46,10 @@ pub struct TwoRankArgs {
     #[arg(long = "restore-from", value_name = "PATH", required = true)]
     pub restore_from: Vec<PathBuf>,
     /// Chunks per rank.
-    #[arg(long, default_value_t = 32)]
+    #[arg(long, value_parser = crate::bench::parse_count::<u64>, default_value_t = 32)]
     pub chunks: u64,
     /// Chunk size.
-    #[arg(long, default_value = "256KiB")]
+    #[arg(long, value_parser = crate::bench::parse_bytes, default_value = "256KiB")]
     pub size: node::ByteSize,
     /// How long to wait for the peers' availability to converge.
     #[arg(long, default_value = "20s")]
@@ -207,7 +207,7 @@ pub(crate) fn run_two_rank(a: &TwoRankArgs) -> Result<u8> {
     let f1 = c1.flush().context("FLUSH rank 1's node")?;
     let write_time = t0.elapsed();
     if !a.json {
-        println!(
+        outln!(
             "wrote {} chunks of {} per rank: rank 0 on {}, rank 1 on {} (flushed {} + {} chunks) in {:.0} ms",
             a.chunks,
             size_name(a.size.0),
@@ -235,7 +235,7 @@ pub(crate) fn run_two_rank(a: &TwoRankArgs) -> Result<u8> {
             && neg.prefix == 0;
         ok &= good;
         if !a.json {
-            println!(
+            outln!(
                 "{}: cluster lookup prefix {prefix}/{} (converged in {:.0} ms); restored rank 0: \
                  {} ram / {} disk / {} peer, {} missing, {} wrong; rank 1: {} ram / {} disk / {} peer, \
                  {} missing, {} wrong; {:.1} MB in {:.0} ms; absent keys prefix {} -> {}",
@@ -266,7 +266,7 @@ pub(crate) fn run_two_rank(a: &TwoRankArgs) -> Result<u8> {
     }
     if a.json {
         let doc = json!({"chunks": a.chunks, "size": a.size.0, "ok": ok, "nodes": nodes});
-        println!("{}", serde_json::to_string_pretty(&doc)?);
+        outln!("{}", serde_json::to_string_pretty(&doc)?);
     }
     Ok(if ok { EXIT_OK } else { EXIT_ERROR })
 }
@@ -276,10 +276,10 @@ pub(crate) fn run_two_rank(a: &TwoRankArgs) -> Result<u8> {
 pub struct RestoreArgs {
     /// Chunks per rank (12,500 chunks of 16 tokens is a 200K-token
     /// session; scale down to the machine's disk).
-    #[arg(long, default_value_t = 2000)]
+    #[arg(long, value_parser = crate::bench::parse_count::<u64>, default_value_t = 2000)]
     pub chunks: u64,
     /// Chunk size.
-    #[arg(long, default_value = "256KiB")]
+    #[arg(long, value_parser = crate::bench::parse_bytes, default_value = "256KiB")]
     pub size: node::ByteSize,
     /// Common options.
     #[command(flatten)]
@@ -323,7 +323,7 @@ fn free_udp_port() -> Result<u16> {
 
 /// Runs `kvtier bench restore`.
 pub(crate) fn run(a: &RestoreArgs) -> Result<u8> {
-    print_header("restore");
+    print_header("restore")?;
     require_peer_flags()?;
     let scratch = Scratch::new(a.common.dir.as_deref(), "restore")?;
     let dir = scratch.path();
@@ -510,7 +510,7 @@ pub(crate) fn run(a: &RestoreArgs) -> Result<u8> {
             after.wrapping_sub(before)
         ),
     ]);
-    t.print();
+    t.print()?;
     let ok = prefix == a.chunks as u32
         && [r0, r1, rp].iter().all(|r| r.misses == 0 && r.wrong == 0)
         && rp.peer == a.chunks
@@ -535,7 +535,7 @@ pub(crate) fn run(a: &RestoreArgs) -> Result<u8> {
         }),
     );
     report.write(a.common.json.as_deref())?;
-    println!(
+    outln!(
         "{}",
         if ok {
             "restore: all checks passed"

@@ -44,10 +44,10 @@ pub struct VsArgs {
     #[arg(long, value_delimiter = ',', value_parser = parse_size, default_value = "256KiB,1MiB,2.5MiB,4MiB")]
     pub sizes: Vec<u64>,
     /// Client concurrencies (one connection each).
-    #[arg(long, value_delimiter = ',', default_value = "1,4")]
+    #[arg(long, value_parser = crate::bench::parse_count::<usize>, value_delimiter = ',', default_value = "1,4")]
     pub concurrency: Vec<usize>,
     /// Working set per size and concurrency, in bytes.
-    #[arg(long, default_value = "128MiB")]
+    #[arg(long, value_parser = crate::bench::parse_bytes, default_value = "128MiB")]
     pub set_bytes: node::ByteSize,
     /// The redis-server binary.
     #[arg(long, default_value = "redis-server")]
@@ -62,11 +62,20 @@ pub struct VsArgs {
     pub common: CommonArgs,
 }
 
-/// A child process killed by pid when dropped.
+/// A child process killed by pid when dropped (or when the bench is
+/// stopped by a signal: [`super::track_pid`]).
 struct Proc(Child);
+
+impl Proc {
+    fn new(child: Child) -> Self {
+        super::track_pid(child.id());
+        Self(child)
+    }
+}
 
 impl Drop for Proc {
     fn drop(&mut self) {
+        super::untrack_pid(self.0.id());
         let _ = self.0.kill();
         let _ = self.0.wait();
     }
@@ -421,7 +430,7 @@ fn lmcache_cells(
 
 /// Runs `kvtier bench vs`.
 pub(crate) fn run(a: &VsArgs) -> Result<u8> {
-    print_header("vs");
+    print_header("vs")?;
     let scratch = Scratch::new(a.common.dir.as_deref(), "vs")?;
     let per_server = a.set_bytes.0 * a.sizes.len() as u64 * a.concurrency.len() as u64;
     let mut notes = Vec::new();
@@ -458,7 +467,7 @@ pub(crate) fn run(a: &VsArgs) -> Result<u8> {
         .stderr(Stdio::null())
         .spawn();
     let mut redis = match redis {
-        Ok(c) => Some(Proc(c)),
+        Ok(c) => Some(Proc::new(c)),
         Err(e) => {
             notes.push(format!(
                 "Redis column skipped: cannot run {}: {e}",
@@ -493,7 +502,7 @@ pub(crate) fn run(a: &VsArgs) -> Result<u8> {
                 .stderr(std::fs::File::create(&log)?)
                 .spawn()
                 .context("start the LMCache server")?;
-            let mut p = Proc(child);
+            let mut p = Proc::new(child);
             let addr: SocketAddr = ([127, 0, 0, 1], port).into();
             match wait_listening(&mut p.0, addr, "the LMCache server", &log) {
                 Ok(()) => lm = Some((py, p, addr)),
@@ -588,13 +597,13 @@ pub(crate) fn run(a: &VsArgs) -> Result<u8> {
             }
         }
     }
-    t.print();
+    t.print()?;
     for n in &notes {
-        println!("{n}");
+        outln!("{n}");
     }
     let bad: u64 = cells.iter().map(|v| v["bad"].as_u64().unwrap_or(0)).sum();
     if bad > 0 {
-        println!("WARNING: {bad} GETs returned a missing or wrong-length value");
+        outln!("WARNING: {bad} GETs returned a missing or wrong-length value");
     }
     let mut report = Report::new("vs");
     report.set("cells", json!(cells));

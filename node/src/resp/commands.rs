@@ -906,6 +906,8 @@ fn take_pin(shared: &Shared, s: &mut Session, key: &[u8], id: &ChunkId) -> Optio
 
 async fn get(shared: &Shared, s: &mut Session, key: &Bytes, out: &mut Output) -> Res {
     if key.len() > MAX_KEY_LEN {
+        // Absent, as such a key always is: a miss (hits + misses = GETs).
+        shared.ctx.store.count_miss();
         out.null();
         return Ok(());
     }
