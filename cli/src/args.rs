@@ -2,6 +2,7 @@
 
 use std::path::PathBuf;
 
+use clap::builder::TypedValueParser as _;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use node::config::{Listen, Overrides};
 use node::logging::LogFormat;
@@ -143,13 +144,23 @@ pub struct ConfigArgs {
     pub idle_flush_after: Option<HumanDuration>,
     /// When the disk writer falls behind: never slow PUT (`no-tax`) or wait
     /// (`backpressure`). Default: no-tax.
-    #[arg(long, value_name = "POLICY", value_parser = parse_write_policy)]
+    #[arg(
+        long,
+        value_name = "POLICY",
+        value_parser = clap::builder::PossibleValuesParser::new(["no-tax", "backpressure"])
+            .try_map(|s| parse_write_policy(&s))
+    )]
     pub write_policy: Option<WritePolicy>,
     /// Time a graceful shutdown may spend flushing. Default: 30s.
     #[arg(long, value_name = "DURATION")]
     pub shutdown_deadline: Option<HumanDuration>,
     /// Log format: human or json. Default: human.
-    #[arg(long, value_name = "FORMAT")]
+    #[arg(
+        long,
+        value_name = "FORMAT",
+        value_parser = clap::builder::PossibleValuesParser::new(["human", "json"])
+            .try_map(|s| s.parse::<LogFormat>())
+    )]
     pub log_format: Option<LogFormat>,
     /// Log level (trace, debug, info, warn, error, off) or filter, e.g.
     /// info,node=debug. Default: info.

@@ -380,6 +380,14 @@ pub struct Environment {
     pub mem_total: Option<u64>,
 }
 
+/// `KVTIER_*` variables that belong to the clients, benches and scripts,
+/// not to the daemon's configuration (no config key has these names).
+pub fn is_tool_variable(name: &str) -> bool {
+    name == crate::native::spin::CLIENT_SPIN_ENV
+        || name == "KVTIER_BIN"
+        || name.starts_with("KVTIER_BENCH_")
+}
+
 fn env_path(name: &str) -> Option<PathBuf> {
     std::env::var_os(name)
         .filter(|v| !v.is_empty())
@@ -1423,9 +1431,10 @@ pub fn load(sources: &ConfigSources, env: &Environment) -> Result<Loaded> {
         let Some(name) = k.strip_prefix(ENV_PREFIX) else {
             continue;
         };
-        // The clients' own variable is not a daemon key: one shell may set
-        // it for its clients and start the daemon too.
-        if k == ENV_CONFIG_FILE || k == crate::native::spin::CLIENT_SPIN_ENV || name.is_empty() {
+        // The clients' and the project's scripts' own variables are not
+        // daemon keys: one shell may set them and start the daemon too
+        // (`KVTIER_BIN` of the test scripts made every start fail).
+        if k == ENV_CONFIG_FILE || name.is_empty() || is_tool_variable(k) {
             continue;
         }
         let key = name.to_ascii_lowercase().replace('_', "-");
@@ -1883,14 +1892,25 @@ mod tests {
         let c = load_with(Some("native-spin = \"50us\"\n"), &[], Overrides::default())
             .expect("50us is a valid spin");
         assert_eq!(c.config.native_spin.0, Duration::from_micros(50));
-        // The clients' variable in the daemon's environment is not a key.
+        // The clients' and scripts' variables in the daemon's environment
+        // are not keys; a misspelt key still is an error.
         let c = load_with(
             None,
-            &[("KVTIER_CLIENT_SPIN_US", "0")],
+            &[
+                ("KVTIER_CLIENT_SPIN_US", "0"),
+                ("KVTIER_BIN", "/x"),
+                ("KVTIER_BENCH_CELLS", "8"),
+            ],
             Overrides::default(),
         )
-        .expect("a client variable is ignored");
+        .expect("client and script variables are ignored");
         assert_eq!(c.config.native_spin.0, Duration::from_micros(50));
+        let e = err_of(load_with(
+            None,
+            &[("KVTIER_RAM_BUDGT", "1GiB")],
+            Overrides::default(),
+        ));
+        assert!(e.contains("KVTIER_RAM_BUDGT"), "{e}");
     }
 
     /// Peer durations that `now + d` would overflow (humantime takes

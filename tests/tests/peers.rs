@@ -820,6 +820,9 @@ fn a_get_whose_client_hung_up_stops_fetching_from_peers() {
     );
     assert_eq!(peer_field(&b, "a", "fetches_in_flight"), Some(0));
     assert_eq!(doc["counters"]["native-abandoned"], 1, "STATS: {doc}");
+    // Abandoned, not answered: no request error (an engine that died
+    // raised the error-rate alert).
+    assert_eq!(doc["counters"]["native-errors"], 0, "STATS: {doc}");
     // The reads it dropped while they waited for a are misses (they
     // counted nowhere: review); none was a hit.
     assert!(doc["store"]["misses"].as_u64() > Some(0), "STATS: {doc}");

@@ -34,7 +34,9 @@ use crate::{EXIT_ERROR, EXIT_OK};
 #[derive(Debug, Args)]
 pub struct LocalArgs {
     /// A running daemon's socket (default: start one in the scratch dir).
-    /// Disk-hit figures need the bench's own daemon (it is restarted).
+    /// Disk-hit figures need the bench's own daemon (it is restarted). The
+    /// chunks written stay in that daemon (namespace
+    /// `kvtier-bench/synthetic-70b`) and evict its others when it is small.
     #[arg(long, value_name = "PATH")]
     pub socket: Option<PathBuf>,
     /// Chunk sizes.

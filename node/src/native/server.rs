@@ -246,6 +246,9 @@ struct Connection {
     /// Descriptors were lost or too many are pending: the connection is
     /// closed with an error once the requests before them are answered.
     fd_overflow: bool,
+    /// A GET was abandoned: its client hung up while it waited for reads
+    /// (no reply is sent, and it is not counted as an error).
+    abandoned: std::sync::atomic::AtomicBool,
 }
 
 impl Drop for Connection {
@@ -286,6 +289,7 @@ impl Connection {
             wbuf: Vec::with_capacity(4096),
             read_closed: false,
             fd_overflow: false,
+            abandoned: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
@@ -636,6 +640,8 @@ impl Connection {
         let op = req.op();
         match self.dispatch(req).await {
             Ok(resp) => codec::encode_response(&mut self.wbuf, id, &resp),
+            // Nobody to answer: not an error the client got.
+            Err(_) if *self.abandoned.get_mut() => {}
             Err((code, message)) => self.error(id, op as u16, code, &message),
         }
     }
@@ -955,6 +961,7 @@ impl Connection {
             () = watch.hung_up(&self.stream) => {
                 pending.abort_all();
                 NodeCounters::inc(&self.ctx.counters.native_abandoned);
+                self.abandoned.store(true, std::sync::atomic::Ordering::Relaxed);
                 debug!(reads = pending.len(), "native client hung up during a GET; its reads are dropped");
                 return Err((ErrorCode::Internal, "the client hung up; GET abandoned".into()));
             }
