@@ -664,6 +664,103 @@ fn get_serves_disk_hits_concurrently_and_byte_exact() {
     }
 }
 
+/// A GET whose range is too small for the chunk writes nothing: no hit and
+/// no `bytes_out` (both were counted), and a chunk on disk is not read (it
+/// was read whole and promoted into RAM, evicting others).
+#[test]
+fn a_too_small_range_counts_no_hit_and_reads_no_disk() {
+    let server = TestServer::start_with_ram(node::native::NativeOptions::default(), 1 << 20);
+    let mut c = server.client();
+    let ns = c.hello(&record(0)).unwrap();
+    let size = 200 << 10;
+    for i in 0..12u32 {
+        assert_eq!(
+            c.put_bytes(ns, 0, &[(key(i), &payload(i, size))]).unwrap(),
+            vec![0]
+        );
+        c.flush().unwrap();
+    }
+    let keys: Vec<ChunkKey> = (0..12).map(key).collect();
+    let l = c.lookup(ns, 0, &keys).unwrap();
+    let at = |want: LookupLocation| {
+        l.locations
+            .iter()
+            .position(|x| *x == want)
+            .unwrap_or_else(|| panic!("no {want:?} chunk: {:?}", l.locations)) as u32
+    };
+    let (ram, disk) = (at(LookupLocation::Ram), at(LookupLocation::Disk));
+    let stats = || server.ctx.store.stats();
+    let before = stats();
+    for k in [ram, disk] {
+        let r = c
+            .get(
+                ns,
+                0,
+                &[RegionEntry {
+                    key: key(k),
+                    offset: 0,
+                    len: 100,
+                }],
+            )
+            .unwrap();
+        assert_eq!((r[0].status, r[0].len), (GetStatus::TooSmall, size as u64));
+    }
+    let after = stats();
+    assert_eq!(
+        (
+            after.hits_ram,
+            after.hits_disk,
+            after.misses,
+            after.bytes_out,
+            after.disk_reads
+        ),
+        (
+            before.hits_ram,
+            before.hits_disk,
+            before.misses,
+            before.bytes_out,
+            before.disk_reads
+        ),
+    );
+    let r = c
+        .get(
+            ns,
+            0,
+            &[RegionEntry {
+                key: key(disk),
+                offset: 0,
+                len: size as u64,
+            }],
+        )
+        .unwrap();
+    assert_eq!(r[0].status, GetStatus::HitDisk);
+    let r = c
+        .get(
+            ns,
+            0,
+            &[RegionEntry {
+                key: key(disk),
+                offset: 0,
+                len: size as u64,
+            }],
+        )
+        .unwrap();
+    assert_eq!(
+        r[0].status,
+        GetStatus::HitRam,
+        "promoted by the read that fit"
+    );
+    let end = stats();
+    assert_eq!(
+        (end.hits_disk, end.hits_ram, end.bytes_out),
+        (
+            after.hits_disk + 1,
+            after.hits_ram + 1,
+            after.bytes_out + 2 * size as u64
+        )
+    );
+}
+
 #[test]
 fn a_lookup_can_carry_its_keys_in_the_region() {
     let server = TestServer::start();

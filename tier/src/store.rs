@@ -1261,6 +1261,14 @@ impl ChunkStore {
         self.inner.get_for_peer_inner(id)
     }
 
+    /// The payload length of the copy of `id` on disk, from the in-RAM
+    /// index (no disk I/O): what a read from disk would return.
+    pub fn disk_len(&self, id: &ChunkId) -> Option<u64> {
+        let _g = self.inner.gate.read();
+        let d = self.inner.disk.as_ref()?;
+        d.index.read().get(id).map(|l| u64::from(l.payload_len))
+    }
+
     /// Where a chunk lives, from the in-RAM index only (no disk I/O).
     pub fn locate(&self, id: &ChunkId) -> Option<Tier> {
         let _g = self.inner.gate.read();

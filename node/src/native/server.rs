@@ -916,13 +916,23 @@ impl Connection {
         // pending reads are dropped (a peer fetch stops; a disk read already
         // running finishes), so a restore whose engine died does not go on
         // pulling chunks from peers for nobody.
+        // RAM hits are counted once placed: a chunk larger than its range
+        // (`too-small`) wrote nothing, so it is no hit and no `bytes_out`;
+        // one on disk is not even read.
         let mut hits = Vec::new();
         let mut pending = JoinSet::new();
         let mut watch = HangupWatch::new();
         for (i, e) in entries.iter().enumerate() {
             let id = ChunkId::new(ns, e.key, group);
-            if let Some(hit) = self.ctx.get_ram(&id, None) {
-                hits.push((i, *e, Some(hit)));
+            if let Some(data) = self.ctx.store.peek_ram(&id, None) {
+                hits.push((i, *e, Some((data, Location::Ram))));
+                continue;
+            }
+            if let Some(len) = self.ctx.store.disk_len(&id).filter(|&n| n > e.len) {
+                results[i] = GetResult {
+                    status: GetStatus::TooSmall,
+                    len,
+                };
                 continue;
             }
             while pending.len() >= MAX_CONCURRENT_READS {
@@ -937,6 +947,9 @@ impl Connection {
         }
         if !hits.is_empty() {
             for (i, r) in place_hits(&self.slots, Arc::clone(region), hits).await {
+                if r.status == GetStatus::HitRam {
+                    self.ctx.store.count_ram_hit(&ns, r.len);
+                }
                 results[i] = r;
             }
         }
