@@ -586,13 +586,48 @@ fn get(args: &GetArgs) -> Result<u8> {
                 out.write_all(&bytes).map_err(crate::StdoutClosed::wrap)?;
                 out.flush().map_err(crate::StdoutClosed::wrap)?;
             } else {
-                std::fs::write(&args.output, &bytes)
+                write_whole(&args.output, &bytes)
                     .with_context(|| format!("write {}", args.output.display()))?;
                 errln!("wrote {} bytes to {}", bytes.len(), args.output.display());
             }
             Ok(EXIT_OK)
         }
     }
+}
+
+/// Writes `bytes` to `path` whole or not at all when it is (or will be) a
+/// regular file: through a temporary file beside it, synced, then renamed
+/// over it (a full disk left a truncated file in place of the old one).
+/// Anything else (`/dev/null`, a FIFO) is written directly.
+fn write_whole(path: &std::path::Path, bytes: &[u8]) -> std::io::Result<()> {
+    match std::fs::metadata(path) {
+        Ok(m) if !m.is_file() => return std::fs::write(path, bytes),
+        _ => {}
+    }
+    let name = path
+        .file_name()
+        .ok_or_else(|| std::io::Error::new(std::io::ErrorKind::InvalidInput, "not a file name"))?;
+    let mut tmp_name = std::ffi::OsString::from(".");
+    tmp_name.push(name);
+    tmp_name.push(format!(".kvtier-get-{}", std::process::id()));
+    let tmp = path.with_file_name(tmp_name);
+    let written = (|| {
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&tmp)?;
+        f.write_all(bytes)?;
+        f.sync_data()?;
+        if let Ok(m) = std::fs::metadata(path) {
+            // The new file keeps the old one's permissions.
+            f.set_permissions(m.permissions())?;
+        }
+        std::fs::rename(&tmp, path)
+    })();
+    if written.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    written
 }
 
 fn delete(args: &DeleteArgs) -> Result<u8> {

@@ -1583,3 +1583,109 @@ fn a_bench_stopped_by_a_signal_kills_its_daemon_and_removes_its_scratch_dir() {
     let alive = unsafe { libc::kill(daemon, 0) } == 0;
     assert!(!alive, "the bench's daemon (pid {daemon}) is gone");
 }
+
+/// `get -o FILE` that cannot write the whole chunk (a full filesystem: a
+/// 128 KiB tmpfs, mounted where the test may, else skipped) leaves FILE as
+/// it was and no temporary file (it left a truncated FILE in place of the
+/// old one).
+#[test]
+fn a_get_that_cannot_write_the_whole_chunk_leaves_the_file_as_it_was() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let outdir = dir.path().join("small");
+    std::fs::create_dir(&outdir).expect("mkdir");
+    let mounted = std::process::Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=128k", "kvtier-test"])
+        .arg(&outdir)
+        .stderr(std::process::Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !mounted {
+        eprintln!("SKIPPED: cannot mount a small tmpfs here");
+        return;
+    }
+    struct Unmount(std::path::PathBuf);
+    impl Drop for Unmount {
+        fn drop(&mut self) {
+            let _ = std::process::Command::new("umount").arg(&self.0).status();
+        }
+    }
+    let _unmount = Unmount(outdir.clone());
+    let d = Daemon::start(dir.path(), &[], &[]).unwrap_or_else(|e| panic!("{e}"));
+    let sock = d.socket.to_string_lossy().into_owned();
+    let record = dir.path().join("ns.toml");
+    std::fs::write(&record, "model = \"m\"\n").expect("write record");
+    let payload = dir.path().join("chunk.bin");
+    let bytes: Vec<u8> = (0..300_000u32).map(|i| (i % 251) as u8).collect();
+    std::fs::write(&payload, &bytes).expect("write payload");
+    let put = |name: &str, file: &std::path::Path| {
+        let out = run_kvtier(
+            &[
+                "put",
+                &file.to_string_lossy(),
+                "--namespace-record",
+                &record.to_string_lossy(),
+                "--name",
+                name,
+                "--json",
+                "--socket",
+                &sock,
+            ],
+            &[],
+        );
+        assert_eq!(out.status.code(), Some(0), "{}", text_of(&out));
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("put --json");
+        v["namespace"].as_str().expect("namespace").to_owned()
+    };
+    let ns = put("big", &payload);
+    let target = outdir.join("got.bin");
+    std::fs::write(&target, b"old contents").expect("write old");
+    let get = || {
+        run_kvtier(
+            &[
+                "get",
+                "--name",
+                "big",
+                "--namespace",
+                &ns,
+                "-o",
+                &target.to_string_lossy(),
+                "--socket",
+                &sock,
+            ],
+            &[],
+        )
+    };
+    let out = get();
+    assert_eq!(out.status.code(), Some(1), "{}", text_of(&out));
+    let kept = std::fs::read(&target).expect("read");
+    assert!(
+        kept == b"old contents",
+        "the old file is kept, not cut to {} bytes",
+        kept.len()
+    );
+    let left: Vec<_> = std::fs::read_dir(&outdir)
+        .expect("list")
+        .map(|e| e.expect("entry").file_name())
+        .collect();
+    assert_eq!(left.len(), 1, "no temporary file is left: {left:?}");
+    // One that fits replaces it whole.
+    let small = dir.path().join("small.bin");
+    std::fs::write(&small, b"new contents").expect("write");
+    put("small", &small);
+    let out = run_kvtier(
+        &[
+            "get",
+            "--name",
+            "small",
+            "--namespace",
+            &ns,
+            "-o",
+            &target.to_string_lossy(),
+            "--socket",
+            &sock,
+        ],
+        &[],
+    );
+    assert_eq!(out.status.code(), Some(0), "{}", text_of(&out));
+    assert_eq!(std::fs::read(&target).expect("read"), b"new contents");
+}
