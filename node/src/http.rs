@@ -104,6 +104,9 @@ pub struct Request {
     pub method: String,
     /// The path without the query string.
     pub path: String,
+    /// The `Accept` header names OpenMetrics (as Prometheus's does): else
+    /// `/metrics` answers in the classic text format 0.0.4.
+    pub openmetrics: bool,
 }
 
 /// Why a request head is refused.
@@ -134,8 +137,8 @@ fn head_end(buf: &[u8]) -> Option<(usize, usize)> {
     None
 }
 
-/// Parses an HTTP/1.x request head (only the request line matters; headers
-/// are skipped but must be complete).
+/// Parses an HTTP/1.x request head (the request line and the `Accept`
+/// header; other headers are skipped but must be complete).
 pub fn parse_head(buf: &[u8]) -> Result<Request, HeadError> {
     let Some((end, len)) = head_end(buf) else {
         return Err(if buf.len() >= MAX_REQUEST_HEAD {
@@ -159,9 +162,16 @@ pub fn parse_head(buf: &[u8]) -> Result<Request, HeadError> {
         return Err(HeadError::Malformed);
     }
     let path = target.split('?').next().unwrap_or(target);
+    let openmetrics = head.lines().skip(1).any(|l| {
+        l.split_once(':').is_some_and(|(name, value)| {
+            name.trim().eq_ignore_ascii_case("accept")
+                && value.contains("application/openmetrics-text")
+        })
+    });
     Ok(Request {
         method: method.to_owned(),
         path: path.to_owned(),
+        openmetrics,
     })
 }
 
@@ -196,6 +206,44 @@ fn reason(status: u16) -> &'static str {
     }
 }
 
+/// The OpenMetrics text of this registry in the classic Prometheus text
+/// format 0.0.4, for scrapers that ask for no OpenMetrics: a counter
+/// family's HELP and TYPE lines name its `_total` samples, and the `# EOF`
+/// and `# UNIT` lines go (a 0.0.4 parser typed every counter as unknown).
+/// Samples are the same in both.
+pub fn classic_text(openmetrics: &str) -> String {
+    let counters: std::collections::HashSet<&str> = openmetrics
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE ")?.strip_suffix(" counter"))
+        .collect();
+    let mut out = String::with_capacity(openmetrics.len() + 16 * counters.len());
+    for line in openmetrics.lines() {
+        if line == "# EOF" || line.starts_with("# UNIT ") {
+            continue;
+        }
+        let meta = ["# HELP ", "# TYPE "]
+            .into_iter()
+            .find_map(|p| Some((p, line.strip_prefix(p)?)));
+        match meta {
+            Some((prefix, rest)) => {
+                let (name, tail) = rest.split_once(' ').unwrap_or((rest, ""));
+                out.push_str(prefix);
+                out.push_str(name);
+                if counters.contains(name) {
+                    out.push_str("_total");
+                }
+                if !tail.is_empty() {
+                    out.push(' ');
+                    out.push_str(tail);
+                }
+            }
+            None => out.push_str(line),
+        }
+        out.push('\n');
+    }
+    out
+}
+
 /// Answers one request (no I/O).
 pub fn respond(req: &Request, ctx: &NodeContext, registry: &Registry) -> Response {
     if req.method != "GET" && req.method != "HEAD" {
@@ -206,10 +254,15 @@ pub fn respond(req: &Request, ctx: &NodeContext, registry: &Registry) -> Respons
         "/metrics" => {
             let mut body = String::new();
             match prometheus_client::encoding::text::encode(&mut body, registry) {
-                Ok(()) => Response {
+                Ok(()) if req.openmetrics => Response {
                     status: 200,
                     content_type: "application/openmetrics-text; version=1.0.0; charset=utf-8",
                     body: body.into_bytes(),
+                },
+                Ok(()) => Response {
+                    status: 200,
+                    content_type: "text/plain; version=0.0.4; charset=utf-8",
+                    body: classic_text(&body).into_bytes(),
                 },
                 Err(_) => text(500, "encoding metrics failed\n"),
             }
@@ -631,8 +684,20 @@ mod tests {
             parse_head(b"GET /metrics?x=1 HTTP/1.1\r\nHost: a\r\n\r\n"),
             Ok(Request {
                 method: "GET".into(),
-                path: "/metrics".into()
+                path: "/metrics".into(),
+                openmetrics: false,
             })
+        );
+        // Prometheus asks for OpenMetrics first.
+        assert!(
+            parse_head(
+                b"GET /metrics HTTP/1.1\r\nACCEPT: application/openmetrics-text;version=1.0.0,text/plain;q=0.5\r\n\r\n"
+            )
+            .is_ok_and(|r| r.openmetrics)
+        );
+        assert!(
+            parse_head(b"GET /metrics HTTP/1.1\r\nAccept: text/plain;version=0.0.4\r\n\r\n")
+                .is_ok_and(|r| !r.openmetrics)
         );
         assert_eq!(
             parse_head(b"GET /metrics HTTP/1.1\r\nHost"),

@@ -120,8 +120,42 @@ async fn metrics_status_and_health() {
     ] {
         metric(&body, name);
     }
-    assert!(body.contains("# TYPE kvtier_hits counter"), "{body}");
-    assert!(body.ends_with("# EOF\n"), "{body}");
+    // No Accept header: the classic text format 0.0.4 (a counter's TYPE
+    // names its `_total` samples, no `# EOF`); a 0.0.4 parser typed every
+    // counter as unknown in the OpenMetrics text.
+    assert!(body.contains("# TYPE kvtier_hits_total counter"), "{body}");
+    assert!(body.contains("# HELP kvtier_hits_total "), "{body}");
+    assert!(!body.contains("# EOF"), "{body}");
+    let text = request_text(
+        addr,
+        b"GET /metrics HTTP/1.1\r\nAccept: text/plain;version=0.0.4;q=0.3,*/*;q=0.2\r\n\r\n",
+    )
+    .await;
+    assert!(
+        text.contains("Content-Type: text/plain; version=0.0.4"),
+        "{text}"
+    );
+    // What Prometheus asks for: OpenMetrics.
+    let text = request_text(
+        addr,
+        b"GET /metrics HTTP/1.1\r\nAccept: application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5\r\n\r\n",
+    )
+    .await;
+    assert!(
+        text.contains("Content-Type: application/openmetrics-text"),
+        "{text}"
+    );
+    assert!(text.contains("# TYPE kvtier_hits counter"), "{text}");
+    assert!(text.ends_with("# EOF\n"), "{text}");
+    let classic = text.split_once("\r\n\r\n").expect("body").1;
+    assert_eq!(
+        node::http::classic_text(classic)
+            .lines()
+            .filter(|l| !l.starts_with('#'))
+            .count(),
+        classic.lines().filter(|l| !l.starts_with('#')).count(),
+        "the same samples in both formats"
+    );
 
     let (st, body) = get(addr, "/status").await;
     assert_eq!(st, 200);
