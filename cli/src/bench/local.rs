@@ -86,6 +86,9 @@ struct Cell {
     hits_disk: u64,
     misses: u64,
     errors: u64,
+    /// What the first failed operation of the cell was told.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    first_error: Option<String>,
 }
 
 #[derive(Default)]
@@ -95,6 +98,8 @@ struct Outcome {
     disk: u64,
     miss: u64,
     errors: u64,
+    /// What the first failed operation was told.
+    first_error: Option<String>,
 }
 
 enum Op {
@@ -149,6 +154,14 @@ fn run_cell(
                             let st = c.put(ns, 0, &[e], false)?;
                             if st.first() != Some(&0) {
                                 out.errors += 1;
+                                out.first_error.get_or_insert_with(|| {
+                                    let code = st.first().copied().unwrap_or(0);
+                                    format!(
+                                        "PUT of {}: {}",
+                                        size_name(size),
+                                        node::native::codec::ErrorCode::from_code(code).name()
+                                    )
+                                });
                             }
                         }
                         Op::Get => {
@@ -162,7 +175,12 @@ fn run_cell(
                                 Some(GetStatus::HitRam) => out.ram += 1,
                                 Some(GetStatus::HitDisk) => out.disk += 1,
                                 Some(GetStatus::Miss) => out.miss += 1,
-                                _ => out.errors += 1,
+                                other => {
+                                    out.errors += 1;
+                                    out.first_error.get_or_insert_with(|| {
+                                        format!("GET of {}: {other:?}", size_name(size))
+                                    });
+                                }
                             }
                         }
                         Op::Lookup { present } => {
@@ -201,6 +219,9 @@ fn run_cell(
         total.disk += o.disk;
         total.miss += o.miss;
         total.errors += o.errors;
+        if total.first_error.is_none() {
+            total.first_error = o.first_error;
+        }
         if let (Some(h), Some(t)) = (o.hist.as_ref(), total.hist.as_mut()) {
             t.add(h).expect("same bounds");
         }
@@ -217,10 +238,16 @@ fn make_cell(
     limit_name: &'static str,
     limit_gbps: f64,
 ) -> Cell {
+    // Only operations that moved their chunk count: a failed one (or a
+    // GET that missed) moved nothing (a run whose PUTs all failed printed
+    // 148 GB/s).
+    let moved = (ops as u64)
+        .saturating_sub(o.errors)
+        .saturating_sub(if op.starts_with("GET") { o.miss } else { 0 });
     let bytes = if op.starts_with("LOOKUP") {
         0
     } else {
-        ops as u64 * size
+        moved * size
     };
     let g = gbps(bytes, wall);
     Cell {
@@ -239,6 +266,7 @@ fn make_cell(
         hits_disk: o.disk,
         misses: o.miss,
         errors: o.errors,
+        first_error: o.first_error,
     }
 }
 
@@ -416,7 +444,10 @@ pub(crate) fn run(args: &LocalArgs) -> Result<u8> {
     report.set("errors", json!(errors));
     report.write(args.common.json.as_deref())?;
     if errors > 0 || ram_misses > 0 {
-        eprintln!("kvtier bench local: {errors} failed operations, {ram_misses} RAM-phase misses");
+        errln!("kvtier bench local: {errors} failed operations, {ram_misses} RAM-phase misses");
+        if let Some(e) = cells.iter().find_map(|c| c.first_error.as_deref()) {
+            errln!("  first failure: {e}");
+        }
         Ok(EXIT_ERROR)
     } else {
         Ok(EXIT_OK)
@@ -458,10 +489,14 @@ fn print_cells(cells: &[Cell]) -> anyhow::Result<()> {
                 "-".into()
             },
             f2(c.ratio),
-            if c.op.starts_with("GET") {
-                format!("{}/{}/{}", c.hits_ram, c.hits_disk, c.misses)
-            } else {
-                "-".into()
+            match (c.op.starts_with("GET"), c.errors) {
+                (true, 0) => format!("{}/{}/{}", c.hits_ram, c.hits_disk, c.misses),
+                (true, e) => format!(
+                    "{}/{}/{} FAILED {e}",
+                    c.hits_ram, c.hits_disk, c.misses
+                ),
+                (false, 0) => "-".into(),
+                (false, e) => format!("FAILED {e}"),
             },
         ]);
     }
