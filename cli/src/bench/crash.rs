@@ -42,6 +42,16 @@ const DISK_BUDGET: u64 = 1 << 30;
 /// Region size of the bench's daemon.
 const REGION_SIZE: u64 = 8 << 20;
 
+fn parse_kill_after(s: &str) -> Result<node::HumanDuration, String> {
+    let d: node::HumanDuration = s.trim().parse().map_err(|e| format!("{s:?}: {e}"))?;
+    if d.0 < Duration::from_millis(6) {
+        return Err(format!(
+            "{s:?}: at least 6ms (the kill comes 5 ms after the start at the earliest)"
+        ));
+    }
+    Ok(d)
+}
+
 /// `kvtier bench crash`
 #[derive(Debug, Args)]
 pub struct CrashArgs {
@@ -57,8 +67,9 @@ pub struct CrashArgs {
     /// FLUSH after every this many PUT batches.
     #[arg(long, value_parser = crate::bench::parse_count::<u32>, default_value_t = 4)]
     pub flush_every: u32,
-    /// Longest time the writer runs before the kill (uniform from 5 ms).
-    #[arg(long, default_value = "300ms")]
+    /// Longest time the writer runs before the kill (uniform from 5 ms;
+    /// at least 6ms).
+    #[arg(long, default_value = "300ms", value_parser = parse_kill_after)]
     pub max_kill_after: node::HumanDuration,
     /// Start a fresh data dir every this many iterations.
     #[arg(long, value_parser = crate::bench::parse_count::<u32>, default_value_t = 25)]

@@ -491,10 +491,7 @@ fn print_cells(cells: &[Cell]) -> anyhow::Result<()> {
             f2(c.ratio),
             match (c.op.starts_with("GET"), c.errors) {
                 (true, 0) => format!("{}/{}/{}", c.hits_ram, c.hits_disk, c.misses),
-                (true, e) => format!(
-                    "{}/{}/{} FAILED {e}",
-                    c.hits_ram, c.hits_disk, c.misses
-                ),
+                (true, e) => format!("{}/{}/{} FAILED {e}", c.hits_ram, c.hits_disk, c.misses),
                 (false, 0) => "-".into(),
                 (false, e) => format!("FAILED {e}"),
             },

@@ -80,8 +80,9 @@ pub enum Scenario {
 /// Options every scenario has.
 #[derive(Debug, Args, Clone, Default)]
 pub struct CommonArgs {
-    /// Also write the results as JSON to this file.
-    #[arg(long, value_name = "FILE")]
+    /// Also write the results as JSON to this file (its directory is
+    /// checked before the run).
+    #[arg(long, value_name = "FILE", value_parser = parse_json_path)]
     pub json: Option<PathBuf>,
     /// Scratch directory for data dirs and sockets (on the filesystem to
     /// measure). Default: a new directory under $TMPDIR, removed at the end.
@@ -562,6 +563,32 @@ pub(crate) fn parse_size(s: &str) -> Result<u64, String> {
     parse_bytes(s).map(|b| b.0)
 }
 
+/// A `--json` file whose directory exists and is writable: checked before
+/// a run of minutes, not after it. `-` is refused (the table goes to stdout).
+fn parse_json_path(s: &str) -> Result<PathBuf, String> {
+    if s == "-" {
+        return Err("give a file name: the table goes to stdout".into());
+    }
+    let path = PathBuf::from(s);
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    if path.is_dir() {
+        return Err(format!("{s} is a directory"));
+    }
+    if !dir.is_dir() {
+        return Err(format!("{} is not a directory", dir.display()));
+    }
+    let c = std::ffi::CString::new(dir.as_os_str().as_encoded_bytes())
+        .map_err(|_| format!("{s}: a NUL byte in the path"))?;
+    // SAFETY: access(2) reads the NUL-terminated path only.
+    if unsafe { libc::access(c.as_ptr(), libc::W_OK) } != 0 {
+        return Err(format!("cannot write in {}", dir.display()));
+    }
+    Ok(path)
+}
+
 /// A size of at least one byte (a bench of 0-byte chunks or pools divides
 /// by zero).
 pub(crate) fn parse_bytes(s: &str) -> Result<node::ByteSize, String> {
@@ -621,5 +648,27 @@ mod tests {
         assert_eq!(size_name(5 << 19), "2.5MiB");
         assert_eq!(size_name(256 << 10), "256KiB");
         assert_eq!(size_name(4 << 20), "4MiB");
+    }
+
+    /// Values that divided by zero, sliced past a pool, printed figures of
+    /// nothing, or were found wrong only after a run, are usage errors.
+    #[test]
+    fn zero_sizes_counts_and_unwritable_json_paths_are_refused() {
+        assert!(parse_size("0").unwrap_err().contains("at least 1 byte"));
+        assert_eq!(parse_size("1MiB"), Ok(1 << 20));
+        assert!(parse_bytes("0B").is_err());
+        assert!(
+            parse_count::<usize>("0")
+                .unwrap_err()
+                .contains("at least 1")
+        );
+        assert_eq!(parse_count::<u32>("3"), Ok(3));
+        assert!(parse_count::<u32>("-1").is_err());
+        assert!(parse_json_path("-").is_err());
+        assert!(parse_json_path("/nonexistent-dir/x.json").is_err());
+        let dir = std::env::temp_dir();
+        assert!(parse_json_path(&dir.to_string_lossy()).is_err());
+        let ok = dir.join("kvtier-bench-test-r.json");
+        assert_eq!(parse_json_path(&ok.to_string_lossy()), Ok(ok));
     }
 }
