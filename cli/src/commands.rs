@@ -261,7 +261,7 @@ fn config_check(args: &ConfigCheckArgs) -> Result<u8> {
     }
     if args.strict && !warnings.is_empty() {
         errln!(
-            "kvtier: config check --strict: {} warning(s), see above",
+            "kvtier: error: config check --strict: {} warning(s), see above",
             warnings.len()
         );
         return Ok(EXIT_ERROR);

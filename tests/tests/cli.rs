@@ -617,7 +617,11 @@ fn config_check_warnings_are_not_ok_and_strict_fails_on_them() {
     assert!(!said.contains("configuration OK"), "{said}");
     let out = check(true, &sock);
     assert_eq!(out.status.code(), Some(1), "{}", text(&out.stdout));
-    assert!(text(&out.stderr).contains("--strict: 1 warning(s)"));
+    assert!(
+        text(&out.stderr).contains("kvtier: error: config check --strict: 1 warning(s)"),
+        "{}",
+        text(&out.stderr)
+    );
     let sock = dir
         .path()
         .join("kvtier.sock")

@@ -236,11 +236,16 @@ pub(crate) fn run_two_rank(a: &TwoRankArgs) -> Result<u8> {
         ok &= good;
         if !a.json {
             outln!(
-                "{}: cluster lookup prefix {prefix}/{} (converged in {:.0} ms); restored rank 0: \
+                "{}: cluster lookup prefix {prefix}/{} ({} {:.0} ms); restored rank 0: \
                  {} ram / {} disk / {} peer, {} missing, {} wrong; rank 1: {} ram / {} disk / {} peer, \
                  {} missing, {} wrong; {:.1} MB in {:.0} ms; absent keys prefix {} -> {}",
                 sock.display(),
                 a.chunks,
+                if prefix == a.chunks as u32 {
+                    "converged in"
+                } else {
+                    "NOT converged after"
+                },
                 waited.as_secs_f64() * 1e3,
                 r0.ram,
                 r0.disk,

@@ -362,7 +362,15 @@ fn lmcache_python(given: Option<&Path>) -> Result<PathBuf, String> {
             Ok(o) => {
                 let err = String::from_utf8_lossy(&o.stderr);
                 let last = err.lines().rfind(|l| !l.trim().is_empty()).unwrap_or("");
-                why.push(format!("{}: {}", py.display(), last.trim()));
+                let last = if last.trim().is_empty() {
+                    format!(
+                        "it cannot import torch and lmcache ({}, no message)",
+                        o.status
+                    )
+                } else {
+                    last.trim().to_owned()
+                };
+                why.push(format!("{}: {last}", py.display()));
             }
             Err(e) => why.push(format!("{}: {e}", py.display())),
         }

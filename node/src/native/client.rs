@@ -559,7 +559,10 @@ fn connect_bounded(path: &Path, timeout: Duration) -> std::io::Result<UnixStream
     if bytes.is_empty() || bytes.len() >= addr.sun_path.len() || bytes.contains(&0) {
         return Err(std::io::Error::new(
             std::io::ErrorKind::InvalidInput,
-            "socket path is empty, too long or holds a NUL byte",
+            format!(
+                "socket path is empty, longer than {} bytes or holds a NUL byte",
+                addr.sun_path.len() - 1
+            ),
         ));
     }
     addr.sun_family = libc::AF_UNIX as libc::sa_family_t;

@@ -165,6 +165,9 @@ fn unavailable_hint(path: &std::path::Path, e: &io::Error) -> &'static str {
             "this user may not use the socket: run as the daemon's user or a member of its group \
              (see socket-mode)"
         }
+        // A path the kernel cannot take (over 107 bytes): no daemon could
+        // listen there either.
+        io::ErrorKind::InvalidInput => "use a shorter socket path",
         _ => "is `kvtier node start` running?",
     }
 }
@@ -249,6 +252,11 @@ mod tests {
         assert!(
             denied.contains("socket-mode") && !denied.contains("running?"),
             "{denied}"
+        );
+        let long = e(io::ErrorKind::InvalidInput).to_string();
+        assert!(
+            long.contains("shorter") && !long.contains("running?"),
+            "{long}"
         );
         let missing = e(io::ErrorKind::NotFound).to_string();
         assert!(

@@ -207,13 +207,24 @@ impl ErrorCode {
 }
 
 /// Errors of the codec. [`CodecError::is_fatal`] tells whether the byte
+/// `bytes` as text where they are printable ASCII (`"HTTP"`), else `binary`.
+fn printable(bytes: &[u8]) -> String {
+    if bytes.iter().all(|b| b.is_ascii_graphic() || *b == b' ') {
+        format!("{:?}", String::from_utf8_lossy(bytes))
+    } else {
+        "binary".into()
+    }
+}
+
 /// stream can still be trusted (a fatal error closes the connection).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum CodecError {
     /// The first bytes are not `KVTN`.
     #[error(
-        "bad frame magic {found:02x?} (expected \"KVTN\"): the other side does not speak the kvtier native protocol"
+        "bad frame magic 0x{} ({}), expected \"KVTN\": the other side does not speak the kvtier native protocol",
+        found.iter().map(|b| format!("{b:02x}")).collect::<String>(),
+        printable(found)
     )]
     BadMagic {
         /// The bytes found.
@@ -910,6 +921,14 @@ mod tests {
             decode_frame(b"GET / HTTP/1.1\r\n", 1024),
             Err(CodecError::BadMagic { .. })
         ));
+        // Said in hex with its text (decimal-looking bytes were misread).
+        let said = CodecError::BadMagic { found: *b"HTTP" }.to_string();
+        assert!(said.contains("0x48545450 (\"HTTP\")"), "{said}");
+        let said = CodecError::BadMagic {
+            found: [0, 1, 2, 3],
+        }
+        .to_string();
+        assert!(said.contains("0x00010203 (binary)"), "{said}");
         // Garbage is caught from its first byte, before a header is complete.
         assert!(matches!(
             decode_frame(b"X", 1024),
