@@ -205,7 +205,9 @@ class KvtierError(Exception):
     """The daemon refused or failed a request.
 
     ``code`` is the protocol's error name (``"out-of-range"``, ``"no-space"``,
-    ``"unknown-namespace"``, ...) or ``None`` for client-side errors.
+    ``"unknown-namespace"``, ...); for errors found by the client it is
+    ``"too-large"`` (data that does not fit the region), ``"no-region"``, or
+    ``None``.
     """
 
     def __init__(self, message: str, code: str | None = None) -> None:
@@ -370,6 +372,15 @@ def _identity(reply: Any) -> Any:
     return reply
 
 
+def _pairs(items: Iterable[Any]) -> list[Any]:
+    """PUT items as a list, each checked to be a ``(key, value)`` pair."""
+    out = list(items)
+    for i, item in enumerate(out):
+        if not isinstance(item, (tuple, list)) or len(item) != 2:
+            raise TypeError(f"put items are (key, value) pairs; item {i} is a {type(item).__name__}")
+    return out
+
+
 def _bytes_view(data: Any) -> memoryview:
     """``data`` as a flat byte view, or a TypeError naming the fix."""
     mv = memoryview(data)
@@ -463,8 +474,8 @@ class KvtierClient:
         max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
         spin: float | None = None,
     ) -> None:
-        if max_in_flight < 1:
-            raise ValueError("max_in_flight must be at least 1")
+        if not isinstance(max_in_flight, int) or max_in_flight < 1:
+            raise ValueError("max_in_flight must be an integer of at least 1")
         if spin is None:
             spin = _default_spin()
         if not 0 <= spin <= 1e-3:
@@ -684,7 +695,7 @@ class KvtierClient:
             # An integer out of its field's range (a group over 65535, a
             # negative offset, a float): said in the caller's terms.
             raise ValueError(
-                f"{e}: groups are 0..65535; offsets, lengths, capacities and counts are non-negative integers"
+                f"{e}: groups are 0..65535; ranks, offsets, lengths, capacities and counts are non-negative integers"
             ) from None
         pending: Pending[T] = Pending(self, req_id, decode, reply_bytes)
         # In flight from before the send: a send that fails fails it too.
@@ -843,7 +854,7 @@ class KvtierClient:
         (unknown namespace, range outside the region) raises KvtierError and
         stores nothing. ``atomic``: all chunks become visible together or
         none do."""
-        items = list(items)
+        items = _pairs(items)
         if any(not isinstance(value, tuple) for _, value in items):
             # Staged bytes go after the ranges of this call, wherever the
             # requests still in flight have theirs: wait for those first.
@@ -861,7 +872,7 @@ class KvtierClient:
         in the region, without waiting for the reply: returns a
         :class:`Pending` whose ``wait()`` gives the per-item codes. Leave the
         ranges alone until then."""
-        return self._submit_put(ns, list(items), group, atomic, stage=False)
+        return self._submit_put(ns, _pairs(items), group, atomic, stage=False)
 
     def _submit_put(
         self, ns: bytes, items: list[tuple[bytes, PutValue]], group: int, atomic: bool, stage: bool

@@ -492,6 +492,12 @@ def test_bad_arguments_are_refused_in_the_callers_terms(client: KvtierClient) ->
         client.lookup(ns, [array.array("B", key(1))])
     with pytest.raises(ValueError, match="got 64"):
         client.lookup(ns, [memoryview(key(1) * 2).cast("B", shape=[32, 2])])
+    with pytest.raises(TypeError, match="item 0 is a bytes"):
+        client.put(ns, [key(1)])  # type: ignore[list-item]
+    with pytest.raises(TypeError, match="pairs; item 1 is a tuple"):
+        client.put(ns, [(key(1), b"x"), (key(2), b"y", 3)])  # type: ignore[list-item]
+    with pytest.raises(ValueError, match="max_in_flight"):
+        KvtierClient(client.socket_path, region_size=0, max_in_flight=1.5)  # type: ignore[arg-type]
     # Any bytes-like key of 32 bytes is one key.
     assert client.put(ns, [(key(4), b"four")]) == ["ok"]
     r = client.lookup(ns, [bytearray(key(4)), memoryview(key(4)), key(5)])
