@@ -55,6 +55,7 @@ connect, connection lost, timeout; the client is closed afterwards),
 
 from __future__ import annotations
 
+import bisect
 import collections
 import ctypes
 import fcntl
@@ -395,7 +396,10 @@ def _offset_in(mv: memoryview, region: Region) -> int | None:
     if mv.nbytes == 0:
         return None
     if mv.readonly:
-        return -1 if mv.obj is region._mmap or mv.obj is region.buffer else None
+        # A bytes object is never region memory; any other read-only buffer
+        # (a read-only numpy view of the region...) may be, with no address
+        # at hand: it is copied out.
+        return None if isinstance(mv.obj, bytes) else -1
     address = ctypes.addressof(ctypes.c_char.from_buffer(mv))
     at = address - region.address
     return at if 0 <= at and at + mv.nbytes <= region.size else None
@@ -449,6 +453,10 @@ class Pending(Generic[T]):
         self._done = True
 
     def _fail(self, error: BaseException) -> None:
+        if self._done:
+            # Resolved already (its reply was taken before an interrupt cut
+            # the rest short): a later failure of the connection is not its.
+            return
         self._error = error
         self._done = True
 
@@ -846,10 +854,10 @@ class KvtierClient:
     ) -> list[str]:
         """Stores chunks. Each item is ``(key, value)`` where ``value`` is an
         ``(offset, length)`` range already written in the region (zero-copy)
-        or bytes-like data, which is first copied into the region after the
-        end of every range named in this call (a value that is a view of the
-        region, such as a GET result's ``data``, is stored from where it lies).
-        Staging writes over earlier GET results' views past those ranges. Returns per item ``"ok"`` or
+        or bytes-like data, which is first copied into the region where no
+        range of this call lies (a value that is a view of the region, such
+        as a GET result's ``data``, is stored from where it lies). Staging
+        writes over earlier GET results' views outside those ranges. Returns per item ``"ok"`` or
         an error name (e.g. ``"no-space"``); a request-level problem
         (unknown namespace, range outside the region) raises KvtierError and
         stores nothing. ``atomic``: all chunks become visible together or
@@ -881,12 +889,10 @@ class KvtierClient:
         region = self.region
         ranges: list[tuple[bytes, int, int] | None] = []
         staged: list[tuple[int, BytesLike]] = []
-        high = 0
         for i, (key, value) in enumerate(items):
             if isinstance(value, tuple):
                 off, length = value
                 ranges.append((key, off, length))
-                high = max(high, off + length)
             elif not stage:
                 raise TypeError("submit_put takes (offset, length) ranges in the region; use put() for bytes")
             else:
@@ -902,24 +908,33 @@ class KvtierClient:
             if at is None:
                 copies.append((i, mv))
             elif at < 0:
-                # A read-only view of the region: its address is not at
-                # hand, so its bytes are copied out before any staging.
+                # A read-only buffer that may be a view of the region (its
+                # address is not at hand): copied out before any staging.
                 copies.append((i, bytes(mv)))
             else:
                 ranges[i] = (items[i][0], at, mv.nbytes)
-                high = max(high, at + mv.nbytes)
-        off = high
+        # Copies go first-fit where no range of this call lies.
+        taken = sorted(
+            (r[1], r[1] + r[2])
+            for r in ranges
+            if r is not None and isinstance(r[1], int) and isinstance(r[2], int) and r[2] > 0
+        )
         for i, data in copies:
             mv = memoryview(data).cast("B")
             n = mv.nbytes
+            off = 0
+            for start, end in taken:
+                if off + n <= start:
+                    break
+                off = max(off, end)
             if off + n > region.size:
                 raise KvtierError(
-                    f"PUT data ({off + n} bytes with the ranges named) does not fit the region of {region.size} bytes",
+                    f"PUT data ({n} bytes) does not fit the region of {region.size} bytes beside the other values of this call",
                     "too-large",
                 )
             region.buffer[off : off + n] = mv
             ranges[i] = (items[i][0], off, n)
-            off += n
+            bisect.insort(taken, (off, off + n))
         entries = [r for r in ranges if r is not None]
         return self._submit(_put_codes, fr.put, ns, group, entries, atomic, reply_bytes=36 + 2 * len(entries))
 

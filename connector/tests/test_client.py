@@ -360,6 +360,53 @@ def test_put_of_views_of_the_region_stores_their_own_bytes(client: KvtierClient)
         client.put(dst, [(key(84), memoryview(bytearray(10))[::2])])
 
 
+def test_put_stages_around_views_of_the_region_and_read_only_views(client: KvtierClient) -> None:
+    """A GET result at the region's end leaves room at its start for bytes
+    staged beside it (they were staged past it: a false too-large); a
+    read-only numpy view of the region is copied out, not staged over."""
+    np = pytest.importorskip("numpy")
+    ns = client.hello(record(0))
+    size = client.region.size
+    last = os.urandom(size // 4)
+    assert client.put(ns, [(key(85), last)]) == ["ok"]
+    (r,) = client.get(ns, [key(85)], into=[(size - len(last), len(last))])
+    assert r.data is not None
+    assert client.put(ns, [(key(86), r.data), (key(87), b"small")]) == ["ok", "ok"]
+    assert client.get_bytes(ns, key(86)) == last
+    assert client.get_bytes(ns, key(87)) == b"small"
+    arr = client.region.numpy()
+    arr[:100] = ord("G")
+    ro = arr[:100]
+    ro.flags.writeable = False
+    assert client.put(ns, [(key(88), b"X" * 100), (key(89), ro)]) == ["ok", "ok"]
+    assert client.get_bytes(ns, key(88)) == b"X" * 100
+    assert client.get_bytes(ns, key(89)) == b"G" * 100
+
+
+def test_a_result_taken_before_an_interrupt_survives_a_close(client: KvtierClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reply resolved when an interrupt cut the rest of its taking short
+    keeps its result through a close of the client (the close failed it)."""
+    import kvtier.client as kc
+
+    ns = client.hello(record(0))
+    calls = [0]
+    real = kc.KvtierClient._consume
+
+    def consume(self: KvtierClient, n: int) -> None:
+        calls[0] += 1
+        if calls[0] == 1:
+            raise KeyboardInterrupt
+        real(self, n)
+
+    monkeypatch.setattr(kc.KvtierClient, "_consume", consume)
+    p = client.submit_put(ns, [(key(90), (0, 1))])
+    with pytest.raises(KeyboardInterrupt):
+        p.wait()
+    assert p.done
+    client.close()
+    assert p.wait() == ["ok"]
+
+
 def test_a_client_is_closed_in_a_forked_child(client: KvtierClient) -> None:
     """A forked child shares the parent's connection: its requests could
     take the parent's replies (wrong bytes under a hit status). In the child

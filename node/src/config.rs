@@ -385,6 +385,7 @@ pub struct Environment {
 pub fn is_tool_variable(name: &str) -> bool {
     name == crate::native::spin::CLIENT_SPIN_ENV
         || name == "KVTIER_BIN"
+        || name == "KVTIER_REDIS_SERVER"
         || name.starts_with("KVTIER_BENCH_")
 }
 

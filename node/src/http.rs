@@ -535,7 +535,7 @@ impl Collector for NodeCollector {
         counter(
             &mut enc,
             "disk_syncs",
-            "fdatasyncs of the store file (flushes, region switches, and the writer's sync once it has been quiet for 200 ms after writing)",
+            "fdatasyncs of the store file (flushes, region switches, and the writer's sync of what it wrote once its queue is empty: after 200 ms without work, or a second after the write)",
             s.disk_syncs,
         )?;
         counter(
@@ -578,7 +578,7 @@ impl Collector for NodeCollector {
         gauge(
             &mut enc,
             "dirty_bytes",
-            "Bytes in RAM not yet written to disk (written chunks are durable once the writer has been quiet for 200 ms, or at a flush)",
+            "Bytes in RAM not yet written to disk (written chunks are durable within about a second, at once with a flush)",
             s.dirty_bytes as i64,
         )?;
         gauge(

@@ -1693,3 +1693,31 @@ fn a_get_that_cannot_write_the_whole_chunk_leaves_the_file_as_it_was() {
     assert_eq!(out.status.code(), Some(0), "{}", text_of(&out));
     assert_eq!(std::fs::read(&target).expect("read"), b"new contents");
 }
+
+/// A bench run to its end stops its daemons with SIGTERM (a graceful,
+/// flushing stop) and exits 0. The bench blocks SIGTERM for its own signal
+/// thread; its children inherited that mask through exec and ignored the
+/// stop: every finished bench waited 60 s and exited 1.
+#[test]
+fn a_bench_run_to_its_end_stops_its_daemons_gracefully() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let t0 = std::time::Instant::now();
+    let out = kvtier_tests::kvtier_command()
+        .args([
+            "bench", "restore", "--chunks", "8", "--size", "16KiB", "--dir",
+        ])
+        .arg(dir.path())
+        .output()
+        .expect("run kvtier bench restore");
+    assert_eq!(out.status.code(), Some(0), "{}", text_of(&out));
+    assert!(
+        text(&out.stdout).contains("all checks passed"),
+        "{}",
+        text_of(&out)
+    );
+    assert!(
+        t0.elapsed() < std::time::Duration::from_secs(50),
+        "no stop waited for its deadline: {:?}",
+        t0.elapsed()
+    );
+}

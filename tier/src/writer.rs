@@ -218,17 +218,26 @@ pub(crate) struct Writer {
     /// Deletes whose tombstone failed, kept durable until one is written
     /// (`crate::deletes`).
     journal: crate::deletes::Journal,
-    /// A batch was written since the last fdatasync: once the writer has
-    /// had nothing to do for [`QUIET_SYNC`], it syncs ([`Writer::next_msg`]).
-    unsynced: bool,
+    /// When the oldest batch written since the last fdatasync was written:
+    /// the writer syncs once it has had nothing to do for [`QUIET_SYNC`], or
+    /// when its queue is empty and that batch is [`MAX_UNSYNCED`] old
+    /// ([`Writer::next_msg`]).
+    unsynced: Option<Instant>,
+    /// When the writer last took a message.
+    last_msg: Instant,
 }
 
 /// How long the writer waits with nothing to do before it makes the batches
 /// it wrote since its last fdatasync durable. Idle-pass and eviction writes
 /// otherwise stayed in the device's volatile cache until the next flush or
 /// region seal (a power loss could lose chunks the stats called written).
-/// Only a quiet writer syncs, so no put or write waits for it.
+/// Only a writer with an empty queue syncs, so no put or write waits for it.
 pub(crate) const QUIET_SYNC: std::time::Duration = std::time::Duration::from_millis(200);
+
+/// The longest a written batch waits for that sync while writes keep
+/// trickling in (each restarting the quiet time): a steady trickle had
+/// kept every write unsynced until the region filled (review).
+pub(crate) const MAX_UNSYNCED: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// Batches in flight to the I/O thread: while it writes one, the next ones
 /// wait in its queue, so the device never idles while the writer packs
@@ -395,7 +404,8 @@ impl Writer {
             unfinished: std::collections::HashMap::new(),
             retry_tombs: Vec::new(),
             journal,
-            unsynced: false,
+            unsynced: None,
+            last_msg: Instant::now(),
         }
     }
 
@@ -575,24 +585,42 @@ impl Writer {
 
     /// The next message; while batches are in flight, their completions
     /// are applied as they come (their chunks become readable from disk).
-    /// A writer with nothing to do for [`QUIET_SYNC`] syncs what it wrote
+    /// A writer with nothing to do for [`QUIET_SYNC`] (or with an empty
+    /// queue and a batch written [`MAX_UNSYNCED`] ago) syncs what it wrote
     /// since its last fdatasync.
     fn next_msg(&mut self, rx: &Receiver<Msg>) -> Option<Msg> {
         loop {
             let done = match (&self.io, self.inflight.is_empty()) {
                 (Some(io), false) => io.done.clone(),
-                _ if self.unsynced => match rx.recv_timeout(QUIET_SYNC) {
-                    Ok(m) => return Some(m),
-                    Err(crossbeam_channel::RecvTimeoutError::Timeout) => {
-                        self.quiet_sync();
-                        continue;
+                _ => match self.unsynced {
+                    Some(since) => {
+                        let due = (self.last_msg + QUIET_SYNC).min(since + MAX_UNSYNCED);
+                        match rx.recv_timeout(due.saturating_duration_since(Instant::now())) {
+                            Ok(m) => {
+                                self.last_msg = Instant::now();
+                                return Some(m);
+                            }
+                            Err(crossbeam_channel::RecvTimeoutError::Timeout) => {
+                                self.quiet_sync();
+                                continue;
+                            }
+                            Err(crossbeam_channel::RecvTimeoutError::Disconnected) => {
+                                return None;
+                            }
+                        }
                     }
-                    Err(crossbeam_channel::RecvTimeoutError::Disconnected) => return None,
+                    None => {
+                        let m = rx.recv().ok();
+                        self.last_msg = Instant::now();
+                        return m;
+                    }
                 },
-                _ => return rx.recv().ok(),
             };
             crossbeam_channel::select! {
-                recv(rx) -> m => return m.ok(),
+                recv(rx) -> m => {
+                    self.last_msg = Instant::now();
+                    return m.ok();
+                }
                 recv(done) -> d => self.on_done(d.ok()),
             }
         }
@@ -623,14 +651,14 @@ impl Writer {
                 source: e,
             });
         }
-        self.unsynced = false;
+        self.unsynced = None;
         Ok(())
     }
 
     /// The sync of a quiet writer ([`QUIET_SYNC`]): a failure poisons the
     /// disk tier as a flush's does (the next flush reports it).
     fn quiet_sync(&mut self) {
-        self.unsynced = false;
+        self.unsynced = None;
         if self.disk.poisoned().is_some() {
             return;
         }
@@ -1188,7 +1216,7 @@ impl Writer {
         if self.disk.paused_nospace.swap(false, Ordering::Relaxed) {
             tracing::info!("the disk writer resumes: a batch was written after the pause (ENOSPC)");
         }
-        self.unsynced = true;
+        self.unsynced.get_or_insert_with(Instant::now);
         let c = &self.disk.counters;
         c.disk_write_bytes.fetch_add(total, Ordering::Relaxed);
         {
@@ -1373,6 +1401,8 @@ impl Writer {
                 source: e,
             });
         }
+        // Every batch written so far is durable: no quiet sync is due.
+        self.unsynced = None;
         self.regions[o.r as usize] = (o.generation, true);
         Ok(())
     }

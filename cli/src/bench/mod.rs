@@ -133,19 +133,44 @@ pub(crate) fn untrack_pid(pid: u32) {
     undo().pids.retain(|&p| p != pid);
 }
 
+/// The signals [`undo_on_signals`] takes.
+const UNDO_SIGNALS: [libc::c_int; 3] = [libc::SIGINT, libc::SIGTERM, libc::SIGHUP];
+
+/// A command for a child process of the bench, with the signals the bench
+/// blocks unblocked again (a signal mask is inherited through exec: its
+/// daemons ignored the SIGTERM of a graceful stop).
+pub(crate) fn command(program: impl AsRef<std::ffi::OsStr>) -> Command {
+    use std::os::unix::process::CommandExt;
+    let mut cmd = Command::new(program);
+    // SAFETY: between fork and exec only async-signal-safe calls are made:
+    // sigemptyset, sigaddset and pthread_sigmask on a local set.
+    unsafe {
+        cmd.pre_exec(|| {
+            let mut set: libc::sigset_t = std::mem::zeroed();
+            libc::sigemptyset(&mut set);
+            for sig in UNDO_SIGNALS {
+                libc::sigaddset(&mut set, sig);
+            }
+            libc::pthread_sigmask(libc::SIG_UNBLOCK, &set, std::ptr::null_mut());
+            Ok(())
+        });
+    }
+    cmd
+}
+
 /// SIGINT, SIGTERM and SIGHUP stop a bench cleanly: they are blocked in
 /// every thread (this runs before the bench starts any) and taken by one
 /// thread, which kills the processes the bench started, removes its scratch
 /// dirs and exits with 128 + the signal. Before, a Ctrl-C or `kill` left a
 /// daemon running (parent pid 1) and up to gigabytes of scratch data.
-/// Children start with an empty signal mask (the standard library resets it).
+/// Children are spawned through [`command`], which unblocks them again.
 fn undo_on_signals() {
     // SAFETY: sigset_t is plain data; sigemptyset/sigaddset initialise it and
     // pthread_sigmask only reads it.
     let set = unsafe {
         let mut set: libc::sigset_t = std::mem::zeroed();
         libc::sigemptyset(&mut set);
-        for sig in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP] {
+        for sig in UNDO_SIGNALS {
             libc::sigaddset(&mut set, sig);
         }
         libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
@@ -326,7 +351,7 @@ impl Daemon {
             .append(true)
             .open(&self.log)
             .with_context(|| format!("open {}", self.log.display()))?;
-        let mut cmd = Command::new(exe);
+        let mut cmd = command(exe);
         for (k, _) in std::env::vars_os() {
             if k.to_string_lossy().starts_with("KVTIER_") {
                 cmd.env_remove(k);

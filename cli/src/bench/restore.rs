@@ -16,7 +16,6 @@
 
 use std::net::UdpSocket;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
@@ -298,7 +297,7 @@ const PEER_FLAGS: [&str; 4] = ["--peer-listen", "--peers", "--tls-dir", "--node-
 /// peer flags yet.
 pub(crate) fn require_peer_flags() -> Result<()> {
     let exe = std::env::current_exe().context("find the kvtier binary")?;
-    let out = Command::new(exe)
+    let out = super::command(exe)
         .args(["node", "start", "--help"])
         .output()
         .context("run `kvtier node start --help`")?;

@@ -22,7 +22,7 @@
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::sync::Barrier;
 use std::time::{Duration, Instant};
 
@@ -353,7 +353,7 @@ fn lmcache_python(given: Option<&Path>) -> Result<PathBuf, String> {
             why.push(format!("{} does not exist", py.display()));
             continue;
         }
-        let out = Command::new(&py)
+        let out = super::command(&py)
             .args(["-c", "import torch, lmcache.v1.server, lmcache.v1.protocol"])
             .stdin(Stdio::null())
             .output();
@@ -386,7 +386,7 @@ fn lmcache_cells(
     c: usize,
     n: u64,
 ) -> Result<Vec<Value>> {
-    let out = Command::new(py)
+    let out = super::command(py)
         .arg(script)
         .args([
             addr.ip().to_string(),
@@ -457,7 +457,7 @@ pub(crate) fn run(a: &VsArgs) -> Result<u8> {
     // redis-server: no RDB, no AOF, loopback only.
     let redis_port = free_tcp_port()?;
     let redis_log = scratch.path().join("redis.log");
-    let redis = Command::new(&a.redis_server)
+    let redis = super::command(&a.redis_server)
         .args([
             "--port",
             &redis_port.to_string(),
@@ -497,7 +497,7 @@ pub(crate) fn run(a: &VsArgs) -> Result<u8> {
             std::fs::write(&lm_script, LMCACHE_DRIVER)?;
             let port = free_tcp_port()?;
             let log = scratch.path().join("lmcache.log");
-            let child = Command::new(&py)
+            let child = super::command(&py)
                 .args([
                     "-m",
                     "lmcache.v1.server",

@@ -641,7 +641,7 @@ impl Connection {
         match self.dispatch(req).await {
             Ok(resp) => codec::encode_response(&mut self.wbuf, id, &resp),
             // Nobody to answer: not an error the client got.
-            Err(_) if *self.abandoned.get_mut() => {}
+            Err(_) if std::mem::take(self.abandoned.get_mut()) => {}
             Err((code, message)) => self.error(id, op as u16, code, &message),
         }
     }
