@@ -722,29 +722,16 @@ fn a_too_small_range_counts_no_hit_and_reads_no_disk() {
             before.disk_reads
         ),
     );
-    let r = c
-        .get(
-            ns,
-            0,
-            &[RegionEntry {
-                key: key(disk),
-                offset: 0,
-                len: size as u64,
-            }],
-        )
-        .unwrap();
-    assert_eq!(r[0].status, GetStatus::HitDisk);
-    let r = c
-        .get(
-            ns,
-            0,
-            &[RegionEntry {
-                key: key(disk),
-                offset: 0,
-                len: size as u64,
-            }],
-        )
-        .unwrap();
+    let whole = RegionEntry {
+        key: key(disk),
+        offset: 0,
+        len: size as u64,
+    };
+    assert_eq!(
+        c.get(ns, 0, &[whole]).unwrap()[0].status,
+        GetStatus::HitDisk
+    );
+    let r = c.get(ns, 0, &[whole]).unwrap();
     assert_eq!(
         r[0].status,
         GetStatus::HitRam,

@@ -1643,12 +1643,12 @@ fn a_get_that_cannot_write_the_whole_chunk_leaves_the_file_as_it_was() {
     let ns = put("big", &payload);
     let target = outdir.join("got.bin");
     std::fs::write(&target, b"old contents").expect("write old");
-    let get = || {
+    let get = |name: &str| {
         run_kvtier(
             &[
                 "get",
                 "--name",
-                "big",
+                name,
                 "--namespace",
                 &ns,
                 "-o",
@@ -1659,7 +1659,7 @@ fn a_get_that_cannot_write_the_whole_chunk_leaves_the_file_as_it_was() {
             &[],
         )
     };
-    let out = get();
+    let out = get("big");
     assert_eq!(out.status.code(), Some(1), "{}", text_of(&out));
     let kept = std::fs::read(&target).expect("read");
     assert!(
@@ -1676,20 +1676,7 @@ fn a_get_that_cannot_write_the_whole_chunk_leaves_the_file_as_it_was() {
     let small = dir.path().join("small.bin");
     std::fs::write(&small, b"new contents").expect("write");
     put("small", &small);
-    let out = run_kvtier(
-        &[
-            "get",
-            "--name",
-            "small",
-            "--namespace",
-            &ns,
-            "-o",
-            &target.to_string_lossy(),
-            "--socket",
-            &sock,
-        ],
-        &[],
-    );
+    let out = get("small");
     assert_eq!(out.status.code(), Some(0), "{}", text_of(&out));
     assert_eq!(std::fs::read(&target).expect("read"), b"new contents");
 }
