@@ -53,7 +53,7 @@ pub struct LocalArgs {
     #[arg(long, value_parser = crate::bench::parse_bytes, default_value = "512MiB")]
     pub cell_bytes: node::ByteSize,
     /// LOOKUP requests (of 1,024 keys) per concurrency.
-    #[arg(long, default_value_t = 2000)]
+    #[arg(long, value_parser = crate::bench::parse_count::<usize>, default_value_t = 2000)]
     pub lookups: usize,
     /// Skip the disk-hit phase.
     #[arg(long)]

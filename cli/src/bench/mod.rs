@@ -158,6 +158,18 @@ pub(crate) fn command(program: impl AsRef<std::ffi::OsStr>) -> Command {
     cmd
 }
 
+/// Runs `cmd` to its end and collects its output ([`Command::output`]),
+/// listed among the processes a signal kills meanwhile (an LMCache driver
+/// outlived a stopped `bench vs`, with parent pid 1).
+pub(crate) fn output(cmd: &mut Command) -> std::io::Result<std::process::Output> {
+    let child = cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn()?;
+    let pid = child.id();
+    track_pid(pid);
+    let out = child.wait_with_output();
+    untrack_pid(pid);
+    out
+}
+
 /// SIGINT, SIGTERM and SIGHUP stop a bench cleanly: they are blocked in
 /// every thread (this runs before the bench starts any) and taken by one
 /// thread, which kills the processes the bench started, removes its scratch
@@ -198,9 +210,13 @@ fn undo_on_signals() {
             for d in &u.dirs {
                 let _ = std::fs::remove_dir_all(d);
             }
-            errln!(
-                "kvtier bench: stopped by signal {sig}; its processes are killed and its scratch dir removed"
-            );
+            if u.pids.is_empty() && u.dirs.is_empty() {
+                errln!("kvtier bench: stopped by signal {sig}");
+            } else {
+                errln!(
+                    "kvtier bench: stopped by signal {sig}; its processes are killed and its scratch dir removed"
+                );
+            }
             std::process::exit(128 + sig);
         });
     if let Err(e) = spawned {
@@ -594,6 +610,9 @@ fn parse_json_path(s: &str) -> Result<PathBuf, String> {
     if s == "-" {
         return Err("give a file name: the table goes to stdout".into());
     }
+    if s.is_empty() {
+        return Err("give a file name".into());
+    }
     let path = PathBuf::from(s);
     let dir = match path.parent() {
         Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
@@ -690,6 +709,7 @@ mod tests {
         assert_eq!(parse_count::<u32>("3"), Ok(3));
         assert!(parse_count::<u32>("-1").is_err());
         assert!(parse_json_path("-").is_err());
+        assert!(parse_json_path("").is_err());
         assert!(parse_json_path("/nonexistent-dir/x.json").is_err());
         let dir = std::env::temp_dir();
         assert!(parse_json_path(&dir.to_string_lossy()).is_err());

@@ -297,9 +297,7 @@ const PEER_FLAGS: [&str; 4] = ["--peer-listen", "--peers", "--tls-dir", "--node-
 /// peer flags yet.
 pub(crate) fn require_peer_flags() -> Result<()> {
     let exe = std::env::current_exe().context("find the kvtier binary")?;
-    let out = super::command(exe)
-        .args(["node", "start", "--help"])
-        .output()
+    let out = super::output(super::command(exe).args(["node", "start", "--help"]))
         .context("run `kvtier node start --help`")?;
     let help = String::from_utf8_lossy(&out.stdout);
     let missing: Vec<&str> = PEER_FLAGS

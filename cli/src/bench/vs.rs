@@ -353,10 +353,11 @@ fn lmcache_python(given: Option<&Path>) -> Result<PathBuf, String> {
             why.push(format!("{} does not exist", py.display()));
             continue;
         }
-        let out = super::command(&py)
-            .args(["-c", "import torch, lmcache.v1.server, lmcache.v1.protocol"])
-            .stdin(Stdio::null())
-            .output();
+        let out = super::output(
+            super::command(&py)
+                .args(["-c", "import torch, lmcache.v1.server, lmcache.v1.protocol"])
+                .stdin(Stdio::null()),
+        );
         match out {
             Ok(o) if o.status.success() => return Ok(py),
             Ok(o) => {
@@ -386,18 +387,19 @@ fn lmcache_cells(
     c: usize,
     n: u64,
 ) -> Result<Vec<Value>> {
-    let out = super::command(py)
-        .arg(script)
-        .args([
-            addr.ip().to_string(),
-            addr.port().to_string(),
-            size.to_string(),
-            c.to_string(),
-            n.to_string(),
-        ])
-        .stdin(Stdio::null())
-        .output()
-        .context("run the LMCache driver")?;
+    let out = super::output(
+        super::command(py)
+            .arg(script)
+            .args([
+                addr.ip().to_string(),
+                addr.port().to_string(),
+                size.to_string(),
+                c.to_string(),
+                n.to_string(),
+            ])
+            .stdin(Stdio::null()),
+    )
+    .context("run the LMCache driver")?;
     if !out.status.success() {
         bail!(
             "the LMCache driver failed ({}): {}",
