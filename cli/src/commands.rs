@@ -595,27 +595,48 @@ fn get(args: &GetArgs) -> Result<u8> {
     }
 }
 
-/// Writes `bytes` to `path` whole or not at all when it is (or will be) a
-/// regular file: through a temporary file beside it, synced, then renamed
+/// Writes `bytes` to `path` whole or not at all when it is a regular file
+/// of ours (or new): through a temporary file beside it, synced, then renamed
 /// over it (a full disk left a truncated file in place of the old one).
-/// Anything else (`/dev/null`, a FIFO) is written directly.
+/// Anything else is written in place, as before: a symlink (written
+/// through), a device or FIFO, a file with other links or another owner
+/// (a rename would break the links or change the owner), or a directory
+/// where the temporary file cannot be made.
 fn write_whole(path: &std::path::Path, bytes: &[u8]) -> std::io::Result<()> {
-    match std::fs::metadata(path) {
-        Ok(m) if !m.is_file() => return std::fs::write(path, bytes),
+    use std::os::unix::fs::MetadataExt;
+    match std::fs::symlink_metadata(path) {
+        // SAFETY: geteuid(2) has no preconditions.
+        Ok(m) if !m.is_file() || m.nlink() > 1 || m.uid() != unsafe { libc::geteuid() } => {
+            return std::fs::write(path, bytes);
+        }
         _ => {}
     }
-    let name = path
-        .file_name()
-        .ok_or_else(|| std::io::Error::new(std::io::ErrorKind::InvalidInput, "not a file name"))?;
+    let (Some(name), Some(dir)) = (path.file_name(), path.parent()) else {
+        return std::fs::write(path, bytes);
+    };
     let mut tmp_name = std::ffi::OsString::from(".");
     tmp_name.push(name);
     tmp_name.push(format!(".kvtier-get-{}", std::process::id()));
     let tmp = path.with_file_name(tmp_name);
+    let mut f = match std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(&tmp)
+    {
+        Ok(f) => f,
+        Err(e)
+            if matches!(
+                e.kind(),
+                std::io::ErrorKind::StorageFull | std::io::ErrorKind::QuotaExceeded
+            ) =>
+        {
+            return Err(e);
+        }
+        // No temporary file here (a directory we may not write, a stale
+        // one, a name too long): in place.
+        Err(_) => return std::fs::write(path, bytes),
+    };
     let written = (|| {
-        let mut f = std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .open(&tmp)?;
         f.write_all(bytes)?;
         f.sync_data()?;
         if let Ok(m) = std::fs::metadata(path) {
@@ -626,8 +647,18 @@ fn write_whole(path: &std::path::Path, bytes: &[u8]) -> std::io::Result<()> {
     })();
     if written.is_err() {
         let _ = std::fs::remove_file(&tmp);
+        return written;
     }
-    written
+    // The rename itself durable (best effort).
+    let dir = if dir.as_os_str().is_empty() {
+        std::path::Path::new(".")
+    } else {
+        dir
+    };
+    if let Ok(d) = std::fs::File::open(dir) {
+        let _ = d.sync_all();
+    }
+    Ok(())
 }
 
 fn delete(args: &DeleteArgs) -> Result<u8> {

@@ -60,6 +60,7 @@ import collections
 import ctypes
 import fcntl
 import mmap
+import operator
 import os
 import select
 import socket
@@ -891,7 +892,11 @@ class KvtierClient:
         staged: list[tuple[int, BytesLike]] = []
         for i, (key, value) in enumerate(items):
             if isinstance(value, tuple):
-                off, length = value
+                try:
+                    # Any integer type (numpy's too), as the frame takes it.
+                    off, length = (operator.index(x) for x in value)
+                except (TypeError, ValueError):
+                    raise TypeError(f"item {i}: a range is (offset, length), two integers; got {value!r}") from None
                 ranges.append((key, off, length))
             elif not stage:
                 raise TypeError("submit_put takes (offset, length) ranges in the region; use put() for bytes")
@@ -914,11 +919,7 @@ class KvtierClient:
             else:
                 ranges[i] = (items[i][0], at, mv.nbytes)
         # Copies go first-fit where no range of this call lies.
-        taken = sorted(
-            (r[1], r[1] + r[2])
-            for r in ranges
-            if r is not None and isinstance(r[1], int) and isinstance(r[2], int) and r[2] > 0
-        )
+        taken = sorted((r[1], r[1] + r[2]) for r in ranges if r is not None and r[2] > 0)
         for i, data in copies:
             mv = memoryview(data).cast("B")
             n = mv.nbytes

@@ -374,6 +374,12 @@ def test_put_stages_around_views_of_the_region_and_read_only_views(client: Kvtie
     assert client.put(ns, [(key(86), r.data), (key(87), b"small")]) == ["ok", "ok"]
     assert client.get_bytes(ns, key(86)) == last
     assert client.get_bytes(ns, key(87)) == b"small"
+    # A range given as numpy integers is a range too: nothing is staged over it.
+    client.region.buffer[0:4096] = b"a" * 4096
+    assert client.put(ns, [(key(91), (np.int64(0), np.int64(4096))), (key(92), b"b" * 4096)]) == ["ok", "ok"]
+    assert client.get_bytes(ns, key(91)) == b"a" * 4096
+    with pytest.raises(TypeError, match="two integers"):
+        client.put(ns, [(key(93), (0.5, 10))])
     arr = client.region.numpy()
     arr[:100] = ord("G")
     ro = arr[:100]

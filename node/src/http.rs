@@ -165,7 +165,9 @@ pub fn parse_head(buf: &[u8]) -> Result<Request, HeadError> {
     let openmetrics = head.lines().skip(1).any(|l| {
         l.split_once(':').is_some_and(|(name, value)| {
             name.trim().eq_ignore_ascii_case("accept")
-                && value.contains("application/openmetrics-text")
+                && value
+                    .to_ascii_lowercase()
+                    .contains("application/openmetrics-text")
         })
     });
     Ok(Request {

@@ -1708,3 +1708,67 @@ fn a_bench_run_to_its_end_stops_its_daemons_gracefully() {
         t0.elapsed()
     );
 }
+
+/// `get -o` writes through a symlink (the link stays) and into a file with
+/// other hard links (they all see the chunk): the whole-or-nothing rename
+/// replaced the link with a file and split the hard links (review).
+#[test]
+fn get_writes_through_a_symlink_and_keeps_hard_links() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let d = Daemon::start(dir.path(), &[], &[]).unwrap_or_else(|e| panic!("{e}"));
+    let sock = d.socket.to_string_lossy().into_owned();
+    let record = dir.path().join("ns.toml");
+    std::fs::write(&record, "model = \"m\"\n").expect("write record");
+    let payload = dir.path().join("chunk.bin");
+    std::fs::write(&payload, b"chunk bytes").expect("write payload");
+    let out = run_kvtier(
+        &[
+            "put",
+            &payload.to_string_lossy(),
+            "--namespace-record",
+            &record.to_string_lossy(),
+            "--name",
+            "k",
+            "--json",
+            "--socket",
+            &sock,
+        ],
+        &[],
+    );
+    assert_eq!(out.status.code(), Some(0), "{}", text_of(&out));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("put --json");
+    let ns = v["namespace"].as_str().expect("namespace").to_owned();
+    let target = dir.path().join("target.bin");
+    std::fs::write(&target, b"old").expect("write");
+    let link = dir.path().join("link.bin");
+    std::os::unix::fs::symlink(&target, &link).expect("symlink");
+    let hard = dir.path().join("hard.bin");
+    let other = dir.path().join("other.bin");
+    std::fs::write(&hard, b"old").expect("write");
+    std::fs::hard_link(&hard, &other).expect("hard link");
+    for path in [&link, &hard] {
+        let out = run_kvtier(
+            &[
+                "get",
+                "--name",
+                "k",
+                "--namespace",
+                &ns,
+                "-o",
+                &path.to_string_lossy(),
+                "--socket",
+                &sock,
+            ],
+            &[],
+        );
+        assert_eq!(out.status.code(), Some(0), "{}", text_of(&out));
+    }
+    assert!(
+        std::fs::symlink_metadata(&link)
+            .expect("stat")
+            .file_type()
+            .is_symlink()
+    );
+    assert_eq!(std::fs::read(&target).expect("read"), b"chunk bytes");
+    assert_eq!(std::fs::read(&other).expect("read"), b"chunk bytes");
+}

@@ -1263,9 +1263,14 @@ impl ChunkStore {
 
     /// The payload length of the copy of `id` on disk, from the in-RAM
     /// index (no disk I/O): what a read from disk would return.
+    /// `None` while the disk tier is poisoned (reads treat it as absent).
     pub fn disk_len(&self, id: &ChunkId) -> Option<u64> {
         let _g = self.inner.gate.read();
-        let d = self.inner.disk.as_ref()?;
+        let d = self
+            .inner
+            .disk
+            .as_ref()
+            .filter(|d| d.poisoned().is_none())?;
         d.index.read().get(id).map(|l| u64::from(l.payload_len))
     }
 
