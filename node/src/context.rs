@@ -59,6 +59,8 @@ pub struct NodeCounters {
     pub resp_errors: AtomicU64,
     /// Client connections accepted (all interfaces).
     pub connections: AtomicU64,
+    /// Of those, RESP connections (RESP INFO's `total_connections_received`).
+    pub resp_connections: AtomicU64,
 }
 
 impl NodeCounters {

@@ -39,10 +39,10 @@ pub struct ChurnArgs {
     #[arg(long, value_parser = crate::bench::parse_bytes, default_value = "1MiB")]
     pub size: node::ByteSize,
     /// Length of each measured phase.
-    #[arg(long, default_value = "5s")]
+    #[arg(long, default_value = "5s", value_parser = crate::bench::parse_duration)]
     pub phase: node::HumanDuration,
     /// Idle time over which bytes written are counted.
-    #[arg(long, default_value = "3s")]
+    #[arg(long, default_value = "3s", value_parser = crate::bench::parse_duration)]
     pub idle: node::HumanDuration,
     /// RAM budget of the bench's daemon (the background client overflows it).
     #[arg(long, value_parser = crate::bench::parse_bytes, default_value = "256MiB")]

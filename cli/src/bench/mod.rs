@@ -643,6 +643,15 @@ pub(crate) fn parse_bytes(s: &str) -> Result<node::ByteSize, String> {
     }
 }
 
+/// A duration longer than zero (an empty phase prints figures of nothing).
+pub(crate) fn parse_duration(s: &str) -> Result<node::HumanDuration, String> {
+    match s.trim().parse::<node::HumanDuration>() {
+        Ok(d) if d.0.is_zero() => Err(format!("{s:?}: must be longer than 0s")),
+        Ok(d) => Ok(d),
+        Err(e) => Err(format!("{s:?}: {e}")),
+    }
+}
+
 /// A count of at least one.
 pub(crate) fn parse_count<T>(s: &str) -> Result<T, String>
 where
@@ -708,6 +717,8 @@ mod tests {
         );
         assert_eq!(parse_count::<u32>("3"), Ok(3));
         assert!(parse_count::<u32>("-1").is_err());
+        assert!(parse_duration("0s").is_err());
+        assert!(parse_duration("2s").is_ok());
         assert!(parse_json_path("-").is_err());
         assert!(parse_json_path("").is_err());
         assert!(parse_json_path("/nonexistent-dir/x.json").is_err());

@@ -89,7 +89,7 @@ pub fn info_text(shared: &Shared, sections: &[Bytes], keys: Option<u64>) -> Stri
             "stats" => vec![
                 (
                     "total_connections_received".into(),
-                    c.connections.load(Ordering::Relaxed).to_string(),
+                    c.resp_connections.load(Ordering::Relaxed).to_string(),
                 ),
                 (
                     "total_commands_processed".into(),

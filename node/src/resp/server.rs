@@ -67,6 +67,7 @@ pub(super) async fn run(
             acc = listener.accept() => match acc {
                 Ok((sock, _peer)) => {
                     NodeCounters::inc(&shared.ctx.counters.connections);
+                    NodeCounters::inc(&shared.ctx.counters.resp_connections);
                     let mut stop = stop_rx.clone();
                     match Arc::clone(&permits).try_acquire_owned() {
                         Ok(permit) => {
