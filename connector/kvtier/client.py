@@ -694,7 +694,6 @@ class KvtierClient:
             len(self._in_flight) >= self.max_in_flight or self._reply_bytes + reply_bytes > _REPLY_BUDGET
         ):
             self._wait_for(self._in_flight[0])
-        self._settle_head()
         self._check_open()
         req_id = self._next_id
         self._next_id += 1

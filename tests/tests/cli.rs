@@ -1588,6 +1588,46 @@ fn a_bench_stopped_by_a_signal_kills_its_daemon_and_removes_its_scratch_dir() {
     assert!(!alive, "the bench's daemon (pid {daemon}) is gone");
 }
 
+/// `kvtier put FILE --namespace-record RECORD --name NAME --json` to the
+/// daemon at `sock`: the namespace id it printed.
+fn put_named(sock: &str, record: &std::path::Path, name: &str, file: &std::path::Path) -> String {
+    let out = run_kvtier(
+        &[
+            "put",
+            &file.to_string_lossy(),
+            "--namespace-record",
+            &record.to_string_lossy(),
+            "--name",
+            name,
+            "--json",
+            "--socket",
+            sock,
+        ],
+        &[],
+    );
+    assert_eq!(out.status.code(), Some(0), "{}", text_of(&out));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("put --json");
+    v["namespace"].as_str().expect("namespace").to_owned()
+}
+
+/// `kvtier get --name NAME --namespace NS -o PATH` from the daemon at `sock`.
+fn get_named(sock: &str, ns: &str, name: &str, path: &std::path::Path) -> std::process::Output {
+    run_kvtier(
+        &[
+            "get",
+            "--name",
+            name,
+            "--namespace",
+            ns,
+            "-o",
+            &path.to_string_lossy(),
+            "--socket",
+            sock,
+        ],
+        &[],
+    )
+}
+
 /// `get -o FILE` that cannot write the whole chunk (a full filesystem: a
 /// 128 KiB tmpfs, mounted where the test may, else skipped) leaves FILE as
 /// it was and no temporary file (it left a truncated FILE in place of the
@@ -1621,45 +1661,10 @@ fn a_get_that_cannot_write_the_whole_chunk_leaves_the_file_as_it_was() {
     let payload = dir.path().join("chunk.bin");
     let bytes: Vec<u8> = (0..300_000u32).map(|i| (i % 251) as u8).collect();
     std::fs::write(&payload, &bytes).expect("write payload");
-    let put = |name: &str, file: &std::path::Path| {
-        let out = run_kvtier(
-            &[
-                "put",
-                &file.to_string_lossy(),
-                "--namespace-record",
-                &record.to_string_lossy(),
-                "--name",
-                name,
-                "--json",
-                "--socket",
-                &sock,
-            ],
-            &[],
-        );
-        assert_eq!(out.status.code(), Some(0), "{}", text_of(&out));
-        let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("put --json");
-        v["namespace"].as_str().expect("namespace").to_owned()
-    };
-    let ns = put("big", &payload);
+    let ns = put_named(&sock, &record, "big", &payload);
     let target = outdir.join("got.bin");
     std::fs::write(&target, b"old contents").expect("write old");
-    let get = |name: &str| {
-        run_kvtier(
-            &[
-                "get",
-                "--name",
-                name,
-                "--namespace",
-                &ns,
-                "-o",
-                &target.to_string_lossy(),
-                "--socket",
-                &sock,
-            ],
-            &[],
-        )
-    };
-    let out = get("big");
+    let out = get_named(&sock, &ns, "big", &target);
     assert_eq!(out.status.code(), Some(1), "{}", text_of(&out));
     let kept = std::fs::read(&target).expect("read");
     assert!(
@@ -1675,8 +1680,8 @@ fn a_get_that_cannot_write_the_whole_chunk_leaves_the_file_as_it_was() {
     // One that fits replaces it whole.
     let small = dir.path().join("small.bin");
     std::fs::write(&small, b"new contents").expect("write");
-    put("small", &small);
-    let out = get("small");
+    put_named(&sock, &record, "small", &small);
+    let out = get_named(&sock, &ns, "small", &target);
     assert_eq!(out.status.code(), Some(0), "{}", text_of(&out));
     assert_eq!(std::fs::read(&target).expect("read"), b"new contents");
 }
@@ -1721,23 +1726,7 @@ fn get_writes_through_a_symlink_and_keeps_hard_links() {
     std::fs::write(&record, "model = \"m\"\n").expect("write record");
     let payload = dir.path().join("chunk.bin");
     std::fs::write(&payload, b"chunk bytes").expect("write payload");
-    let out = run_kvtier(
-        &[
-            "put",
-            &payload.to_string_lossy(),
-            "--namespace-record",
-            &record.to_string_lossy(),
-            "--name",
-            "k",
-            "--json",
-            "--socket",
-            &sock,
-        ],
-        &[],
-    );
-    assert_eq!(out.status.code(), Some(0), "{}", text_of(&out));
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("put --json");
-    let ns = v["namespace"].as_str().expect("namespace").to_owned();
+    let ns = put_named(&sock, &record, "k", &payload);
     let target = dir.path().join("target.bin");
     std::fs::write(&target, b"old").expect("write");
     let link = dir.path().join("link.bin");
@@ -1747,20 +1736,7 @@ fn get_writes_through_a_symlink_and_keeps_hard_links() {
     std::fs::write(&hard, b"old").expect("write");
     std::fs::hard_link(&hard, &other).expect("hard link");
     for path in [&link, &hard] {
-        let out = run_kvtier(
-            &[
-                "get",
-                "--name",
-                "k",
-                "--namespace",
-                &ns,
-                "-o",
-                &path.to_string_lossy(),
-                "--socket",
-                &sock,
-            ],
-            &[],
-        );
+        let out = get_named(&sock, &ns, "k", path);
         assert_eq!(out.status.code(), Some(0), "{}", text_of(&out));
     }
     assert!(

@@ -589,6 +589,13 @@ impl Writer {
     /// queue and a batch written [`MAX_UNSYNCED`] ago) syncs what it wrote
     /// since its last fdatasync.
     fn next_msg(&mut self, rx: &Receiver<Msg>) -> Option<Msg> {
+        let m = self.wait_msg(rx);
+        self.last_msg = Instant::now();
+        m
+    }
+
+    /// [`Writer::next_msg`]'s wait.
+    fn wait_msg(&mut self, rx: &Receiver<Msg>) -> Option<Msg> {
         loop {
             let done = match (&self.io, self.inflight.is_empty()) {
                 (Some(io), false) => io.done.clone(),
@@ -596,10 +603,7 @@ impl Writer {
                     Some(since) => {
                         let due = (self.last_msg + QUIET_SYNC).min(since + MAX_UNSYNCED);
                         match rx.recv_timeout(due.saturating_duration_since(Instant::now())) {
-                            Ok(m) => {
-                                self.last_msg = Instant::now();
-                                return Some(m);
-                            }
+                            Ok(m) => return Some(m),
                             Err(crossbeam_channel::RecvTimeoutError::Timeout) => {
                                 self.quiet_sync();
                                 continue;
@@ -609,18 +613,11 @@ impl Writer {
                             }
                         }
                     }
-                    None => {
-                        let m = rx.recv().ok();
-                        self.last_msg = Instant::now();
-                        return m;
-                    }
+                    None => return rx.recv().ok(),
                 },
             };
             crossbeam_channel::select! {
-                recv(rx) -> m => {
-                    self.last_msg = Instant::now();
-                    return m.ok();
-                }
+                recv(rx) -> m => return m.ok(),
                 recv(done) -> d => self.on_done(d.ok()),
             }
         }

@@ -142,20 +142,29 @@ const UNDO_SIGNALS: [libc::c_int; 3] = [libc::SIGINT, libc::SIGTERM, libc::SIGHU
 pub(crate) fn command(program: impl AsRef<std::ffi::OsStr>) -> Command {
     use std::os::unix::process::CommandExt;
     let mut cmd = Command::new(program);
-    // SAFETY: between fork and exec only async-signal-safe calls are made:
-    // sigemptyset, sigaddset and pthread_sigmask on a local set.
+    let set = undo_sigset();
+    // SAFETY: between fork and exec only pthread_sigmask, async-signal-safe,
+    // is called, on a set built before the fork.
     unsafe {
-        cmd.pre_exec(|| {
-            let mut set: libc::sigset_t = std::mem::zeroed();
-            libc::sigemptyset(&mut set);
-            for sig in UNDO_SIGNALS {
-                libc::sigaddset(&mut set, sig);
-            }
+        cmd.pre_exec(move || {
             libc::pthread_sigmask(libc::SIG_UNBLOCK, &set, std::ptr::null_mut());
             Ok(())
         });
     }
     cmd
+}
+
+/// The set of [`UNDO_SIGNALS`].
+fn undo_sigset() -> libc::sigset_t {
+    // SAFETY: sigset_t is plain data; sigemptyset/sigaddset initialise it.
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        for sig in UNDO_SIGNALS {
+            libc::sigaddset(&mut set, sig);
+        }
+        set
+    }
 }
 
 /// Runs `cmd` to its end and collects its output ([`Command::output`]),
@@ -177,17 +186,9 @@ pub(crate) fn output(cmd: &mut Command) -> std::io::Result<std::process::Output>
 /// daemon running (parent pid 1) and up to gigabytes of scratch data.
 /// Children are spawned through [`command`], which unblocks them again.
 fn undo_on_signals() {
-    // SAFETY: sigset_t is plain data; sigemptyset/sigaddset initialise it and
-    // pthread_sigmask only reads it.
-    let set = unsafe {
-        let mut set: libc::sigset_t = std::mem::zeroed();
-        libc::sigemptyset(&mut set);
-        for sig in UNDO_SIGNALS {
-            libc::sigaddset(&mut set, sig);
-        }
-        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
-        set
-    };
+    let set = undo_sigset();
+    // SAFETY: pthread_sigmask only reads the initialised set.
+    unsafe { libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut()) };
     let spawned = std::thread::Builder::new()
         .name("kvtier-bench-signals".into())
         .spawn(move || {
