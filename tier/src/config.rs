@@ -52,7 +52,10 @@ pub struct TierConfig {
     pub idle_flush_after: Duration,
     /// Write policy when the writer falls behind. Default: `no-tax`.
     pub write_policy: WritePolicy,
-    /// Number of chunks the writer queue holds. Default: 64.
+    /// Hand-offs the writer queue holds: under `no-tax` one per put (all
+    /// the dirty chunks that put evicted), under `backpressure` one per
+    /// chunk; flushes, deletes and idle writes take one per chunk too.
+    /// Default: 64.
     pub writer_queue: usize,
     /// Promote disk hits into RAM as clean entries. Default: true.
     pub promote_on_read: bool,

@@ -2007,6 +2007,11 @@ impl Inner {
         } else {
             self.observer()
         };
+        // Under `no-tax`, one hand-off for all of this call's evictions: a
+        // large put can evict thousands of small chunks at once, and one
+        // queue slot each overflowed the writer's queue (dropping them)
+        // while it was idle and far below `spill_limit`.
+        let mut handoff = Vec::new();
         for e in evicted {
             self.counters.ram_evictions.fetch_add(1, Ordering::Relaxed);
             // Before a possible `removed`: a peer applies both in order.
@@ -2027,7 +2032,7 @@ impl Inner {
             let (id, seq, spilled) = (e.id, e.entry.seq, e.spilled);
             let held = if spilled { Held::Spilled } else { Held::Gone };
             let job = self.write_job(id, e.entry, held, None);
-            let sent = match self.config.write_policy {
+            match self.config.write_policy {
                 // Memory past the budget is bounded too: the writer is
                 // behind by this much already.
                 WritePolicy::NoTax
@@ -2035,25 +2040,46 @@ impl Inner {
                         && self.ram.spilled_len() > 1
                         && self.ram.spilled_bytes() > self.config.spill_limit() =>
                 {
-                    false
+                    drop(job);
+                    self.dropped_unwritten(&id, spilled.then_some(seq));
                 }
-                WritePolicy::NoTax => match tx.try_send(Msg::Write(job)) {
-                    Ok(()) => true,
-                    Err(TrySendError::Full(_)) => false,
-                    Err(TrySendError::Disconnected(_)) => false,
-                },
-                WritePolicy::Backpressure => tx.send(Msg::Write(job)).is_ok(),
-            };
-            if !sent {
-                self.counters
-                    .dropped_unwritten
-                    .fetch_add(1, Ordering::Relaxed);
-                if spilled {
-                    self.ram.unspill(&id, seq);
+                WritePolicy::NoTax => handoff.push(job),
+                WritePolicy::Backpressure => {
+                    if tx.send(Msg::Write(job)).is_err() {
+                        self.dropped_unwritten(&id, spilled.then_some(seq));
+                    }
                 }
-                self.lost(&id);
             }
         }
+        if handoff.is_empty() {
+            return;
+        }
+        let Some(tx) = &self.tx else { return };
+        let refused = match tx.try_send(Msg::Writes(handoff)) {
+            Ok(()) => return,
+            Err(TrySendError::Full(m) | TrySendError::Disconnected(m)) => m,
+        };
+        let Msg::Writes(jobs) = refused else {
+            unreachable!("the message sent")
+        };
+        let lost: Vec<_> = jobs.iter().map(|j| (j.id, j.spill_seq)).collect();
+        drop(jobs);
+        for (id, seq) in lost {
+            self.dropped_unwritten(&id, seq);
+        }
+    }
+
+    /// A dirty eviction the writer will not take: counted, its spilled copy
+    /// (sequence `spill_seq`) released, and the chunk gone if no other copy
+    /// is here.
+    fn dropped_unwritten(&self, id: &ChunkId, spill_seq: Option<u64>) {
+        self.counters
+            .dropped_unwritten
+            .fetch_add(1, Ordering::Relaxed);
+        if let Some(seq) = spill_seq {
+            self.ram.unspill(id, seq);
+        }
+        self.lost(id);
     }
 
     /// The RAM half of a read: `Err(mark)` when the id is not in RAM (the

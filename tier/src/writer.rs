@@ -107,6 +107,8 @@ impl Drop for PendingWrite {
 /// Messages to the writer thread.
 pub(crate) enum Msg {
     Write(Job),
+    /// One call's dirty evictions, handed off together.
+    Writes(Vec<Job>),
     /// Persist the deletion of an id (deleted at `.1`).
     Tombstone(ChunkId, Instant),
     /// `.2` cancellations of `id`'s jobs, the latest made at `.1` (its
@@ -457,6 +459,13 @@ impl Writer {
                     items.push(Item::Job(j));
                     None
                 }
+                Msg::Writes(js) => {
+                    for j in js {
+                        *bytes += j.data.len();
+                        items.push(Item::Job(j));
+                    }
+                    None
+                }
                 Msg::Tombstone(id, seq) => {
                     items.push(Item::Tomb(id, seq));
                     None
@@ -562,6 +571,7 @@ impl Writer {
                     for m in rx.try_iter() {
                         match m {
                             Msg::Write(j) => self.hooks.failed(&j),
+                            Msg::Writes(js) => js.iter().for_each(|j| self.hooks.failed(j)),
                             Msg::Flush(ack) | Msg::Stop(ack) | Msg::SealRecovered(ack) => {
                                 let _ = ack.send(Err(Error::Closed));
                             }
@@ -575,7 +585,7 @@ impl Writer {
                     self.journal_deletes(&tombs);
                     return;
                 }
-                Some(Msg::Write(_) | Msg::Tombstone(..) | Msg::Forget(..)) => {
+                Some(Msg::Write(_) | Msg::Writes(_) | Msg::Tombstone(..) | Msg::Forget(..)) => {
                     unreachable!("handled by push")
                 }
             }

@@ -632,6 +632,35 @@ fn no_tax_bounds_the_bytes_waiting_for_the_writer() {
     present_or_dropped(&s, ns, 40, 100 << 10);
 }
 
+/// One put that evicts many small dirty chunks hands them to the writer
+/// together: with a slot each, a 64-slot queue overflowed and dropped most
+/// of them unwritten while the writer was idle and far below `spill_limit`
+/// (QA: 2,000 RESP values of 100 B, then 1 MiB SETs: 1,944 dropped).
+#[test]
+fn a_put_evicting_many_small_chunks_drops_none_of_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = config(dir.path());
+    cfg.ram_budget = MIB;
+    let s = ChunkStore::open(cfg).unwrap();
+    let ns = s.register_namespace(&record(0)).unwrap();
+    let small = 2_000;
+    for n in 0..small {
+        s.put(id(ns, n), payload(n, 100)).unwrap();
+    }
+    // Most of the RAM budget at once: evicts ~730 of the small ones.
+    s.put(id(ns, small), payload(small, 900 << 10)).unwrap();
+    let st = s.stats();
+    assert!(st.ram_evictions >= 500, "{st:?}");
+    assert_eq!(st.dropped_unwritten, 0, "{st:?}");
+    s.flush().unwrap();
+    for n in 0..small {
+        let h = s
+            .get(&id(ns, n))
+            .unwrap_or_else(|| panic!("chunk {n} lost"));
+        assert!(h.data == payload(n, 100), "chunk {n} has other bytes");
+    }
+}
+
 #[test]
 fn backpressure_put_waits_and_loses_nothing() {
     let dir = tempfile::tempdir().unwrap();
