@@ -100,6 +100,9 @@ pub(crate) struct Unsealed {
     pub entries: Vec<Entry>,
     /// End of the last intact batch (where the torn tail, if any, starts).
     pub data_end: u64,
+    /// The last intact batch is a stop marker (no entries, see
+    /// `Writer::mark_stop`).
+    pub ends_marked: bool,
 }
 
 /// What recovery found, handed to the writer.
@@ -156,6 +159,8 @@ pub(crate) struct Scan {
     /// what lies beyond is unknown: such a region is neither sealed nor
     /// re-opened (nothing is written to it).
     pub io_error: bool,
+    /// The last intact batch holds no entries: a clean stop's marker.
+    pub ends_marked: bool,
 }
 
 /// The superblock in `block` (the first block of the store at `path`):
@@ -556,6 +561,7 @@ impl Disk {
                             generation,
                             entries: scan.entries,
                             data_end: scan.data_end,
+                            ends_marked: scan.ends_marked,
                         });
                     }
                 }
@@ -651,8 +657,11 @@ impl Disk {
         // A batch whose record (head intact) failed its entries' checks:
         // skipped, since the head says where the next one starts. Damage
         // when an intact batch follows; a torn tail (a write that never
-        // completed) when none does.
-        let mut skipped: Option<u64> = None;
+        // completed) when none does. A clean stop ends the chain with an
+        // empty batch (`Writer::mark_stop`), so after one the last batch
+        // with chunks is followed by an intact one: its damage is reported.
+        let mut skipped: Option<(u64, u32)> = None;
+        let mut ends_marked = false;
         while off + BLOCK <= self.region_size {
             if scan_read(&*self.dev, &mut head_buf, base + off).is_err() {
                 io_error = true;
@@ -702,11 +711,12 @@ impl Disk {
                 .map(|arch| arch.iter().map(ArchivedEntry::to_native).collect())
                 .filter(|list: &Vec<Entry>| list.len() == h.entry_count as usize);
             let Some(list) = list else {
-                skipped.get_or_insert(off);
+                skipped.get_or_insert((off, h.entry_count));
                 off += blen;
                 continue;
             };
-            if let Some(at) = skipped.take() {
+            ends_marked = list.is_empty();
+            if let Some((at, _)) = skipped.take() {
                 self.damaged_batch(
                     r,
                     at,
@@ -733,11 +743,25 @@ impl Disk {
             }
             off += blen;
         }
+        if let Some((at, n)) = skipped.filter(|&(_, n)| n > 0) {
+            // Not counted as damage: after a crash this is the normal end
+            // of a region (a write it tore, never flushed). A region a clean
+            // stop closed ends with its marker, so there it is damage and
+            // counted above.
+            tracing::warn!(
+                region = r,
+                offset = at,
+                chunks = n,
+                "the last batch of an unsealed region failed its checks: a write a crash or \
+                 power loss tore (never flushed), or damage; its chunks are not recovered"
+            );
+        }
         Ok(Scan {
             entries,
             // A torn last batch: the next write goes where it started.
-            data_end: skipped.unwrap_or(off),
+            data_end: skipped.map_or(off, |(at, _)| at),
             io_error,
+            ends_marked: ends_marked && skipped.is_none(),
         })
     }
 

@@ -2293,8 +2293,10 @@ fn a_read_only_open_of_an_unformatted_file_is_refused_and_writes_nothing() {
 /// in `damaged_metadata` (QA: a flipped byte in the first batch's entry
 /// list dropped every chunk of the region without a word, and `verify`
 /// exited 0). Damage to a head's region field is counted too. The same
-/// damage in the last batch reads as a torn write (silent, as after a
-/// crash) and the next write takes its place.
+/// damage in the last batch is counted after a clean stop (its empty
+/// marker batch follows: QA, `verify` exited 0 having lost the batch);
+/// without the marker, as after a crash, it reads as a torn write (not
+/// counted) and the next write takes its place.
 #[test]
 fn a_damaged_batch_entry_list_loses_only_its_batch_and_is_counted() {
     use tier::layout::{BATCH_FIXED, BATCH_MAGIC, DATA_START};
@@ -2309,8 +2311,9 @@ fn a_damaged_batch_entry_list_loses_only_its_batch_and_is_counted() {
             s.flush().unwrap(); // one batch each
         }
         let region = s.disk_location(&id(ns, 0)).unwrap().0;
-        drop(s); // no seal: the region stays open on disk
-        // The batch heads of the region, in order.
+        drop(s); // no seal: the region stays open on disk, marked
+        // The batch heads of the region, in order: three batches of one
+        // chunk, then the clean stop's marker.
         let base = u64::from(region) * MIB;
         let bytes = std::fs::read(dir.path().join("store.kvt")).unwrap();
         let heads: Vec<u64> = (DATA_START..MIB)
@@ -2318,7 +2321,7 @@ fn a_damaged_batch_entry_list_loses_only_its_batch_and_is_counted() {
             .filter(|o| bytes[(base + o) as usize..][..4] == BATCH_MAGIC)
             .map(|o| base + o)
             .collect();
-        assert_eq!(heads.len(), 3, "{heads:?}");
+        assert_eq!(heads.len(), 4, "{heads:?}");
         (dir, cfg, ns, heads)
     };
     let reopen = |cfg: &TierConfig, ns, lost: &[u64]| {
@@ -2349,9 +2352,32 @@ fn a_damaged_batch_entry_list_loses_only_its_batch_and_is_counted() {
     let s = reopen(&cfg, ns, &[0, 1, 2]);
     assert_eq!(s.stats().damaged_metadata, 1);
     drop(s);
-    // The last batch's entry list: a torn tail, not counted; the next
-    // write takes its place and survives a reopen.
+    // The last batch's entry list after a clean stop: lost, said; the
+    // write after it goes past the marker.
     let (dir, cfg, ns, heads) = make();
+    flip_byte(
+        &dir.path().join("store.kvt"),
+        heads[2] + BATCH_FIXED as u64 + 3,
+    );
+    let s = reopen(&cfg, ns, &[2]);
+    assert_eq!(s.stats().damaged_metadata, 1);
+    s.put(id(ns, 7), payload(7, 9000)).unwrap();
+    s.flush().unwrap();
+    assert!(s.disk_location(&id(ns, 7)).unwrap().1 > heads[3]);
+    drop(s);
+    let s = reopen(&cfg, ns, &[2]);
+    assert_eq!(s.get(&id(ns, 7)).unwrap().data, payload(7, 9000));
+    drop(s);
+    // The same without the marker (a crash before any stop): a torn
+    // tail, not counted; the next write takes its place and survives a
+    // reopen.
+    let (dir, cfg, ns, heads) = make();
+    let f = OpenOptions::new()
+        .write(true)
+        .open(dir.path().join("store.kvt"))
+        .unwrap();
+    f.write_all_at(&[0u8; 4096], heads[3]).unwrap();
+    drop(f);
     flip_byte(
         &dir.path().join("store.kvt"),
         heads[2] + BATCH_FIXED as u64 + 3,
@@ -2365,6 +2391,43 @@ fn a_damaged_batch_entry_list_loses_only_its_batch_and_is_counted() {
     drop(s);
     let s = reopen(&cfg, ns, &[2]);
     assert_eq!(s.get(&id(ns, 7)).unwrap().data, payload(7, 9000));
+    assert_eq!(s.stats().damaged_metadata, 0);
+}
+
+/// A clean stop ends the open region with one empty marker batch, and only
+/// after writes: restarts without any add none (each would take a block).
+#[test]
+fn a_clean_stop_marks_the_open_region_once() {
+    use tier::layout::{BATCH_MAGIC, DATA_START};
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = config(dir.path());
+    cfg.direct_io = false;
+    let heads = || {
+        let bytes = std::fs::read(dir.path().join("store.kvt")).unwrap();
+        (0..8u64)
+            .flat_map(|r| (DATA_START..MIB).step_by(4096).map(move |o| r * MIB + o))
+            .filter(|&o| bytes[o as usize..][..4] == BATCH_MAGIC)
+            .count()
+    };
+    let s = ChunkStore::open(cfg.clone()).unwrap();
+    let ns = s.register_namespace(&record(0)).unwrap();
+    s.put(id(ns, 1), payload(1, 9000)).unwrap();
+    s.flush().unwrap();
+    drop(s);
+    assert_eq!(heads(), 2, "the batch and its marker");
+    for _ in 0..3 {
+        drop(ChunkStore::open(cfg.clone()).unwrap());
+    }
+    assert_eq!(heads(), 2, "restarts without writes mark nothing");
+    let s = ChunkStore::open(cfg.clone()).unwrap();
+    s.put(id(ns, 2), payload(2, 9000)).unwrap();
+    s.flush().unwrap();
+    drop(s);
+    assert_eq!(heads(), 4);
+    let s = ChunkStore::open(cfg).unwrap();
+    for n in 1..=2 {
+        assert!(s.get(&id(ns, n)).unwrap().data == payload(n, 9000));
+    }
     assert_eq!(s.stats().damaged_metadata, 0);
 }
 
