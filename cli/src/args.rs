@@ -123,7 +123,7 @@ pub struct ConfigArgs {
     /// default data dir.
     #[arg(long, value_name = "PATH")]
     pub socket: Option<PathBuf>,
-    /// RESP2 (Redis protocol) listen address, or `off`. Default: 127.0.0.1:6380.
+    /// RESP (Redis protocol: RESP2, RESP3 after `HELLO 3`) listen address, or `off`. Default: 127.0.0.1:6380.
     #[arg(long, value_name = "ADDR|off")]
     pub resp_listen: Option<Listen>,
     /// Password for RESP AUTH (required for a non-loopback --resp-listen).

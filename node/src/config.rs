@@ -238,7 +238,7 @@ pub struct NodeConfig {
     /// Default: `50us`; `0s`: the daemon never polls (clients poll for
     /// replies per `KVTIER_CLIENT_SPIN_US`).
     pub native_spin: HumanDuration,
-    /// RESP2 (Redis protocol) listen address, or `off`. A non-loopback
+    /// RESP (Redis protocol: RESP2, RESP3 after `HELLO 3`) listen address, or `off`. A non-loopback
     /// address requires `resp-password`. Default: `127.0.0.1:6380`.
     pub resp_listen: Listen,
     /// Password RESP clients must send with `AUTH`. Default: unset (no AUTH).

@@ -1007,3 +1007,37 @@ async fn large_values_being_received_are_bounded_over_all_connections() {
     rt(&mut w, &cmd(&[b"GET", b"k2"]), &bulk(&v)).await;
     s.stop().await;
 }
+
+/// A client that stops sending in the middle of a large value is closed
+/// once `value_timeout` has passed, and its share of the receive bound
+/// comes back (QA: two idle clients announcing 512 MiB each refused every
+/// other large SET for as long as they stayed connected).
+#[tokio::test]
+async fn a_client_stalled_in_a_large_value_is_closed_and_its_share_freed() {
+    let s = Server::start(RespOptions {
+        max_receiving: 1 << 20,
+        value_timeout: Duration::from_millis(300),
+        ..RespOptions::default()
+    })
+    .await;
+    let mut a = s.connect().await;
+    a.write_all(b"*3\r\n$3\r\nSET\r\n$1\r\nk\r\n$900000\r\n")
+        .await
+        .expect("write");
+    a.write_all(&[1u8; 1024]).await.expect("write");
+    let mut said = String::new();
+    tokio::time::timeout(T, a.read_to_string(&mut said))
+        .await
+        .expect("closed within the value timeout")
+        .expect("read");
+    assert!(
+        said.starts_with("-ERR a value of 900000 bytes did not arrive within 0.3 s"),
+        "{said}"
+    );
+    // Its share is back: a value that would not fit beside it is taken.
+    let v = vec![2u8; 800 << 10];
+    let mut c = s.connect().await;
+    rt(&mut c, &cmd(&[b"SET", b"k2", &v]), b"+OK\r\n").await;
+    rt(&mut c, &cmd(&[b"GET", b"k2"]), &bulk(&v)).await;
+    s.stop().await;
+}

@@ -43,6 +43,13 @@ pub struct RespOptions {
     /// is closed. 0: the larger of 1 GiB and a quarter of the RAM budget.
     /// Default: 0.
     pub max_receiving: usize,
+    /// Longest a large value may take to arrive, from its length's line to
+    /// its last byte; a client that stalls past it gets an error and is
+    /// closed, giving its share of `max_receiving` back (two idle clients
+    /// announcing 512 MiB each refused every other large SET for as long
+    /// as they stayed: QA). As the native protocol's frame timeout.
+    /// Default: 30 s.
+    pub value_timeout: std::time::Duration,
 }
 
 impl Default for RespOptions {
@@ -52,6 +59,7 @@ impl Default for RespOptions {
             max_value: 512 << 20,
             max_connections: 1024,
             max_receiving: 0,
+            value_timeout: std::time::Duration::from_secs(30),
         }
     }
 }

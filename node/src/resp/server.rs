@@ -208,7 +208,7 @@ async fn connection(shared: &Shared, mut sock: TcpStream) -> io::Result<()> {
                 Ok(Parsed::Incomplete) => break,
                 Ok(Parsed::DirectBulk(len)) => {
                     flush(&sock, &mut out, &mut rbuf).await?;
-                    let Some(_receiving) = Receiving::take(shared, len + 2) else {
+                    let Some(receiving) = Receiving::take(shared, len + 2) else {
                         NodeCounters::inc(&shared.ctx.counters.resp_errors);
                         out.error(format!(
                             "the server is receiving {} MiB of large values over all connections \
@@ -225,26 +225,48 @@ async fn connection(shared: &Shared, mut sock: TcpStream) -> io::Result<()> {
                     // of a dropped chunk, not fresh pages).
                     let total = len + 2;
                     let from_buf = rbuf.len().min(total);
-                    let data = if total >= POOL_MIN {
-                        let mut data = shared.ctx.store.buffers().filler(total);
-                        data.extend_from_slice(&rbuf.split_to(from_buf));
-                        while !data.is_full() {
-                            match sock.read(data.unfilled()).await? {
-                                0 => return Ok(()),
-                                n => data.advance(n),
+                    let receive = async {
+                        io::Result::Ok(Some(if total >= POOL_MIN {
+                            let mut data = shared.ctx.store.buffers().filler(total);
+                            data.extend_from_slice(&rbuf.split_to(from_buf));
+                            while !data.is_full() {
+                                match sock.read(data.unfilled()).await? {
+                                    0 => return Ok(None),
+                                    n => data.advance(n),
+                                }
                             }
-                        }
-                        data.freeze()
-                    } else {
-                        let mut data = BytesMut::with_capacity(total);
-                        data.extend_from_slice(&rbuf.split_to(from_buf));
-                        while data.len() < total {
-                            if sock.read_buf(&mut data).await? == 0 {
-                                return Ok(());
+                            data.freeze()
+                        } else {
+                            let mut data = BytesMut::with_capacity(total);
+                            data.extend_from_slice(&rbuf.split_to(from_buf));
+                            while data.len() < total {
+                                if sock.read_buf(&mut data).await? == 0 {
+                                    return Ok(None);
+                                }
                             }
-                        }
-                        data.freeze()
+                            data.freeze()
+                        }))
                     };
+                    let timeout = shared.opts.value_timeout;
+                    let data = match tokio::time::timeout(timeout, receive).await {
+                        Ok(Ok(Some(data))) => data,
+                        Ok(Ok(None)) => return Ok(()),
+                        Ok(Err(e)) => return Err(e),
+                        Err(_) => {
+                            // Given back before the client hears of it.
+                            drop(receiving);
+                            NodeCounters::inc(&shared.ctx.counters.resp_errors);
+                            out.error(format!(
+                                "a value of {len} bytes did not arrive within {} s; closing \
+                                 this connection",
+                                timeout.as_secs_f64()
+                            ));
+                            flush(&sock, &mut out, &mut BytesMut::new()).await?;
+                            let _ = sock.shutdown().await;
+                            return Ok(());
+                        }
+                    };
+                    drop(receiving);
                     if let Err(e) = parser.finish_direct(data) {
                         return protocol_error(shared, &mut sock, &mut out, &e).await;
                     }
