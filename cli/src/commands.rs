@@ -206,6 +206,21 @@ fn config_check(args: &ConfigCheckArgs) -> Result<u8> {
         let (_, tls_warnings) = node::cluster::Cluster::load_tls(&opts)?;
         warnings.extend(tls_warnings);
     }
+    // A running daemon (or offline tool) on the data dir: said, not a
+    // warning (a check before restarting that daemon is normal, also with
+    // --strict), since this start would be refused while it runs (QA).
+    let in_use = DataDirLock::holder(&cfg.data_dir).map(|h| {
+        let who = match h.pid {
+            0 => "a process whose LOCK record is unreadable".to_string(),
+            pid if h.role == "daemon" => format!("a kvtier daemon (pid {pid})"),
+            pid => format!("`kvtier {}` (pid {pid})", h.role),
+        };
+        format!(
+            "data dir {} is in use by {who}: a start with this configuration is refused until \
+             it stops",
+            cfg.data_dir.display()
+        )
+    });
     // A secret is not printed (terminals, CI logs, pasted output): the
     // printed configuration leaves it out and says so.
     let hidden: Vec<&str> = cfg
@@ -220,6 +235,7 @@ fn config_check(args: &ConfigCheckArgs) -> Result<u8> {
             "config": cfg,
             "hidden": hidden,
             "warnings": warnings,
+            "in_use": in_use,
         });
         outln!("{}", serde_json::to_string_pretty(&doc)?);
     } else {
@@ -242,6 +258,9 @@ fn config_check(args: &ConfigCheckArgs) -> Result<u8> {
         }
         for w in &warnings {
             let _ = writeln!(text, "# WARNING: {w}");
+        }
+        if let Some(note) = &in_use {
+            let _ = writeln!(text, "# NOTE: {note}");
         }
         if cfg.gpu_kv_pool.is_none() {
             let _ = writeln!(
@@ -1029,7 +1048,12 @@ fn offline_config(args: &StoreArgs, cmd: &str) -> Result<NodeConfig> {
         ))
         .into());
     }
-    Ok(load_resolved(&args.config_args())?.0)
+    let args = args.config_args();
+    let sources = ConfigSources::from_process(args.config.clone(), args.overrides());
+    let loaded = config::load_store_keys(&sources, &Environment::detect())?;
+    let mut cfg = loaded.config.clone();
+    cfg.resolve(&loaded)?;
+    Ok(cfg)
 }
 
 fn verify(args: &VerifyArgs) -> Result<u8> {
@@ -1049,6 +1073,18 @@ fn verify(args: &VerifyArgs) -> Result<u8> {
     } else {
         Access::ReadOnly
     };
+    // A corrupt namespace manifest: the read-only open goes on with the
+    // records that still parse (the chunks are checked all the same), and
+    // it is reported here; `--repair` sets it aside and rewrites it.
+    let manifest_problem = match tier::manifest::load(&cfg.data_dir) {
+        Err(e @ tier::Error::ManifestCorrupt { .. }) if !args.repair => Some(format!(
+            "{e}; `verify --repair` copies it aside and keeps the records that still parse \
+             (chunks are not affected; a client registers its namespace again at HELLO)"
+        )),
+        _ => None,
+    };
+    // An unreadable `gc.pending`, which a writable open (`--repair`) removes.
+    let gc_pending_before = gc_pending_state(&cfg.data_dir).1;
     let (store, lock, salvaged) = match open_offline(&cfg, "verify", access) {
         Ok(opened) => opened,
         // A store that cannot be opened because of what is on disk (a
@@ -1124,9 +1160,18 @@ fn verify(args: &VerifyArgs) -> Result<u8> {
     // finished it): said, not counted as damage.
     // One that does not parse is damage: a writable open removes it without
     // finishing its drop (`verify --repair`, then `gc --apply` again).
-    let (gc_pending, gc_pending_error) = gc_pending_state(&cfg.data_dir);
+    let (gc_pending, mut gc_pending_error) = gc_pending_state(&cfg.data_dir);
+    // Removed by this repair's open: still a finding (its gc's namespaces
+    // are unknown), said as such.
+    let gc_pending_removed = gc_pending_error.is_none() && gc_pending_before.is_some();
+    if gc_pending_removed {
+        gc_pending_error = gc_pending_before;
+    }
+    let mut report = report;
+    report.problems.extend(manifest_problem.iter().cloned());
     if args.json {
         let mut doc = serde_json::to_value(&report)?;
+        doc["gc_pending_removed"] = gc_pending_removed.into();
         doc["gc_pending"] = serde_json::to_value(&gc_pending)?;
         doc["gc_pending_error"] = serde_json::to_value(&gc_pending_error)?;
         doc["dropped_at_open"] = at_open.into();
@@ -1167,7 +1212,12 @@ fn verify(args: &VerifyArgs) -> Result<u8> {
                 gc_pending.len()
             );
         }
-        if let Some(e) = &gc_pending_error {
+        if let Some(e) = gc_pending_error.as_ref().filter(|_| gc_pending_removed) {
+            outln!(
+                "gc pending: unreadable ({e}); removed now: a `gc --apply` may have been \
+                 interrupted and its namespaces are unknown: run that gc again"
+            );
+        } else if let Some(e) = &gc_pending_error {
             outln!(
                 "gc pending: unreadable ({e}); a `gc --apply` may have been interrupted and its \
                  namespaces are unknown: `verify --repair` (or the next start) removes the file, \
@@ -1213,6 +1263,7 @@ fn verify(args: &VerifyArgs) -> Result<u8> {
     }
     Ok(
         if report.bad > 0
+            || !report.problems.is_empty()
             || at_open > 0
             || damaged > 0
             || salvaged.is_some()

@@ -1137,9 +1137,90 @@ fn an_interrupted_gc_is_reported_and_finished() {
         "{}",
         text_of(&out)
     );
+    // A repair that removed it found something: exit 5, said (QA: exit 0).
+    let out = run_kvtier(&[&["verify", "--repair"][..], &store].concat(), &[]);
+    assert_eq!(out.status.code(), Some(5), "{}", text_of(&out));
+    assert!(
+        text(&out.stdout).contains("gc pending: unreadable")
+            && text(&out.stdout).contains("removed now"),
+        "{}",
+        text_of(&out)
+    );
+    assert!(!d.data_dir.join("gc.pending").exists());
     let out = run_kvtier(&[&["verify", "--repair"][..], &store].concat(), &[]);
     assert_eq!(out.status.code(), Some(0), "{}", text_of(&out));
-    assert!(!d.data_dir.join("gc.pending").exists());
+}
+
+/// The offline tools use the store's keys only: a config file whose daemon
+/// keys need what the service's environment gives (a RESP password for a
+/// non-loopback `resp-listen`, `tls-dir` for `peer-listen`) still verifies,
+/// gc's and lists (QA: each failed with exit 1); the daemon refuses it.
+#[test]
+fn offline_tools_ignore_the_daemons_own_keys_in_a_config_file() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let mut d = Daemon::start(dir.path(), &[], &[]).unwrap_or_else(|e| panic!("{e}"));
+    let mut c = d.client();
+    let ns = c.hello(&kvtier_tests::test_record(0)).expect("HELLO");
+    let (key, data) = kvtier_tests::chunk_bytes(310, 0);
+    assert_eq!(c.put_bytes(ns, 0, &[(key, &data)]).expect("PUT"), vec![0]);
+    drop(c);
+    // `config check` of that data dir says a daemon holds it (not a
+    // warning: --strict passes; QA: it said nothing).
+    let data = d.data_dir.to_string_lossy().into_owned();
+    let out = run_kvtier(
+        &[
+            &[
+                "config",
+                "check",
+                "--strict",
+                "--json",
+                "--ram-budget",
+                "8MiB",
+                "--data-dir",
+                data.as_str(),
+            ][..],
+            &TEST_STORE,
+        ]
+        .concat(),
+        &[],
+    );
+    assert_eq!(out.status.code(), Some(0), "{}", text_of(&out));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("config check --json");
+    assert!(
+        v["in_use"]
+            .as_str()
+            .is_some_and(|n| n.contains("a kvtier daemon (pid ")),
+        "{v}"
+    );
+    assert_eq!(d.stop_with(libc::SIGTERM).code(), Some(0), "{}", d.log());
+    let file = dir.path().join("kvtier.toml");
+    std::fs::write(
+        &file,
+        format!(
+            "data-dir = {:?}\nresp-listen = \"0.0.0.0:1\"\npeer-listen = \"127.0.0.1:1\"\n",
+            d.data_dir
+        ),
+    )
+    .expect("write config");
+    let conf = file.to_string_lossy().into_owned();
+    let store = [&["--config", conf.as_str()][..], &TEST_STORE].concat();
+    let out = run_kvtier(&[&["verify", "--json"][..], &store].concat(), &[]);
+    assert_eq!(out.status.code(), Some(0), "{}", text_of(&out));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("verify --json");
+    assert_eq!(v["checked"], 1, "{v}");
+    let id = ns.to_string();
+    let out = run_kvtier(&[&["gc", "--namespace", &id][..], &store].concat(), &[]);
+    assert_eq!(out.status.code(), Some(0), "{}", text_of(&out));
+    let out = run_kvtier(&[&["namespaces", "--json"][..], &store].concat(), &[]);
+    assert_eq!(out.status.code(), Some(0), "{}", text_of(&out));
+    // The daemon's own check still refuses it, naming the key that is set.
+    let out = run_kvtier(&[&["config", "check"][..], &store].concat(), &[]);
+    assert_eq!(out.status.code(), Some(1), "{}", text_of(&out));
+    assert!(
+        text(&out.stderr).contains("resp-listen"),
+        "{}",
+        text_of(&out)
+    );
 }
 
 /// A corrupt `namespaces.json` stops the daemon from starting with a message
@@ -1180,6 +1261,18 @@ fn verify_repair_sets_a_corrupt_namespace_manifest_aside() {
     assert_eq!(
         std::fs::read(&manifest).expect("left as it was").len(),
         json.len() / 2
+    );
+    // The chunks are checked all the same (QA: none were, so damage to
+    // them showed only after the repair).
+    let out = run_kvtier(&[&["verify", "--json"][..], &store].concat(), &[]);
+    assert_eq!(out.status.code(), Some(5), "{}", text_of(&out));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("verify --json");
+    assert_eq!(v["checked"], 4, "{v}");
+    assert!(
+        v["problems"][0]
+            .as_str()
+            .is_some_and(|p| p.contains("corrupt namespace manifest")),
+        "{v}"
     );
 
     let out = run_kvtier(

@@ -115,10 +115,25 @@ pub fn salvage(dir: &Path) -> Result<Option<Salvaged>> {
     }
     let path = path_in(dir);
     let text = crate::store::read_data_file(&path).map_err(|e| io("read", &path, e))?;
+    let (kept, lost) = salvage_records(&text)?;
+    let set_aside = keep_copy(dir, &text)?;
+    store(dir, &kept)?;
+    Ok(Some(Salvaged {
+        set_aside,
+        kept: kept.len(),
+        lost,
+    }))
+}
+
+/// The records of a corrupt manifest's `text` that still parse and hash to
+/// the id they are listed under, and how many entries did not (at least 1
+/// when the text does not parse as a whole). A manifest of another version
+/// is refused.
+fn salvage_records(text: &[u8]) -> Result<(BTreeMap<Namespace, NsEntry>, usize)> {
     let mut kept = BTreeMap::new();
     let mut lost = 0;
     // Entry by entry: bit rot in one record leaves the others readable.
-    if let Ok(serde_json::Value::Object(top)) = serde_json::from_slice(&text) {
+    if let Ok(serde_json::Value::Object(top)) = serde_json::from_slice(text) {
         if let Some(v) = top.get("version").and_then(serde_json::Value::as_u64) {
             if v != u64::from(VERSION) {
                 return Err(Error::IncompatibleVersion {
@@ -146,15 +161,30 @@ pub fn salvage(dir: &Path) -> Result<Option<Salvaged>> {
         // The file does not parse as a whole (cut short, a broken brace):
         // each `"<id>": {record}` that still parses on its own is kept. How
         // many were lost is unknown past what was found: at least one.
-        lost += scan_entries(&text, &mut kept).max(1);
+        lost += scan_entries(text, &mut kept).max(1);
     }
-    let set_aside = keep_copy(dir, &text)?;
-    store(dir, &kept)?;
-    Ok(Some(Salvaged {
-        set_aside,
-        kept: kept.len(),
-        lost,
-    }))
+    Ok((kept, lost))
+}
+
+/// [`load`], except that a corrupt manifest gives the records
+/// [`salvage`] would keep, changing nothing on disk (read-only opens:
+/// `kvtier verify` checks the chunks all the same and reports the manifest).
+pub(crate) fn load_or_salvage_in_memory(dir: &Path) -> Result<BTreeMap<Namespace, NsEntry>> {
+    match load(dir) {
+        Err(Error::ManifestCorrupt { path, detail }) => {
+            let text = crate::store::read_data_file(&path).map_err(|e| io("read", &path, e))?;
+            let (kept, lost) = salvage_records(&text)?;
+            tracing::warn!(
+                path = %path.display(),
+                kept = kept.len(),
+                lost,
+                "the namespace manifest is corrupt ({detail}); read-only open with the records \
+                 that still parse"
+            );
+            Ok(kept)
+        }
+        r => r,
+    }
 }
 
 /// Finds every `"<32 hex digits>": {` in `text` and parses the object that

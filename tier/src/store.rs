@@ -779,7 +779,11 @@ impl ChunkStore {
 
     fn open_inner(config: TierConfig, dev: Option<Arc<dyn Device>>) -> Result<Self> {
         let t0 = Instant::now();
-        let namespaces = manifest::load(&config.data_dir)?;
+        let namespaces = if config.read_only {
+            manifest::load_or_salvage_in_memory(&config.data_dir)?
+        } else {
+            manifest::load(&config.data_dir)?
+        };
         // A chunk evicted dirty stays readable until the disk has it.
         let ram = RamCache::new(config.ram_budget).with_spill(dev.is_some());
         let buffers = Arc::new(BufferPool::for_store(config.ram_budget, config.huge_pages));
