@@ -100,6 +100,9 @@ pub fn run(cmd: &CertCommand) -> Result<u8> {
         CertCommand::Issue(a) => {
             let ca = CaMaterial::read_from(&a.ca)
                 .with_context(|| format!("read the CA from {}", a.ca.display()))?;
+            if let Some(w) = cert::ca_key_exposure(&a.ca) {
+                errln!("warning: {w}");
+            }
             let validity = Validity::days(a.days);
             let ca_end = ca.not_after().context("read the CA's validity")?;
             // (An expired CA is refused by the issue below.)

@@ -265,6 +265,14 @@ pub fn issue(
 /// Refuses before anything is written when one of `files` exists in
 /// `dir`, so a refused write leaves no partial set behind.
 fn check_none_exist(dir: &Path, files: &[&str]) -> Result<(), Error> {
+    if dir.symlink_metadata().is_ok() && !dir.is_dir() {
+        return Err(io_err(format!("create {}", dir.display()))(
+            std::io::Error::new(
+                std::io::ErrorKind::AlreadyExists,
+                "it exists and is not a directory: --out names the directory to write into",
+            ),
+        ));
+    }
     for f in files {
         let path = dir.join(f);
         if path.symlink_metadata().is_ok() {
@@ -370,13 +378,27 @@ impl CaMaterial {
 /// authenticates this node to the whole cluster. `cert issue` writes it
 /// 0600.
 pub fn key_exposure(dir: &Path) -> Option<String> {
+    exposure(
+        &dir.join(NODE_KEY_FILE),
+        "the key that admits this node to the cluster",
+    )
+}
+
+/// A warning when `dir/ca.key` is open to the group or others: with it
+/// anyone can admit a node to the cluster (`cert issue` reads it).
+pub fn ca_key_exposure(dir: &Path) -> Option<String> {
+    exposure(
+        &dir.join(CA_KEY_FILE),
+        "the CA key, which admits any node to the cluster",
+    )
+}
+
+fn exposure(path: &Path, what: &str) -> Option<String> {
     use std::os::unix::fs::PermissionsExt;
-    let path = dir.join(NODE_KEY_FILE);
-    let mode = fs::metadata(&path).ok()?.permissions().mode() & 0o777;
+    let mode = fs::metadata(path).ok()?.permissions().mode() & 0o777;
     (mode & 0o077 != 0).then(|| {
         format!(
-            "{} has mode {mode:04o}: the group or others can read the key that admits this \
-             node to the cluster; `chmod 600` it",
+            "{} has mode {mode:04o}: the group or others can read {what}; `chmod 600` it",
             path.display()
         )
     })

@@ -522,6 +522,41 @@ fn cert_refuses_bad_input_before_writing_anything() {
     let err = text(&out.stderr);
     assert_eq!(out.status.code(), Some(0), "{err}");
     assert!(err.contains("the CA expires in 2 day(s)"), "{err}");
+    assert!(!err.contains("warning"), "{err}");
+    // A CA key the group can read: issued, with a warning (QA: none).
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(ca.join("ca.key"), std::fs::Permissions::from_mode(0o640))
+        .expect("chmod");
+    let node2 = dir.path().join("n2").to_string_lossy().into_owned();
+    let out = run_kvtier(
+        &[
+            "cert", "issue", "--ca", &ca_s, "--node", "n2", "--out", &node2,
+        ],
+        &[],
+    );
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    assert!(
+        err.contains("ca.key has mode 0640") && err.contains("chmod 600"),
+        "{err}"
+    );
+    // An --out that is a file: said as such (QA: "File exists").
+    let file = dir.path().join("afile");
+    std::fs::write(&file, b"x").expect("write");
+    let out = run_kvtier(
+        &[
+            "cert",
+            "init-ca",
+            "--cluster",
+            "c2",
+            "--out",
+            &file.to_string_lossy(),
+        ],
+        &[],
+    );
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("is not a directory"), "{err}");
 }
 
 #[test]
