@@ -200,22 +200,33 @@ pub(crate) fn check_layout(
             "the store in {} was created with region-size {} but the config says {}; \
              set region-size back to {} or move the store away",
             path.display(),
-            found.region_size,
-            region_size,
-            found.region_size
+            size_text(found.region_size),
+            size_text(region_size),
+            size_text(found.region_size)
         )));
     }
     if u64::from(found.region_count) != region_count {
         return Err(Error::Config(format!(
-            "the store in {} holds {} regions ({} bytes) but disk-budget gives {}; \
+            "the store in {} holds {} regions ({}) but disk-budget gives {}; \
              restore the disk-budget or move the store away",
             path.display(),
             found.region_count,
-            found.bytes(),
+            size_text(found.bytes()),
             region_count
         )));
     }
     Ok(())
+}
+
+/// `n` bytes as a config value: `8MiB` where it is a whole number of MiB
+/// (or GiB), else the bytes.
+fn size_text(n: u64) -> String {
+    match n {
+        0 => "0".into(),
+        n if n % (1 << 30) == 0 => format!("{}GiB", n >> 30),
+        n if n % (1 << 20) == 0 => format!("{}MiB", n >> 20),
+        n => n.to_string(),
+    }
 }
 
 impl Disk {

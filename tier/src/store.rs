@@ -284,8 +284,9 @@ fn check_existing_file(path: &std::path::Path, config: &TierConfig, len: u64) ->
         source: e,
     };
     let mut block = vec![0u8; crate::device::BLOCK as usize];
-    match open_data_file(path, std::fs::OpenOptions::new().read(true), 0) {
+    let file_len = match open_data_file(path, std::fs::OpenOptions::new().read(true), 0) {
         Ok(f) => {
+            let file_len = f.metadata().map_or(0, |m| m.len());
             // Up to one block; what a short file lacks reads as zeros.
             f.take(block.len() as u64)
                 .read_exact(&mut block)
@@ -294,13 +295,27 @@ fn check_existing_file(path: &std::path::Path, config: &TierConfig, len: u64) ->
                     _ => Err(e),
                 })
                 .map_err(|e| io("read the superblock of", e))?;
+            file_len
         }
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(false),
         Err(e) => return Err(io("open the store file", e)),
-    }
+    };
     // Another version, a corrupt superblock, a foreign file: refused here,
     // before the device would grow the file to the configured budget.
-    let Some(sb) = crate::segment::read_superblock(path, &block)? else {
+    let sb = crate::segment::read_superblock(path, &block).map_err(|e| match e {
+        // Cut inside its superblock: said so, not as a CRC mismatch (QA).
+        Error::Corrupt { what, .. } if file_len < block.len() as u64 && file_len > 0 => {
+            Error::Corrupt {
+                what,
+                detail: format!(
+                    "the file is {file_len} bytes, shorter than its own superblock (truncated): \
+                 restore it from a copy, or move the data dir aside to start empty"
+                ),
+            }
+        }
+        e => e,
+    })?;
+    let Some(sb) = sb else {
         return Ok(false);
     };
     let l = StoreLayout {

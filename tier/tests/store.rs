@@ -1052,10 +1052,16 @@ fn another_store_version_or_region_size_is_refused() {
     let mut cfg = config(dir.path());
     cfg.region_size = 2 * MIB;
     let e = ChunkStore::open(cfg).err().unwrap();
-    assert!(e.to_string().contains("region-size"), "{e}");
+    assert!(
+        e.to_string()
+            .contains("created with region-size 1MiB but the config says 2MiB"),
+        "{e}"
+    );
     let mut cfg = config(dir.path());
     cfg.disk_budget = 16 * MIB;
-    assert!(matches!(ChunkStore::open(cfg), Err(Error::Config(_))));
+    let e = ChunkStore::open(cfg).err().unwrap();
+    assert!(matches!(e, Error::Config(_)), "{e}");
+    assert!(e.to_string().contains("holds 8 regions (8MiB)"), "{e}");
     // Rewrite the superblock with version 9 (valid crc): refused, naming both.
     let file = dir.path().join("store.kvt");
     let f = OpenOptions::new()
@@ -1532,6 +1538,26 @@ fn a_refused_reopen_leaves_the_store_file_as_it_was() {
     let s = ChunkStore::open(config(dir.path())).unwrap();
     assert_eq!(file_len(dir.path()), 8 * MIB);
     assert_eq!(s.stats().disk_chunks, 6);
+}
+
+#[test]
+fn a_store_file_cut_inside_its_superblock_is_called_truncated() {
+    let dir = tempfile::tempdir().unwrap();
+    fill_and_close(dir.path(), 1);
+    let path = dir.path().join(tier::store::STORE_FILE);
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&path)
+        .unwrap()
+        .set_len(10)
+        .unwrap();
+    let e = ChunkStore::open(config(dir.path())).err().expect("refused");
+    assert!(
+        e.to_string()
+            .contains("the file is 10 bytes, shorter than its own superblock (truncated)"),
+        "{e}"
+    );
+    assert_eq!(file_len(dir.path()), 10, "a refused open writes nothing");
 }
 
 #[test]
