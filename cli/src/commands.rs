@@ -886,6 +886,9 @@ fn open_offline(
     let tier_config = tier::TierConfig {
         grow_truncated: repair,
         read_only: access == Access::ReadOnly,
+        // Only `verify` reports a corrupt manifest itself: the other
+        // read-only commands (`namespaces`, a `gc` dry run) refuse it.
+        salvage_manifest: access == Access::ReadOnly && role == "verify",
         ..cfg.tier_config()
     };
     let store = ChunkStore::open(tier_config)

@@ -1309,6 +1309,17 @@ fn verify_repair_sets_a_corrupt_namespace_manifest_aside() {
             .is_some_and(|p| p.contains("corrupt namespace manifest")),
         "{v}"
     );
+    // `namespaces` and a `gc` dry run still refuse it (they would list or
+    // plan from part of it, silently: review).
+    for cmd in [&["namespaces"][..], &["gc", "--older-than", "1d"][..]] {
+        let out = run_kvtier(&[cmd, &store].concat(), &[]);
+        assert_eq!(out.status.code(), Some(1), "{cmd:?}: {}", text_of(&out));
+        assert!(
+            text(&out.stderr).contains("verify --repair"),
+            "{cmd:?}: {}",
+            text_of(&out)
+        );
+    }
 
     let out = run_kvtier(
         &[&["verify", "--repair", "--json"][..], &store].concat(),

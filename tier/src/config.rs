@@ -103,6 +103,12 @@ pub struct TierConfig {
     /// config file key. Default: false.
     #[serde(skip)]
     pub read_only: bool,
+    /// With `read_only`: a corrupt namespace manifest is read for the
+    /// records that still parse (logged), instead of refusing the open, so
+    /// `kvtier verify` checks the chunks all the same and reports the
+    /// manifest itself. Not a config file key. Default: false.
+    #[serde(skip)]
+    pub salvage_manifest: bool,
     /// Bytes kept free on the data dir's filesystem when a sparse store
     /// file (copied without its holes, or holes punched in it) is backed
     /// again at open: where backing it would leave less, it stays sparse
@@ -142,6 +148,7 @@ impl Default for TierConfig {
             max_namespaces: 4096,
             spill_limit: None,
             read_only: false,
+            salvage_manifest: false,
             disk_reserve: 0,
         }
     }

@@ -794,7 +794,7 @@ impl ChunkStore {
 
     fn open_inner(config: TierConfig, dev: Option<Arc<dyn Device>>) -> Result<Self> {
         let t0 = Instant::now();
-        let namespaces = if config.read_only {
+        let namespaces = if config.read_only && config.salvage_manifest {
             manifest::load_or_salvage_in_memory(&config.data_dir)?
         } else {
             manifest::load(&config.data_dir)?
@@ -1675,6 +1675,10 @@ pub const MAX_RECORD_BYTES: usize = 16 << 10;
 /// Bytes gathered per disk write.
 const WRITE_BATCH: usize = 4 << 20;
 
+/// Most dirty chunks one idle pass hands to the writer (it runs again as
+/// soon as the queue is empty).
+const IDLE_PASS_JOBS: usize = 64;
+
 impl Inner {
     fn check_open(&self) -> Result<()> {
         if self.closed.load(Ordering::SeqCst) {
@@ -2436,15 +2440,17 @@ impl Inner {
             return;
         }
         self.send_forgets(false);
-        let limit = self.config.writer_queue;
-        for (id, e) in self
+        // One hand-off (one queue slot, as a put's evictions take): one
+        // slot per job filled the queue that `no-tax` evictions need.
+        let jobs: Vec<_> = self
             .ram
-            .dirty_entries(Some(self.config.idle_flush_after), limit)
-        {
-            let job = self.write_job(id, e, Held::Resident, None);
-            if tx.try_send(Msg::Write(job)).is_err() {
-                break;
-            }
+            .dirty_entries(Some(self.config.idle_flush_after), IDLE_PASS_JOBS)
+            .into_iter()
+            .map(|(id, e)| self.write_job(id, e, Held::Resident, None))
+            .collect();
+        if !jobs.is_empty() {
+            // Full: the next pass tries again (the chunks stay dirty).
+            let _ = tx.try_send(Msg::Writes(jobs));
         }
     }
 }

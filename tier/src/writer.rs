@@ -566,10 +566,13 @@ impl Writer {
                         );
                     }
                     let r = self.sync();
+                    // The journal first: a marker whose write fails poisons
+                    // the disk, which would keep it (its replay at the next
+                    // open deletes versions written after its deletes).
+                    self.clear_journal(&r);
                     if r.is_ok() {
                         self.mark_stop();
                     }
-                    self.clear_journal(&r);
                     let _ = ack.send(r);
                     // Whatever raced the stop into the queue is not written:
                     // say so (a spilled chunk's RAM copy goes); deletes go
@@ -686,12 +689,22 @@ impl Writer {
         if !o.marker_owed || o.data_end + head + summary > self.disk.region_size {
             return;
         }
-        let r = o.r;
+        let (r, at) = (o.r, o.data_end);
         self.submit(Vec::new());
         self.drain();
-        let done = self.check_poison().and_then(|()| self.sync());
-        if let Err(e) = done {
-            tracing::warn!(region = r, "writing the clean-stop marker failed: {e}");
+        // A failed write rolls the data end back (ENOSPC pauses, anything
+        // else poisons).
+        let landed = self
+            .open
+            .as_ref()
+            .is_some_and(|o| o.r == r && o.data_end == at + head);
+        if !landed {
+            tracing::warn!(
+                region = r,
+                "the clean-stop marker's write failed (logged above)"
+            );
+        } else if let Err(e) = self.check_poison().and_then(|()| self.sync()) {
+            tracing::warn!(region = r, "syncing the clean-stop marker failed: {e}");
         }
     }
 

@@ -43,11 +43,11 @@ pub struct RespOptions {
     /// is closed. 0: the larger of 1 GiB and a quarter of the RAM budget.
     /// Default: 0.
     pub max_receiving: usize,
-    /// Longest a large value may take to arrive, from its length's line to
-    /// its last byte; a client that stalls past it gets an error and is
-    /// closed, giving its share of `max_receiving` back (two idle clients
-    /// announcing 512 MiB each refused every other large SET for as long
-    /// as they stayed: QA). As the native protocol's frame timeout.
+    /// Longest a large value's receive may go without bytes arriving; past
+    /// it (or when the value arrives slower than 1 MiB/s on average after
+    /// this much time) the client gets an error and is closed, giving its
+    /// share of `max_receiving` back (two idle clients announcing 512 MiB
+    /// each refused every other large SET for as long as they stayed: QA).
     /// Default: 30 s.
     pub value_timeout: std::time::Duration,
 }

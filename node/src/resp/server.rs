@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use bytes::{BufMut, BytesMut};
+use bytes::{BufMut, Bytes, BytesMut};
 use tier::buffers::POOL_MIN;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -107,6 +107,19 @@ pub(super) async fn run(
     let _ = stop_tx.send(true);
     while tasks.join_next().await.is_some() {}
     Ok(())
+}
+
+/// The slowest average rate a large value may arrive at, in bytes per
+/// second, beyond its first `value_timeout` (see the value's receive).
+const MIN_VALUE_RATE: f64 = (1u64 << 20) as f64;
+
+/// How a large value's receive ended.
+enum Received {
+    Value(Bytes),
+    /// The client closed the connection.
+    Eof,
+    /// No bytes for `value_timeout`, or too slow on average.
+    Stalled,
 }
 
 /// A large value's share of [`Shared::receiving`], given back when dropped.
@@ -225,41 +238,58 @@ async fn connection(shared: &Shared, mut sock: TcpStream) -> io::Result<()> {
                     // of a dropped chunk, not fresh pages).
                     let total = len + 2;
                     let from_buf = rbuf.len().min(total);
+                    // Each read must bring bytes within `value_timeout` (a
+                    // client that stops sending gives its share back), and
+                    // the whole value must average at least
+                    // MIN_VALUE_RATE (one that trickles a byte now and then
+                    // would hold it for ever).
+                    let idle = shared.opts.value_timeout;
+                    let whole = idle + Duration::from_secs_f64(total as f64 / MIN_VALUE_RATE);
                     let receive = async {
-                        io::Result::Ok(Some(if total >= POOL_MIN {
+                        io::Result::Ok(if total >= POOL_MIN {
                             let mut data = shared.ctx.store.buffers().filler(total);
                             data.extend_from_slice(&rbuf.split_to(from_buf));
                             while !data.is_full() {
-                                match sock.read(data.unfilled()).await? {
-                                    0 => return Ok(None),
-                                    n => data.advance(n),
+                                match tokio::time::timeout(idle, sock.read(data.unfilled())).await {
+                                    Err(_) => return Ok(Received::Stalled),
+                                    Ok(r) => match r? {
+                                        0 => return Ok(Received::Eof),
+                                        n => data.advance(n),
+                                    },
                                 }
                             }
-                            data.freeze()
+                            Received::Value(data.freeze())
                         } else {
                             let mut data = BytesMut::with_capacity(total);
                             data.extend_from_slice(&rbuf.split_to(from_buf));
                             while data.len() < total {
-                                if sock.read_buf(&mut data).await? == 0 {
-                                    return Ok(None);
+                                match tokio::time::timeout(idle, sock.read_buf(&mut data)).await {
+                                    Err(_) => return Ok(Received::Stalled),
+                                    Ok(r) => {
+                                        if r? == 0 {
+                                            return Ok(Received::Eof);
+                                        }
+                                    }
                                 }
                             }
-                            data.freeze()
-                        }))
+                            Received::Value(data.freeze())
+                        })
                     };
-                    let timeout = shared.opts.value_timeout;
-                    let data = match tokio::time::timeout(timeout, receive).await {
-                        Ok(Ok(Some(data))) => data,
-                        Ok(Ok(None)) => return Ok(()),
-                        Ok(Err(e)) => return Err(e),
-                        Err(_) => {
+                    let received = match tokio::time::timeout(whole, receive).await {
+                        Ok(r) => r?,
+                        Err(_) => Received::Stalled,
+                    };
+                    let data = match received {
+                        Received::Value(data) => data,
+                        Received::Eof => return Ok(()),
+                        Received::Stalled => {
                             // Given back before the client hears of it.
                             drop(receiving);
                             NodeCounters::inc(&shared.ctx.counters.resp_errors);
                             out.error(format!(
-                                "a value of {len} bytes did not arrive within {} s; closing \
-                                 this connection",
-                                timeout.as_secs_f64()
+                                "a value of {len} bytes stalled (nothing for {} s, or slower than \
+                                 1 MiB/s on average); closing this connection",
+                                idle.as_secs_f64()
                             ));
                             flush(&sock, &mut out, &mut BytesMut::new()).await?;
                             let _ = sock.shutdown().await;
