@@ -219,7 +219,20 @@ class KvtierError(Exception):
 
 
 class KvtierUnavailable(KvtierError):
-    """The daemon cannot be reached: connect failed, connection lost or timed out."""
+    """The daemon cannot be reached: connect failed, connection lost or timed out.
+
+    ``closed_by_peer`` is True when the daemon closed the connection (end of
+    stream, broken pipe, connection reset) before any byte of the reply
+    arrived: the daemon restarted, or dropped the connection. The request may
+    or may not have been carried out; an idempotent one (HELLO, LOOKUP, GET,
+    a PUT of the same bytes under the same keys) can be sent again on a new
+    connection. It is False for timeouts, failed connects and a connection
+    lost in the middle of a reply.
+    """
+
+    def __init__(self, message: str, code: str | None = None, closed_by_peer: bool = False) -> None:
+        super().__init__(message, code)
+        self.closed_by_peer = closed_by_peer
 
 
 class KvtierProtocolError(KvtierError):
@@ -406,6 +419,11 @@ def _offset_in(mv: memoryview, region: Region) -> int | None:
     return at if 0 <= at and at + mv.nbytes <= region.size else None
 
 
+def _peer_closed(e: OSError) -> bool:
+    """Whether a socket error means that the daemon closed the connection."""
+    return isinstance(e, (BrokenPipeError, ConnectionResetError))
+
+
 def _put_codes(codes: Any) -> list[str]:
     return ["ok" if c == 0 else fr.ERROR_NAMES.get(c, "internal") for c in codes]
 
@@ -473,6 +491,10 @@ class KvtierClient:
     before it sleeps, only while the system has a CPU to spare (default
     50 us, or ``KVTIER_CLIENT_SPIN_US`` microseconds when set; 0 never
     polls).
+    ``region``: a :class:`Region` to register instead of creating one of
+    ``region_size`` bytes. It stays the caller's: :meth:`close` (and a lost
+    connection) leave it open, so that it can be registered again on a new
+    connection, bytes intact, after the daemon restarted.
     """
 
     def __init__(
@@ -482,6 +504,7 @@ class KvtierClient:
         timeout: float | None = DEFAULT_TIMEOUT,
         max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
         spin: float | None = None,
+        region: Region | None = None,
     ) -> None:
         if not isinstance(max_in_flight, int) or max_in_flight < 1:
             raise ValueError("max_in_flight must be an integer of at least 1")
@@ -504,6 +527,8 @@ class KvtierClient:
             raise ValueError("timeout must be positive seconds, or None for none")
         self._sock: socket.socket | None = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._region: Region | None = None
+        # Whether close() closes the region (False: the caller's, see `region`).
+        self._owns_region = True
         self.limits: dict[str, int] = {}
         try:
             self._sock.settimeout(timeout)
@@ -517,9 +542,12 @@ class KvtierClient:
                 f"cannot connect to the kvtier daemon at {self.socket_path}: {e} (is `kvtier node start` running?)"
             ) from e
         _LIVE.add(self)
-        if region_size:
+        if region is not None or region_size:
             try:
-                self.set_region(Region(region_size))
+                if region is not None:
+                    self.set_region(region, owned=False)
+                else:
+                    self.set_region(Region(region_size))
             except BaseException:
                 self.close()
                 raise
@@ -541,7 +569,8 @@ class KvtierClient:
             self._sock = None
             self._closed_why = "the client is closed (close() was called)"
         if self._region is not None:
-            self._region.close()
+            if self._owns_region:
+                self._region.close()
             self._region = None
 
     @property
@@ -555,9 +584,13 @@ class KvtierClient:
             raise KvtierError("no region is registered on this connection", "no-region")
         return self._region
 
-    def _broken(self, what: str, e: BaseException | None) -> KvtierUnavailable:
-        """Closes the client; the error fails every request in flight too."""
-        err = KvtierUnavailable(f"{what}: {e}" if e else what)
+    def _broken(self, what: str, e: BaseException | None, closed_by_peer: bool = False) -> KvtierUnavailable:
+        """Closes the client; the error fails every request in flight too.
+        ``closed_by_peer``: the daemon closed the connection, and no byte of
+        a reply is buffered (see :class:`KvtierUnavailable`)."""
+        err = KvtierUnavailable(
+            f"{what}: {e}" if e else what, closed_by_peer=closed_by_peer and self._rend == self._rpos
+        )
         err.__cause__ = e
         self._fail_in_flight(err)
         self.close()
@@ -579,7 +612,8 @@ class KvtierClient:
             "this client was opened by the parent of this process (fork()); open a new KvtierClient in this process"
         )
         if self._region is not None:
-            self._region.close()
+            if self._owns_region:
+                self._region.close()
             self._region = None
 
     def _send(self, frame: bytes, fd: int | None = None) -> None:
@@ -600,7 +634,7 @@ class KvtierClient:
                 self._fail_in_flight(said)
                 self.close()
                 raise said from e
-            raise self._broken("lost the connection to the kvtier daemon", e) from e
+            raise self._broken("lost the connection to the kvtier daemon", e, _peer_closed(e)) from e
 
     def _parting_error(self) -> KvtierUnavailable | None:
         """The error the daemon sent before it closed the connection (``busy``
@@ -642,9 +676,9 @@ class KvtierClient:
             except socket.timeout as e:
                 raise self._broken("timed out waiting for the kvtier daemon", e) from e
             except OSError as e:
-                raise self._broken("lost the connection to the kvtier daemon", e) from e
+                raise self._broken("lost the connection to the kvtier daemon", e, _peer_closed(e)) from e
             if k == 0:
-                raise self._broken("the kvtier daemon closed the connection", None)
+                raise self._broken("the kvtier daemon closed the connection", None, closed_by_peer=True)
             self._rend += k
 
     def _poll_for_reply(self) -> None:
@@ -812,14 +846,16 @@ class KvtierClient:
         self.limits = {k: v for k, v in reply.items() if k != "ns"}
         return bytes(reply["ns"])
 
-    def set_region(self, region: Region) -> None:
+    def set_region(self, region: Region, owned: bool = True) -> None:
         """Registers ``region`` with the daemon (replacing the current one,
-        which is closed). The client takes ownership of it."""
+        which is closed if the client owns it). The client takes ownership
+        of it, unless ``owned`` is False (then it is never closed here)."""
         if region.fd < 0:
             raise ValueError("the region is closed")
         self._call(fr.register_region, region.size, fd=region.fd)
-        old, self._region = self._region, region
-        if old is not None and old is not region:
+        old, old_owned = self._region, self._owns_region
+        self._region, self._owns_region = region, owned
+        if old is not None and old is not region and old_owned:
             old.close()
 
     def lookup(self, ns: bytes, keys: Sequence[bytes], group: int = 0) -> LookupResult:

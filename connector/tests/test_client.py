@@ -272,6 +272,99 @@ def record(rank: int) -> dict:
     }
 
 
+def _one_connection_server(path: Path, then: str) -> tuple[socket.socket, threading.Thread]:
+    """A server that accepts one connection, reads one request and then
+    closes it (`then="close"`), resets it (`"reset"`), or sends half a reply
+    header first (`"half"`)."""
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(str(path))
+    srv.listen(1)
+
+    def serve() -> None:
+        conn = srv.accept()[0]
+        conn.recv(4096)
+        if then == "half":
+            conn.sendall(fr.encode_frame(fr.REPLY_BIT, 1, 1, 0, b"")[: fr.HEADER_LEN // 2])
+        if then == "reset":
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        conn.close()
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    return srv, t
+
+
+@pytest.mark.parametrize("then, by_peer", [("close", True), ("reset", True), ("half", False)])
+def test_a_connection_the_daemon_closed_says_so(tmp_path: Path, then: str, by_peer: bool) -> None:
+    """`closed_by_peer` (the vLLM connector sends an idempotent request once
+    more on a new connection then) only when no byte of the reply came."""
+    path = tmp_path / f"{then}.sock"
+    srv, t = _one_connection_server(path, then)
+    try:
+        c = KvtierClient(path, region_size=0, timeout=5)
+        with pytest.raises(KvtierUnavailable) as e:
+            c.ping()
+        assert e.value.closed_by_peer is by_peer, e.value
+        assert c.closed
+    finally:
+        t.join(timeout=5)
+        srv.close()
+
+
+def test_a_send_into_a_closed_connection_is_closed_by_peer(tmp_path: Path) -> None:
+    # The daemon restarted while the client was idle: the next send meets a
+    # broken pipe.
+    path = tmp_path / "gone.sock"
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(str(path))
+    srv.listen(1)
+    try:
+        c = KvtierClient(path, region_size=0, timeout=5)
+        srv.accept()[0].close()
+        with pytest.raises(KvtierUnavailable) as e:
+            for _ in range(3):  # the first send may still be taken by the kernel
+                c.ping()
+        assert e.value.closed_by_peer, e.value
+    finally:
+        srv.close()
+
+
+def test_a_timeout_is_not_closed_by_peer(tmp_path: Path) -> None:
+    path = tmp_path / "slow.sock"
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(str(path))
+    srv.listen(1)
+    try:
+        c = KvtierClient(path, region_size=0, timeout=0.2)
+        with pytest.raises(KvtierUnavailable) as e:
+            c.ping()
+        assert not e.value.closed_by_peer
+    finally:
+        srv.close()
+
+
+def test_a_callers_region_outlives_its_connection(daemon) -> None:  # type: ignore[no-untyped-def]
+    """A region passed in stays open when the client closes, and registers
+    again on a new connection with its bytes intact."""
+    r = Region(1 << 20)
+    try:
+        c = KvtierClient(daemon.socket_path, region_size=0, timeout=30, region=r)
+        ns = c.hello(record(0))
+        r.buffer[0:4096] = payload(77, 4096)
+        assert c.put(ns, [(key(77), (0, 4096))]) == ["ok"]
+        c.close()
+        assert r.fd >= 0 and bytes(r.buffer[0:4096]) == payload(77, 4096)
+        with KvtierClient(daemon.socket_path, region_size=0, timeout=30, region=r) as c2:
+            assert c2.region is r
+            ns = c2.hello(record(0))
+            r.buffer[0:4096] = bytes(4096)
+            res = c2.get(ns, [key(77)], into=[(0, 4096)])
+            assert res[0].hit and bytes(r.buffer[0:4096]) == payload(77, 4096)
+        assert r.fd >= 0
+    finally:
+        r.close()
+
+
 def payload(i: int, n: int) -> bytes:
     return (i.to_bytes(4, "little") * (n // 4 + 1))[:n]
 

@@ -18,6 +18,22 @@ SAVE_POLICIES = ("prefill-and-finish", "on-evict")
 #: shared-memory region and a daemon thread).
 MAX_LINKS = 64
 
+#: Longest `timeout_ms` (10 minutes): past it a hung daemon holds a request
+#: (or a step waiting for a gather) for good in practice.
+MAX_TIMEOUT_MS = 600_000
+#: Longest `lookup_timeout_ms` (1 minute): a lookup runs on the engine's thread.
+MAX_LOOKUP_TIMEOUT_MS = 60_000
+
+
+def physical_memory() -> int | None:
+    """Bytes of RAM of this machine, None when unknown."""
+    import os
+
+    try:
+        return int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        return None
+
 
 class ConfigError(ValueError):
     """A bad `kv_connector_extra_config`."""
@@ -27,7 +43,9 @@ class ConfigError(ValueError):
 class KvtierConfig:
     """Parsed and validated connector settings."""
 
-    #: Path of the local daemon's native socket. Default: /run/kvtier/kvtier.sock.
+    #: Absolute path of the local daemon's native socket (a relative one would
+    #: depend on each vLLM process's working directory). Default:
+    #: /run/kvtier/kvtier.sock.
     socket: str = DEFAULT_SOCKET
     #: Size gate: requests whose prompt is shorter than this many tokens only
     #: count chunks resident in RAM (seed 000: a small miss recomputes cheaper
@@ -53,13 +71,17 @@ class KvtierConfig:
     #: everything stored. Default: "".
     salt: str = ""
     #: Deadline of one daemon call on the scheduler's path (lookups), in ms.
-    #: A lookup past it counts as a miss. Default: 2000.
+    #: A lookup past it counts as a miss. Default: 2000; 1..=60000.
     lookup_timeout_ms: int = 2000
     #: Deadline of one daemon call on the worker's path (PUT/GET batches), in
-    #: ms. A load past it becomes a load error (vLLM recomputes). Default: 30000.
+    #: ms. A load past it becomes a load error (vLLM recomputes). Default:
+    #: 30000; 1..=600000.
     timeout_ms: int = 30000
     #: Bytes of shared-memory staging per direction (save, load) and rank;
-    #: must hold at least one chunk. Default: 256 MiB.
+    #: must hold at least one chunk, and at most this machine's RAM; each
+    #: connection's share (`staging_bytes / save_links`, likewise for loads)
+    #: must fit the daemon's max-region (64 GiB by default), or the worker
+    #: disables itself at its first connection. Default: 256 MiB; minimum 1 MiB.
     staging_bytes: int = 256 << 20
     #: Store chunks at all (False: restore only). Default: True.
     store: bool = True
@@ -124,9 +146,26 @@ class KvtierConfig:
             raise ConfigError("kvtier connector: min_tokens_for_disk must be >= 0")
         if not 1 <= self.chunk_blocks <= 4096:
             raise ConfigError("kvtier connector: chunk_blocks must be in 1..=4096")
-        if self.lookup_timeout_ms <= 0 or self.timeout_ms <= 0:
-            raise ConfigError("kvtier connector: timeouts must be > 0 ms")
+        if not 1 <= self.lookup_timeout_ms <= MAX_LOOKUP_TIMEOUT_MS:
+            raise ConfigError(
+                f"kvtier connector: lookup_timeout_ms must be in 1..={MAX_LOOKUP_TIMEOUT_MS} "
+                f"(a lookup runs on the engine's thread), got {self.lookup_timeout_ms!r}"
+            )
+        if not 1 <= self.timeout_ms <= MAX_TIMEOUT_MS:
+            raise ConfigError(
+                f"kvtier connector: timeout_ms must be in 1..={MAX_TIMEOUT_MS} (10 minutes), got {self.timeout_ms!r}"
+            )
         if self.staging_bytes < 1 << 20:
             raise ConfigError("kvtier connector: staging_bytes must be at least 1 MiB")
+        ram = physical_memory()
+        if ram is not None and self.staging_bytes > ram:
+            raise ConfigError(
+                f"kvtier connector: staging_bytes={self.staging_bytes} is more than this machine's memory "
+                f"({ram} bytes); it is shared memory per rank and direction (default 256 MiB)"
+            )
         if not self.socket:
             raise ConfigError("kvtier connector: socket must not be empty")
+        if not self.socket.startswith("/"):
+            raise ConfigError(
+                f"kvtier connector: socket must be an absolute path (the daemon's --socket), got {self.socket!r}"
+            )

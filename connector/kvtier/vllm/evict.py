@@ -125,6 +125,11 @@ class EvictTracker:
         while len(self._stored) > self._stored_cap:
             self._stored.popitem(last=False)
 
+    def forget_stored(self, keys: list[bytes]) -> None:
+        """Keys no longer known stored (their restore failed)."""
+        for k in keys:
+            self._stored.pop(k, None)
+
     def track(self, saves: list[ChunkSave], block_hashes: Any, first_chunk: int) -> list[bytes]:
         """Starts tracking the chunks of `saves` (per chunk, one ChunkSave per group,
         in chunk order from `first_chunk`), computed by the request whose

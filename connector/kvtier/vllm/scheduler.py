@@ -45,6 +45,9 @@ class _Req:
     block_ids: list[list[int]] = field(default_factory=list)
     #: Blocks of the restore in flight (to spot its failure in the workers' output).
     loading_blocks: set[int] = field(default_factory=set)
+    #: Chunk index (and key) of each block of the restore in flight: a failed
+    #: restore stores again from its first failed chunk.
+    loading_chunks: dict[int, tuple[int, bytes]] = field(default_factory=dict)
     #: A restore failed: never offer one again for this request (vLLM recomputes).
     load_failed: bool = False
     #: on-evict: keys of the chunks this request's blocks were tracked under.
@@ -221,6 +224,7 @@ class KvtierScheduler:
         if loads:
             self._pending_loads.setdefault(request.request_id, []).extend(loads)
             st.loading_blocks = {bid for ld in loads for _, bid in ld.dst}
+            st.loading_chunks = {bid: (ld.chunk, ld.key) for ld in loads for _, bid in ld.dst}
             self.stats.add(hit_tokens=num_external_tokens)
             if request.num_prompt_tokens < self.cfg.min_tokens_for_disk:
                 self.stats.add(hit_tokens_ram=num_external_tokens)
@@ -238,7 +242,19 @@ class KvtierScheduler:
                 continue
             if req_id in failed or (st.loading_blocks & invalid):
                 st.load_failed = True
+                # vLLM recomputes from the first failed block on: those chunks
+                # are stored again from the recomputed bytes (the lookup had
+                # counted them present; the daemon lost them since, or a rank
+                # failed to read them). PUT of a chunk the daemon still has
+                # stores the same bytes again: harmless.
+                bad = st.loading_blocks if req_id in failed else st.loading_blocks & invalid
+                if bad:
+                    first = min(st.loading_chunks[b][0] for b in bad if b in st.loading_chunks)
+                    st.stored_chunks = min(st.stored_chunks, first)
+                    if self.evict is not None:
+                        self.evict.forget_stored([k for c, k in st.loading_chunks.values() if c >= first])
             st.loading_blocks = set()
+            st.loading_chunks = {}
 
     # ---- saves -------------------------------------------------------------
 

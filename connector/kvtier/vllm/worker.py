@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from kvtier.vllm.config import KvtierConfig
-from kvtier.vllm.daemon import GET_DISK, GET_PEER, GET_RAM, DaemonDown, DaemonLink
+from kvtier.vllm.daemon import GET_DISK, GET_PEER, GET_RAM, DaemonDown, DaemonLink, RegionRefused
 from kvtier.vllm.layout import EngineLayout
 from kvtier.vllm.meta import ChunkLoad, ChunkSave, KvtierMetadata
 from kvtier.vllm.metrics import StatsRecorder
@@ -46,6 +46,10 @@ PREEMPT_WAIT_S = 0.5
 #: Pseudo request id of on-evict saves (not a vLLM request: never reported
 #: in finished_sending).
 EVICT_REQ = "\x00kvtier-evict"
+
+
+class _Disabled(Exception):
+    """The worker disabled itself (a limit check failed) before the job began."""
 
 
 @dataclass
@@ -144,6 +148,12 @@ class KvtierWorker:
         self._load_links: list[DaemonLink] = []
         self._get_pool: ThreadPoolExecutor | None = None
         self._staging: dict[int, tuple[Any, Staging]] = {}
+        #: Largest chunk of any group, in bytes (set in register_kv_caches).
+        self._biggest_chunk = 0
+        #: Whether the daemon's limits were checked (`_check_daemon_limits`).
+        self._limits_checked = False
+        # std lock: taken by the I/O threads around one STATS call, and to log a disable once.
+        self._check_lock = threading.Lock()
         #: Profiling only (scripts/gpu-e2e.py --breakdown): when a dict, the I/O threads add
         #: seconds per phase to it and synchronize the device between phases.
         self.timing: dict[str, float] | None = None
@@ -206,23 +216,9 @@ class KvtierWorker:
             for i in range(links)
         ]
         self._get_pool = ThreadPoolExecutor(max_workers=links, thread_name_prefix="kvtier-get")
-        # Connect now so a daemon that is down is reported at start-up.
-        for link in (*self._save_links, *self._load_links):
-            try:
-                link.namespace(self.record or {})
-            except Exception:  # noqa: BLE001 - warned by the link
-                pass
-        # A chunk the daemon cannot store (larger than one region of its disk
-        # store) would be refused on every save: say so once, and stay off.
-        limit = self._daemon_max_chunk()
-        if limit is not None and biggest > limit:
-            logger.error(
-                "kvtier: a chunk is %d bytes, more than the daemon's largest chunk (%d bytes: its "
-                "region-size less headers); raise the daemon's region-size (a disk-budget under 2GiB "
-                "picks small regions) or lower chunk_blocks; the connector disables itself on this worker",
-                biggest, limit,
-            )
-            self.enabled = False
+        self._biggest_chunk = biggest
+        self._connect_links()
+        if not self.enabled:
             for link in (*self._save_links, *self._load_links):
                 link.close()
             return
@@ -231,25 +227,94 @@ class KvtierWorker:
             t.start()
             self._threads.append(t)
 
-    def _daemon_max_chunk(self) -> int | None:
-        """The daemon's largest chunk (STATS `max-chunk-bytes`); None when it
-        cannot be asked (down: the links warn) or is older."""
+    def _connect_links(self) -> None:
+        """Connects at start-up, so that a daemon that is down is reported
+        then, and checks the daemon's limits; bounded by about one
+        `timeout_ms` whatever the number of links (the engine waits for
+        this). The first link goes alone: when the daemon does not answer
+        (down, or hung), the others connect when first used. Otherwise the
+        others connect in parallel."""
+        first, *rest = (*self._save_links, *self._load_links)
         try:
-            v = self._save_links[0].client().stats().get("max-chunk-bytes")
-        except Exception:  # noqa: BLE001 - a daemon that is down is warned about by the link
-            return None
-        return int(v) if isinstance(v, int) else None
+            first.namespace(self.record or {})
+        except RegionRefused as e:
+            self._region_refused(e)
+            return
+        except Exception:  # noqa: BLE001 - warned by the link; checked when it is up
+            return
+        errors: list[BaseException] = []
+
+        def connect(link: DaemonLink) -> None:
+            try:
+                link.namespace(self.record or {})
+            except Exception as e:  # noqa: BLE001 - warned by the link
+                errors.append(e)
+
+        if rest:
+            with ThreadPoolExecutor(max_workers=len(rest), thread_name_prefix="kvtier-connect") as pool:
+                list(pool.map(connect, rest))
+        refused = [e for e in errors if isinstance(e, RegionRefused)]
+        if refused:
+            self._region_refused(refused[0])
+            return
+        self._check_daemon_limits(first)
+
+    def _check_daemon_limits(self, link: DaemonLink) -> bool:
+        """Once per worker, on the first link that reaches the daemon (at
+        start-up, or in the first job when the daemon was down then): a chunk
+        the daemon cannot store (larger than one region of its disk store)
+        would be refused on every save, so the worker says so and disables
+        itself. False once disabled. Runs on the thread that owns `link`."""
+        if self._limits_checked:
+            return self.enabled
+        with self._check_lock:
+            if self._limits_checked:
+                return self.enabled
+            try:
+                v = link.stats().get("max-chunk-bytes")
+            except DaemonDown:
+                return self.enabled  # asked again on the next job
+            except Exception as e:  # noqa: BLE001 - asked again on the next job
+                link.fail(e)
+                return self.enabled
+            self._limits_checked = True
+            biggest = self._biggest_chunk
+            if isinstance(v, int) and biggest > v:
+                logger.error(
+                    "kvtier: a chunk is %d bytes, more than the daemon's largest chunk (%d bytes: its "
+                    "region-size less headers); raise the daemon's region-size (a disk-budget under 2GiB "
+                    "picks small regions) or lower chunk_blocks; the connector disables itself on this worker",
+                    biggest, v,
+                )
+                self.enabled = False
+        return self.enabled
+
+    def _region_refused(self, e: RegionRefused) -> None:
+        """A link's region is longer than the daemon accepts: a configuration
+        error, logged once; the worker disables itself."""
+        with self._check_lock:
+            if not self.enabled:
+                return
+            self.enabled = False
+        logger.error(
+            "kvtier: %s; staging_bytes=%d split over %d save and %d load connections gives each connection "
+            "more than the daemon accepts: lower staging_bytes (or raise save_links / load_links); the "
+            "connector disables itself on this worker",
+            e, self.cfg.staging_bytes, len(self._save_links), len(self._load_links),
+        )
 
     def _staging_for(self, link: DaemonLink) -> Staging:
-        client = link.client()
+        # The link keeps its region across a reconnection after a daemon
+        # restart; a new one (after a failed call) needs a new staging view.
+        region = link.region()
         cur = self._staging.get(id(link))
-        if cur is not None and cur[0] is client:
+        if cur is not None and cur[0] is region:
             return cur[1]
         if cur is not None:
             cur[1].close()
         assert self.device is not None
-        st = Staging(link.region(), link.region_address(), self.device)
-        self._staging[id(link)] = (client, st)
+        st = Staging(region, link.region_address(), self.device)
+        self._staging[id(link)] = (region, st)
         return st
 
     def _loop(self, q: queue.Queue, fn: Any) -> None:
@@ -465,6 +530,8 @@ class KvtierWorker:
             tm = self.timing
             links = self._save_links
             nss = [link.namespace(self.record) for link in links]
+            if not self._check_daemon_limits(links[0]):
+                raise _Disabled()
             stagings = [self._staging_for(link) for link in links]
             per = max(1, stagings[0].nbytes // size)
             inflight: list[Future | None] = [None] * len(links)
@@ -488,10 +555,9 @@ class KvtierWorker:
                     k = slot % len(links)
                     settle(k)  # link k's staging is free again once its PUT returned
                     if errors:
-                        # A failed PUT closed its connection, and with it the
-                        # shared memory under that link's staging: gathering
-                        # into it again would write unmapped memory. The rest
-                        # of the job fails (a future miss).
+                        # A failed PUT dropped its connection and that link's
+                        # region (a daemon that was only slow may still read
+                        # it): the rest of the job fails (a future miss).
                         break
                     batch = job.chunks[i : i + per]
                     ids = [b for c in batch for b in c.block_ids]
@@ -520,6 +586,11 @@ class KvtierWorker:
                 for k in range(len(links)):
                     settle(k)
             failed = len(job.chunks) - stored - dropped
+        except _Disabled:
+            dropped = len(job.chunks)
+        except RegionRefused as e:
+            self._region_refused(e)
+            dropped = len(job.chunks)
         except DaemonDown:
             failed = len(job.chunks) - stored - dropped
         except Exception as e:  # noqa: BLE001 - a failed save is a future miss
@@ -559,6 +630,8 @@ class KvtierWorker:
             tm = self.timing
             links = self._load_links
             nss = [link.namespace(self.record) for link in links]
+            if not self._check_daemon_limits(links[0]):
+                raise _Disabled()
             stagings = [self._staging_for(link) for link in links]
             by_group: dict[int, list[ChunkLoad]] = {}
             for ld in job.loads:
@@ -628,7 +701,10 @@ class KvtierWorker:
                                 res.result()
                             except Exception:  # noqa: BLE001 - the first error is handled below
                                 pass
-        except DaemonDown:
+        except RegionRefused as e:
+            self._region_refused(e)
+            first_bad = -1
+        except (DaemonDown, _Disabled):
             first_bad = -1
         except Exception as e:  # noqa: BLE001 - a failed load is recomputed by vLLM
             for link in self._load_links:

@@ -52,6 +52,22 @@ def test_config_on_evict_and_link_keys():
                 KvtierConfig.from_extra_config({key: bad})
 
 
+def test_config_refuses_obviously_bad_values(monkeypatch):
+    import kvtier.vllm.config as config
+
+    with pytest.raises(ConfigError, match="absolute path"):
+        KvtierConfig.from_extra_config({"socket": "kvtier.sock"})
+    for key, top in (("timeout_ms", 600_000), ("lookup_timeout_ms", 60_000)):
+        assert getattr(KvtierConfig.from_extra_config({key: top}), key) == top
+        for bad in (0, top + 1, 10**12):
+            with pytest.raises(ConfigError, match=key):
+                KvtierConfig.from_extra_config({key: bad})
+    monkeypatch.setattr(config, "physical_memory", lambda: 8 << 30)
+    assert KvtierConfig.from_extra_config({"staging_bytes": 8 << 30}).staging_bytes == 8 << 30
+    with pytest.raises(ConfigError, match="more than this machine's memory"):
+        KvtierConfig.from_extra_config({"staging_bytes": 1 << 40})
+
+
 def test_link_keys_reach_the_worker():
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
@@ -224,28 +240,44 @@ def test_model_settings_that_change_kv_bytes_fence_the_namespace():
     assert model_fingerprint(worker_cfg) == model_fingerprint(base.model_config)
 
 
-def test_daemon_link_backs_off_on_failed_connects_and_calls():
-    """Failed connects wait at least RETRY_S, doubling up to the link's bound;
-    failed calls start at FIRST_RETRY_S; both counted as failures in a row."""
+def test_daemon_link_backs_off_on_failed_connects_and_calls(short_tmp):
+    """A refused connect is tried again every RETRY_S; one that cost a
+    timeout (a hung daemon) waits at least RETRY_S, doubling up to the link's
+    bound; failed calls start at FIRST_RETRY_S; counted as failures in a row."""
+    import socket
     import time
 
     from kvtier.vllm.daemon import FIRST_RETRY_S, RETRY_S, DaemonDown, DaemonLink
 
     link = DaemonLink("/nonexistent/kvtier.sock", 0, 100, "test", max_retry_s=30.0)
-    delays = []
     for _ in range(10):
         link._next_try = 0.0
         with pytest.raises(DaemonDown):
             link.client()
-        delays.append(link._next_try - time.monotonic())
-    assert all(RETRY_S - 0.1 <= d <= 30.0 for d in delays), delays
-    assert delays == sorted(delays, key=lambda d: round(d, 1)) and delays[-1] > 29, delays
-    worker_link = DaemonLink("/nonexistent/kvtier.sock", 0, 100, "test")
-    for _ in range(10):
-        worker_link._next_try = 0.0
-        with pytest.raises(DaemonDown):
-            worker_link.client()
-    assert worker_link._next_try - time.monotonic() <= RETRY_S
+        assert RETRY_S - 0.1 <= link._next_try - time.monotonic() <= RETRY_S
+    # A listener that never answers: the region's registration times out.
+    path = str(short_tmp / "hung.sock")
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(path)
+    srv.listen(64)
+    try:
+        delays = []
+        hung = DaemonLink(path, 1 << 20, 100, "test", max_retry_s=30.0)
+        for _ in range(9):
+            hung._next_try = 0.0
+            with pytest.raises(DaemonDown):
+                hung.client()
+            delays.append(hung._next_try - time.monotonic())
+        assert all(RETRY_S - 0.2 <= d <= 30.0 for d in delays), delays
+        assert delays == sorted(delays, key=lambda d: round(d, 1)) and delays[-1] > 29, delays
+        worker_link = DaemonLink(path, 1 << 20, 100, "test")
+        for _ in range(7):
+            worker_link._next_try = 0.0
+            with pytest.raises(DaemonDown):
+                worker_link.client()
+        assert worker_link._next_try - time.monotonic() <= RETRY_S
+    finally:
+        srv.close()
     calls = DaemonLink("/nonexistent/kvtier.sock", 0, 100, "test", max_retry_s=30.0)
     calls.fail(RuntimeError("timed out"))
     assert calls._next_try - time.monotonic() <= FIRST_RETRY_S
