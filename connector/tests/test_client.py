@@ -272,13 +272,19 @@ def record(rank: int) -> dict:
     }
 
 
+def _listening(path: Path) -> socket.socket:
+    """A Unix socket listening at ``path`` that is not a daemon."""
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(str(path))
+    srv.listen(1)
+    return srv
+
+
 def _one_connection_server(path: Path, then: str) -> tuple[socket.socket, threading.Thread]:
     """A server that accepts one connection, reads one request and then
     closes it (`then="close"`), resets it (`"reset"`), or sends half a reply
     header first (`"half"`)."""
-    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    srv.bind(str(path))
-    srv.listen(1)
+    srv = _listening(path)
 
     def serve() -> None:
         conn = srv.accept()[0]
@@ -315,9 +321,7 @@ def test_a_send_into_a_closed_connection_is_closed_by_peer(tmp_path: Path) -> No
     # The daemon restarted while the client was idle: the next send meets a
     # broken pipe.
     path = tmp_path / "gone.sock"
-    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    srv.bind(str(path))
-    srv.listen(1)
+    srv = _listening(path)
     try:
         c = KvtierClient(path, region_size=0, timeout=5)
         srv.accept()[0].close()
@@ -331,9 +335,7 @@ def test_a_send_into_a_closed_connection_is_closed_by_peer(tmp_path: Path) -> No
 
 def test_a_timeout_is_not_closed_by_peer(tmp_path: Path) -> None:
     path = tmp_path / "slow.sock"
-    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    srv.bind(str(path))
-    srv.listen(1)
+    srv = _listening(path)
     try:
         c = KvtierClient(path, region_size=0, timeout=0.2)
         with pytest.raises(KvtierUnavailable) as e:
