@@ -154,11 +154,20 @@ class KvtierScheduler:
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Tokens loadable beyond the local hit (chunk-aligned, min over ranks); loads are async."""
-        if not self.enabled or not self.cfg.load:
+        if not self.enabled:
             return 0, False
         layout = self.layout
         assert layout is not None
         st = self._state(request)
+        if not self.cfg.load:
+            # Nothing is restored, but prefill-and-finish asks which chunks
+            # kvtier has so that it stores only the missing ones (it stored
+            # every chunk of every request again: QA).
+            keys = layout.chunk_keys(request.block_hashes, request.num_tokens - 1)
+            if keys and self.evict is None and self.cfg.store:
+                _, present = self._lookup(st, keys)
+                st.stored_chunks = max(st.stored_chunks, present)
+            return 0, False
         if st.load_failed:
             return 0, False
         st.local_tokens = num_computed_tokens

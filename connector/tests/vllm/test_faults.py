@@ -158,3 +158,20 @@ def test_a_restore_that_failed_partway_stores_the_lost_chunk_again(daemon: Daemo
         assert e.totals()["load_chunks"] == 2 and e.verified["n"] == 512
     finally:
         e.shutdown()
+
+
+def test_with_load_off_a_prompt_is_stored_once(daemon: Daemon):
+    """`load: false` restores nothing, but a request still asks which chunks
+    kvtier has: the same prompt again stores nothing new (it stored every
+    chunk again: QA)."""
+    e = Engine({"socket": daemon.socket, "min_tokens_for_disk": 0, "load": False})
+    try:
+        run_one(e, "first")
+        assert e.totals()["save_chunks"] == 2
+        e.scheduler.reset_prefix_cache()
+        run_one(e, "second")
+        t = e.totals()
+        assert t["save_chunks"] == 2, t
+        assert t["load_chunks"] == 0 and t["hit_tokens"] == 0, t
+    finally:
+        e.shutdown()
