@@ -52,10 +52,11 @@ pub struct TierConfig {
     pub idle_flush_after: Duration,
     /// Write policy when the writer falls behind. Default: `no-tax`.
     pub write_policy: WritePolicy,
-    /// Hand-offs the writer queue holds: under `no-tax` one per put (all
-    /// the dirty chunks that put evicted), under `backpressure` one per
-    /// chunk; flushes, deletes and idle writes take one per chunk too.
-    /// Default: 64.
+    /// Messages the writer queue holds: under `backpressure` one per
+    /// evicted chunk (puts wait when it is full); under `no-tax` one per put
+    /// (all the dirty chunks it evicted), and hand-offs that find it full
+    /// wait beside it, bounded by `spill_limit`; flushes and deletes take
+    /// one per chunk, an idle pass one. Default: 64.
     pub writer_queue: usize,
     /// Promote disk hits into RAM as clean entries. Default: true.
     pub promote_on_read: bool,
@@ -86,10 +87,9 @@ pub struct TierConfig {
     /// Under `no-tax`, most bytes of chunks evicted dirty that may wait in
     /// memory for the disk writer (`spilled_bytes`), beyond `ram_budget`:
     /// past it a dirty eviction is dropped and counted
-    /// (`dropped_unwritten`), as when the writer's queue is full (one chunk
-    /// may always wait). Without it the writer queue alone bounded them, at
-    /// `writer_queue` times the largest chunk (2 GiB of 32 MiB chunks, for
-    /// any budget). `backpressure` is bounded by the queue (its PUTs
+    /// (`dropped_unwritten`); one chunk may always wait. This is the only
+    /// bound under `no-tax` (a full writer queue drops nothing: hand-offs
+    /// wait beside it). `backpressure` is bounded by the queue (its PUTs
     /// wait). Default: unset = the larger of a quarter of `ram_budget` and
     /// 128 MiB.
     pub spill_limit: Option<u64>,

@@ -634,6 +634,12 @@ pub(crate) struct Inner {
     /// overwrites or deletes pile up under overload. Sent by the next flush
     /// or idle pass. parking_lot: short sections.
     forget_later: Mutex<HashMap<ChunkId, (Instant, u32)>>,
+    /// `no-tax` eviction hand-offs that found the writer's queue full, in
+    /// order, for the writer to take at its next message; `None` once the
+    /// writer stopped. Their chunks are spilled, so `spill_limit` bounds
+    /// them in bytes (a queue slot per put dropped pipelined small SETs
+    /// while the disk idled: QA). parking_lot: short sections.
+    overflow: Mutex<Option<Vec<Job>>>,
     /// Write jobs not done yet (queued, packed or in flight), per id
     /// ([`PendingWrite`]). parking_lot: short sections.
     pending: Arc<Mutex<HashMap<ChunkId, u32>>>,
@@ -873,6 +879,7 @@ impl ChunkStore {
             observer: RwLock::new(None),
             cancel: Mutex::new(HashMap::new()),
             forget_later: Mutex::new(HashMap::new()),
+            overflow: Mutex::new(Some(Vec::new())),
             pending: Arc::new(Mutex::new(HashMap::new())),
             txns: Mutex::new(txns),
             gate: RwLock::new(()),
@@ -1474,7 +1481,8 @@ impl ChunkStore {
             s.disk_poisoned = d.poisoned().is_some();
             s.disk_regions = u64::from(d.region_count);
         }
-        s.writer_queue_depth = i.tx.as_ref().map_or(0, |t| t.len() as u64);
+        s.writer_queue_depth = i.tx.as_ref().map_or(0, |t| t.len() as u64)
+            + i.overflow.lock().as_ref().map_or(0, |o| o.len() as u64);
         s
     }
 
@@ -2078,12 +2086,32 @@ impl Inner {
             return;
         }
         let Some(tx) = &self.tx else { return };
-        let refused = match tx.try_send(Msg::Writes(handoff)) {
-            Ok(()) => return,
-            Err(TrySendError::Full(m) | TrySendError::Disconnected(m)) => m,
-        };
-        let Msg::Writes(jobs) = refused else {
-            unreachable!("the message sent")
+        // Behind earlier hand-offs waiting beside a full queue (in order),
+        // else into the queue, else beside it: the writer takes them at its
+        // next message (the queue is full, so it has one). Bounded in bytes
+        // by `spill_limit` above, not by the queue's length.
+        let jobs = {
+            let mut over = self.overflow.lock();
+            match over.as_mut() {
+                Some(o) if !o.is_empty() => {
+                    o.extend(handoff);
+                    return;
+                }
+                Some(o) => match tx.try_send(Msg::Writes(handoff)) {
+                    Ok(()) => return,
+                    Err(TrySendError::Full(Msg::Writes(jobs))) => {
+                        o.extend(jobs);
+                        return;
+                    }
+                    Err(TrySendError::Full(_)) => unreachable!("the message sent"),
+                    Err(TrySendError::Disconnected(m)) => match m {
+                        Msg::Writes(jobs) => jobs,
+                        _ => unreachable!("the message sent"),
+                    },
+                },
+                // The writer stopped.
+                None => handoff,
+            }
         };
         let lost: Vec<_> = jobs.iter().map(|j| (j.id, j.spill_seq)).collect();
         drop(jobs);
@@ -2456,6 +2484,15 @@ impl Inner {
 }
 
 impl Hooks for Inner {
+    fn take_overflow(&self, closing: bool) -> Vec<Job> {
+        let mut over = self.overflow.lock();
+        if closing {
+            over.take().unwrap_or_default()
+        } else {
+            over.as_mut().map(std::mem::take).unwrap_or_default()
+        }
+    }
+
     fn wanted(&self, job: &mut Job) -> bool {
         // A flush's job of a version overwritten since the flush was called
         // (the new version need not reach the disk before the flush
@@ -3462,6 +3499,9 @@ mod race_tests {
         let dev = Arc::new(HoldingDevice::new(file(dir, 16 << 20)));
         let (s, ns) = open_with(dir, dev.clone(), 1 << 20, NO_IDLE, |c| {
             c.writer_queue = 1;
+            // Hand-offs past the queue wait beside it up to this many bytes
+            // of spilled chunks (one always may): none.
+            c.spill_limit = Some(1);
         });
         (s, ns, dev)
     }
@@ -3522,6 +3562,12 @@ mod race_tests {
         let held = Released(&dev);
         jam_writer(&s, ns, &dev, 100);
         let (x, y) = (ChunkId::new(ns, key(0), 0), ChunkId::new(ns, key(1), 0));
+        // The queue of one takes a first forget (the jam's drops left it
+        // empty: hand-offs past it wait beside it).
+        let z = ChunkId::new(ns, key(2), 0);
+        let at = cancel_now(&mut s.inner.cancel.lock(), z);
+        s.inner.forget_cancel(z, at);
+        assert_eq!(s.inner.tx.as_ref().unwrap().len(), 1, "the queue is full");
         for _ in 0..1000 {
             for id in [x, y] {
                 let at = cancel_now(&mut s.inner.cancel.lock(), id);

@@ -159,6 +159,10 @@ pub(crate) trait Hooks: Send + Sync {
     /// [`Msg::Forget`]) every job queued before it is done: cancellations of
     /// `id` made at or before `at` are no longer needed.
     fn tombstone_done(&self, id: &ChunkId, at: Instant);
+    /// The `no-tax` eviction hand-offs that found the queue full and wait
+    /// beside it (taken in order; see `Inner::handle_evicted`). `closing`:
+    /// the writer stops, and later hand-offs are refused.
+    fn take_overflow(&self, closing: bool) -> Vec<Job>;
 }
 
 struct OpenRegion {
@@ -487,6 +491,11 @@ impl Writer {
                     Err(_) => break,
                 }
             }
+            // Hand-offs that found the queue full, all made before any
+            // control message just taken was sent: written before it.
+            for j in self.hooks.take_overflow(false) {
+                items.push(Item::Job(j));
+            }
             let retried = !self.retry_tombs.is_empty() && (!items.is_empty() || control.is_some());
             if retried {
                 // Failed tombstones go first: they were queued before.
@@ -578,6 +587,9 @@ impl Writer {
                     // say so (a spilled chunk's RAM copy goes); deletes go
                     // to the journal, for the next open to replay.
                     let mut tombs = Vec::new();
+                    for j in self.hooks.take_overflow(true) {
+                        self.hooks.failed(&j);
+                    }
                     for m in rx.try_iter() {
                         match m {
                             Msg::Write(j) => self.hooks.failed(&j),
