@@ -491,10 +491,15 @@ impl Writer {
                     Err(_) => break,
                 }
             }
-            // Hand-offs that found the queue full, all made before any
-            // control message just taken was sent: written before it.
-            for j in self.hooks.take_overflow(false) {
-                items.push(Item::Job(j));
+            // Hand-offs that found the queue full wait beside it, behind
+            // every message sent before them: taken once the queue is empty
+            // (everything sent before them is in `items` or done), so they
+            // never overtake an earlier message (review: one overtook a
+            // flush's job of an older version, which a restart then served).
+            if rx.is_empty() {
+                for j in self.hooks.take_overflow(false) {
+                    items.push(Item::Job(j));
+                }
             }
             let retried = !self.retry_tombs.is_empty() && (!items.is_empty() || control.is_some());
             if retried {
