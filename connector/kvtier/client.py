@@ -227,7 +227,9 @@ class KvtierUnavailable(KvtierError):
     or may not have been carried out; an idempotent one (HELLO, LOOKUP, GET,
     a PUT of the same bytes under the same keys) can be sent again on a new
     connection. It is False for timeouts, failed connects and a connection
-    lost in the middle of a reply.
+    lost in the middle of a reply. With several requests in flight, each
+    of them is flagged, also one the daemon had answered (its reply went
+    with the connection): retry only idempotent requests.
     """
 
     def __init__(self, message: str, code: str | None = None, closed_by_peer: bool = False) -> None:

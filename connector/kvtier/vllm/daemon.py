@@ -85,6 +85,8 @@ class DaemonLink:
         self._warned = False
         #: Why the daemon refused the region (RegionRefused), once it did.
         self.refused: str | None = None
+        #: Regions `fail` dropped, still mapped until `release_retired`.
+        self.retired: list[Any] = []
         # Guards connect/close only; each link is used by one thread at a time.
         self._lock = threading.Lock()
 
@@ -169,11 +171,27 @@ class DaemonLink:
             except Exception:  # noqa: BLE001
                 pass
         with self._lock:
-            if self._client is None:
-                self._close_region()
+            if self._client is None and self._region is not None:
+                # Retired, not unmapped: the worker may still have it
+                # registered with CUDA (`cudaHostRegister`), and a new region
+                # mapped at its address would then be copied through the old
+                # pinned pages (wrong bytes: review). `release_retired` unmaps
+                # it once the worker has unregistered it.
+                self.retired.append(self._region)
+                self._region = None
+
+    def release_retired(self) -> None:
+        """Unmaps the regions `fail` retired (their users unregistered them)."""
+        with self._lock:
+            old, self.retired = self.retired, []
+        for r in old:
+            try:
+                r.close()
+            except Exception:  # noqa: BLE001 - views of it keep the mapping alive
+                pass
 
     def close(self) -> None:
-        """Closes the connection and the region."""
+        """Closes the connection and the regions (unregister them first)."""
         with self._lock:
             c, self._client = self._client, None
         if c is not None:
@@ -183,6 +201,7 @@ class DaemonLink:
                 pass
         with self._lock:
             self._close_region()
+        self.release_retired()
 
     def _call(self, op: Any, ns: bytes | None = None) -> Any:
         """`op(client, ns)`; when the daemon had closed the connection (it

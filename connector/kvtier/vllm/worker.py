@@ -240,14 +240,22 @@ class KvtierWorker:
         except RegionRefused as e:
             self._region_refused(e)
             return
-        except Exception:  # noqa: BLE001 - warned by the link; checked when it is up
+        except DaemonDown:  # warned by the link; checked when it is up
+            return
+        except Exception as e:  # noqa: BLE001 - connected, then HELLO failed
+            # Dropped with a back-off, not left holding a closed client
+            # (its first job would fail at once: review).
+            first.fail(e)
             return
         errors: list[BaseException] = []
 
         def connect(link: DaemonLink) -> None:
             try:
                 link.namespace(self.record or {})
-            except Exception as e:  # noqa: BLE001 - warned by the link
+            except DaemonDown as e:  # warned by the link
+                errors.append(e)
+            except Exception as e:  # noqa: BLE001
+                link.fail(e)
                 errors.append(e)
 
         if rest:
@@ -312,6 +320,10 @@ class KvtierWorker:
             return cur[1]
         if cur is not None:
             cur[1].close()
+        # The old region (if `fail` retired it) is unregistered now: unmapped
+        # only after that, so no new region is mapped at an address CUDA
+        # still has registered.
+        link.release_retired()
         assert self.device is not None
         st = Staging(region, link.region_address(), self.device)
         self._staging[id(link)] = (region, st)
@@ -752,7 +764,10 @@ class KvtierWorker:
         for q in (self._save_q, self._load_q):
             q.put(_STOP)
         for t in self._threads:
-            t.join(timeout=self.cfg.timeout_ms / 1000.0)
+            # Until they exit: the links (and their regions) close below,
+            # and a job still copying through a region must not see it
+            # unmapped (review). Each call a job makes is bounded.
+            t.join()
         for _, st in self._staging.values():
             st.close()
         if self._put_pool is not None:

@@ -17,6 +17,7 @@ from kvtier.vllm.config import KvtierConfig
 from kvtier.vllm.layout import engine_layout
 from kvtier.vllm.meta import ChunkSave, KvtierMetadata
 from kvtier.vllm.metrics import StatsRecorder
+from kvtier.vllm.staging import Staging
 from kvtier.vllm.worker import KvtierWorker
 from test_daemon import PROMPT, run_one
 
@@ -175,3 +176,45 @@ def test_with_load_off_a_prompt_is_stored_once(daemon: Daemon):
         assert t["load_chunks"] == 0 and t["hit_tokens"] == 0, t
     finally:
         e.shutdown()
+
+
+def test_a_failed_links_region_stays_mapped_until_its_staging_is_dropped(daemon: Daemon):
+    """After a failed call the link drops its region but keeps it mapped
+    (retired) until the worker has unregistered its staging view: a new
+    region mapped at a still-registered address would be copied through the
+    old pinned pages (review)."""
+    link = daemon_mod.DaemonLink(daemon.socket, 1 << 20, 5000, "test")
+    try:
+        link.client()
+        old = link._region
+        address = link.region_address()
+        link.fail(RuntimeError("a call timed out"))
+        assert link.retired == [old] and old.fd >= 0, "unmapped while maybe registered"
+        link._next_try = 0.0
+        link.client()
+        assert link._region is not old and link.region_address() != address
+        link.release_retired()
+        assert link.retired == [] and old.fd < 0
+    finally:
+        link.close()
+
+
+def test_the_worker_unregisters_a_retired_region_before_it_is_unmapped(daemon: Daemon, monkeypatch):
+    cfg = KvtierConfig(socket=daemon.socket, save_links=1, load_links=1)
+    w, kcc, _ = _worker(cfg)
+    order: list[str] = []
+    monkeypatch.setattr(Staging, "close", lambda self: order.append("unregister"))
+    try:
+        w.register_kv_caches(make_kv_caches(kcc))
+        link = w._save_links[0]
+        w._staging_for(link)
+        old = link._region
+        link.fail(RuntimeError("a call timed out"))
+        link._next_try = 0.0
+        real_close = type(old).close
+        monkeypatch.setattr(type(old), "close", lambda self: (order.append("unmap"), real_close(self)))
+        w._staging_for(link)
+        assert order[:2] == ["unregister", "unmap"], order
+        assert old.fd < 0
+    finally:
+        w.shutdown()
