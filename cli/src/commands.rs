@@ -37,14 +37,27 @@ pub fn run(cli: Cli) -> Result<u8> {
 }
 
 fn load(args: &ConfigArgs) -> Result<Loaded> {
+    load_by(args, config::load)
+}
+
+/// The configuration from `args`' sources, loaded by `loader`
+/// ([`config::load`], or [`config::load_store_keys`] for offline tools).
+fn load_by(
+    args: &ConfigArgs,
+    loader: fn(&ConfigSources, &Environment) -> node::error::Result<Loaded>,
+) -> Result<Loaded> {
     let sources = ConfigSources::from_process(args.config.clone(), args.overrides());
-    Ok(config::load(&sources, &Environment::detect())?)
+    Ok(loader(&sources, &Environment::detect())?)
 }
 
 /// Loads and resolves (disk space, automatic budget) the configuration;
 /// returns it with every warning.
 fn load_resolved(args: &ConfigArgs) -> Result<(NodeConfig, Vec<String>)> {
-    let loaded = load(args)?;
+    resolved(load(args)?)
+}
+
+/// `loaded`, resolved, with every warning.
+fn resolved(loaded: Loaded) -> Result<(NodeConfig, Vec<String>)> {
     let mut cfg = loaded.config.clone();
     let mut warnings = loaded.warnings.clone();
     warnings.extend(cfg.resolve(&loaded)?);
@@ -210,15 +223,11 @@ fn config_check(args: &ConfigCheckArgs) -> Result<u8> {
     // warning (a check before restarting that daemon is normal, also with
     // --strict), since this start would be refused while it runs (QA).
     let in_use = DataDirLock::holder(&cfg.data_dir).map(|h| {
-        let who = match h.pid {
-            0 => "a process whose LOCK record is unreadable".to_string(),
-            pid if h.role == "daemon" => format!("a kvtier daemon (pid {pid})"),
-            pid => format!("`kvtier {}` (pid {pid})", h.role),
-        };
         format!(
-            "data dir {} is in use by {who}: a start with this configuration is refused until \
-             it stops",
-            cfg.data_dir.display()
+            "data dir {} is in use by {}: a start with this configuration is refused until it \
+             stops",
+            cfg.data_dir.display(),
+            h.describe()
         )
     });
     // A secret is not printed (terminals, CI logs, pasted output): the
@@ -1051,12 +1060,7 @@ fn offline_config(args: &StoreArgs, cmd: &str) -> Result<NodeConfig> {
         ))
         .into());
     }
-    let args = args.config_args();
-    let sources = ConfigSources::from_process(args.config.clone(), args.overrides());
-    let loaded = config::load_store_keys(&sources, &Environment::detect())?;
-    let mut cfg = loaded.config.clone();
-    cfg.resolve(&loaded)?;
-    Ok(cfg)
+    Ok(resolved(load_by(&args.config_args(), config::load_store_keys)?)?.0)
 }
 
 fn verify(args: &VerifyArgs) -> Result<u8> {
@@ -1150,7 +1154,7 @@ fn verify(args: &VerifyArgs) -> Result<u8> {
     if let Some(pb) = &pb {
         pb.finish_and_clear();
     }
-    let report = report.context("verify the store")?;
+    let mut report = report.context("verify the store")?;
     // The chunks recovery dropped from the open region would be dropped
     // again at every open (and counted here) until the region is sealed.
     let sealed = args.repair
@@ -1170,7 +1174,6 @@ fn verify(args: &VerifyArgs) -> Result<u8> {
     if gc_pending_removed {
         gc_pending_error = gc_pending_before;
     }
-    let mut report = report;
     report.problems.extend(manifest_problem.iter().cloned());
     if args.json {
         let mut doc = serde_json::to_value(&report)?;

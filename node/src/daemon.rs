@@ -64,6 +64,26 @@ pub struct LockInfo {
     pub ready: bool,
 }
 
+impl LockInfo {
+    /// The holder, for messages: a default record (pid 0) stands for one
+    /// that is empty or unreadable.
+    pub fn describe(&self) -> String {
+        match self.pid {
+            0 => "another process (its LOCK record is empty or unreadable: a daemon that could \
+                  not write it, e.g. on a full filesystem, or a command still starting)"
+                .into(),
+            pid if self.role == "daemon" => format!(
+                "a running kvtier daemon (pid {pid}{})",
+                self.socket
+                    .as_ref()
+                    .map(|s| format!(", socket {}", s.display()))
+                    .unwrap_or_default()
+            ),
+            pid => format!("`kvtier {}` (pid {pid})", self.role),
+        }
+    }
+}
+
 /// The holder record of a LOCK file: its first line. A rewrite writes over
 /// the old record and then cuts it, so a reader in between may see the new
 /// line followed by the old one's tail.
@@ -118,23 +138,9 @@ impl DataDirLock {
             Err(e) if e == rustix::io::Errno::WOULDBLOCK => {
                 let mut text = String::new();
                 let _ = file.read_to_string(&mut text);
-                let holder = match parse_record(&text) {
-                    Ok(info) if info.role == "daemon" => format!(
-                        "a running kvtier daemon (pid {}{})",
-                        info.pid,
-                        info.socket
-                            .map(|s| format!(", socket {}", s.display()))
-                            .unwrap_or_default()
-                    ),
-                    Ok(info) => format!("`kvtier {}` (pid {})", info.role, info.pid),
-                    Err(_) => "another process (its LOCK record is empty or unreadable: a \
-                               daemon that could not write it, e.g. on a full filesystem, or a \
-                               command still starting)"
-                        .into(),
-                };
                 return Err(NodeError::Locked {
                     data_dir: data_dir.to_owned(),
-                    holder,
+                    holder: parse_record(&text).unwrap_or_default().describe(),
                 });
             }
             Err(e) => {

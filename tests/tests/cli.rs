@@ -1224,7 +1224,7 @@ fn offline_tools_ignore_the_daemons_own_keys_in_a_config_file() {
     assert!(
         v["in_use"]
             .as_str()
-            .is_some_and(|n| n.contains("a kvtier daemon (pid ")),
+            .is_some_and(|n| n.contains("a running kvtier daemon (pid ")),
         "{v}"
     );
     assert_eq!(d.stop_with(libc::SIGTERM).code(), Some(0), "{}", d.log());

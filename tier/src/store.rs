@@ -2102,38 +2102,33 @@ impl Inner {
             .disk
             .as_ref()
             .is_some_and(|d| d.writer_stopped.load(Ordering::SeqCst));
-        let bytes = |jobs: &[Job]| jobs.iter().map(|j| j.data.len() as u64).sum::<u64>();
-        let jobs = {
-            let mut over = self.overflow.lock();
-            match over.as_mut() {
-                // A writer that stopped (or died) takes nothing more.
-                _ if stopped => handoff,
-                Some(o) if !o.is_empty() => {
-                    self.overflow_bytes
-                        .fetch_add(bytes(&handoff), Ordering::Relaxed);
-                    o.extend(handoff);
-                    return;
-                }
-                Some(o) => match tx.try_send(Msg::Writes(handoff)) {
-                    Ok(()) => return,
-                    Err(TrySendError::Full(Msg::Writes(jobs))) => {
-                        self.overflow_bytes
-                            .fetch_add(bytes(&jobs), Ordering::Relaxed);
-                        o.extend(jobs);
-                        return;
-                    }
-                    Err(TrySendError::Full(_)) => unreachable!("the message sent"),
-                    Err(TrySendError::Disconnected(m)) => match m {
-                        Msg::Writes(jobs) => jobs,
-                        _ => unreachable!("the message sent"),
-                    },
-                },
-                // The writer stopped.
-                None => handoff,
-            }
+        let writes = |m: Msg| match m {
+            Msg::Writes(jobs) => jobs,
+            _ => unreachable!("the message sent"),
         };
-        let lost: Vec<_> = jobs.iter().map(|j| (j.id, j.spill_seq)).collect();
-        drop(jobs);
+        // The hand-offs the writer will not take.
+        let refused = 'hand: {
+            let mut over = self.overflow.lock();
+            // A writer that stopped (or died) takes nothing more.
+            let Some(o) = over.as_mut().filter(|_| !stopped) else {
+                break 'hand handoff;
+            };
+            let jobs = if o.is_empty() {
+                match tx.try_send(Msg::Writes(handoff)) {
+                    Ok(()) => return,
+                    Err(TrySendError::Full(m)) => writes(m),
+                    Err(TrySendError::Disconnected(m)) => break 'hand writes(m),
+                }
+            } else {
+                handoff
+            };
+            let bytes: u64 = jobs.iter().map(|j| j.data.len() as u64).sum();
+            self.overflow_bytes.fetch_add(bytes, Ordering::Relaxed);
+            o.extend(jobs);
+            return;
+        };
+        let lost: Vec<_> = refused.iter().map(|j| (j.id, j.spill_seq)).collect();
+        drop(refused);
         for (id, seq) in lost {
             self.dropped_unwritten(&id, seq);
         }

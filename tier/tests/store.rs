@@ -563,6 +563,24 @@ fn gated(len: u64) -> Arc<GatedDevice> {
     })
 }
 
+/// A store with a 1 MiB RAM budget (and `tune` applied) whose writer blocks
+/// on its first write until `release`; returns it, its device and a
+/// namespace.
+fn stalled_store(
+    dir: &std::path::Path,
+    tune: impl FnOnce(&mut TierConfig),
+) -> (ChunkStore, Arc<GatedDevice>, tier::Namespace) {
+    let dev = gated(8 * MIB);
+    dev.release();
+    let mut cfg = config(dir);
+    cfg.ram_budget = MIB;
+    tune(&mut cfg);
+    let s = ChunkStore::open_with_device(cfg, dev.clone()).unwrap();
+    *dev.open.lock() = false; // the writer now blocks on its first write
+    let ns = s.register_namespace(&record(0)).unwrap();
+    (s, dev, ns)
+}
+
 /// Every chunk `0..n` of `len` bytes is either readable with its exact
 /// bytes or counted in `dropped_unwritten`.
 fn present_or_dropped(s: &ChunkStore, ns: tier::Namespace, n: u64, len: usize) {
@@ -587,15 +605,10 @@ fn present_or_dropped(s: &ChunkStore, ns: tier::Namespace, n: u64, len: usize) {
 fn no_tax_put_never_waits_and_drops_only_past_the_bytes_bound() {
     for (limit, dropped) in [(None, false), (Some(1), true)] {
         let dir = tempfile::tempdir().unwrap();
-        let dev = gated(8 * MIB);
-        dev.release();
-        let mut cfg = config(dir.path());
-        cfg.ram_budget = MIB;
-        cfg.writer_queue = 2;
-        cfg.spill_limit = limit;
-        let s = ChunkStore::open_with_device(cfg, dev.clone()).unwrap();
-        *dev.open.lock() = false; // the writer now blocks on its first write
-        let ns = s.register_namespace(&record(0)).unwrap();
+        let (s, dev, ns) = stalled_store(dir.path(), |c| {
+            c.writer_queue = 2;
+            c.spill_limit = limit;
+        });
         // 40 x 100 KiB through a 1 MiB RAM: ~30 dirty evictions, one a put.
         for n in 0..40 {
             s.put(id(ns, n), payload(n, 100 << 10)).unwrap();
@@ -628,15 +641,10 @@ fn no_tax_put_never_waits_and_drops_only_past_the_bytes_bound() {
 #[test]
 fn no_tax_bounds_the_bytes_waiting_for_the_writer() {
     let dir = tempfile::tempdir().unwrap();
-    let dev = gated(8 * MIB);
-    dev.release();
-    let mut cfg = config(dir.path());
-    cfg.ram_budget = MIB;
-    cfg.writer_queue = 64;
-    cfg.spill_limit = Some(512 << 10);
-    let s = ChunkStore::open_with_device(cfg, dev.clone()).unwrap();
-    *dev.open.lock() = false; // the writer now blocks on its first write
-    let ns = s.register_namespace(&record(0)).unwrap();
+    let (s, dev, ns) = stalled_store(dir.path(), |c| {
+        c.writer_queue = 64;
+        c.spill_limit = Some(512 << 10);
+    });
     let mut most = 0;
     for n in 0..40 {
         s.put(id(ns, n), payload(n, 100 << 10)).unwrap();
@@ -687,15 +695,11 @@ fn a_put_evicting_many_small_chunks_drops_none_of_them() {
 #[test]
 fn backpressure_put_waits_and_loses_nothing() {
     let dir = tempfile::tempdir().unwrap();
-    let dev = gated(8 * MIB);
-    dev.release();
-    let mut cfg = config(dir.path());
-    cfg.ram_budget = MIB;
-    cfg.writer_queue = 2;
-    cfg.write_policy = WritePolicy::Backpressure;
-    let s = Arc::new(ChunkStore::open_with_device(cfg, dev.clone()).unwrap());
-    *dev.open.lock() = false;
-    let ns = s.register_namespace(&record(0)).unwrap();
+    let (s, dev, ns) = stalled_store(dir.path(), |c| {
+        c.writer_queue = 2;
+        c.write_policy = WritePolicy::Backpressure;
+    });
+    let s = Arc::new(s);
     let done = Arc::new(AtomicU64::new(0));
     let t = {
         let (s, done) = (s.clone(), done.clone());
@@ -1732,15 +1736,11 @@ fn an_atomic_group_is_seen_whole_or_not_at_all() {
 #[test]
 fn a_group_that_loses_a_member_unwritten_disappears_whole() {
     let dir = tempfile::tempdir().unwrap();
-    let dev = gated(8 * MIB);
-    dev.release();
-    let mut cfg = config(dir.path());
-    cfg.ram_budget = MIB;
-    cfg.writer_queue = 1;
-    cfg.spill_limit = Some(1);
-    let s = ChunkStore::open_with_device(cfg, dev.clone()).unwrap();
-    *dev.open.lock() = false; // the writer stalls: evictions get dropped
-    let ns = s.register_namespace(&record(0)).unwrap();
+    // The writer stalls: evictions get dropped.
+    let (s, dev, ns) = stalled_store(dir.path(), |c| {
+        c.writer_queue = 1;
+        c.spill_limit = Some(1);
+    });
     let group: Vec<_> = (0..3u64)
         .map(|n| (id(ns, n), payload(n, 200 << 10)))
         .collect();

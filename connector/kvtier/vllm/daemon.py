@@ -55,6 +55,14 @@ def _client_module():
     return client
 
 
+def _unmap(region: Any) -> None:
+    """Closes a shared-memory region."""
+    try:
+        region.close()
+    except Exception:  # noqa: BLE001 - views of it keep the mapping alive
+        pass
+
+
 class DaemonLink:
     """A lazily (re)connected client with its shared-memory region.
 
@@ -64,7 +72,8 @@ class DaemonLink:
     link makes (HELLO, CLUSTER_LOOKUP, PUT of staged bytes, GET into a range)
     is idempotent, so that second try is safe. After any other failure
     (`fail`: a timeout, a bad reply) the region goes with the connection: a
-    daemon that was only slow may still read or write it.
+    daemon that was only slow may still read or write it. It stays mapped
+    (`retired`) until `release_retired`, once its user unregistered it.
     """
 
     def __init__(self, socket_path: str, region_size: int, timeout_ms: int, what: str, max_retry_s: float = RETRY_S):
@@ -150,10 +159,7 @@ class DaemonLink:
     def _close_region(self) -> None:
         r, self._region = self._region, None
         if r is not None:
-            try:
-                r.close()
-            except Exception:  # noqa: BLE001 - views of it keep the mapping alive
-                pass
+            _unmap(r)
 
     def fail(self, err: BaseException) -> None:
         """Drops the connection (and the region) after an error; the next
@@ -185,10 +191,7 @@ class DaemonLink:
         with self._lock:
             old, self.retired = self.retired, []
         for r in old:
-            try:
-                r.close()
-            except Exception:  # noqa: BLE001 - views of it keep the mapping alive
-                pass
+            _unmap(r)
 
     def close(self) -> None:
         """Closes the connection and the regions (unregister them first)."""
