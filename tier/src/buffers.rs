@@ -118,19 +118,18 @@ impl BufferPool {
     }
 
     /// A buffer of `len` bytes to read into: a pooled one (see `reuse`),
-    /// else a new zeroed one (whose pages the kernel commits as they are
-    /// written, where the allocator maps it freshly). The caller
-    /// overwrites all `len` bytes.
+    /// else a new zeroed one, advised to use huge pages (when enabled)
+    /// before its pages are first written. The caller overwrites all `len`
+    /// bytes.
     pub(crate) fn take(&self, len: usize) -> AlignedBuf {
         self.reuse(len).unwrap_or_else(|| {
             self.fresh.fetch_add(1, Ordering::Relaxed);
-            // Zeroed by the allocator, which leaves a fresh mapping's pages
-            // untouched: the advice still comes before their first write.
-            let mut buf = AlignedBuf::zeroed(len);
-            if self.huge_pages {
-                advise_huge_pages(buf.as_mut_ptr(), buf.capacity());
-            }
-            buf
+            let huge = self.huge_pages;
+            AlignedBuf::zeroed_advised(len, |ptr, cap| {
+                if huge {
+                    advise_huge_pages(ptr, cap);
+                }
+            })
         })
     }
 

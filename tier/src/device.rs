@@ -89,8 +89,14 @@ unsafe impl Sync for AlignedBuf {}
 /// The allocation layout of an [`AlignedBuf`] holding `len` bytes: its size
 /// (the capacity) rounded up to a non-zero multiple of [`BLOCK`], aligned to
 /// [`BLOCK`].
+/// Panics when that size overflows `usize` (it cannot wrap to a zero-size
+/// layout).
 pub(crate) fn block_layout(len: usize) -> Layout {
-    let cap = len.div_ceil(BLOCK as usize).max(1) * BLOCK as usize;
+    let cap = len
+        .div_ceil(BLOCK as usize)
+        .max(1)
+        .checked_mul(BLOCK as usize)
+        .expect("AlignedBuf capacity overflows usize");
     Layout::from_size_align(cap, BLOCK as usize).expect("block-aligned layout")
 }
 
@@ -101,6 +107,26 @@ impl AlignedBuf {
         // SAFETY: layout has a non-zero size.
         let raw = unsafe { alloc_zeroed(layout) };
         let ptr = NonNull::new(raw).unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
+        Self {
+            ptr,
+            len,
+            cap: layout.size(),
+        }
+    }
+
+    /// [`AlignedBuf::zeroed`], with `advise(ptr, capacity)` called on the
+    /// allocation before its bytes are first written (the allocator's own
+    /// zeroing of an over-aligned block writes every page, so advice given
+    /// after it, such as `MADV_HUGEPAGE`, came too late for them).
+    pub(crate) fn zeroed_advised(len: usize, advise: impl FnOnce(*mut u8, usize)) -> Self {
+        let layout = block_layout(len);
+        // SAFETY: layout has a non-zero size.
+        let raw = unsafe { std::alloc::alloc(layout) };
+        let ptr = NonNull::new(raw).unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
+        advise(raw, layout.size());
+        // SAFETY: `raw` is a live allocation of `layout.size()` bytes,
+        // zeroed here before any `&[u8]` over it exists.
+        unsafe { std::ptr::write_bytes(raw, 0, layout.size()) };
         Self {
             ptr,
             len,
@@ -453,6 +479,14 @@ mod tests {
         assert_eq!(b.len(), 5000);
         assert_eq!(b.capacity(), 8192);
         assert!(b.iter().all(|&x| x == 0));
+    }
+
+    #[test]
+    #[should_panic(expected = "overflows usize")]
+    fn a_capacity_past_usize_panics_instead_of_wrapping_to_zero() {
+        // Wrapped (release builds), this was a zero-size allocation
+        // handed out as a slice of `usize::MAX` bytes.
+        block_layout(usize::MAX);
     }
 
     /// Reads `len` bytes at `off` through `read_at_in_order`: the pieces

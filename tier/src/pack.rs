@@ -115,12 +115,19 @@ impl Packer {
 
     /// Copies every part into `buf` and returns each part's CRC32C, in
     /// order. Parts must not overlap in `buf` (checked).
-    pub fn copy_crc(&self, buf: &mut [u8], parts: &[Part<'_>]) -> Vec<u32> {
+    ///
+    /// `&mut self`: the helpers acknowledge on one shared channel, so two
+    /// calls at once could each count the other's acknowledgements and
+    /// return while a helper still copies into their buffer.
+    pub fn copy_crc(&mut self, buf: &mut [u8], parts: &[Part<'_>]) -> Vec<u32> {
         let total: usize = parts.iter().map(|p| p.src.len()).sum();
         let mut end = 0;
         for p in parts {
             assert!(
-                p.dst >= end && p.dst + p.src.len() <= buf.len(),
+                p.dst >= end
+                    && p.dst
+                        .checked_add(p.src.len())
+                        .is_some_and(|e| e <= buf.len()),
                 "pack parts overlap or overflow the buffer"
             );
             end = p.dst + p.src.len();
@@ -196,7 +203,7 @@ mod tests {
     #[test]
     fn parallel_copy_crc_matches_a_plain_copy_and_crc() {
         for helpers in [0, 1, 3] {
-            let p = Packer::new(helpers);
+            let mut p = Packer::new(helpers);
             let srcs: Vec<Vec<u8>> = [0usize, 1, 4095, PIECE, 3 * PIECE + 17, 1 << 20]
                 .iter()
                 .enumerate()

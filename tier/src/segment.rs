@@ -20,11 +20,15 @@ use crate::format::{ChunkHeader, crc32c};
 use crate::index::{Index, Location};
 use crate::layout::{
     ArchivedEntry, BATCH_FIXED, BatchHead, DATA_START, Entry, KIND_CHUNK, KIND_TOMBSTONE,
-    OPEN_SLOT, STORE_VERSION, SealSlot, Superblock, SuperblockError, decode_entries,
+    OPEN_SLOT, RECORD_ALIGN, STORE_VERSION, SealSlot, Superblock, SuperblockError, decode_entries,
     decode_open_slot,
 };
 use crate::types::ChunkId;
 use crate::{Error, Result};
+
+/// Most index entries reserved up front at recovery (16 Mi; more grow the
+/// index as they arrive).
+const MAX_INDEX_HINT: u64 = 1 << 24;
 
 /// Counters of the disk tier (monotonic since open).
 #[derive(Default)]
@@ -459,11 +463,16 @@ impl Disk {
             order.push((generation, r, seal));
         }
         order.sort_unstable_by_key(|o| (o.0, o.1));
+        // A capacity hint only: a seal slot's count is bounded by the
+        // records its region can hold (a crafted slot with a valid CRC
+        // asked for billions of entries and aborted the start), and the sum
+        // by MAX_INDEX_HINT (the index grows past it as entries arrive).
+        let per_region = self.region_size.saturating_sub(DATA_START) / RECORD_ALIGN;
         let total: u64 = order
             .iter()
-            .filter_map(|(_, _, s)| s.map(|s| u64::from(s.entry_count)))
+            .filter_map(|(_, _, s)| s.map(|s| u64::from(s.entry_count).min(per_region)))
             .sum();
-        let mut index = Index::with_capacity(total as usize);
+        let mut index = Index::with_capacity(total.min(MAX_INDEX_HINT) as usize);
         let mut txns: HashMap<u64, (u32, Vec<ChunkId>)> = HashMap::new();
         let mut rec = Recovered {
             regions: Vec::new(),

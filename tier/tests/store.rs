@@ -2024,6 +2024,27 @@ fn damaged_region_metadata_is_recovered_around_or_counted() {
         flip_byte(&dir.path().join("store.kvt"), sealed * REGION + at);
         assert_eq!(reopen(&cfg, ns, &[]), 1, "seal slot or summary at {at}");
     }
+    // A crafted seal slot (valid CRC) claiming u32::MAX entries: only a
+    // capacity hint, bounded by what the region can hold (it asked for
+    // billions of index entries and aborted the open).
+    {
+        let (dir, cfg, ns, sealed, _) = make();
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(dir.path().join("store.kvt"))
+            .unwrap();
+        let mut block = vec![0u8; 4096];
+        file.read_exact_at(&mut block, sealed * REGION + 2 * 4096)
+            .unwrap();
+        let mut seal = tier::layout::SealSlot::decode(&block).expect("a sealed region");
+        seal.entry_count = u32::MAX;
+        seal.encode_into(&mut block);
+        file.write_all_at(&block, sealed * REGION + 2 * 4096)
+            .unwrap();
+        drop(file);
+        assert!(reopen(&cfg, ns, &[]) <= 1, "the crafted count");
+    }
     // Both the open slot and the first batch record of the open region: no
     // generation is known, the region counts as free (its chunk lost,
     // said). The repair zeroes the slot: later opens are clean, and the

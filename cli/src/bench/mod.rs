@@ -133,6 +133,22 @@ pub(crate) fn untrack_pid(pid: u32) {
     undo().pids.retain(|&p| p != pid);
 }
 
+/// [`std::process::Child::try_wait`] for a listed child: reaped and taken
+/// off the list under the list's lock, so a signal's clean-up (which kills
+/// the listed pids under that lock) never reaches a pid reaped and reused
+/// meanwhile.
+pub(crate) fn try_reap(
+    child: &mut std::process::Child,
+) -> std::io::Result<Option<std::process::ExitStatus>> {
+    let mut undo = undo();
+    let status = child.try_wait()?;
+    if status.is_some() {
+        let pid = child.id();
+        undo.pids.retain(|&p| p != pid);
+    }
+    Ok(status)
+}
+
 /// The signals [`undo_on_signals`] takes.
 const UNDO_SIGNALS: [libc::c_int; 3] = [libc::SIGINT, libc::SIGTERM, libc::SIGHUP];
 
@@ -171,12 +187,36 @@ fn undo_sigset() -> libc::sigset_t {
 /// listed among the processes a signal kills meanwhile (an LMCache driver
 /// outlived a stopped `bench vs`, with parent pid 1).
 pub(crate) fn output(cmd: &mut Command) -> std::io::Result<std::process::Output> {
-    let child = cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn()?;
-    let pid = child.id();
-    track_pid(pid);
-    let out = child.wait_with_output();
-    untrack_pid(pid);
-    out
+    use std::io::Read;
+    let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn()?;
+    track_pid(child.id());
+    let (mut out, mut err) = (child.stdout.take(), child.stderr.take());
+    let read_all = |pipe: &mut Option<std::process::ChildStdout>| {
+        let mut buf = Vec::new();
+        pipe.as_mut().map(|p| p.read_to_end(&mut buf));
+        buf
+    };
+    let (stdout, stderr) = std::thread::scope(|s| {
+        let e = s.spawn(|| {
+            let mut buf = Vec::new();
+            err.as_mut().map(|p| p.read_to_end(&mut buf));
+            buf
+        });
+        let o = read_all(&mut out);
+        (o, e.join().unwrap_or_default())
+    });
+    // Its output ended: it is exiting. Reaped under the list's lock.
+    let status = loop {
+        if let Some(status) = try_reap(&mut child)? {
+            break status;
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    };
+    Ok(std::process::Output {
+        status,
+        stdout,
+        stderr,
+    })
 }
 
 /// SIGINT, SIGTERM and SIGHUP stop a bench cleanly: they are blocked in
@@ -385,9 +425,8 @@ impl Daemon {
         self.child = Some(child);
         let t0 = Instant::now();
         loop {
-            if let Some(status) = self.child_mut().try_wait().context("wait for the daemon")? {
+            if let Some(status) = try_reap(self.child_mut()).context("wait for the daemon")? {
                 self.child = None;
-                untrack_pid(pid);
                 bail!(
                     "the daemon exited during start-up with {status}; log {}:\n{}",
                     self.log.display(),
@@ -441,9 +480,8 @@ impl Daemon {
         unsafe { libc::kill(pid, libc::SIGTERM) };
         let t0 = Instant::now();
         loop {
-            if let Some(status) = self.child_mut().try_wait().context("wait for the daemon")? {
+            if let Some(status) = try_reap(self.child_mut()).context("wait for the daemon")? {
                 self.child = None;
-                untrack_pid(u32::try_from(pid).unwrap_or(0));
                 if !status.success() {
                     bail!(
                         "the daemon exited with {status} after SIGTERM:\n{}",

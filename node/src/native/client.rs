@@ -53,6 +53,11 @@ pub struct Client {
     rbuf: Vec<u8>,
     hello: Option<HelloReply>,
     spin: Duration,
+    /// Set when a call failed part-way (timeout, I/O error, a reply out of
+    /// step): the stream may still carry that call's reply and the daemon
+    /// may still be copying into the region, so no further call is made on
+    /// this connection ([`NativeError::Broken`]).
+    broken: Option<String>,
 }
 
 impl std::fmt::Debug for Client {
@@ -123,6 +128,7 @@ impl Client {
             rbuf: Vec::with_capacity(4096),
             hello: None,
             spin: super::spin::client_spin(),
+            broken: None,
         };
         c.set_timeout(Some(Duration::from_secs(60)))?;
         Ok(c)
@@ -168,6 +174,9 @@ impl Client {
         encode: impl FnOnce(&mut Vec<u8>, u64),
         fd: Option<BorrowedFd<'_>>,
     ) -> Result<u64, NativeError> {
+        if let Some(why) = &self.broken {
+            return Err(NativeError::Broken(why.clone()));
+        }
         let id = self.next_id;
         self.next_id += 1;
         self.wbuf.clear();
@@ -178,6 +187,8 @@ impl Client {
         };
         if let Err(e) = r {
             let err = map_io("send request", e);
+            // Part of the frame may have gone out.
+            self.mark_broken(&err);
             if matches!(err, NativeError::Closed) {
                 // The daemon may have said why before it closed (`busy`
                 // past max-connections): that is the error to report. A
@@ -227,8 +238,30 @@ impl Client {
         }
     }
 
-    /// Receives the next reply: its request id and contents.
+    /// Whether an earlier call failed part-way, so that this connection
+    /// refuses further calls ([`NativeError::Broken`]).
+    pub fn is_broken(&self) -> bool {
+        self.broken.is_some()
+    }
+
+    fn mark_broken(&mut self, err: &NativeError) {
+        if self.broken.is_none() {
+            self.broken = Some(err.to_string());
+        }
+    }
+
+    /// Receives the next reply: its request id and contents. Any failure
+    /// leaves the connection out of step with its requests: it is marked
+    /// broken.
     pub fn recv(&mut self) -> Result<(u64, Reply), NativeError> {
+        let r = self.recv_frame();
+        if let Err(e) = &r {
+            self.mark_broken(e);
+        }
+        r
+    }
+
+    fn recv_frame(&mut self) -> Result<(u64, Reply), NativeError> {
         self.spin_until_readable();
         self.rbuf.resize(HEADER_LEN, 0);
         self.stream
@@ -264,9 +297,12 @@ impl Client {
                 Err(NativeError::Remote { code, message })
             }
             Reply::Ok(resp) if got == id => Ok(resp),
-            _ => Err(NativeError::Protocol(format!(
-                "reply id {got} does not match request id {id}"
-            ))),
+            _ => {
+                let err =
+                    NativeError::Protocol(format!("reply id {got} does not match request id {id}"));
+                self.mark_broken(&err);
+                Err(err)
+            }
         }
     }
 
@@ -500,6 +536,12 @@ impl Client {
                 .copied()
                 .ok_or_else(|| NativeError::Protocol("empty GET reply".into()))?;
             if r.status.is_hit() {
+                if r.len > cap {
+                    return Err(NativeError::Protocol(format!(
+                        "GET reply says {} bytes were placed in a {cap}-byte range",
+                        r.len
+                    )));
+                }
                 let region = self.region.as_ref().expect("ensured above").as_slice();
                 return Ok(Some(region[..r.len as usize].to_vec()));
             }
@@ -617,5 +659,50 @@ fn map_io(op: &'static str, e: std::io::Error) -> NativeError {
         | std::io::ErrorKind::BrokenPipe
         | std::io::ErrorKind::ConnectionReset => NativeError::Closed,
         _ => NativeError::io(op, e),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::net::UnixListener;
+
+    /// A "daemon" that answers the first request (a PING) only after
+    /// `delay`, then keeps the connection open without answering more.
+    fn late_ponger(delay: Duration) -> (tempfile::TempDir, std::thread::JoinHandle<()>) {
+        let dir = tempfile::tempdir().unwrap();
+        let listener = UnixListener::bind(dir.path().join("s")).unwrap();
+        let t = std::thread::spawn(move || {
+            let (mut s, _) = listener.accept().unwrap();
+            let mut head = [0u8; HEADER_LEN];
+            s.read_exact(&mut head).unwrap();
+            let h = codec::decode_header(&head, 1 << 20).unwrap().unwrap();
+            std::thread::sleep(delay);
+            let mut out = Vec::new();
+            codec::encode_response(&mut out, h.id, &Response::Pong);
+            s.write_all(&out).unwrap();
+            // Hold the connection until the client hangs up.
+            let mut rest = Vec::new();
+            let _ = s.read_to_end(&mut rest);
+        });
+        (dir, t)
+    }
+
+    #[test]
+    fn a_call_that_timed_out_breaks_the_connection_instead_of_reading_its_late_reply() {
+        let (dir, t) = late_ponger(Duration::from_millis(300));
+        let mut c = Client::connect_timeout(dir.path().join("s"), Some(Duration::from_millis(100)))
+            .unwrap();
+        assert!(matches!(c.ping(), Err(NativeError::Timeout { .. })));
+        assert!(c.is_broken());
+        // The late reply arrives meanwhile; the next call must not take it
+        // for its own (nor for a mismatch to go on from).
+        std::thread::sleep(Duration::from_millis(400));
+        match c.ping() {
+            Err(NativeError::Broken(why)) => assert!(why.contains("in time"), "{why}"),
+            other => panic!("a call on a timed-out connection: {other:?}"),
+        }
+        drop(c);
+        t.join().unwrap();
     }
 }

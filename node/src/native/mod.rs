@@ -152,6 +152,15 @@ pub enum NativeError {
     /// A local request that cannot be sent (no region, too big for it).
     #[error("invalid request: {0}")]
     Invalid(String),
+    /// An earlier call on this connection failed part-way (a timeout, an
+    /// I/O error, a reply out of step), so its reply may still be on the
+    /// way and the daemon may still be copying into the region: the
+    /// connection takes no more calls.
+    #[error(
+        "this connection is out of step with the daemon after an earlier failure ({0}); \
+         connect again"
+    )]
+    Broken(String),
 }
 
 /// What to check when connecting to `path` failed with `e`.

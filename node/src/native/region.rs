@@ -32,6 +32,9 @@ use tier::buffers::BufferPool;
 /// message, which the daemon treats as a protocol violation.
 pub const MAX_FDS_PER_READ: usize = 4;
 
+/// `statfs` type of tmpfs, where a plain memfd lives (linux/magic.h).
+const TMPFS_MAGIC: u64 = 0x0102_1994;
+
 /// Why a region cannot be used.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -97,6 +100,23 @@ impl MappedRegion {
             .map_err(|e| RegionError::NotSealed(format!("F_GET_SEALS failed: {e}")))?;
         if !seals.contains(SealFlags::SHRINK) {
             return Err(RegionError::NotSealed(format!("seals are {seals:?}")));
+        }
+        // Only a plain (shmem) memfd: a hole punched into a huge-page one
+        // gives up its reservation, and a later daemon access to it is
+        // SIGBUS once the pool runs dry (the shrink seal does not stop hole
+        // punching); nor can such a mapping be unmapped at a length that is
+        // not a whole number of huge pages.
+        let fs = rustix::fs::fstatfs(fd).map_err(|e| RegionError::Io {
+            op: "fstatfs",
+            source: e.into(),
+        })?;
+        #[allow(clippy::unnecessary_cast)] // `f_type`'s type differs between targets
+        let fs_type = fs.f_type as u64 & 0xffff_ffff;
+        if fs_type != TMPFS_MAGIC {
+            return Err(RegionError::NotSealed(format!(
+                "the file is not on tmpfs (filesystem type {fs_type:#x}); \
+                 huge-page memfds (MFD_HUGETLB) are not accepted"
+            )));
         }
         let st = rustix::fs::fstat(fd).map_err(|e| RegionError::Io {
             op: "fstat",
@@ -280,12 +300,20 @@ impl OwnedRegion {
 
     /// The region's bytes.
     ///
-    /// Only the daemon writes them, and only while a GET is in flight on the
-    /// connection that owns this region, which needs `&mut` on the client.
+    /// The daemon writes them during a GET on the connection that registered
+    /// this region, which needs `&mut` on the client. After a call that
+    /// failed part-way (a timeout) the daemon may still be copying: the
+    /// client then refuses further calls ([`super::NativeError::Broken`]),
+    /// and bytes read here are not a reply's. A descriptor of this region
+    /// registered on another connection ([`OwnedRegion::fd`]) is that
+    /// caller's to order.
     pub fn as_slice(&self) -> &[u8] {
         // SAFETY: the mapping is live for the lifetime of `self` and `len`
-        // bytes long. The only other writer is the daemon, during a GET that
-        // requires `&mut Client`, so not while this borrow lives.
+        // bytes long, and any bytes are a valid `u8`. Another process (the
+        // daemon) writing the shared pages concurrently can only change
+        // their values, as with any shared mapping; within this crate the
+        // daemon writes only while a GET holds `&mut Client`, or after a
+        // call that failed, when the client takes no more calls.
         unsafe { std::slice::from_raw_parts(self.map.as_ptr(), self.len as usize) }
     }
 
@@ -425,6 +453,22 @@ mod tests {
             MappedRegion::map(&fd, 0, 4096),
             Err(RegionError::BadLength { .. })
         ));
+    }
+
+    #[test]
+    fn huge_page_memfds_are_refused() {
+        use rustix::fs::MemfdFlags;
+        let Ok(fd) = rustix::fs::memfd_create("h", MemfdFlags::ALLOW_SEALING | MemfdFlags::HUGETLB)
+        else {
+            eprintln!("SKIPPED: this kernel has no hugetlbfs memfds");
+            return;
+        };
+        rustix::fs::ftruncate(&fd, 2 << 20).unwrap();
+        rustix::fs::fcntl_add_seals(&fd, SealFlags::SHRINK).unwrap();
+        match MappedRegion::map(&fd, 2 << 20, 1 << 30) {
+            Err(RegionError::NotSealed(m)) => assert!(m.contains("huge-page"), "{m}"),
+            other => panic!("a huge-page memfd was not refused as such: {other:?}"),
+        }
     }
 
     #[test]
