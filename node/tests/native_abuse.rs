@@ -685,3 +685,103 @@ fn an_oversized_put_is_refused_before_it_is_copied() {
     assert_eq!(c.lookup(ns, 0, &[key(10)]).unwrap().prefix, 1);
     w.check();
 }
+
+#[test]
+fn get_ranges_that_add_up_past_the_region_are_refused() {
+    let server = TestServer::start();
+    let mut w = Witness::new(&server);
+    let mut c = server.client();
+    let ns = c.hello(&record(0)).unwrap();
+    c.put_bytes(ns, 0, &[(key(8), &payload(8, 100))]).unwrap();
+    let len = c.region().unwrap().len();
+    let whole = RegionEntry {
+        key: key(8),
+        offset: 0,
+        len,
+    };
+    // One chunk named twice into the whole region: the same bytes could be
+    // asked for without end from one small frame.
+    match c.get(ns, 0, &[whole, whole]) {
+        Err(NativeError::Remote {
+            code: ErrorCode::BadRequest,
+            message,
+        }) => assert!(message.contains("overlap"), "{message}"),
+        other => panic!("overlapping GET ranges past the region: {other:?}"),
+    }
+    // Within the region, destinations are the client's business.
+    let half = RegionEntry {
+        len: len / 2,
+        ..whole
+    };
+    let r = c.get(ns, 0, &[half, half]).unwrap();
+    assert!(r.iter().all(|r| r.status.is_hit()), "{r:?}");
+    c.ping().unwrap();
+    w.check();
+}
+
+#[test]
+fn a_large_get_of_ram_hits_stops_when_its_client_hangs_up() {
+    let server = TestServer::start();
+    let mut c = server.client();
+    let ns = c.hello(&record(0)).unwrap();
+    const CHUNK: u64 = 4 << 20;
+    const COUNT: u64 = 256; // 1 GiB of copies, 64 MiB per job
+    c.create_region(CHUNK * COUNT).unwrap(); // sparse until written
+    c.put_bytes(ns, 0, &[(key(9), &payload(9, CHUNK as usize))])
+        .unwrap();
+    let entries: Vec<RegionEntry> = (0..COUNT)
+        .map(|i| RegionEntry {
+            key: key(9),
+            offset: i * CHUNK,
+            len: CHUNK,
+        })
+        .collect();
+    c.send(&native::codec::Request::Get {
+        ns,
+        group: 0,
+        entries,
+    })
+    .unwrap();
+    let memfd = c.region().unwrap().fd().try_clone_to_owned().unwrap();
+    drop(c);
+    // It used to copy the whole GiB in one job holding a copy slot, and
+    // never noticed the hang-up.
+    let abandoned = || {
+        server
+            .ctx
+            .counters
+            .native_abandoned
+            .load(std::sync::atomic::Ordering::Relaxed)
+    };
+    assert!(
+        wait_until(10, || abandoned() == 1),
+        "the GET was not abandoned: {}",
+        abandoned()
+    );
+    // Copying stopped after the job under way: the pages the daemon wrote
+    // into the (sparse) region stay far below the GiB asked for.
+    std::thread::sleep(Duration::from_millis(1500));
+    let written = rustix::fs::fstat(&memfd).unwrap().st_blocks as u64 * 512;
+    assert!(
+        written < CHUNK * COUNT / 4,
+        "{written} bytes of the region were written after the hang-up"
+    );
+}
+
+#[test]
+fn a_client_stalled_mid_frame_does_not_hold_up_a_stop() {
+    let server = TestServer::start();
+    let mut s = raw(&server);
+    // Half a header, then nothing (the frame deadline is 30 s).
+    s.write_all(&frame(Op::Ping as u16, 0, 1, b"")[..8])
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    let t0 = Instant::now();
+    server.stop().unwrap();
+    assert!(
+        t0.elapsed() < Duration::from_secs(5),
+        "the stop waited {:?} for a request that never came whole",
+        t0.elapsed()
+    );
+    expect_closed(&mut s);
+}

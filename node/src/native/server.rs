@@ -69,6 +69,9 @@ const MAX_PENDING_FDS: usize = 4;
 /// the blocking pool (see the module docs). 2 MiB take 0.1-0.4 ms to copy,
 /// a hand-off 10-20 us.
 pub const OFFLOAD_BYTES: u64 = 2 << 20;
+/// Most bytes of a GET's RAM hits copied by one job on the blocking pool
+/// (a chunk larger than this is a job of its own).
+const GET_JOB_BYTES: u64 = 64 << 20;
 /// Most keys (times ranks, for CLUSTER_LOOKUP) one LOOKUP probes inline;
 /// larger ones run on the blocking pool like large copies (8,192 probes of a
 /// 1M-entry store take about 150 us; a batch may hold 65,536 keys).
@@ -398,14 +401,24 @@ impl Connection {
                     debug!("native client stalled mid-frame; dropping it");
                     return Ok(());
                 }
+                // At a stop, a request not yet whole is not started (as one
+                // read ahead is not), so waiting for its rest holds no
+                // stop up (a client stalled mid-frame held it for half the
+                // shutdown deadline).
+                if *stop.borrow() {
+                    return Ok(());
+                }
                 match self.poll_next_request().await? {
                     Some(r) => r,
-                    None => match tokio::time::timeout_at(deadline, self.read_some()).await {
-                        Ok(r) => r?,
-                        Err(_) => {
-                            debug!("native client stalled mid-frame; dropping it");
-                            return Ok(());
-                        }
+                    None => tokio::select! {
+                        r = tokio::time::timeout_at(deadline, self.read_some()) => match r {
+                            Ok(r) => r?,
+                            Err(_) => {
+                                debug!("native client stalled mid-frame; dropping it");
+                                return Ok(());
+                            }
+                        },
+                        _ = stop.changed() => return Ok(()),
                     },
                 }
             } else {
@@ -907,6 +920,24 @@ impl Connection {
             return Ok(Response::Get { results: vec![] });
         }
         let region = self.checked_region("GET", entries)?;
+        // Destinations that do not overlap fit in the region; more than it
+        // overlap (unspecified bytes, node/PROTOCOL.md), and let a small
+        // frame ask for endless copying (one 31 MiB chunk named 2,048
+        // times: 64 GB).
+        let wanted = entries
+            .iter()
+            .try_fold(0u64, |sum, e| sum.checked_add(e.len))
+            .unwrap_or(u64::MAX);
+        if wanted > region.len() {
+            return Err((
+                ErrorCode::BadRequest,
+                format!(
+                    "GET ranges add up to {wanted} bytes, more than the {}-byte region: \
+                     destinations overlap",
+                    region.len()
+                ),
+            ));
+        }
         let mut results = vec![GetResult::MISS; entries.len()];
         // RAM hits are gathered (handles, no copy yet) and placed together
         // below. Anything else (disk, peers) is read concurrently, up to
@@ -945,8 +976,24 @@ impl Connection {
                 place_hits(&slots, region, vec![(i, e, hit)]).await
             });
         }
-        if !hits.is_empty() {
-            for (i, r) in place_hits(&self.slots, Arc::clone(region), hits).await {
+        // RAM hits are copied in jobs of at most GET_JOB_BYTES, each taking
+        // a copy slot of its own: one large GET neither keeps a slot for
+        // seconds (stalling every other client's copies) nor, after its
+        // client hung up or a stop aborted it, goes on copying for long.
+        let mut hits = hits.into_iter().peekable();
+        while hits.peek().is_some() {
+            let mut job = Vec::new();
+            let mut bytes = 0u64;
+            while let Some(h) = hits.next_if(|_| job.is_empty() || bytes < GET_JOB_BYTES) {
+                bytes += h.2.as_ref().map_or(0, |(d, _)| d.len() as u64);
+                job.push(h);
+            }
+            let placed = tokio::select! {
+                biased;
+                placed = place_hits(&self.slots, Arc::clone(region), job) => placed,
+                () = watch.hung_up(&self.stream) => return Err(self.abandon(&mut pending)),
+            };
+            for (i, r) in placed {
                 if r.status == GetStatus::HitRam {
                     self.ctx.store.count_ram_hit(&ns, r.len);
                 }
@@ -962,6 +1009,22 @@ impl Connection {
     /// Waits for one concurrent read (which placed its chunk) and notes its
     /// result, or for the client to hang up ([`HangupWatch`]): then the
     /// GET's reads are dropped (the `JoinSet` aborts them) and it fails.
+    /// Ends a GET whose client hung up: its pending reads are dropped.
+    fn abandon(&self, pending: &mut JoinSet<Vec<(usize, GetResult)>>) -> (ErrorCode, String) {
+        pending.abort_all();
+        NodeCounters::inc(&self.ctx.counters.native_abandoned);
+        self.abandoned
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+        debug!(
+            reads = pending.len(),
+            "native client hung up during a GET; its reads are dropped"
+        );
+        (
+            ErrorCode::Internal,
+            "the client hung up; GET abandoned".into(),
+        )
+    }
+
     async fn settle(
         &self,
         pending: &mut JoinSet<Vec<(usize, GetResult)>>,
@@ -971,13 +1034,7 @@ impl Connection {
         let joined = tokio::select! {
             biased;
             j = pending.join_next() => j,
-            () = watch.hung_up(&self.stream) => {
-                pending.abort_all();
-                NodeCounters::inc(&self.ctx.counters.native_abandoned);
-                self.abandoned.store(true, std::sync::atomic::Ordering::Relaxed);
-                debug!(reads = pending.len(), "native client hung up during a GET; its reads are dropped");
-                return Err((ErrorCode::Internal, "the client hung up; GET abandoned".into()));
-            }
+            () = watch.hung_up(&self.stream) => return Err(self.abandon(pending)),
         };
         match joined {
             Some(Ok(placed)) => {
