@@ -30,8 +30,15 @@ pub const MAX_REQUEST_HEAD: usize = 8 * 1024;
 const READ_TIMEOUT: Duration = Duration::from_secs(5);
 /// Time allowed to write a response.
 const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
-/// Most HTTP connections served at once.
-const MAX_CONNECTIONS: usize = 64;
+/// Most HTTP connections served at once (as RESP's default
+/// `max-connections`); one past it is answered 503 and closed.
+pub const MAX_CONNECTIONS: usize = 1024;
+/// Connections being refused (503) at once; past it one is closed unanswered.
+const MAX_REFUSING: usize = 64;
+/// Time a refused connection has to take its 503.
+const REFUSE_TIMEOUT: Duration = Duration::from_secs(1);
+/// The body of the answer past [`MAX_CONNECTIONS`].
+const BUSY_BODY: &str = "too many HTTP connections: try again later\n";
 
 /// Errors of the HTTP endpoint.
 #[derive(Debug, thiserror::Error)]
@@ -62,17 +69,34 @@ pub async fn serve(
     let registry = Arc::new(registry);
     let (stop_tx, stop_rx) = watch::channel(false);
     let mut tasks = JoinSet::new();
+    let mut refusing = JoinSet::new();
+    // Whether this episode at the cap was logged (QA: idle connections
+    // that filled the cap made /healthz, /metrics and /status unreachable,
+    // each new connection reset without a word).
+    let mut at_cap_logged = false;
     tokio::pin!(shutdown);
     loop {
         tokio::select! {
             () = &mut shutdown => break,
             Some(_) = tasks.join_next(), if !tasks.is_empty() => {}
+            Some(_) = refusing.join_next(), if !refusing.is_empty() => {}
             acc = listener.accept() => match acc {
                 Ok((sock, _)) => {
                     if tasks.len() >= MAX_CONNECTIONS {
-                        drop(sock);
+                        if !at_cap_logged {
+                            at_cap_logged = true;
+                            tracing::warn!(
+                                max = MAX_CONNECTIONS,
+                                "HTTP endpoint at its connection limit: new connections get 503 \
+                                 until some close (logged once until it is below the limit again)"
+                            );
+                        }
+                        if refusing.len() < MAX_REFUSING {
+                            refusing.spawn(refuse(sock));
+                        }
                         continue;
                     }
+                    at_cap_logged = false;
                     let (ctx, registry, mut stop) = (Arc::clone(&ctx), Arc::clone(&registry), stop_rx.clone());
                     tasks.spawn(async move {
                         tokio::select! {
@@ -93,8 +117,31 @@ pub async fn serve(
         }
     }
     let _ = stop_tx.send(true);
+    refusing.abort_all();
     while tasks.join_next().await.is_some() {}
+    while refusing.join_next().await.is_some() {}
     Ok(())
+}
+
+/// Answers a connection past [`MAX_CONNECTIONS`] with a 503, then waits
+/// (bounded) for the client to close, reading what it sent: closing with
+/// its request unread would reset the connection, and the client could
+/// lose the answer.
+async fn refuse(mut sock: TcpStream) {
+    let resp = format!(
+        "HTTP/1.1 503 {}\r\nContent-Type: text/plain; charset=utf-8\r\nContent-Length: {}\r\n\
+         Retry-After: 5\r\nConnection: close\r\n\r\n{BUSY_BODY}",
+        reason(503),
+        BUSY_BODY.len()
+    );
+    let _ = tokio::time::timeout(REFUSE_TIMEOUT, async {
+        sock.write_all(resp.as_bytes()).await?;
+        sock.shutdown().await?;
+        let mut sink = [0u8; 1024];
+        while sock.read(&mut sink).await? > 0 {}
+        std::io::Result::Ok(())
+    })
+    .await;
 }
 
 /// A parsed request line.
@@ -162,19 +209,46 @@ pub fn parse_head(buf: &[u8]) -> Result<Request, HeadError> {
         return Err(HeadError::Malformed);
     }
     let path = target.split('?').next().unwrap_or(target);
-    let openmetrics = head.lines().skip(1).any(|l| {
-        l.split_once(':').is_some_and(|(name, value)| {
-            name.trim().eq_ignore_ascii_case("accept")
-                && value
-                    .to_ascii_lowercase()
-                    .contains("application/openmetrics-text")
+    let accept: Vec<&str> = head
+        .lines()
+        .skip(1)
+        .filter_map(|l| {
+            let (name, value) = l.split_once(':')?;
+            name.trim().eq_ignore_ascii_case("accept").then_some(value)
         })
-    });
+        .collect();
+    let openmetrics = prefers_openmetrics(&accept.join(","));
     Ok(Request {
         method: method.to_owned(),
         path: path.to_owned(),
         openmetrics,
     })
+}
+
+/// Whether an `Accept` header value (several headers joined with commas)
+/// prefers OpenMetrics to the classic text format: the highest q-value
+/// wins (RFC 9110: a missing q is 1, `q=0` refuses), and a tie goes to
+/// OpenMetrics, which must be named (`text/plain`, `text/*` and `*/*` stand
+/// for the classic format). QA: `text/plain;q=1,application/openmetrics-text;q=0.1`
+/// got OpenMetrics, because any mention of it did.
+pub fn prefers_openmetrics(accept: &str) -> bool {
+    let (mut om, mut classic) = (0.0f32, 0.0f32);
+    for range in accept.split(',') {
+        let mut parts = range.split(';');
+        let media = parts.next().unwrap_or("").trim().to_ascii_lowercase();
+        let q = parts
+            .filter_map(|p| p.split_once('='))
+            .find(|(k, _)| k.trim().eq_ignore_ascii_case("q"))
+            .map_or(1.0, |(_, v)| {
+                v.trim().parse::<f32>().unwrap_or(0.0).clamp(0.0, 1.0)
+            });
+        match media.as_str() {
+            "application/openmetrics-text" => om = om.max(q),
+            "text/plain" | "text/*" | "*/*" => classic = classic.max(q),
+            _ => {}
+        }
+    }
+    om > 0.0 && om >= classic
 }
 
 /// A response: status, content type, body.
@@ -204,6 +278,7 @@ fn reason(status: u16) -> &'static str {
         405 => "Method Not Allowed",
         408 => "Request Timeout",
         431 => "Request Header Fields Too Large",
+        503 => "Service Unavailable",
         _ => "Internal Server Error",
     }
 }
@@ -482,6 +557,12 @@ impl Collector for NodeCollector {
         )?;
         counter(
             &mut enc,
+            "disk_write_failures",
+            "Chunk writes the disk writer failed (I/O error, no space, too big), each attempt counted: read it as a rate",
+            s.disk_write_failures,
+        )?;
+        counter(
+            &mut enc,
             "reclaimed_rewrites",
             "Chunks whose disk copy was reclaimed while RAM held them: marked dirty, written again",
             s.reclaimed_rewrites,
@@ -701,6 +782,13 @@ mod tests {
             parse_head(b"GET /metrics HTTP/1.1\r\nAccept: text/plain;version=0.0.4\r\n\r\n")
                 .is_ok_and(|r| !r.openmetrics)
         );
+        // Two Accept headers count as one list.
+        assert!(
+            parse_head(
+                b"GET /metrics HTTP/1.1\r\nAccept: text/plain;q=0.2\r\nAccept: application/openmetrics-text;q=0.5\r\n\r\n"
+            )
+            .is_ok_and(|r| r.openmetrics)
+        );
         assert_eq!(
             parse_head(b"GET /metrics HTTP/1.1\r\nHost"),
             Err(HeadError::Incomplete)
@@ -739,5 +827,47 @@ mod tests {
             parse_head(&vec![b'a'; MAX_REQUEST_HEAD]),
             Err(HeadError::TooLarge)
         );
+    }
+
+    /// QA: any mention of OpenMetrics got it, whatever its q-value.
+    #[test]
+    fn accept_q_values_decide_the_format() {
+        for (accept, om) in [
+            (
+                "text/plain;version=0.0.4;q=1,application/openmetrics-text;q=0.1",
+                false,
+            ),
+            (
+                "application/openmetrics-text;version=1.0.0;q=0.1, text/plain;version=0.0.4",
+                false,
+            ),
+            ("text/plain;q=0.5, application/openmetrics-text;q=0.6", true),
+            // Prometheus 2.x and 3.x.
+            (
+                "application/openmetrics-text;version=1.0.0;q=0.5,application/openmetrics-text;version=0.0.1;q=0.4,text/plain;version=0.0.4;q=0.3,*/*;q=0.2",
+                true,
+            ),
+            (
+                "application/openmetrics-text;version=1.0.0;escaping=allow-utf-8;q=0.5,application/openmetrics-text;version=0.0.1;q=0.4,text/plain;version=1.0.0;escaping=allow-utf-8;q=0.3,text/plain;version=0.0.4;q=0.2,*/*;q=0.1",
+                true,
+            ),
+            // A tie: OpenMetrics, as before q-values counted.
+            ("application/openmetrics-text, text/plain", true),
+            ("text/plain;q=0.5, application/openmetrics-text;q=0.5", true),
+            ("application/openmetrics-text;q=0.3, */*;q=0.3", true),
+            (
+                "APPLICATION/OpenMetrics-Text ; Q=0.9, text/plain ; q=0.8",
+                true,
+            ),
+            // Refused, or not named.
+            ("application/openmetrics-text;q=0", false),
+            ("application/openmetrics-text;q=0, */*", false),
+            ("*/*", false),
+            ("", false),
+            ("text/html", false),
+            ("application/openmetrics-text;q=bogus", false),
+        ] {
+            assert_eq!(prefers_openmetrics(accept), om, "{accept:?}");
+        }
     }
 }

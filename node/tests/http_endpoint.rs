@@ -111,6 +111,7 @@ async fn metrics_status_and_health() {
         "kvtier_writer_queue_depth",
         "kvtier_dropped_unwritten_total",
         "kvtier_lost_writes_total",
+        "kvtier_disk_write_failures_total",
         "kvtier_verify_failures_total",
         "kvtier_recovery_seconds",
         "kvtier_uptime_seconds",
@@ -181,6 +182,70 @@ async fn metrics_status_and_health() {
     let (st, _) = request(addr, &huge).await;
     assert_eq!(st, 431);
 
+    let _ = tx.send(());
+    tokio::time::timeout(T, task)
+        .await
+        .expect("serve returns")
+        .expect("join")
+        .expect("serve ok");
+}
+
+/// QA: past 64 connections a new one was dropped without a word, so a few
+/// dozen idle clients made /healthz, /metrics and /status unreachable. Now
+/// the cap is [`node::http::MAX_CONNECTIONS`] (1024), and a connection past
+/// it gets a 503 with `Connection: close`; once some close, requests are
+/// served again.
+#[tokio::test]
+async fn past_the_connection_cap_a_503_not_a_reset() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cfg = TierConfig {
+        data_dir: dir.path().to_path_buf(),
+        ram_budget: 16 << 20,
+        disk_budget: 0,
+        ..TierConfig::default()
+    };
+    let store = Arc::new(ChunkStore::open(cfg).expect("open"));
+    let ctx = Arc::new(NodeContext::new(store, "cap-node".into()));
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(node::http::serve(listener, ctx, async {
+        let _ = rx.await;
+    }));
+
+    // Idle connections (no request: each waits for its head, up to 5 s).
+    // The server accepts in order, so a request sent after them is
+    // accepted after all of them.
+    let mut idle = Vec::new();
+    for _ in 0..100 {
+        idle.push(TcpStream::connect(addr).await.expect("connect"));
+    }
+    let (st, body) = get(addr, "/healthz").await;
+    assert_eq!((st, body.as_str()), (200, "ok\n"), "100 idle connections");
+    while idle.len() < node::http::MAX_CONNECTIONS {
+        idle.push(TcpStream::connect(addr).await.expect("connect"));
+    }
+    let text = request_text(addr, b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n").await;
+    assert!(
+        text.starts_with("HTTP/1.1 503 Service Unavailable\r\n"),
+        "{text:?}"
+    );
+    assert!(text.contains("\r\nConnection: close\r\n"), "{text:?}");
+    // Room again once some close.
+    idle.truncate(10);
+    let t0 = std::time::Instant::now();
+    loop {
+        let (st, _) = get(addr, "/healthz").await;
+        if st == 200 {
+            break;
+        }
+        assert!(
+            t0.elapsed() < T,
+            "still {st} after the idle connections closed"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    drop(idle);
     let _ = tx.send(());
     tokio::time::timeout(T, task)
         .await
