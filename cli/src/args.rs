@@ -96,8 +96,9 @@ pub struct ConfigArgs {
     /// built-in defaults.
     #[arg(long, value_name = "FILE")]
     pub config: Option<PathBuf>,
-    /// Directory of the chunk store. Default: /var/lib/kvtier as root, else
-    /// $XDG_DATA_HOME/kvtier or ~/.local/share/kvtier.
+    /// Directory of the chunk store. Default: $STATE_DIRECTORY (set by
+    /// systemd), else /var/lib/kvtier as root, else $XDG_DATA_HOME/kvtier
+    /// or ~/.local/share/kvtier.
     #[arg(long, value_name = "DIR")]
     pub data_dir: Option<PathBuf>,
     /// RAM tier budget, e.g. 8GiB. Default: 25% of physical RAM, at most 4GiB.
@@ -118,9 +119,10 @@ pub struct ConfigArgs {
     /// an existing store keeps the size it was made with.
     #[arg(long, value_name = "SIZE")]
     pub region_size: Option<ByteSize>,
-    /// Native protocol Unix socket. Default: /run/kvtier/kvtier.sock as root,
-    /// else $XDG_RUNTIME_DIR/kvtier/kvtier.sock, else kvtier.sock in the
-    /// default data dir.
+    /// Native protocol Unix socket. Default: $RUNTIME_DIRECTORY/kvtier.sock
+    /// (set by systemd), else /run/kvtier/kvtier.sock as root, else
+    /// $XDG_RUNTIME_DIR/kvtier/kvtier.sock, else kvtier.sock in the default
+    /// data dir.
     #[arg(long, value_name = "PATH")]
     pub socket: Option<PathBuf>,
     /// RESP (Redis protocol: RESP2, RESP3 after `HELLO 3`) listen address, or `off`. Default: 127.0.0.1:6380.
@@ -167,7 +169,8 @@ pub struct ConfigArgs {
     #[arg(long, value_name = "LEVEL")]
     pub log_level: Option<String>,
     /// This node's name; with peers it must equal the name in its
-    /// certificate. Default: the certificate's name, else the host name.
+    /// certificate. Default: the certificate's name, dev-<peer port> with
+    /// --insecure-dev, else the host name.
     #[arg(long, value_name = "NAME")]
     pub node_name: Option<String>,
     /// Peer (QUIC, mutual TLS) listen address, or `off`. Default: off.
@@ -236,8 +239,9 @@ pub struct StoreArgs {
     /// keys are used. Default: none, the built-in defaults.
     #[arg(long, value_name = "FILE")]
     pub config: Option<PathBuf>,
-    /// Directory of the chunk store. Default: /var/lib/kvtier as root, else
-    /// $XDG_DATA_HOME/kvtier or ~/.local/share/kvtier.
+    /// Directory of the chunk store. Default: $STATE_DIRECTORY (set by
+    /// systemd), else /var/lib/kvtier as root, else $XDG_DATA_HOME/kvtier
+    /// or ~/.local/share/kvtier.
     #[arg(long, value_name = "DIR")]
     pub data_dir: Option<PathBuf>,
     /// RAM budget of the offline store, e.g. 1GiB. Default: as for the daemon.
@@ -570,5 +574,46 @@ mod tests {
         );
         let e = Cli::try_parse_from(["kvtier", "lookup", "--namespace", "xyz", "00"]).unwrap_err();
         assert!(e.to_string().contains("--namespace"), "{e}");
+    }
+
+    /// QA: `node start --help` left out that systemd's `$STATE_DIRECTORY`
+    /// and `$RUNTIME_DIRECTORY` come first, and the `--insecure-dev` name.
+    #[test]
+    fn node_start_help_names_the_systemd_defaults_and_the_dev_name() {
+        let mut cmd = Cli::command();
+        let start = cmd
+            .find_subcommand_mut("node")
+            .and_then(|n| n.find_subcommand_mut("start"))
+            .expect("node start");
+        let help = start.render_long_help().to_string();
+        for want in [
+            "$STATE_DIRECTORY",
+            "$RUNTIME_DIRECTORY/kvtier.sock",
+            "dev-<peer port> with --insecure-dev",
+        ] {
+            let flat = help.split_whitespace().collect::<Vec<_>>().join(" ");
+            let want = want.split_whitespace().collect::<Vec<_>>().join(" ");
+            assert!(flat.contains(&want), "{want:?} not in\n{help}");
+        }
+    }
+
+    /// QA: `peers --interval 5s` without `--watch` was accepted and did
+    /// nothing with the interval.
+    #[test]
+    fn peers_interval_requires_watch() {
+        let e = Cli::try_parse_from(["kvtier", "peers", "--interval", "5s"]).unwrap_err();
+        assert_eq!(
+            e.kind(),
+            clap::error::ErrorKind::MissingRequiredArgument,
+            "{e}"
+        );
+        assert!(e.to_string().contains("--watch"), "{e}");
+        for ok in [
+            &["kvtier", "peers"][..],
+            &["kvtier", "peers", "--watch"],
+            &["kvtier", "peers", "--watch", "--interval", "5s"],
+        ] {
+            Cli::try_parse_from(ok).unwrap_or_else(|e| panic!("{ok:?}: {e}"));
+        }
     }
 }

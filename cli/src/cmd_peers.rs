@@ -23,8 +23,13 @@ pub struct PeersArgs {
     /// Refresh until interrupted.
     #[arg(long)]
     pub watch: bool,
-    /// Refresh interval with --watch.
-    #[arg(long, value_name = "DURATION", default_value = "1s")]
+    /// Refresh interval of --watch (which it requires).
+    #[arg(
+        long,
+        value_name = "DURATION",
+        default_value = "1s",
+        requires = "watch"
+    )]
     pub interval: HumanDuration,
     /// The daemon.
     #[command(flatten)]

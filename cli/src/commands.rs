@@ -195,9 +195,18 @@ impl Signals {
                 _ = self.term.recv() => "SIGTERM",
                 _ = self.int.recv() => "SIGINT",
             };
-            node::logging::eprint_lossy(&format!(
-                "kvtier: second signal ({name}): exiting now without finishing the flush\n"
-            ));
+            let msg = format!("second signal ({name}): exiting now without finishing the flush");
+            // Written directly (the exit comes right after it): in the JSON
+            // log format, as one JSON line too (QA: it was plain text
+            // among the JSON lines).
+            node::logging::eprint_lossy(&if node::logging::json_active() {
+                format!(
+                    "{}\n",
+                    node::logging::json_line("WARN", module_path!(), &msg)
+                )
+            } else {
+                format!("kvtier: {msg}\n")
+            });
             std::process::exit(130);
         });
     }
@@ -205,7 +214,36 @@ impl Signals {
 
 // -------------------------------------------------------------- config check
 
+/// `config check`; with `--json`, an invalid configuration prints
+/// `{"ok": false, "error": ..., "causes": [...]}` on stdout too (QA: stdout
+/// was empty, so a script parsing it got nothing to parse), the message on
+/// stderr and the exit code as without it.
 fn config_check(args: &ConfigCheckArgs) -> Result<u8> {
+    let r = config_check_inner(args);
+    if args.json
+        && let Err(e) = &r
+        && !crate::StdoutClosed::is_broken_pipe(e)
+    {
+        // As stderr says it: a cause the message already quotes is left out.
+        let mut said = e.to_string();
+        let mut causes = Vec::new();
+        for cause in e.chain().skip(1).map(|c| c.to_string()) {
+            if !said.contains(&cause) {
+                causes.push(cause.clone());
+            }
+            said.push_str(&cause);
+        }
+        let doc = serde_json::json!({
+            "ok": false,
+            "error": e.to_string(),
+            "causes": causes,
+        });
+        outln!("{}", serde_json::to_string_pretty(&doc)?);
+    }
+    r
+}
+
+fn config_check_inner(args: &ConfigCheckArgs) -> Result<u8> {
     let loaded = load(&args.config)?;
     let mut cfg = loaded.config.clone();
     let mut warnings = loaded.warnings.clone();
@@ -213,8 +251,7 @@ fn config_check(args: &ConfigCheckArgs) -> Result<u8> {
     warnings.extend(cfg.access_warnings());
     // What the start checks beyond the keys themselves: an existing store
     // against the sizes, and the certificates against the node name.
-    tier::store::check_existing_store(&cfg.tier_config())
-        .with_context(|| format!("the chunk store in {}", cfg.data_dir.display()))?;
+    cfg.check_existing_store(&loaded.sources)?;
     if let Some(opts) = cfg.cluster_options() {
         let (_, tls_warnings) = node::cluster::Cluster::load_tls(&opts)?;
         warnings.extend(tls_warnings);
@@ -240,6 +277,7 @@ fn config_check(args: &ConfigCheckArgs) -> Result<u8> {
         .collect();
     if args.json {
         let doc = serde_json::json!({
+            "ok": !args.strict || warnings.is_empty(),
             "file": loaded.file,
             "config": cfg,
             "hidden": hidden,
@@ -533,7 +571,7 @@ fn put(args: &PutArgs) -> Result<u8> {
         .stats()
         .ok()
         .and_then(|s| s.get("max-chunk-bytes").and_then(|v| v.as_u64()));
-    let too_large = |len: String, max: u64| {
+    let too_large = |len: usize, max: u64| {
         anyhow!(
             "{}: the chunk is {len} bytes, this daemon takes chunks up to {max} bytes ({}; region-size and ram-budget set it)",
             status_error(ErrorCode::TooLarge as u16),
@@ -545,7 +583,14 @@ fn put(args: &PutArgs) -> Result<u8> {
     if let Some(max) = max
         && (more || data.len() as u64 > max)
     {
-        return Err(too_large(format!("more than {max}"), max));
+        // Reading stopped past the limit: the input's length is not known
+        // (QA: "the chunk is more than N bytes, ... up to N bytes" said the
+        // same number twice).
+        return Err(anyhow!(
+            "{}: {what} is larger than the {max} bytes ({}) this daemon takes per chunk (region-size and ram-budget set it)",
+            status_error(ErrorCode::TooLarge as u16),
+            ByteSize(max).approx_floor()
+        ));
     }
     let ns = match (&args.namespace, &args.namespace_record) {
         (Some(ns), _) => *ns,
@@ -584,7 +629,7 @@ fn put(args: &PutArgs) -> Result<u8> {
         Some(&code) if ErrorCode::from_code(code) == ErrorCode::TooLarge => {
             // The status is a bare code: say what the limit is.
             Err(match max {
-                Some(max) => too_large(data.len().to_string(), max),
+                Some(max) => too_large(data.len(), max),
                 None => status_error(code),
             })
         }

@@ -541,6 +541,61 @@ impl NodeConfig {
         }
     }
 
+    /// Checks an existing chunk store in `data-dir` against the resolved
+    /// sizes, as the start's open would (reads only; call after
+    /// [`NodeConfig::resolve`]): a store of another region size or region
+    /// count is refused naming the key and where its value came from (QA:
+    /// `config check` said "the chunk store in D" and then the store's own
+    /// message, which named neither the flag nor a value to set).
+    pub fn check_existing_store(&self, src: &Sources) -> Result<()> {
+        let tc = self.tier_config();
+        if tc.disk_budget == 0 {
+            return Ok(());
+        }
+        let bad = |key: &str, msg: String| {
+            NodeError::Config(format!("invalid `{key}` ({}): {msg}", src.of(key)))
+        };
+        if let Some(l) = tier::store::existing_layout(&self.data_dir) {
+            if l.region_size != tc.region_size {
+                return Err(bad(
+                    "region-size",
+                    format!(
+                        "the chunk store in {} was created with region-size {}, not {}; set \
+                         region-size to {} or leave it unset (an existing store keeps its own), \
+                         or move the store away",
+                        self.data_dir.display(),
+                        ByteSize(l.region_size),
+                        ByteSize(tc.region_size),
+                        ByteSize(l.region_size),
+                    ),
+                ));
+            }
+            let regions = tc.disk_budget / tc.region_size;
+            if u64::from(l.region_count) != regions {
+                return Err(bad(
+                    "disk-budget",
+                    format!(
+                        "{} makes {regions} regions of {}, but the chunk store in {} holds {} \
+                         ({}); set disk-budget to {} or leave it unset (an existing store keeps \
+                         its size), or move the store away",
+                        ByteSize(tc.disk_budget),
+                        ByteSize(tc.region_size),
+                        self.data_dir.display(),
+                        l.region_count,
+                        ByteSize(l.bytes()),
+                        ByteSize(l.bytes()),
+                    ),
+                ));
+            }
+        }
+        tier::store::check_existing_store(&tc).map_err(|e| {
+            NodeError::Config(format!(
+                "the chunk store in {} cannot be opened with this configuration: {e}",
+                self.data_dir.display()
+            ))
+        })
+    }
+
     /// The node name: `node-name`, else the host name.
     pub fn node_name(&self) -> String {
         if let Some(n) = &self.node_name {
@@ -2423,6 +2478,78 @@ mod tests {
         assert_eq!(w.len(), 2, "{w:?}");
         assert!(w[0].contains("holds a store"), "{}", w[0]);
         assert!(w[1].contains("NOT larger than the GPU KV pool"), "{}", w[1]);
+    }
+
+    /// QA: `config check --disk-budget 512MiB` on a store of 256 MiB said
+    /// "the chunk store in D", then the store's message naming no flag.
+    #[test]
+    fn an_existing_store_of_another_size_names_the_key_and_its_source() {
+        let dir = tempfile::tempdir().unwrap();
+        let data = dir.path().join("data");
+        std::fs::create_dir_all(&data).unwrap();
+        let mut sb = [0u8; 4096];
+        tier::layout::Superblock {
+            version: tier::layout::STORE_VERSION,
+            region_size: 32 << 20,
+            region_count: 8,
+            created_ms: 1,
+        }
+        .encode_into(&mut sb);
+        std::fs::write(data.join(STORE_FILE), sb).unwrap();
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(data.join(STORE_FILE))
+            .unwrap()
+            .set_len(256 << 20)
+            .unwrap();
+        let check = |flags: Overrides| {
+            let l = load_with(
+                None,
+                &[],
+                Overrides {
+                    data_dir: Some(data.clone()),
+                    disk_reserve: Some(ByteSize(0)),
+                    ..flags
+                },
+            )
+            .unwrap();
+            let mut c = l.config.clone();
+            c.resolve_with(&l, roomy()).unwrap();
+            c.check_existing_store(&l.sources)
+                .map_err(|e| e.to_string())
+        };
+        let e = check(Overrides {
+            disk_budget: Some(ByteSize::mib(512)),
+            ..Default::default()
+        })
+        .unwrap_err();
+        assert!(
+            e.starts_with("invalid `disk-budget` (from command-line flag --disk-budget): 512MiB makes 16 regions of 32MiB, but the chunk store in "),
+            "{e}"
+        );
+        assert!(
+            e.contains("holds 8 (256MiB); set disk-budget to 256MiB"),
+            "{e}"
+        );
+        let e = check(Overrides {
+            region_size: Some(ByteSize::mib(64)),
+            ..Default::default()
+        })
+        .unwrap_err();
+        assert!(
+            e.starts_with("invalid `region-size` (from command-line flag --region-size): "),
+            "{e}"
+        );
+        assert!(
+            e.contains("created with region-size 32MiB, not 64MiB"),
+            "{e}"
+        );
+        check(Overrides::default()).unwrap();
+        check(Overrides {
+            disk_budget: Some(ByteSize::mib(256)),
+            ..Default::default()
+        })
+        .unwrap();
     }
 
     #[test]

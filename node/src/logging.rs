@@ -110,6 +110,20 @@ pub fn fatal_json_line(target: &str, message: &str, causes: &[String]) -> String
     .to_string()
 }
 
+/// One line in the JSON log format's shape (`timestamp`, `level`,
+/// `fields.message`, `target`) for a message written without tracing: one
+/// the process writes right before it exits at once (`level` as tracing
+/// writes it: "WARN", "ERROR").
+pub fn json_line(level: &str, target: &str, message: &str) -> String {
+    serde_json::json!({
+        "timestamp": humantime::format_rfc3339_micros(std::time::SystemTime::now()).to_string(),
+        "level": level,
+        "fields": { "message": message },
+        "target": target,
+    })
+    .to_string()
+}
+
 /// Installs the global subscriber writing to stderr (lossily, see
 /// [`LossyStderr`]). Fails if one is already installed or the filter is
 /// invalid.

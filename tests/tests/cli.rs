@@ -244,9 +244,19 @@ fn client_commands_round_trip_and_use_documented_exit_codes() {
     let err = text(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(
-        err.contains("too-large") && err.contains("this daemon takes chunks up to "),
+        err.contains("too-large: ")
+            && err.contains("big.bin is larger than the ")
+            && err.contains(" this daemon takes per chunk"),
         "{err}"
     );
+    // The limit is said once (QA: "the chunk is more than N bytes, this
+    // daemon takes chunks up to N bytes").
+    let limit = err
+        .split("larger than the ")
+        .nth(1)
+        .and_then(|r| r.split(' ').next())
+        .expect("the limit");
+    assert_eq!(err.matches(limit).count(), 1, "{err}");
     // A huge input is not read whole first (QA: `put /dev/zero` read until
     // memory ran out): here a sparse 1 GiB file, refused after the limit.
     let huge = dir.path().join("huge.bin");
@@ -260,7 +270,7 @@ fn client_commands_round_trip_and_use_documented_exit_codes() {
     );
     let err = text(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{err}");
-    assert!(err.contains("too-large: the chunk is more than "), "{err}");
+    assert!(err.contains("huge.bin is larger than the "), "{err}");
 
     let out = run_kvtier(&["put", &p, "--namespace", &ns, "--key"], &[]);
     assert_eq!(
@@ -678,6 +688,105 @@ fn config_check_warnings_are_not_ok_and_strict_fails_on_them() {
             .expect("bash");
         assert_eq!(text(&out.stdout).trim(), "0", "{}", text(&out.stderr));
     }
+}
+
+/// `config check` on an existing store of another size: one sentence
+/// naming the key and where its value came from (QA: "the chunk store in
+/// D", then a cause naming neither); with `--json`, a JSON object on
+/// stdout as well (QA: stdout was empty), the same message on stderr and
+/// exit 1.
+#[test]
+fn config_check_names_the_key_an_existing_store_refuses_and_json_says_so() {
+    use node::tier::layout::{STORE_VERSION, Superblock};
+    let dir = tempfile::tempdir().expect("temp dir");
+    let data = dir.path().join("data");
+    std::fs::create_dir_all(&data).expect("mkdir");
+    // A store of 8 regions of 1 MiB (a superblock and its length suffice).
+    let mut sb = [0u8; 4096];
+    Superblock {
+        version: STORE_VERSION,
+        region_size: 1 << 20,
+        region_count: 8,
+        created_ms: 1,
+    }
+    .encode_into(&mut sb);
+    let file = data.join("store.kvt");
+    std::fs::write(&file, sb).expect("write superblock");
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&file)
+        .and_then(|f| f.set_len(8 << 20))
+        .expect("store length");
+    let data = data.to_string_lossy().into_owned();
+    let env = [("KVTIER_RESP_LISTEN", "off"), ("KVTIER_HTTP_LISTEN", "off")];
+    let check = |json: bool, budget: &str| {
+        let mut args = vec![
+            "config",
+            "check",
+            "--data-dir",
+            &data,
+            "--ram-budget",
+            "4MiB",
+            "--disk-reserve",
+            "0",
+            "--disk-budget",
+            budget,
+        ];
+        if json {
+            args.push("--json");
+        }
+        run_kvtier(&args, &env)
+    };
+    let want = "kvtier: error: invalid `disk-budget` (from command-line flag --disk-budget): \
+                16MiB makes 16 regions of 1MiB, but the chunk store in ";
+    let out = check(false, "16MiB");
+    assert_eq!(out.status.code(), Some(1), "{}", text_of(&out));
+    let err = text(&out.stderr);
+    assert!(err.starts_with(want), "{err}");
+    assert!(err.contains("set disk-budget to 8MiB"), "{err}");
+    assert_eq!(err.lines().count(), 1, "one sentence, no cause: {err}");
+    assert!(out.stdout.is_empty(), "{}", text(&out.stdout));
+
+    let out = check(true, "16MiB");
+    assert_eq!(out.status.code(), Some(1), "{}", text_of(&out));
+    assert!(text(&out.stderr).starts_with(want), "{}", text_of(&out));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("stdout is not JSON ({e}): {}", text_of(&out)));
+    assert_eq!(v["ok"], false, "{v}");
+    let msg = v["error"].as_str().expect("error");
+    assert!(
+        msg.starts_with("invalid `disk-budget` (from command-line flag --disk-budget)"),
+        "{v}"
+    );
+    // A key refused before any store is looked at: the same.
+    let out = run_kvtier(
+        &[
+            "config",
+            "check",
+            "--json",
+            "--data-dir",
+            &data,
+            "--ram-budget",
+            "12KiB",
+        ],
+        &env,
+    );
+    assert_eq!(out.status.code(), Some(1), "{}", text_of(&out));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("stdout is not JSON ({e}): {}", text_of(&out)));
+    assert_eq!(v["ok"], false, "{v}");
+    assert!(
+        v["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("ram-budget")),
+        "{v}"
+    );
+
+    // The store's own size passes, and says `ok`.
+    let out = check(true, "8MiB");
+    assert_eq!(out.status.code(), Some(0), "{}", text_of(&out));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    assert_eq!(v["ok"], true, "{v}");
 }
 
 #[test]

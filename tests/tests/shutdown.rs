@@ -119,6 +119,25 @@ fn second_signal_during_the_flush_exits_at_once_with_130(first: libc::c_int, sec
         log.contains("second signal"),
         "the daemon says why it exits; log:\n{log}"
     );
+    // In the JSON log format (`args`), as a JSON line like the others (QA:
+    // it was plain text there).
+    let line = log
+        .lines()
+        .find(|l| l.contains("second signal"))
+        .expect("the line");
+    let v: serde_json::Value =
+        serde_json::from_str(line).unwrap_or_else(|e| panic!("not a JSON line ({e}): {line}"));
+    assert!(
+        v["fields"]["message"]
+            .as_str()
+            .is_some_and(|m| m.starts_with("second signal")),
+        "{line}"
+    );
+    assert_eq!(v["level"], "WARN", "{line}");
+    assert!(
+        v["timestamp"].is_string() && v["target"].is_string(),
+        "{line}"
+    );
     assert!(
         !log.contains("store closed"),
         "the flush had finished before the second signal, so this run proves nothing \
