@@ -708,6 +708,11 @@ impl NodeHandle {
                 }
                 Some(report)
             }
+            Err(e @ tier::Error::Deadline(_)) => {
+                tracing::error!(error = %e, "shutdown-deadline passed before the flush finished");
+                first_error.get_or_insert(NodeError::Store(e));
+                None
+            }
             Err(e) => {
                 // The process exits next: nothing is tried again here.
                 tracing::error!(error = %e,

@@ -105,6 +105,10 @@ pub enum Error {
     /// The store is shutting down.
     #[error("the store is closed")]
     Closed,
+    /// A flush did not finish before its deadline (a close's flush: what
+    /// it had not written is lost when the process exits).
+    #[error("{0}")]
+    Deadline(String),
     /// The store was opened read-only ([`crate::TierConfig::read_only`]).
     #[error("the store was opened read-only: {0} needs a writable open")]
     ReadOnly(&'static str),

@@ -78,6 +78,12 @@ pub(crate) struct Disk {
     /// Set when the writer thread has stopped taking messages: a flush
     /// marker still unanswered then never will be.
     pub writer_stopped: AtomicBool,
+    /// Set when a close's deadline has passed: the writer drops the chunk
+    /// writes still queued (each counted failed) instead of writing them,
+    /// so the stop is not held up by them.
+    pub abandon_writes: AtomicBool,
+    /// Payload bytes of evictions' writes dropped so (no RAM copy left).
+    pub abandoned_bytes: AtomicU64,
     pub counters: DiskCounters,
     /// Payload bytes of the chunks in the index.
     pub live_bytes: AtomicU64,
@@ -224,7 +230,7 @@ pub(crate) fn check_layout(
 
 /// `n` bytes as a config value: `8MiB` where it is a whole number of MiB
 /// (or GiB), else the bytes.
-fn size_text(n: u64) -> String {
+pub(crate) fn size_text(n: u64) -> String {
     match n {
         0 => "0".into(),
         n if n % (1 << 30) == 0 => format!("{}GiB", n >> 30),
@@ -383,6 +389,8 @@ impl Disk {
             poison: Mutex::new(None),
             paused_nospace: AtomicBool::new(false),
             writer_stopped: AtomicBool::new(false),
+            abandon_writes: AtomicBool::new(false),
+            abandoned_bytes: AtomicU64::new(0),
             counters: DiskCounters::default(),
             live_bytes: AtomicU64::new(0),
             bufs,

@@ -1616,9 +1616,31 @@ impl ChunkStore {
                 break;
             }
         }
+        let late = Instant::now() >= end;
+        if late && let Some(d) = &self.inner.disk {
+            // Past the deadline: the writes still queued are dropped, not
+            // written (they held the stop for as long as they took).
+            d.abandon_writes.store(true, Ordering::SeqCst);
+        }
         self.inner.persist_last_used();
         self.stop_threads();
         self.file_lock.lock().take();
+        if late && let Err(Error::Deadline(_)) = report {
+            // Still dirty or spilled in RAM, plus evictions whose queued
+            // writes were dropped.
+            let st = self.stats();
+            let dropped = self
+                .inner
+                .disk
+                .as_ref()
+                .map_or(0, |d| d.abandoned_bytes.load(Ordering::Relaxed));
+            let unwritten = st.dirty_bytes + st.spilled_bytes + dropped;
+            report = Err(Error::Deadline(format!(
+                "the flush did not finish within the close deadline ({deadline:?}): {} of \
+                 dirty chunks ({unwritten} bytes) were not written and are lost at this exit",
+                crate::segment::size_text(unwritten)
+            )));
+        }
         report
     }
 
@@ -1715,6 +1737,18 @@ impl Inner {
             Some(tx) => tx.send(m).map_err(|_| Error::Closed),
             None => Err(Error::Closed),
         }
+    }
+
+    /// [`Inner::send`], giving up at `deadline` (if any) while the queue
+    /// stays full.
+    fn send_until(&self, m: Msg, deadline: Option<Instant>) -> Result<()> {
+        let (Some(tx), Some(t)) = (&self.tx, deadline) else {
+            return self.send(m);
+        };
+        tx.send_deadline(m, t).map_err(|e| match e {
+            crossbeam_channel::SendTimeoutError::Timeout(_) => flush_deadline(),
+            crossbeam_channel::SendTimeoutError::Disconnected(_) => Error::Closed,
+        })
     }
 
     fn observer(&self) -> Option<Arc<dyn ChunkObserver>> {
@@ -2352,12 +2386,10 @@ impl Inner {
         covered.reserve(dirty.len());
         for (id, e) in dirty {
             covered.push((id, e.seq));
-            self.send(Msg::Write(self.write_job(
-                id,
-                e,
-                Held::Resident,
-                Some(ticket.clone()),
-            )))?;
+            self.send_until(
+                Msg::Write(self.write_job(id, e, Held::Resident, Some(ticket.clone()))),
+                deadline,
+            )?;
         }
         self.flush_marker(deadline)?;
         let mut late = 0;
@@ -2365,12 +2397,10 @@ impl Inner {
         for (id, seq) in covered {
             if let Some(e) = self.ram.spilled(&id, seq) {
                 late += 1;
-                self.send(Msg::Write(self.write_job(
-                    id,
-                    e,
-                    Held::Spilled,
-                    Some(ticket.clone()),
-                )))?;
+                self.send_until(
+                    Msg::Write(self.write_job(id, e, Held::Spilled, Some(ticket.clone()))),
+                    deadline,
+                )?;
             } else if !self.ram.peek(&id).is_some_and(|e| e.seq == seq && !e.dirty) {
                 // Spilled (or evicted) at some point: its eviction's write
                 // may have landed after the first marker's fdatasync.
@@ -2447,7 +2477,7 @@ impl Inner {
     /// stopped, the wait ends with [`Error::Closed`].
     fn flush_marker(&self, deadline: Option<Instant>) -> Result<()> {
         let (ack, wait) = bounded(1);
-        self.send(Msg::Flush(ack))?;
+        self.send_until(Msg::Flush(ack), deadline)?;
         let stopped = || {
             self.disk
                 .as_ref()
@@ -2465,11 +2495,7 @@ impl Inner {
                 return wait.try_recv().unwrap_or(Err(Error::Closed));
             }
             if deadline.is_some_and(|t| Instant::now() >= t) {
-                return Err(Error::Io {
-                    op: "flush within the close deadline",
-                    path: self.config.data_dir.clone(),
-                    source: std::io::Error::from(std::io::ErrorKind::TimedOut),
-                });
+                return Err(flush_deadline());
             }
         }
     }
@@ -3997,4 +4023,9 @@ mod race_tests {
         });
         assert_eq!(s.get(&x).map(|h| h.data[0]), Some(data(0, 1)[0]));
     }
+}
+
+/// The error of a flush whose deadline passed.
+fn flush_deadline() -> Error {
+    Error::Deadline("the flush did not finish within its deadline".into())
 }

@@ -830,6 +830,27 @@ impl Writer {
         Ok(())
     }
 
+    /// Drops the chunk writes among `items` (a close's deadline passed:
+    /// what is still queued is lost at the exit anyway, and writing it
+    /// would only hold the stop up). Deletes stay, to be written.
+    fn abandon_jobs(&mut self, items: &mut std::collections::VecDeque<Item>) {
+        for it in std::mem::take(items) {
+            match it {
+                Item::Job(j) => {
+                    if j.ram_seq.is_none() {
+                        // An eviction's: no copy is left in RAM to count.
+                        self.disk
+                            .abandoned_bytes
+                            .fetch_add(j.data.len() as u64, Ordering::Relaxed);
+                    }
+                    self.settle(&j);
+                    self.hooks.failed(&j);
+                }
+                tomb @ Item::Tomb(..) => items.push_back(tomb),
+            }
+        }
+    }
+
     fn fail_all(&mut self, items: &[Item]) {
         let mut tombs = Vec::new();
         for it in items {
@@ -941,6 +962,12 @@ impl Writer {
     fn pack(&mut self, mut items: std::collections::VecDeque<Item>) {
         let rs = self.disk.region_size;
         while !items.is_empty() {
+            if self.disk.abandon_writes.load(Ordering::SeqCst) {
+                self.abandon_jobs(&mut items);
+                if items.is_empty() {
+                    return;
+                }
+            }
             if self.check_poison().is_err() {
                 self.drain();
                 self.fail_all(items.make_contiguous());

@@ -581,6 +581,53 @@ fn stalled_store(
     (s, dev, ns)
 }
 
+/// A close whose deadline passes stops there: the writes still queued are
+/// dropped, not written (QA: a `0s` shutdown deadline still wrote every
+/// queued chunk, and the error called the timeout an I/O error).
+#[test]
+fn a_close_past_its_deadline_drops_the_queued_writes_and_says_what_is_lost() {
+    let dir = tempfile::tempdir().unwrap();
+    let dev = gated(32 * MIB);
+    dev.release();
+    let mut cfg = config(dir.path());
+    cfg.ram_budget = 16 * MIB;
+    cfg.disk_budget = 32 * MIB;
+    let s = ChunkStore::open_with_device(cfg.clone(), dev.clone()).unwrap();
+    *dev.open.lock() = false; // the writer blocks on its first write
+    let ns = s.register_namespace(&record(0)).unwrap();
+    const N: u64 = 120; // 12 MB dirty; 1 MiB regions, a few batches in flight
+    for k in 0..N {
+        s.put(id(ns, k), payload(k, 100_000)).unwrap();
+    }
+    let opener = {
+        let dev = dev.clone();
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(1000));
+            dev.release();
+        })
+    };
+    match s.close(Duration::from_millis(200)) {
+        Err(tier::Error::Deadline(m)) => {
+            assert!(m.contains("lost at this exit"), "{m}");
+            assert!(!m.contains("I/O error"), "{m}");
+        }
+        other => panic!("a close past its deadline: {other:?}"),
+    }
+    opener.join().unwrap();
+    let s = ChunkStore::open_with_device(cfg, dev.clone()).unwrap();
+    let mut present = 0;
+    for k in 0..N {
+        if let Some(h) = s.get(&id(ns, k)) {
+            assert_eq!(h.data, payload(k, 100_000), "chunk {k}");
+            present += 1;
+        }
+    }
+    assert!(
+        present < N / 2,
+        "{present} of {N} chunks were written past the deadline"
+    );
+}
+
 /// Every chunk `0..n` of `len` bytes is either readable with its exact
 /// bytes or counted in `dropped_unwritten`.
 fn present_or_dropped(s: &ChunkStore, ns: tier::Namespace, n: u64, len: usize) {
