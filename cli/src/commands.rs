@@ -50,24 +50,27 @@ fn load_by(
     Ok(loader(&sources, &Environment::detect())?)
 }
 
-/// Loads and resolves (disk space, automatic budget) the configuration;
-/// returns it with every warning.
-fn load_resolved(args: &ConfigArgs) -> Result<(NodeConfig, Vec<String>)> {
-    resolved(load(args)?)
-}
-
 /// `loaded`, resolved, with every warning.
-fn resolved(loaded: Loaded) -> Result<(NodeConfig, Vec<String>)> {
+fn resolved(loaded: &Loaded) -> Result<(NodeConfig, Vec<String>)> {
     let mut cfg = loaded.config.clone();
     let mut warnings = loaded.warnings.clone();
-    warnings.extend(cfg.resolve(&loaded)?);
+    warnings.extend(cfg.resolve(loaded)?);
     Ok((cfg, warnings))
 }
 
 // ---------------------------------------------------------------- node start
 
 fn node_start(args: &ConfigArgs) -> Result<u8> {
-    let (cfg, warnings) = load_resolved(args).inspect_err(|_| {
+    let start_config = || -> Result<(NodeConfig, Vec<String>)> {
+        let loaded = load(args)?;
+        let (cfg, warnings) = resolved(&loaded)?;
+        // An existing store of other sizes: refused naming the key and
+        // its source, as `config check` does (the store's own refusal
+        // named neither).
+        cfg.check_existing_layout(&loaded.sources)?;
+        Ok((cfg, warnings))
+    };
+    let (cfg, warnings) = start_config().inspect_err(|_| {
         // Logging is not set up yet: the error follows the format asked for.
         let sources = ConfigSources::from_process(args.config.clone(), args.overrides());
         if sources.requested_log_format() == Some(node::logging::LogFormat::Json) {
@@ -245,9 +248,7 @@ fn config_check(args: &ConfigCheckArgs) -> Result<u8> {
 
 fn config_check_inner(args: &ConfigCheckArgs) -> Result<u8> {
     let loaded = load(&args.config)?;
-    let mut cfg = loaded.config.clone();
-    let mut warnings = loaded.warnings.clone();
-    warnings.extend(cfg.resolve(&loaded)?);
+    let (mut cfg, mut warnings) = resolved(&loaded)?;
     warnings.extend(cfg.access_warnings());
     // What the start checks beyond the keys themselves: an existing store
     // against the sizes, and the certificates against the node name.
@@ -1105,7 +1106,7 @@ fn offline_config(args: &StoreArgs, cmd: &str) -> Result<NodeConfig> {
         ))
         .into());
     }
-    Ok(resolved(load_by(&args.config_args(), config::load_store_keys)?)?.0)
+    Ok(resolved(&load_by(&args.config_args(), config::load_store_keys)?)?.0)
 }
 
 fn verify(args: &VerifyArgs) -> Result<u8> {

@@ -548,6 +548,23 @@ impl NodeConfig {
     /// `config check` said "the chunk store in D" and then the store's own
     /// message, which named neither the flag nor a value to set).
     pub fn check_existing_store(&self, src: &Sources) -> Result<()> {
+        self.check_existing_layout(src)?;
+        let tc = self.tier_config();
+        if tc.disk_budget == 0 {
+            return Ok(());
+        }
+        tier::store::check_existing_store(&tc).map_err(|e| {
+            NodeError::Config(format!(
+                "the chunk store in {} cannot be opened with this configuration: {e}",
+                self.data_dir.display()
+            ))
+        })
+    }
+
+    /// The part of [`NodeConfig::check_existing_store`] that names a key: a
+    /// store of another region size or count (what `node start` checks
+    /// before its open, whose own errors say the rest).
+    pub fn check_existing_layout(&self, src: &Sources) -> Result<()> {
         let tc = self.tier_config();
         if tc.disk_budget == 0 {
             return Ok(());
@@ -588,12 +605,7 @@ impl NodeConfig {
                 ));
             }
         }
-        tier::store::check_existing_store(&tc).map_err(|e| {
-            NodeError::Config(format!(
-                "the chunk store in {} cannot be opened with this configuration: {e}",
-                self.data_dir.display()
-            ))
-        })
+        Ok(())
     }
 
     /// The node name: `node-name`, else the host name.

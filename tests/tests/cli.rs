@@ -1000,7 +1000,7 @@ fn refused_opens_leave_the_store_file_alone_and_truncation_is_reported() {
     let out = run_kvtier(&refs, &[]);
     assert_ne!(out.status.code(), Some(0));
     assert!(
-        text(&out.stderr).contains("disk-budget gives 64"),
+        text(&out.stderr).contains("invalid `disk-budget` (from command-line flag --disk-budget)"),
         "{}",
         text(&out.stderr)
     );
