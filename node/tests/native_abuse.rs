@@ -785,3 +785,40 @@ fn a_client_stalled_mid_frame_does_not_hold_up_a_stop() {
     );
     expect_closed(&mut s);
 }
+
+#[test]
+fn concurrent_atomic_puts_past_the_copy_bound_take_turns_and_all_land() {
+    // 64 MiB of RAM: PUT copies may hold 64 MiB at once; three clients
+    // each PUT 48 MiB atomically at the same time.
+    let server = TestServer::start_with_ram(NativeOptions::default(), 64 << 20);
+    let threads: Vec<_> = (0..3u32)
+        .map(|t| {
+            let mut c = server.client();
+            std::thread::spawn(move || {
+                let ns = c.hello(&record(0)).unwrap();
+                let items: Vec<(node::tier::ChunkKey, Vec<u8>)> = (0..6)
+                    .map(|i| (key(100 * t + i), payload(100 * t + i, 8_000_000)))
+                    .collect();
+                let total: usize = items.iter().map(|(_, d)| d.len()).sum();
+                c.create_region(total as u64).unwrap();
+                let mut entries = Vec::new();
+                let mut off = 0;
+                for (k, d) in &items {
+                    c.region_mut().unwrap().as_mut_slice()[off..off + d.len()].copy_from_slice(d);
+                    entries.push(RegionEntry {
+                        key: *k,
+                        offset: off as u64,
+                        len: d.len() as u64,
+                    });
+                    off += d.len();
+                }
+                assert_eq!(c.put(ns, 0, &entries, true).unwrap(), vec![0; 6]);
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    let mut c = server.client();
+    c.ping().unwrap();
+}

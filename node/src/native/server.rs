@@ -94,6 +94,9 @@ pub async fn serve(
     let (stop_tx, stop_rx) = watch::channel(false);
     let permits = Arc::new(Semaphore::new(opts.max_connections as usize));
     let slots = Arc::new(Semaphore::new(copy_slots()));
+    let copying = Arc::new(Semaphore::new(copy_kib_bound(
+        ctx.store.config().ram_budget,
+    )));
     let buffered = Arc::new(AtomicUsize::new(0));
     let opts = Arc::new(opts);
     let mut tasks = JoinSet::new();
@@ -111,6 +114,7 @@ pub async fn serve(
                                 Arc::clone(&ctx),
                                 Arc::clone(&opts),
                                 Arc::clone(&slots),
+                                Arc::clone(&copying),
                                 Arc::clone(&buffered),
                             );
                             let stop = stop_rx.clone();
@@ -195,6 +199,21 @@ pub fn copy_slots() -> usize {
     std::thread::available_parallelism().map_or(4, |n| (2 * n.get()).max(4))
 }
 
+/// KiB of region copies that PUTs may hold at once: the RAM budget (at
+/// least 64 MiB).
+fn copy_kib_bound(ram_budget: u64) -> usize {
+    usize::try_from((ram_budget >> 10).max(64 << 10))
+        .unwrap_or(usize::MAX)
+        .min(Semaphore::MAX_PERMITS)
+}
+
+/// The permits (KiB, rounded up) for copies holding `bytes`, at most the
+/// whole bound `cap` (a PUT larger than the bound waits until it is alone).
+fn copy_permits(bytes: u64, cap: usize) -> u32 {
+    let kib = bytes.div_ceil(1024).max(1);
+    u32::try_from(kib.min(cap as u64)).unwrap_or(u32::MAX)
+}
+
 /// Runs `work` (a large copy or lookup) on the blocking pool, holding one
 /// of the server's copy `slots`, when `offload`; else inline on the calling
 /// task.
@@ -225,6 +244,9 @@ struct Connection {
     opts: Arc<NativeOptions>,
     /// The server's copy slots ([`run_heavy`]).
     slots: Arc<Semaphore>,
+    /// KiB that PUTs may hold copied out of regions at once, over all
+    /// connections ([`copy_kib_bound`]).
+    copying: Arc<Semaphore>,
     /// Shared with the copies running on the blocking pool.
     region: Option<Arc<MappedRegion>>,
     /// Descriptors received and not yet claimed by a REGISTER_REGION, oldest first.
@@ -273,6 +295,7 @@ impl Connection {
         ctx: Arc<NodeContext>,
         opts: Arc<NativeOptions>,
         slots: Arc<Semaphore>,
+        copying: Arc<Semaphore>,
         buffered: Arc<AtomicUsize>,
     ) -> Self {
         Self {
@@ -280,6 +303,7 @@ impl Connection {
             ctx,
             opts,
             slots,
+            copying,
             region: None,
             fds: VecDeque::new(),
             rbuf: vec![0; READ_BUF],
@@ -874,7 +898,29 @@ impl Connection {
         let offload = atomic
             || total >= OFFLOAD_BYTES
             || store.config().write_policy == tier::WritePolicy::Backpressure;
+        // What the copies hold before the store takes them (an atomic PUT
+        // all its chunks, else one chunk at a time) is bounded over all
+        // connections by the RAM budget: one per copy slot was up to
+        // 2 x cores x ram-budget, from sparse regions that cost the clients
+        // nothing.
+        let holding = if atomic {
+            total
+        } else {
+            entries.iter().map(|e| e.len.min(max)).max().unwrap_or(0)
+        };
+        let permit = if offload {
+            let n = copy_permits(holding, copy_kib_bound(self.ctx.store.config().ram_budget));
+            Some(
+                Arc::clone(&self.copying)
+                    .acquire_many_owned(n)
+                    .await
+                    .expect("the copy bound is never closed"),
+            )
+        } else {
+            None
+        };
         let work = move || -> HandlerResult {
+            let _permit = permit;
             let pool = store.buffers();
             let copy = |e: &RegionEntry| {
                 region
@@ -1210,6 +1256,17 @@ pub fn stats_json(ctx: &NodeContext) -> serde_json::Value {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn put_copies_are_bounded_by_the_ram_budget_in_kib() {
+        assert_eq!(copy_kib_bound(4 << 30), 4 << 20);
+        assert_eq!(copy_kib_bound(1 << 20), 64 << 10, "at least 64 MiB");
+        assert_eq!(copy_permits(1, 1 << 20), 1);
+        assert_eq!(copy_permits(1025, 1 << 20), 2, "rounded up");
+        assert_eq!(copy_permits(0, 1 << 20), 1);
+        // Never more than the whole bound (a wait that could not end).
+        assert_eq!(copy_permits(u64::MAX, 64 << 10), 64 << 10);
+    }
 
     #[test]
     fn a_full_filesystem_is_no_space_and_other_io_errors_are_store_errors() {
