@@ -334,8 +334,9 @@ async fn stopped(mut rx: watch::Receiver<bool>) {
 
 /// Open files the daemon may need at its connection limits: each native
 /// connection holds its socket and up to 4 region descriptors, each RESP
-/// connection its socket, plus the store, peers and logs.
-const WANTED_OPEN_FILES: u64 = 1_024 * 5 + 1_024 + 512;
+/// and HTTP connection its socket (plus the HTTP refusals in progress),
+/// plus the store, peers and logs.
+const WANTED_OPEN_FILES: u64 = 1_024 * 5 + 1_024 + 1_024 + 64 + 512;
 
 /// Raises the soft open-file limit to the hard one (a shell's usual 1,024
 /// is below what the connection limits need: past it, accepts fail with

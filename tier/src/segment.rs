@@ -230,7 +230,7 @@ pub(crate) fn check_layout(
 
 /// `n` bytes as a config value: `8MiB` where it is a whole number of MiB
 /// (or GiB), else the bytes.
-pub(crate) fn size_text(n: u64) -> String {
+fn size_text(n: u64) -> String {
     match n {
         0 => "0".into(),
         n if n % (1 << 30) == 0 => format!("{}GiB", n >> 30),

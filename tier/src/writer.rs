@@ -211,6 +211,9 @@ pub(crate) struct Writer {
     depth: usize,
     io: Option<IoLink>,
     packer: Packer,
+    /// Spilled versions whose writes a close past its deadline dropped
+    /// (counted once in `Disk::abandoned_bytes`).
+    abandoned: std::collections::HashSet<(ChunkId, u64)>,
     /// For ids with a pending cancellation: the newest `inserted` of the
     /// jobs written (and indexed) since that are newer than it (versions put
     /// after the delete). A tombstone older than such a version is not
@@ -410,6 +413,7 @@ impl Writer {
             depth: IO_DEPTH,
             io: None,
             packer: Packer::new(pack_helpers),
+            abandoned: std::collections::HashSet::new(),
             newer: std::collections::HashMap::new(),
             unfinished: std::collections::HashMap::new(),
             retry_tombs: Vec::new(),
@@ -837,8 +841,13 @@ impl Writer {
         for it in std::mem::take(items) {
             match it {
                 Item::Job(j) => {
-                    if j.ram_seq.is_none() {
-                        // An eviction's: no copy is left in RAM to count.
+                    // An eviction's (no copy is left in RAM to count),
+                    // once per version: a flush's second round may have
+                    // queued the same spilled version again.
+                    if j.ram_seq.is_none()
+                        && j.spill_seq
+                            .is_none_or(|seq| self.abandoned.insert((j.id, seq)))
+                    {
                         self.disk
                             .abandoned_bytes
                             .fetch_add(j.data.len() as u64, Ordering::Relaxed);

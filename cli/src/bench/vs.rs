@@ -90,7 +90,7 @@ fn free_tcp_port() -> Result<u16> {
 fn wait_listening(child: &mut Child, addr: SocketAddr, what: &str, log: &Path) -> Result<()> {
     let t0 = Instant::now();
     loop {
-        if let Some(st) = child.try_wait()? {
+        if let Some(st) = super::try_reap(child)? {
             bail!(
                 "{what} exited during start-up with {st}: {}",
                 std::fs::read_to_string(log).unwrap_or_default().trim()

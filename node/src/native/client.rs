@@ -537,10 +537,12 @@ impl Client {
                 .ok_or_else(|| NativeError::Protocol("empty GET reply".into()))?;
             if r.status.is_hit() {
                 if r.len > cap {
-                    return Err(NativeError::Protocol(format!(
+                    let err = NativeError::Protocol(format!(
                         "GET reply says {} bytes were placed in a {cap}-byte range",
                         r.len
-                    )));
+                    ));
+                    self.mark_broken(&err);
+                    return Err(err);
                 }
                 let region = self.region.as_ref().expect("ensured above").as_slice();
                 return Ok(Some(region[..r.len as usize].to_vec()));

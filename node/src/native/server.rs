@@ -967,9 +967,11 @@ impl Connection {
         }
         let region = self.checked_region("GET", entries)?;
         // Destinations that do not overlap fit in the region; more than it
-        // overlap (unspecified bytes, node/PROTOCOL.md), and let a small
-        // frame ask for endless copying (one 31 MiB chunk named 2,048
-        // times: 64 GB).
+        // overlap (unspecified bytes, node/PROTOCOL.md). This bounds a GET's
+        // copying by its region (a 64 MiB region could ask for one 31 MiB
+        // chunk 2,048 times: 64 GB); a large sparse region still can ask
+        // for that much, in jobs that share the copy slots fairly and stop
+        // when the client hangs up.
         let wanted = entries
             .iter()
             .try_fold(0u64, |sum, e| sum.checked_add(e.len))
@@ -1030,8 +1032,12 @@ impl Connection {
         while hits.peek().is_some() {
             let mut job = Vec::new();
             let mut bytes = 0u64;
-            while let Some(h) = hits.next_if(|_| job.is_empty() || bytes < GET_JOB_BYTES) {
-                bytes += h.2.as_ref().map_or(0, |(d, _)| d.len() as u64);
+            let len = |h: &(usize, RegionEntry, Option<(Bytes, Location)>)| {
+                h.2.as_ref().map_or(0, |(d, _)| d.len() as u64)
+            };
+            while let Some(h) = hits.next_if(|h| job.is_empty() || bytes + len(h) <= GET_JOB_BYTES)
+            {
+                bytes += len(&h);
                 job.push(h);
             }
             let placed = tokio::select! {
@@ -1052,9 +1058,6 @@ impl Connection {
         Ok(Response::Get { results })
     }
 
-    /// Waits for one concurrent read (which placed its chunk) and notes its
-    /// result, or for the client to hang up ([`HangupWatch`]): then the
-    /// GET's reads are dropped (the `JoinSet` aborts them) and it fails.
     /// Ends a GET whose client hung up: its pending reads are dropped.
     fn abandon(&self, pending: &mut JoinSet<Vec<(usize, GetResult)>>) -> (ErrorCode, String) {
         pending.abort_all();
@@ -1071,6 +1074,9 @@ impl Connection {
         )
     }
 
+    /// Waits for one concurrent read (which placed its chunk) and notes its
+    /// result, or for the client to hang up ([`HangupWatch`]): then the
+    /// GET's reads are dropped (the `JoinSet` aborts them) and it fails.
     async fn settle(
         &self,
         pending: &mut JoinSet<Vec<(usize, GetResult)>>,
