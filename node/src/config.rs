@@ -737,14 +737,7 @@ impl NodeConfig {
         }
         self.check_peer_values(src, &bad)?;
         self.check_peers(&bad)?;
-        let mut warnings = Vec::new();
-        if self.shutdown_deadline.0.is_zero() {
-            warnings.push(
-                "shutdown-deadline is 0s: a graceful shutdown will not flush RAM-only chunks"
-                    .into(),
-            );
-        }
-        Ok(warnings)
+        Ok(self.short_shutdown_deadline(src).into_iter().collect())
     }
 
     /// Contradictions between the peer keys.
@@ -887,6 +880,24 @@ impl NodeConfig {
         let mut warnings = self.resolve_with(loaded, space)?;
         warnings.extend(self.sparse_store_warning());
         Ok(warnings)
+    }
+
+    /// A warning when `shutdown-deadline` leaves a stop's flush no time: a
+    /// stop first gives requests in flight half the deadline (at least
+    /// 1 s) and peers 1 s, and drops what is still unwritten at the
+    /// deadline. Not for a RAM-only node (nothing to flush).
+    fn short_shutdown_deadline(&self, src: &Sources) -> Option<String> {
+        let d = self.shutdown_deadline.0;
+        let has_disk = self.disk_budget.is_none_or(|b| b.0 > 0);
+        (has_disk && d < std::time::Duration::from_secs(2)).then(|| {
+            format!(
+                "shutdown-deadline {} ({}) leaves a stop's flush no time: requests in flight get \
+                 half the deadline (at least 1 s) and peers 1 s first, and what is not written \
+                 at the deadline is lost; use a few seconds or more (default 30s)",
+                humantime::format_duration(d),
+                src.of("shutdown-deadline"),
+            )
+        })
     }
 
     /// A warning when the data dir's store file is sparse (copied without
@@ -2340,6 +2351,31 @@ mod tests {
             // One line of prose (a lost line continuation left runs of
             // spaces in it: QA).
             assert!(w.iter().all(|w| !w.contains("  ")), "{w:?}");
+        }
+    }
+
+    #[test]
+    fn a_shutdown_deadline_that_leaves_the_flush_no_time_is_warned_about() {
+        let dir = tempfile::tempdir().unwrap();
+        for (deadline, disk, warned) in [
+            ("0s", None, true),
+            ("1500ms", Some(64), true),
+            ("0s", Some(0), false),
+            ("2s", None, false),
+            ("30s", None, false),
+        ] {
+            let flags = Overrides {
+                data_dir: Some(dir.path().join("data")),
+                disk_budget: disk.map(ByteSize::mib),
+                shutdown_deadline: Some(deadline.parse().unwrap()),
+                ..Default::default()
+            };
+            let l = load_with(None, &[], flags).unwrap();
+            let said = l
+                .warnings
+                .iter()
+                .any(|w| w.contains("leaves a stop's flush no time") && w.contains("flag"));
+            assert_eq!(said, warned, "{deadline}, disk {disk:?}: {:?}", l.warnings);
         }
     }
 
