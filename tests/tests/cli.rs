@@ -1836,6 +1836,115 @@ fn a_bench_stopped_by_a_signal_kills_its_daemon_and_removes_its_scratch_dir() {
     assert!(!alive, "the bench's daemon (pid {daemon}) is gone");
 }
 
+/// Whether `pid` is a live process (not gone, not a zombie waiting for a
+/// reaper that a container's init may never be).
+fn running(pid: libc::pid_t) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| {
+            let state = s.rsplit_once(')')?.1.trim_start().chars().next()?;
+            Some(state != 'Z' && state != 'X')
+        })
+        .unwrap_or(false)
+}
+
+/// A bench killed with SIGKILL (no clean-up runs) still takes its daemon
+/// with it (QA: the daemon lived on with parent pid 1).
+#[test]
+fn a_bench_killed_outright_takes_its_daemon_with_it() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let mut child = kvtier_tests::kvtier_command()
+        .args(["bench", "local", "--dir"])
+        .arg(dir.path())
+        .args(["--sizes", "256KiB", "--concurrency", "1"])
+        .args(["--set-bytes", "8MiB", "--cell-bytes", "64GiB"])
+        .args(["--pool", "4MiB", "--no-disk"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("spawn kvtier bench");
+    let lock = dir
+        .path()
+        .join(format!("kvtier-bench-local-{}", child.id()))
+        .join("node/data/LOCK");
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    let daemon = loop {
+        let pid = std::fs::read_to_string(&lock)
+            .ok()
+            .and_then(|t| serde_json::from_str::<serde_json::Value>(t.lines().next()?).ok())
+            .and_then(|v| v["pid"].as_i64());
+        if let Some(pid) = pid {
+            break pid as libc::pid_t;
+        }
+        assert!(
+            std::time::Instant::now() < until,
+            "the bench's daemon never started"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    child.kill().expect("SIGKILL the bench");
+    child.wait().expect("reap the bench");
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while running(daemon) {
+        if std::time::Instant::now() > until {
+            // SAFETY: kill(2) on the daemon the test's bench started.
+            unsafe { libc::kill(daemon, libc::SIGKILL) };
+            panic!("the bench's daemon (pid {daemon}) outlived the bench's SIGKILL");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
+
+/// Values a bench cannot run with are refused before any work.
+#[test]
+fn bench_values_it_cannot_run_with_are_refused_up_front() {
+    let t0 = std::time::Instant::now();
+    let out = run_kvtier(
+        &["bench", "local", "--concurrency", "2000", "--no-disk"],
+        &[],
+    );
+    assert_ne!(out.status.code(), Some(0), "{}", text_of(&out));
+    assert!(
+        text(&out.stderr).contains("at most 1000 clients"),
+        "{}",
+        text_of(&out)
+    );
+    let out = run_kvtier(
+        &["bench", "limits", "--sizes", "1MiB", "--pool", "100TiB"],
+        &[],
+    );
+    assert_eq!(out.status.code(), Some(1), "{}", text_of(&out));
+    assert!(
+        text(&out.stderr).contains("memory available"),
+        "{}",
+        text_of(&out)
+    );
+    let out = run_kvtier(
+        &[
+            "bench",
+            "limits",
+            "--sizes",
+            "1MiB",
+            "--disk-bytes",
+            "100TiB",
+        ],
+        &[],
+    );
+    assert_eq!(out.status.code(), Some(1), "{}", text_of(&out));
+    assert!(
+        text(&out.stderr).contains("free space"),
+        "{}",
+        text_of(&out)
+    );
+    let out = run_kvtier(&["bench", "churn", "--bg-rate", "0"], &[]);
+    assert_eq!(out.status.code(), Some(2), "{}", text_of(&out));
+    assert!(
+        t0.elapsed() < std::time::Duration::from_secs(30),
+        "{:?}",
+        t0.elapsed()
+    );
+}
+
 /// `kvtier put FILE --namespace-record RECORD --name NAME --json` to the
 /// daemon at `sock`: the namespace id it printed.
 fn put_named(sock: &str, record: &std::path::Path, name: &str, file: &std::path::Path) -> String {

@@ -6,9 +6,11 @@
 //! 2. **busy, RAM only**: a background client PUTs at full speed into a
 //!    second set that also fits in RAM (same CPU and socket load, no
 //!    evictions, no disk writes);
-//! 3. **busy, disk saturated**: the background client PUTs new chunks
-//!    without end, so RAM evicts dirty chunks and the disk writer runs
-//!    flat out.
+//! 3. **busy, disk writer**: the background client PUTs new chunks
+//!    without end, so RAM evicts dirty chunks and the disk writer works;
+//!    it is saturated (flat out) only when the offered rate exceeds the
+//!    disk's write speed, which the bench reports from the share of the
+//!    phase the disk spent writing.
 //!
 //! The target is p99(3) ≤ 1.1 × p99(2): the disk writer adds no tax on top
 //! of the load itself; p99(3) / p99(1) is printed too. Then, after a FLUSH,
@@ -32,6 +34,10 @@ use super::{
 };
 use crate::{EXIT_ERROR, EXIT_OK};
 
+/// Share of the third phase the disk must spend writing for the writer to
+/// count as saturated.
+const SATURATED_BUSY: f64 = 0.9;
+
 /// `kvtier bench churn`
 #[derive(Debug, Args)]
 pub struct ChurnArgs {
@@ -48,8 +54,9 @@ pub struct ChurnArgs {
     #[arg(long, value_parser = crate::bench::parse_bytes, default_value = "256MiB")]
     pub ram_budget: node::ByteSize,
     /// Offered load of the background client in both busy phases, MB/s
-    /// (the same in both, so only the disk writer differs).
-    #[arg(long, default_value_t = 1000)]
+    /// (the same in both, so only the disk writer differs). To saturate the
+    /// disk writer it must exceed the disk's write speed.
+    #[arg(long, value_parser = crate::bench::parse_count::<u64>, default_value_t = 1000)]
     pub bg_rate: u64,
     /// Disk budget of the bench's daemon.
     #[arg(long, value_parser = crate::bench::parse_bytes, default_value = "4GiB")]
@@ -153,7 +160,7 @@ pub(crate) fn run(a: &ChurnArgs) -> Result<u8> {
             Some(&bg_small as &(dyn Fn(u64) -> node::tier::ChunkKey + Sync)),
         ),
         (
-            "busy, disk writer saturated",
+            "busy, disk writer",
             Some(&bg_new as &(dyn Fn(u64) -> node::tier::ChunkKey + Sync)),
         ),
     ] {
@@ -197,6 +204,10 @@ pub(crate) fn run(a: &ChurnArgs) -> Result<u8> {
             "background_puts": bg_puts.load(Ordering::Relaxed),
             "latency": Lat::of(&hist),
             "disk_write_bytes": delta(&before, &after, "disk_write_bytes"),
+            // Share of the phase the disk spent in the writer's writes (one
+            // I/O thread: they never overlap).
+            "disk_busy_fraction": delta(&before, &after, "disk_write_micros") as f64
+                / a.phase.0.as_micros().max(1) as f64,
             "ram_evictions": delta(&before, &after, "ram_evictions"),
             "dropped_unwritten": delta(&before, &after, "dropped_unwritten"),
         }));
@@ -258,9 +269,14 @@ pub(crate) fn run(a: &ChurnArgs) -> Result<u8> {
     t.print()?;
     let ratio_busy = p99(2) / p99(1);
     let ratio_idle = p99(2) / p99(0);
-    let saturated = phases[2]["disk_write_bytes"].as_u64().unwrap_or(0) > 0;
+    // Saturated: the disk was writing nearly all the phase, or the writer
+    // fell behind far enough to drop chunks (QA: any byte written used to
+    // count, so a writer keeping pace at half the disk's speed passed).
+    let busy = phases[2]["disk_busy_fraction"].as_f64().unwrap_or(0.0);
+    let saturated =
+        busy >= SATURATED_BUSY || phases[2]["dropped_unwritten"].as_u64().unwrap_or(0) > 0;
     outln!(
-        "p99 saturated / p99 busy-RAM-only = {} (target <= 1.10); saturated / idle = {}",
+        "p99 disk writer / p99 busy-RAM-only = {} (target <= 1.10); disk writer / idle = {}",
         f2(ratio_busy),
         f2(ratio_idle)
     );
@@ -269,9 +285,19 @@ pub(crate) fn run(a: &ChurnArgs) -> Result<u8> {
         f.chunks,
         a.idle.0.as_secs_f64()
     );
+    outln!(
+        "disk busy writing {:.0} % of the third phase: {}",
+        busy * 100.0,
+        if saturated {
+            "saturated"
+        } else {
+            "NOT saturated (the ratio then shows a busy writer, not a saturated one)"
+        }
+    );
     if !saturated {
         outln!(
-            "WARNING: the disk writer wrote nothing in the saturated phase: raise --phase or lower --ram-budget"
+            "WARNING: the disk writer kept pace with the background load: raise --bg-rate above \
+             the disk's write speed (`kvtier bench limits`), or lower --ram-budget"
         );
     }
     let mut report = Report::new("churn");
@@ -285,6 +311,7 @@ pub(crate) fn run(a: &ChurnArgs) -> Result<u8> {
             "idle_seconds": a.idle.0.as_secs_f64(),
             "idle_disk_write_bytes": idle_bytes,
             "disk_writer_saturated": saturated,
+            "disk_busy_fraction_saturated_phase": busy,
         }),
     );
     report.write(a.common.json.as_deref())?;

@@ -89,6 +89,31 @@ impl Limits {
     }
 }
 
+/// Free space a disk measurement leaves on its filesystem.
+const DISK_MARGIN: u64 = 1 << 30;
+
+/// `MemAvailable` from `/proc/meminfo`, bytes.
+fn mem_available() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
+}
+
+/// Bytes an unprivileged writer may still allocate on `dir`'s filesystem.
+fn free_space(dir: &Path) -> Option<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let path = std::ffi::CString::new(dir.as_os_str().as_bytes()).ok()?;
+    // SAFETY: statvfs is plain data; all zeroes is a valid value.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: a NUL-terminated path and a valid out-parameter; statvfs(3)
+    // only writes it.
+    if unsafe { libc::statvfs(path.as_ptr(), &mut st) } != 0 {
+        return None;
+    }
+    Some(st.f_bavail.saturating_mul(st.f_frsize.max(1)))
+}
+
 /// Measures the memcpy and disk limits for `sizes` (and the network ones
 /// when `net` is set) in `dir`.
 pub(crate) fn measure(args: &LimitsArgs, dir: &Path, net: bool) -> Result<Limits> {
@@ -100,6 +125,28 @@ pub(crate) fn measure(args: &LimitsArgs, dir: &Path, net: bool) -> Result<Limits
                 node::ByteSize(largest)
             );
         }
+    }
+    // Checked before any work (QA: a 100 TiB pool aborted on its
+    // allocation, a 100 TiB disk run filled the filesystem).
+    if let Some(avail) = mem_available()
+        && args.pool.0 > avail
+    {
+        anyhow::bail!(
+            "--pool {} is more than the memory available here ({})",
+            args.pool,
+            node::ByteSize(avail)
+        );
+    }
+    if let Some(free) = free_space(dir)
+        && args.disk_bytes.0.saturating_add(DISK_MARGIN) > free
+    {
+        anyhow::bail!(
+            "--disk-bytes {} does not fit the free space of {} ({}, keeping {} free)",
+            args.disk_bytes,
+            dir.display(),
+            node::ByteSize(free),
+            node::ByteSize(DISK_MARGIN)
+        );
     }
     let steps = args.sizes.len() as u64 * 2 + if net { 2 } else { 0 };
     let pb = bar(steps, "limits");

@@ -159,11 +159,20 @@ pub(crate) fn command(program: impl AsRef<std::ffi::OsStr>) -> Command {
     use std::os::unix::process::CommandExt;
     let mut cmd = Command::new(program);
     let set = undo_sigset();
-    // SAFETY: between fork and exec only pthread_sigmask, async-signal-safe,
-    // is called, on a set built before the fork.
+    let bench = std::process::id();
+    // SAFETY: between fork and exec only pthread_sigmask, prctl and getppid,
+    // all async-signal-safe, are called, on values built before the fork.
     unsafe {
         cmd.pre_exec(move || {
             libc::pthread_sigmask(libc::SIG_UNBLOCK, &set, std::ptr::null_mut());
+            // A bench that dies without its clean-up (SIGKILL, an abort)
+            // takes its children with it (QA: its daemons lived on with
+            // parent 1). The signal follows the thread that forked: the
+            // bench starts its children from its main thread only.
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+            if u32::try_from(libc::getppid()).ok() != Some(bench) {
+                return Err(std::io::Error::other("the bench exited during the start"));
+            }
             Ok(())
         });
     }
