@@ -1938,6 +1938,12 @@ fn bench_values_it_cannot_run_with_are_refused_up_front() {
     );
     let out = run_kvtier(&["bench", "churn", "--bg-rate", "0"], &[]);
     assert_eq!(out.status.code(), Some(2), "{}", text_of(&out));
+    // A daemon named with --socket is reached first (not after the limits).
+    let out = run_kvtier(
+        &["bench", "local", "--socket", "/nonexistent/kvtier.sock"],
+        &[],
+    );
+    assert_eq!(out.status.code(), Some(3), "{}", text_of(&out));
     assert!(
         t0.elapsed() < std::time::Duration::from_secs(30),
         "{:?}",

@@ -304,6 +304,11 @@ pub(crate) fn run(args: &LocalArgs) -> Result<u8> {
         (None, Some(d)) => d.socket.clone(),
         (None, None) => unreachable!("a daemon was started"),
     };
+    // A daemon given with --socket is reached before the limits are
+    // measured (QA: a wrong path failed only after a minute of them).
+    if args.socket.is_some() {
+        Client::connect(&socket)?.ping()?;
+    }
 
     let lim = limits::measure(
         &LimitsArgs {
