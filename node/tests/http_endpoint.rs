@@ -57,23 +57,59 @@ fn metric(body: &str, name: &str) -> f64 {
         .expect("number")
 }
 
+/// A RAM-only store of `ram_budget` bytes behind `node::http::serve` on
+/// 127.0.0.1, stopped by [`HttpServer::stop`].
+struct HttpServer {
+    _dir: tempfile::TempDir,
+    store: Arc<ChunkStore>,
+    ctx: Arc<NodeContext>,
+    addr: SocketAddr,
+    stop: tokio::sync::oneshot::Sender<()>,
+    task: tokio::task::JoinHandle<Result<(), node::http::HttpError>>,
+}
+
+impl HttpServer {
+    async fn start(name: &str, ram_budget: u64) -> Self {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let cfg = TierConfig {
+            data_dir: dir.path().to_path_buf(),
+            ram_budget,
+            disk_budget: 0,
+            ..TierConfig::default()
+        };
+        let store = Arc::new(ChunkStore::open(cfg).expect("open"));
+        let ctx = Arc::new(NodeContext::new(Arc::clone(&store), name.into()));
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let (stop, rx) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(node::http::serve(listener, Arc::clone(&ctx), async {
+            let _ = rx.await;
+        }));
+        Self {
+            _dir: dir,
+            store,
+            ctx,
+            addr,
+            stop,
+            task,
+        }
+    }
+
+    /// Stops the server; it must return cleanly, in time.
+    async fn stop(self) {
+        let _ = self.stop.send(());
+        tokio::time::timeout(T, self.task)
+            .await
+            .expect("serve returns")
+            .expect("join")
+            .expect("serve ok");
+    }
+}
+
 #[tokio::test]
 async fn metrics_status_and_health() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let cfg = TierConfig {
-        data_dir: dir.path().to_path_buf(),
-        ram_budget: 64 << 20,
-        disk_budget: 0,
-        ..TierConfig::default()
-    };
-    let store = Arc::new(ChunkStore::open(cfg).expect("open"));
-    let ctx = Arc::new(NodeContext::new(Arc::clone(&store), "metrics-node".into()));
-    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let addr = listener.local_addr().expect("addr");
-    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    let task = tokio::spawn(node::http::serve(listener, Arc::clone(&ctx), async {
-        let _ = rx.await;
-    }));
+    let server = HttpServer::start("metrics-node", 64 << 20).await;
+    let (store, ctx, addr) = (&server.store, &server.ctx, server.addr);
 
     let (st, body) = get(addr, "/healthz").await;
     assert_eq!((st, body.as_str()), (200, "ok\n"));
@@ -182,12 +218,7 @@ async fn metrics_status_and_health() {
     let (st, _) = request(addr, &huge).await;
     assert_eq!(st, 431);
 
-    let _ = tx.send(());
-    tokio::time::timeout(T, task)
-        .await
-        .expect("serve returns")
-        .expect("join")
-        .expect("serve ok");
+    server.stop().await;
 }
 
 /// QA: past 64 connections a new one was dropped without a word, so a few
@@ -214,21 +245,8 @@ async fn past_the_connection_cap_a_503_not_a_reset() {
         eprintln!("SKIPPED: the open-file limit ({}) is too low", lim.rlim_cur);
         return;
     }
-    let dir = tempfile::tempdir().expect("tempdir");
-    let cfg = TierConfig {
-        data_dir: dir.path().to_path_buf(),
-        ram_budget: 16 << 20,
-        disk_budget: 0,
-        ..TierConfig::default()
-    };
-    let store = Arc::new(ChunkStore::open(cfg).expect("open"));
-    let ctx = Arc::new(NodeContext::new(store, "cap-node".into()));
-    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let addr = listener.local_addr().expect("addr");
-    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    let task = tokio::spawn(node::http::serve(listener, ctx, async {
-        let _ = rx.await;
-    }));
+    let server = HttpServer::start("cap-node", 16 << 20).await;
+    let addr = server.addr;
 
     // Idle connections (no request: each waits for its head, up to 5 s).
     // The server accepts in order, so a request sent after them is
@@ -263,10 +281,5 @@ async fn past_the_connection_cap_a_503_not_a_reset() {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     drop(idle);
-    let _ = tx.send(());
-    tokio::time::timeout(T, task)
-        .await
-        .expect("serve returns")
-        .expect("join")
-        .expect("serve ok");
+    server.stop().await;
 }

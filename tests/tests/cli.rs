@@ -1784,15 +1784,16 @@ fn offline_commands_never_format_a_zeroed_store_or_ignore_it() {
     );
 }
 
-/// A bench stopped by SIGTERM (or Ctrl-C) kills the daemon it started and
-/// removes its scratch dir (both were left: a daemon with parent pid 1 and
-/// up to gigabytes of scratch data), and exits 128 + the signal.
-#[test]
-fn a_bench_stopped_by_a_signal_kills_its_daemon_and_removes_its_scratch_dir() {
-    let dir = tempfile::tempdir().expect("temp dir");
+/// Starts `kvtier bench local` (a long RAM-only run) in `dir` and waits
+/// (bounded) until its daemon is up: the bench, its scratch dir and the
+/// daemon's pid (from the LOCK file).
+fn start_bench_local(
+    dir: &std::path::Path,
+    stderr: std::process::Stdio,
+) -> (std::process::Child, std::path::PathBuf, libc::pid_t) {
     let child = kvtier_tests::kvtier_command()
         .args(["bench", "local", "--dir"])
-        .arg(dir.path())
+        .arg(dir)
         .args([
             "--sizes",
             "256KiB",
@@ -1803,12 +1804,10 @@ fn a_bench_stopped_by_a_signal_kills_its_daemon_and_removes_its_scratch_dir() {
         ])
         .args(["--cell-bytes", "64GiB", "--pool", "4MiB", "--no-disk"])
         .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
+        .stderr(stderr)
         .spawn()
         .expect("spawn kvtier bench");
-    let scratch = dir
-        .path()
-        .join(format!("kvtier-bench-local-{}", child.id()));
+    let scratch = dir.join(format!("kvtier-bench-local-{}", child.id()));
     let lock = scratch.join("node").join("data").join("LOCK");
     // Its daemon is up once the LOCK file names a pid (bounded wait).
     let until = std::time::Instant::now() + std::time::Duration::from_secs(120);
@@ -1826,6 +1825,16 @@ fn a_bench_stopped_by_a_signal_kills_its_daemon_and_removes_its_scratch_dir() {
         );
         std::thread::sleep(std::time::Duration::from_millis(50));
     };
+    (child, scratch, daemon)
+}
+
+/// A bench stopped by SIGTERM (or Ctrl-C) kills the daemon it started and
+/// removes its scratch dir (both were left: a daemon with parent pid 1 and
+/// up to gigabytes of scratch data), and exits 128 + the signal.
+#[test]
+fn a_bench_stopped_by_a_signal_kills_its_daemon_and_removes_its_scratch_dir() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let (child, scratch, daemon) = start_bench_local(dir.path(), std::process::Stdio::piped());
     // SAFETY: kill(2) on the bench we spawned.
     unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
     let out = child.wait_with_output().expect("wait for the bench");
@@ -1853,35 +1862,7 @@ fn running(pid: libc::pid_t) -> bool {
 #[test]
 fn a_bench_killed_outright_takes_its_daemon_with_it() {
     let dir = tempfile::tempdir().expect("temp dir");
-    let mut child = kvtier_tests::kvtier_command()
-        .args(["bench", "local", "--dir"])
-        .arg(dir.path())
-        .args(["--sizes", "256KiB", "--concurrency", "1"])
-        .args(["--set-bytes", "8MiB", "--cell-bytes", "64GiB"])
-        .args(["--pool", "4MiB", "--no-disk"])
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .expect("spawn kvtier bench");
-    let lock = dir
-        .path()
-        .join(format!("kvtier-bench-local-{}", child.id()))
-        .join("node/data/LOCK");
-    let until = std::time::Instant::now() + std::time::Duration::from_secs(120);
-    let daemon = loop {
-        let pid = std::fs::read_to_string(&lock)
-            .ok()
-            .and_then(|t| serde_json::from_str::<serde_json::Value>(t.lines().next()?).ok())
-            .and_then(|v| v["pid"].as_i64());
-        if let Some(pid) = pid {
-            break pid as libc::pid_t;
-        }
-        assert!(
-            std::time::Instant::now() < until,
-            "the bench's daemon never started"
-        );
-        std::thread::sleep(std::time::Duration::from_millis(50));
-    };
+    let (mut child, _, daemon) = start_bench_local(dir.path(), std::process::Stdio::null());
     child.kill().expect("SIGKILL the bench");
     child.wait().expect("reap the bench");
     let until = std::time::Instant::now() + std::time::Duration::from_secs(10);
