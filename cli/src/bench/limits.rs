@@ -92,14 +92,6 @@ impl Limits {
 /// Free space a disk measurement leaves on its filesystem.
 const DISK_MARGIN: u64 = 1 << 30;
 
-/// `MemAvailable` from `/proc/meminfo`, bytes.
-fn mem_available() -> Option<u64> {
-    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    kib.checked_mul(1024)
-}
-
 /// Bytes an unprivileged writer may still allocate on `dir`'s filesystem.
 fn free_space(dir: &Path) -> Option<u64> {
     use std::os::unix::ffi::OsStrExt;
@@ -128,13 +120,13 @@ pub(crate) fn measure(args: &LimitsArgs, dir: &Path, net: bool) -> Result<Limits
     }
     // Checked before any work (QA: a 100 TiB pool aborted on its
     // allocation, a 100 TiB disk run filled the filesystem).
-    if let Some(avail) = mem_available()
+    if let Some(avail) = super::report::meminfo("MemAvailable")
         && args.pool.0 > avail
     {
         anyhow::bail!(
             "--pool {} is more than the memory available here ({})",
             args.pool,
-            node::ByteSize(avail)
+            node::ByteSize(avail).approx()
         );
     }
     if let Some(free) = free_space(dir)
@@ -144,7 +136,7 @@ pub(crate) fn measure(args: &LimitsArgs, dir: &Path, net: bool) -> Result<Limits
             "--disk-bytes {} does not fit the free space of {} ({}, keeping {} free)",
             args.disk_bytes,
             dir.display(),
-            node::ByteSize(free),
+            node::ByteSize(free).approx(),
             node::ByteSize(DISK_MARGIN)
         );
     }

@@ -109,15 +109,7 @@ pub(crate) fn machine() -> Value {
         .map(|s| s.trim().to_owned())
         .unwrap_or_else(|| std::env::consts::ARCH.to_owned());
     let cpus = std::thread::available_parallelism().map_or(0, |n| n.get());
-    let mem = std::fs::read_to_string("/proc/meminfo")
-        .ok()
-        .and_then(|t| {
-            t.lines()
-                .find(|l| l.starts_with("MemTotal:"))
-                .and_then(|l| l.split_whitespace().nth(1).map(str::to_owned))
-        })
-        .and_then(|k| k.parse::<u64>().ok())
-        .map_or(0, |k| k * 1024);
+    let mem = meminfo("MemTotal").unwrap_or(0);
     let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease")
         .map(|s| s.trim().to_owned())
         .unwrap_or_default();
@@ -159,4 +151,14 @@ pub(crate) fn f2(x: f64) -> String {
     } else {
         "-".into()
     }
+}
+
+/// A `/proc/meminfo` field (`"MemTotal"`, `"MemAvailable"`), in bytes.
+pub(crate) fn meminfo(field: &str) -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text
+        .lines()
+        .find(|l| l.strip_prefix(field).is_some_and(|r| r.starts_with(':')))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
 }
