@@ -1932,6 +1932,97 @@ fn bench_values_it_cannot_run_with_are_refused_up_front() {
     );
 }
 
+/// A `--dir` that does not exist (or is a file) is refused before any work,
+/// naming it, and nothing is created: it was created with its missing
+/// parents, which stayed after the run.
+#[test]
+fn a_bench_dir_that_does_not_exist_is_refused_and_not_created() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let missing = dir.path().join("no-such").join("deeper");
+    let file = dir.path().join("a-file");
+    std::fs::write(&file, b"").expect("write");
+    for (given, want) in [
+        (&missing, "no such directory"),
+        (&file, "is not a directory"),
+    ] {
+        // --socket to nothing: a bench that went on would fail there (3).
+        let out = kvtier_tests::kvtier_command()
+            .args([
+                "bench",
+                "local",
+                "--socket",
+                "/nonexistent/kvtier.sock",
+                "--dir",
+            ])
+            .arg(given)
+            .output()
+            .expect("run kvtier bench");
+        assert_eq!(out.status.code(), Some(2), "{}", text_of(&out));
+        let err = text(&out.stderr);
+        assert!(err.contains(want), "{err}");
+        assert!(err.contains(&*given.to_string_lossy()), "{err}");
+    }
+    assert!(!dir.path().join("no-such").exists(), "nothing was created");
+}
+
+/// A working set of fewer chunks than a bench needs, and a `local` cell
+/// smaller than its set, are refused up front naming the least value: they
+/// were raised silently, so the figures were of other values than those
+/// given (and labelled with the given ones).
+#[test]
+fn bench_sets_and_cells_below_their_minimum_are_refused_naming_it() {
+    // --socket to nothing: a bench that went on would fail there (3).
+    let local = ["bench", "local", "--socket", "/nonexistent/kvtier.sock"];
+    for (args, want) in [
+        (
+            &["--sizes", "256KiB,1MiB", "--set-bytes", "8MiB"][..],
+            "--set-bytes 32MiB or more",
+        ),
+        (
+            &[
+                "--sizes",
+                "256KiB",
+                "--set-bytes",
+                "8MiB",
+                "--cell-bytes",
+                "4MiB",
+            ][..],
+            "--cell-bytes 8MiB or more",
+        ),
+    ] {
+        let out = run_kvtier(&[&local[..], args].concat(), &[]);
+        assert_eq!(out.status.code(), Some(2), "{}", text_of(&out));
+        assert!(text(&out.stderr).contains(want), "{}", text_of(&out));
+    }
+    let dir = tempfile::tempdir().expect("temp dir");
+    let d = dir.path().to_string_lossy().into_owned();
+    let out = run_kvtier(
+        &[
+            "bench",
+            "vs",
+            "--sizes",
+            "256KiB",
+            "--concurrency",
+            "1",
+            "--set-bytes",
+            "1MiB",
+            "--redis-server",
+            "/nonexistent/redis-server",
+            "--lmcache-python",
+            "/nonexistent/python",
+            "--dir",
+            &d,
+        ],
+        &[],
+    );
+    assert_eq!(out.status.code(), Some(2), "{}", text_of(&out));
+    assert!(
+        text(&out.stderr).contains("--set-bytes 2MiB or more"),
+        "{}",
+        text_of(&out)
+    );
+}
+
 /// `kvtier put FILE --namespace-record RECORD --name NAME --json` to the
 /// daemon at `sock`: the namespace id it printed.
 fn put_named(sock: &str, record: &std::path::Path, name: &str, file: &std::path::Path) -> String {
@@ -2033,14 +2124,16 @@ fn a_get_that_cannot_write_the_whole_chunk_leaves_the_file_as_it_was() {
 /// A bench run to its end stops its daemons with SIGTERM (a graceful,
 /// flushing stop) and exits 0. The bench blocks SIGTERM for its own signal
 /// thread; its children inherited that mask through exec and ignored the
-/// stop: every finished bench waited 60 s and exited 1.
+/// stop: every finished bench waited 60 s and exited 1. Its labels name a
+/// size that is not whole KiB exactly (1000 B chunks were "0KiB", 8 of
+/// them "0 MB per rank").
 #[test]
 fn a_bench_run_to_its_end_stops_its_daemons_gracefully() {
     let dir = tempfile::tempdir().expect("temp dir");
     let t0 = std::time::Instant::now();
     let out = kvtier_tests::kvtier_command()
         .args([
-            "bench", "restore", "--chunks", "8", "--size", "16KiB", "--dir",
+            "bench", "restore", "--chunks", "8", "--size", "1000B", "--dir",
         ])
         .arg(dir.path())
         .output()
@@ -2050,6 +2143,16 @@ fn a_bench_run_to_its_end_stops_its_daemons_gracefully() {
         text(&out.stdout).contains("all checks passed"),
         "{}",
         text_of(&out)
+    );
+    assert!(
+        text(&out.stdout).contains("8 chunks of 1000B (8000B per rank)"),
+        "{}",
+        text_of(&out)
+    );
+    assert_eq!(
+        std::fs::read_dir(dir.path()).expect("list").count(),
+        0,
+        "the scratch dir is removed"
     );
     assert!(
         t0.elapsed() < std::time::Duration::from_secs(50),

@@ -46,10 +46,11 @@ pub struct LocalArgs {
     #[arg(long, value_parser = crate::bench::parse_count::<usize>, value_delimiter = ',', default_value = "1,4,16")]
     pub concurrency: Vec<usize>,
     /// Distinct chunks per size, as bytes (the working set; must fit the
-    /// RAM budget for RAM hits).
+    /// RAM budget for RAM hits); at least 32 chunks of the largest size.
     #[arg(long, value_parser = crate::bench::parse_bytes, default_value = "256MiB")]
     pub set_bytes: node::ByteSize,
-    /// Bytes moved per (operation, size, concurrency) cell.
+    /// Bytes moved per (operation, size, concurrency) cell; at least a set
+    /// (each cell moves its whole set at least once).
     #[arg(long, value_parser = crate::bench::parse_bytes, default_value = "512MiB")]
     pub cell_bytes: node::ByteSize,
     /// LOOKUP requests (of 1,024 keys) per concurrency.
@@ -273,6 +274,42 @@ fn make_cell(
 /// Most clients of one cell.
 const MAX_CLIENTS: usize = 1000;
 
+/// Fewest chunks in the set of each size.
+const MIN_SET_CHUNKS: u64 = 32;
+
+/// Refuses, before any work, a `--set-bytes` of fewer than
+/// [`MIN_SET_CHUNKS`] chunks of a size and a `--cell-bytes` smaller than a
+/// size's set (every cell moves the whole set): both were raised silently,
+/// so the figures were of other values than the ones given.
+fn check_set_and_cells(args: &LocalArgs) -> Result<()> {
+    let usage = |msg: String| anyhow::Error::new(crate::UsageError(msg));
+    let (set, cell) = (args.set_bytes.0, args.cell_bytes.0);
+    if let Some(&largest) = args.sizes.iter().max()
+        && set / largest < MIN_SET_CHUNKS
+    {
+        return Err(usage(format!(
+            "--set-bytes {}: {} chunks of {}; the set of each size needs at least \
+             {MIN_SET_CHUNKS} (give --set-bytes {} or more, or smaller --sizes)",
+            node::ByteSize(set),
+            set / largest,
+            size_name(largest),
+            node::ByteSize(largest * MIN_SET_CHUNKS),
+        )));
+    }
+    // Each cell moves (cell / size) chunks, at least the set's (set / size).
+    let least = args.sizes.iter().map(|&s| set / s * s).max().unwrap_or(0);
+    if cell < least {
+        return Err(usage(format!(
+            "--cell-bytes {}: less than a set ({}); a cell moves its whole set at least \
+             once (give --cell-bytes {} or more, or a smaller --set-bytes)",
+            node::ByteSize(cell),
+            node::ByteSize(least),
+            node::ByteSize(least),
+        )));
+    }
+    Ok(())
+}
+
 /// Runs `kvtier bench local`.
 pub(crate) fn run(args: &LocalArgs) -> Result<u8> {
     // Before any work: each client is a thread and a connection, and a
@@ -285,6 +322,7 @@ pub(crate) fn run(args: &LocalArgs) -> Result<u8> {
             "--concurrency {c}: at most {MAX_CLIENTS} clients (a daemon serves 1,024 connections)"
         );
     }
+    check_set_and_cells(args)?;
     print_header("local")?;
     let scratch = Scratch::new(args.common.dir.as_deref(), "local")?;
     let set_total = args.set_bytes.0 * args.sizes.len() as u64;
@@ -325,7 +363,7 @@ pub(crate) fn run(args: &LocalArgs) -> Result<u8> {
     let rec = bench_record(1, 0, &format!("local-{}", std::process::id()));
     let mut cells = Vec::new();
     let keys_of = |size: u64| -> Vec<ChunkKey> {
-        let n = (args.set_bytes.0 / size).max(32);
+        let n = args.set_bytes.0 / size;
         (0..n).map(|i| bench_key(size, i)).collect()
     };
     let n_cells = args.sizes.len() * args.concurrency.len() * 2 + args.concurrency.len() * 2;
@@ -333,7 +371,7 @@ pub(crate) fn run(args: &LocalArgs) -> Result<u8> {
     for &size in &args.sizes {
         let keys = keys_of(size);
         let l = lim.at(size).expect("limits measured for every size");
-        let ops = ((args.cell_bytes.0 / size) as usize).max(keys.len());
+        let ops = (args.cell_bytes.0 / size) as usize;
         for &c in &args.concurrency {
             pb.set_message(format!("PUT {} x{c}", size_name(size)));
             let r = run_cell(&socket, &rec, &Op::Put, size, &keys, c, ops)?;

@@ -84,9 +84,10 @@ pub struct CommonArgs {
     /// checked before the run).
     #[arg(long, value_name = "FILE", value_parser = parse_json_path)]
     pub json: Option<PathBuf>,
-    /// Scratch directory for data dirs and sockets (on the filesystem to
-    /// measure). Default: a new directory under $TMPDIR, removed at the end.
-    #[arg(long, value_name = "DIR")]
+    /// An existing directory (on the filesystem to measure) in which the
+    /// bench creates its scratch dir for data dirs and sockets, removed at
+    /// the end. Default: $TMPDIR.
+    #[arg(long, value_name = "DIR", value_parser = parse_dir)]
     pub dir: Option<PathBuf>,
 }
 
@@ -123,14 +124,29 @@ fn undo() -> std::sync::MutexGuard<'static, Undo> {
         .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
-/// Lists a child process to kill if the bench is stopped by a signal.
-pub(crate) fn track_pid(pid: u32) {
-    undo().pids.push(pid);
+/// Spawns `cmd` listed among the children a signal kills, under the list's
+/// lock: a signal's clean-up runs wholly before the spawn (which then never
+/// happens: the process exits) or after the pid is listed. A child spawned
+/// but not yet listed lived on through the clean-up and recreated the
+/// scratch dir just removed (QA: `bench crash` stopped by SIGTERM left its
+/// `e0` data dir about one time in thirty).
+pub(crate) fn spawn_tracked(cmd: &mut Command) -> std::io::Result<Child> {
+    let mut undo = undo();
+    let child = cmd.spawn()?;
+    undo.pids.push(child.id());
+    Ok(child)
 }
 
-/// Takes `pid` off that list (before it is reaped: a reaped pid may be reused).
-pub(crate) fn untrack_pid(pid: u32) {
-    undo().pids.retain(|&p| p != pid);
+/// SIGKILLs a listed child, then reaps it and takes it off the list under
+/// the list's lock (it stays listed until it is gone: a signal's clean-up
+/// that came meanwhile kills it too, and removes the scratch dir only once
+/// it can no longer write there).
+pub(crate) fn kill_and_reap(child: &mut Child) {
+    let _ = child.kill();
+    let mut undo = undo();
+    let _ = child.wait();
+    let pid = child.id();
+    undo.pids.retain(|&p| p != pid);
 }
 
 /// [`std::process::Child::try_wait`] for a listed child: reaped and taken
@@ -197,8 +213,7 @@ fn undo_sigset() -> libc::sigset_t {
 /// outlived a stopped `bench vs`, with parent pid 1).
 pub(crate) fn output(cmd: &mut Command) -> std::io::Result<std::process::Output> {
     use std::io::Read;
-    let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn()?;
-    track_pid(child.id());
+    let mut child = spawn_tracked(cmd.stdout(Stdio::piped()).stderr(Stdio::piped()))?;
     let (mut out, mut err) = (child.stdout.take(), child.stderr.take());
     let read_all = |pipe: &mut Option<std::process::ChildStdout>| {
         let mut buf = Vec::new();
@@ -258,7 +273,7 @@ fn undo_on_signals() {
                 }
             }
             for d in &u.dirs {
-                let _ = std::fs::remove_dir_all(d);
+                remove_dir_settled(d);
             }
             if u.pids.is_empty() && u.dirs.is_empty() {
                 errln!("kvtier bench: stopped by signal {sig}");
@@ -276,33 +291,45 @@ fn undo_on_signals() {
     }
 }
 
-/// A scratch directory: the one given (kept), or a fresh temp dir
-/// (removed on drop).
+/// Removes `dir` for a signal's clean-up, again while something recreates
+/// it (the main thread runs on meanwhile: a file it created during the
+/// removal failed it with "directory not empty"). Bounded.
+fn remove_dir_settled(dir: &Path) {
+    for _ in 0..10 {
+        let _ = std::fs::remove_dir_all(dir);
+        // The main thread's next step either fails (its parent is gone) or
+        // recreated something: looked at again after it had time to.
+        std::thread::sleep(Duration::from_millis(20));
+        if !dir.exists() {
+            return;
+        }
+    }
+}
+
+/// A scratch directory `kvtier-bench-TAG-PID`, created in the `--dir`
+/// given (which must exist, see [`parse_dir`], and is kept) or in $TMPDIR,
+/// and removed with everything in it on drop, on an error's return and by
+/// a signal's clean-up.
 pub(crate) struct Scratch {
     path: PathBuf,
-    remove: bool,
 }
 
 impl Scratch {
     pub(crate) fn new(given: Option<&Path>, tag: &str) -> Result<Self> {
-        let (path, remove) = match given {
-            Some(p) => (
-                p.join(format!("kvtier-bench-{tag}-{}", std::process::id())),
-                true,
-            ),
-            None => (
-                std::env::temp_dir().join(format!("kvtier-bench-{tag}-{}", std::process::id())),
-                true,
-            ),
-        };
+        let parent = given.map_or_else(std::env::temp_dir, Path::to_path_buf);
+        let path = parent.join(format!("kvtier-bench-{tag}-{}", std::process::id()));
         if path.exists() {
             std::fs::remove_dir_all(&path)
                 .with_context(|| format!("remove stale scratch dir {}", path.display()))?;
         }
-        undo().dirs.push(path.clone());
-        std::fs::create_dir_all(&path)
+        // Created and listed under the list's lock (a signal's clean-up
+        // sees it listed once it exists), and never its parents: those are
+        // the user's (`--dir`) and would be left behind.
+        let mut undo = undo();
+        std::fs::create_dir(&path)
             .with_context(|| format!("create scratch dir {}", path.display()))?;
-        Ok(Self { path, remove })
+        undo.dirs.push(path.clone());
+        Ok(Self { path })
     }
 
     pub(crate) fn path(&self) -> &Path {
@@ -312,9 +339,7 @@ impl Scratch {
 
 impl Drop for Scratch {
     fn drop(&mut self) {
-        if self.remove {
-            let _ = std::fs::remove_dir_all(&self.path);
-        }
+        let _ = std::fs::remove_dir_all(&self.path);
         undo().dirs.retain(|d| d != &self.path);
     }
 }
@@ -362,7 +387,14 @@ impl Daemon {
     /// Starts a daemon in `dir` (data dir `dir/data`, socket `dir/s.sock`)
     /// and waits until it serves.
     pub(crate) fn start(dir: &Path, spec: &DaemonSpec) -> Result<Self> {
-        std::fs::create_dir_all(dir).with_context(|| format!("create {}", dir.display()))?;
+        // Not `create_dir_all`: a scratch dir that a signal's clean-up has
+        // just removed is not recreated.
+        match std::fs::create_dir(dir) {
+            Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists => {
+                return Err(e).with_context(|| format!("create {}", dir.display()));
+            }
+            _ => {}
+        }
         let data_dir = dir.join("data");
         let socket = dir.join("s.sock");
         let s = |p: &Path| p.to_string_lossy().into_owned();
@@ -428,9 +460,8 @@ impl Daemon {
             .stdin(Stdio::null())
             .stdout(log.try_clone().context("dup log file")?)
             .stderr(log);
-        let child = cmd.spawn().context("spawn `kvtier node start`")?;
+        let child = spawn_tracked(&mut cmd).context("spawn `kvtier node start`")?;
         let pid = child.id();
-        track_pid(pid);
         self.child = Some(child);
         let t0 = Instant::now();
         loop {
@@ -472,9 +503,7 @@ impl Daemon {
     /// SIGKILL and reap (no-op when not running).
     pub(crate) fn kill9(&mut self) {
         if let Some(mut child) = self.child.take() {
-            untrack_pid(child.id());
-            let _ = child.kill();
-            let _ = child.wait();
+            kill_and_reap(&mut child);
         }
     }
 
@@ -632,14 +661,18 @@ pub(crate) fn bar(len: u64, msg: &str) -> indicatif::ProgressBar {
     pb
 }
 
-/// Human size of a chunk: "256KiB", "2.5MiB".
+/// Exact size of a chunk for labels: "256KiB", "2.5MiB", "1.125MiB",
+/// "1000B", "1028KiB". MiB with up to three decimals where that is exact,
+/// else the largest unit that divides it (a 1000-byte size was "0KiB", and
+/// 1.25 MiB "1.2MiB").
 pub(crate) fn size_name(b: u64) -> String {
-    if b % (1 << 20) == 0 {
-        format!("{}MiB", b >> 20)
-    } else if b >= 1 << 20 {
-        format!("{:.1}MiB", b as f64 / (1 << 20) as f64)
+    const MIB: u64 = 1 << 20;
+    // b / 2^20 has at most three decimals exactly when 2^17 divides b.
+    if b >= MIB && b % (MIB >> 3) == 0 {
+        let mib = format!("{:.3}", b as f64 / MIB as f64);
+        format!("{}MiB", mib.trim_end_matches('0').trim_end_matches('.'))
     } else {
-        format!("{}KiB", b >> 10)
+        node::ByteSize(b).to_string()
     }
 }
 
@@ -677,6 +710,33 @@ fn parse_json_path(s: &str) -> Result<PathBuf, String> {
     // SAFETY: access(2) reads the NUL-terminated path only.
     if unsafe { libc::access(c.as_ptr(), libc::W_OK) } != 0 {
         return Err(format!("cannot write in {}", dir.display()));
+    }
+    Ok(path)
+}
+
+/// A `--dir` that exists, is a directory and is writable: a missing one
+/// was created with its missing parents, which stayed after the run (a
+/// misspelt path put gigabytes of scratch data somewhere unexpected).
+fn parse_dir(s: &str) -> Result<PathBuf, String> {
+    if s.is_empty() {
+        return Err("give a directory".into());
+    }
+    let path = PathBuf::from(s);
+    match std::fs::metadata(&path) {
+        Ok(m) if m.is_dir() => {}
+        Ok(_) => return Err(format!("{s} is not a directory")),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Err(format!(
+                "{s}: no such directory (the bench creates none but its own scratch dir in it)"
+            ));
+        }
+        Err(e) => return Err(format!("{s}: {e}")),
+    }
+    let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes())
+        .map_err(|_| format!("{s}: a NUL byte in the path"))?;
+    // SAFETY: access(2) reads the NUL-terminated path only.
+    if unsafe { libc::access(c.as_ptr(), libc::W_OK | libc::X_OK) } != 0 {
+        return Err(format!("cannot write in {s}"));
     }
     Ok(path)
 }
@@ -751,6 +811,30 @@ mod tests {
         assert_eq!(size_name(4 << 20), "4MiB");
     }
 
+    /// Labels name the exact size: sizes that are not whole KiB were
+    /// printed rounded down ("0KiB" for 1000 bytes) and MiB rounded to
+    /// one decimal ("1.2MiB" for 1.25 MiB, "1.0MiB" for 1 MiB + 4 KiB).
+    #[test]
+    fn size_names_are_exact() {
+        for (b, name) in [
+            (1000, "1000B"),
+            (1, "1B"),
+            (1536, "1536B"),
+            (4 << 10, "4KiB"),
+            (1000 << 10, "1000KiB"),
+            ((1 << 20) + 4096, "1028KiB"),
+            ((1 << 20) + 1, "1048577B"),
+            (5 << 18, "1.25MiB"),
+            (9 << 17, "1.125MiB"),
+            (3 << 19, "1.5MiB"),
+            (1 << 30, "1024MiB"),
+        ] {
+            assert_eq!(size_name(b), name, "{b} bytes");
+            // A label reads back as the size it names.
+            assert_eq!(parse_size(name), Ok(b), "{name}");
+        }
+    }
+
     /// Values that divided by zero, sliced past a pool, printed figures of
     /// nothing, or were found wrong only after a run, are usage errors.
     #[test]
@@ -774,5 +858,23 @@ mod tests {
         assert!(parse_json_path(&dir.to_string_lossy()).is_err());
         let ok = dir.join("kvtier-bench-test-r.json");
         assert_eq!(parse_json_path(&ok.to_string_lossy()), Ok(ok));
+    }
+
+    /// A `--dir` must exist: a missing one (and its missing parents) was
+    /// created and left behind.
+    #[test]
+    fn a_dir_that_does_not_exist_or_is_a_file_is_refused() {
+        let tmp = std::env::temp_dir();
+        assert_eq!(parse_dir(&tmp.to_string_lossy()), Ok(tmp.clone()));
+        let missing = tmp.join(format!("kvtier-bench-no-such-{}/x", std::process::id()));
+        let e = parse_dir(&missing.to_string_lossy()).unwrap_err();
+        assert!(e.contains("no such directory"), "{e}");
+        assert!(e.contains(&*missing.to_string_lossy()), "{e}");
+        let file = tmp.join(format!("kvtier-bench-dir-file-{}", std::process::id()));
+        std::fs::write(&file, b"").unwrap();
+        let e = parse_dir(&file.to_string_lossy()).unwrap_err();
+        let _ = std::fs::remove_file(&file);
+        assert!(e.contains("is not a directory"), "{e}");
+        assert!(parse_dir("").is_err());
     }
 }

@@ -451,10 +451,11 @@ pub(crate) fn run(a: &RestoreArgs) -> Result<u8> {
     let neg = super::Lat::of(&neg_hist);
     let mut t = Table::new(
         &format!(
-            "restore: 2 ranks x {} chunks of {} ({:.0} MB per rank), 2 daemons with peers",
+            "restore: 2 ranks x {} chunks of {} ({} per rank), 2 daemons with peers",
             a.chunks,
             size_name(a.size.0),
-            bytes_per_rank as f64 / 1e6
+            // Exact: "0 MB" for 8 chunks of 1000 B.
+            node::ByteSize(bytes_per_rank)
         ),
         &["step", "time ms", "GB/s", "detail"],
     );

@@ -22,7 +22,7 @@
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::sync::Barrier;
 use std::time::{Duration, Instant};
 
@@ -46,7 +46,8 @@ pub struct VsArgs {
     /// Client concurrencies (one connection each).
     #[arg(long, value_parser = crate::bench::parse_count::<usize>, value_delimiter = ',', default_value = "1,4")]
     pub concurrency: Vec<usize>,
-    /// Working set per size and concurrency, in bytes.
+    /// Working set per size and concurrency, in bytes; at least 8 chunks
+    /// of the largest size.
     #[arg(long, value_parser = crate::bench::parse_bytes, default_value = "128MiB")]
     pub set_bytes: node::ByteSize,
     /// The redis-server binary.
@@ -63,21 +64,18 @@ pub struct VsArgs {
 }
 
 /// A child process killed by pid when dropped (or when the bench is
-/// stopped by a signal: [`super::track_pid`]).
+/// stopped by a signal: [`super::spawn_tracked`]).
 struct Proc(Child);
 
 impl Proc {
-    fn new(child: Child) -> Self {
-        super::track_pid(child.id());
-        Self(child)
+    fn spawn(cmd: &mut Command) -> std::io::Result<Self> {
+        super::spawn_tracked(cmd).map(Self)
     }
 }
 
 impl Drop for Proc {
     fn drop(&mut self) {
-        super::untrack_pid(self.0.id());
-        let _ = self.0.kill();
-        let _ = self.0.wait();
+        super::kill_and_reap(&mut self.0);
     }
 }
 
@@ -438,8 +436,26 @@ fn lmcache_cells(
     Ok(cells)
 }
 
+/// Fewest chunks in the set of each size.
+const MIN_SET_CHUNKS: u64 = 8;
+
 /// Runs `kvtier bench vs`.
 pub(crate) fn run(a: &VsArgs) -> Result<u8> {
+    // Refused before any work: it was raised silently, so the figures were
+    // of another set than the one given.
+    if let Some(&largest) = a.sizes.iter().max()
+        && a.set_bytes.0 / largest < MIN_SET_CHUNKS
+    {
+        return Err(crate::UsageError(format!(
+            "--set-bytes {}: {} chunks of {}; the set of each size needs at least \
+             {MIN_SET_CHUNKS} (give --set-bytes {} or more, or smaller --sizes)",
+            node::ByteSize(a.set_bytes.0),
+            a.set_bytes.0 / largest,
+            size_name(largest),
+            node::ByteSize(largest * MIN_SET_CHUNKS),
+        ))
+        .into());
+    }
     print_header("vs")?;
     let scratch = Scratch::new(a.common.dir.as_deref(), "vs")?;
     let per_server = a.set_bytes.0 * a.sizes.len() as u64 * a.concurrency.len() as u64;
@@ -459,25 +475,26 @@ pub(crate) fn run(a: &VsArgs) -> Result<u8> {
     // redis-server: no RDB, no AOF, loopback only.
     let redis_port = free_tcp_port()?;
     let redis_log = scratch.path().join("redis.log");
-    let redis = super::command(&a.redis_server)
-        .args([
-            "--port",
-            &redis_port.to_string(),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-        ])
-        .arg("--dir")
-        .arg(scratch.path())
-        .stdin(Stdio::null())
-        .stdout(std::fs::File::create(&redis_log)?)
-        .stderr(Stdio::null())
-        .spawn();
+    let redis = Proc::spawn(
+        super::command(&a.redis_server)
+            .args([
+                "--port",
+                &redis_port.to_string(),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ])
+            .arg("--dir")
+            .arg(scratch.path())
+            .stdin(Stdio::null())
+            .stdout(std::fs::File::create(&redis_log)?)
+            .stderr(Stdio::null()),
+    );
     let mut redis = match redis {
-        Ok(c) => Some(Proc::new(c)),
+        Ok(p) => Some(p),
         Err(e) => {
             notes.push(format!(
                 "Redis column skipped: cannot run {}: {e}",
@@ -499,20 +516,20 @@ pub(crate) fn run(a: &VsArgs) -> Result<u8> {
             std::fs::write(&lm_script, LMCACHE_DRIVER)?;
             let port = free_tcp_port()?;
             let log = scratch.path().join("lmcache.log");
-            let child = super::command(&py)
-                .args([
-                    "-m",
-                    "lmcache.v1.server",
-                    "127.0.0.1",
-                    &port.to_string(),
-                    "cpu",
-                ])
-                .stdin(Stdio::null())
-                .stdout(Stdio::null())
-                .stderr(std::fs::File::create(&log)?)
-                .spawn()
-                .context("start the LMCache server")?;
-            let mut p = Proc::new(child);
+            let mut p = Proc::spawn(
+                super::command(&py)
+                    .args([
+                        "-m",
+                        "lmcache.v1.server",
+                        "127.0.0.1",
+                        &port.to_string(),
+                        "cpu",
+                    ])
+                    .stdin(Stdio::null())
+                    .stdout(Stdio::null())
+                    .stderr(std::fs::File::create(&log)?),
+            )
+            .context("start the LMCache server")?;
             let addr: SocketAddr = ([127, 0, 0, 1], port).into();
             match wait_listening(&mut p.0, addr, "the LMCache server", &log) {
                 Ok(()) => lm = Some((py, p, addr)),
@@ -528,7 +545,7 @@ pub(crate) fn run(a: &VsArgs) -> Result<u8> {
     let pb = bar((a.sizes.len() * a.concurrency.len() * servers) as u64, "vs");
     let mut cells = Vec::new();
     for &size in &a.sizes {
-        let n = (a.set_bytes.0 / size).max(8);
+        let n = a.set_bytes.0 / size;
         for &c in &a.concurrency {
             pb.set_message(format!("kvtier {} x{c}", size_name(size)));
             cells.extend(resp_cells("kvtier", kv_addr, size, c, n)?);
