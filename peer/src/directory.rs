@@ -16,6 +16,13 @@
 //! measures it for 1M entries. A fingerprint collision (≈ 2⁻⁹⁶ per pair)
 //! can only make a peer look like a holder of a chunk it lacks: the fetch
 //! then verifies the id and the payload CRC and turns it into a miss.
+//!
+//! The fingerprint is keyed with a random seed per directory. Unkeyed, it
+//! could be inverted: a peer could announce many distinct ids with one
+//! 64-bit table hash, which made each insert probe every earlier one
+//! (65,536 such ids held the directory's lock for over a minute and kept
+//! the peer's link flapping: QA). The table still takes the fingerprint's
+//! first 64 bits as its hash, so a probe costs no extra hashing.
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
@@ -32,6 +39,9 @@ pub const MAX_SLOTS: usize = 32;
 /// announces more is refused ([`OverLimit`]), so a faulty or hostile one
 /// cannot grow this node's memory without bound.
 pub const DEFAULT_MAX_CHUNKS_PER_PEER: u64 = 8 << 20;
+
+/// Ops [`Directory::apply`] applies before it lets waiting readers in.
+const APPLY_BATCH: usize = 4096;
 
 /// A peer announced more chunks than the directory keeps for one peer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
@@ -62,8 +72,9 @@ fn fmix(mut k: u64) -> u64 {
     k ^ (k >> 33)
 }
 
-/// Fingerprints `id` (deterministic, not keyed: ids are already hashes).
-pub fn fingerprint(id: &PeerChunkId) -> Fingerprint {
+/// Fingerprints `id` under `seed` (one directory's random key; see the
+/// module docs for why it is keyed).
+fn fingerprint(seed: [u64; 2], id: &PeerChunkId) -> Fingerprint {
     let w = |b: &[u8]| {
         let mut a = [0u8; 8];
         a.copy_from_slice(b);
@@ -78,8 +89,8 @@ pub fn fingerprint(id: &PeerChunkId) -> Fingerprint {
         w(&id.key[24..]),
         u64::from(id.group),
     ];
-    let mut a = 0x9e37_79b9_7f4a_7c15u64;
-    let mut b = 0x6a09_e667_f3bc_c909u64;
+    let mut a = 0x9e37_79b9_7f4a_7c15u64 ^ seed[0];
+    let mut b = 0x6a09_e667_f3bc_c909u64 ^ seed[1];
     for (i, x) in words.iter().enumerate() {
         a = fmix(a ^ x);
         b = fmix(b ^ x.rotate_left(17 + i as u32));
@@ -143,6 +154,8 @@ pub struct Directory {
     inner: RwLock<Inner>,
     /// Most chunks one slot may hold.
     max_per_slot: u64,
+    /// The fingerprint's key.
+    seed: [u64; 2],
 }
 
 impl Default for Directory {
@@ -166,12 +179,17 @@ impl Directory {
                 slots: vec![SlotStats::default(); MAX_SLOTS],
             }),
             max_per_slot,
+            seed: rand::random(),
         }
+    }
+
+    fn fp(&self, id: &PeerChunkId) -> Fingerprint {
+        fingerprint(self.seed, id)
     }
 
     /// Bitmask of slots said to hold `id`.
     pub fn holders(&self, id: &PeerChunkId) -> u32 {
-        let fp = fingerprint(id);
+        let fp = self.fp(id);
         self.inner.read().map.get(&fp).map_or(0, |e| e.holders)
     }
 
@@ -179,7 +197,7 @@ impl Directory {
     pub fn holders_many<'a>(&self, ids: impl IntoIterator<Item = &'a PeerChunkId>) -> Vec<u32> {
         let g = self.inner.read();
         ids.into_iter()
-            .map(|id| g.map.get(&fingerprint(id)).map_or(0, |e| e.holders))
+            .map(|id| g.map.get(&self.fp(id)).map_or(0, |e| e.holders))
             .collect()
     }
 
@@ -199,12 +217,17 @@ impl Directory {
         let limit = self.max_per_slot;
         let bit = 1u32 << slot;
         let mut g = self.inner.write();
-        let Inner { map, slots } = &mut *g;
-        let st = &mut slots[slot];
-        for op in ops {
+        for (n, op) in ops.into_iter().enumerate() {
+            // A snapshot part holds up to hundreds of thousands of ops:
+            // lookups waiting for the lock get it between batches.
+            if n % APPLY_BATCH == APPLY_BATCH - 1 {
+                parking_lot::RwLockWriteGuard::bump(&mut g);
+            }
+            let Inner { map, slots } = &mut *g;
+            let st = &mut slots[slot];
             match op {
                 Op::Add(id, len) => {
-                    let fp = fingerprint(&id);
+                    let fp = self.fp(&id);
                     if st.chunks >= limit && map.get(&fp).is_none_or(|e| e.holders & bit == 0) {
                         return Err(OverLimit { limit });
                     }
@@ -223,7 +246,7 @@ impl Directory {
                     }
                 }
                 Op::Remove(id) => {
-                    let fp = fingerprint(&id);
+                    let fp = self.fp(&id);
                     if let Some(e) = map.get_mut(&fp) {
                         e.ram &= !bit;
                         if e.holders & bit != 0 {
@@ -243,7 +266,7 @@ impl Directory {
                     }
                 }
                 Op::Ram(id, in_ram) => {
-                    if let Some(e) = map.get_mut(&fingerprint(&id))
+                    if let Some(e) = map.get_mut(&self.fp(&id))
                         && e.holders & bit != 0
                     {
                         if in_ram {
@@ -285,11 +308,7 @@ impl Directory {
         let bit = 1u32 << slot;
         let g = self.inner.read();
         ids.iter()
-            .take_while(|id| {
-                g.map
-                    .get(&fingerprint(id))
-                    .is_some_and(|e| e.ram & bit != 0)
-            })
+            .take_while(|id| g.map.get(&self.fp(id)).is_some_and(|e| e.ram & bit != 0))
             .count()
     }
 
@@ -448,6 +467,78 @@ mod tests {
         d.add(0, &a, 1).expect("under the limit");
         a.group = 1;
         assert_eq!(d.holders(&a), 0);
+    }
+
+    /// `fmix`'s inverse (both xor-shifts by 33 undo themselves).
+    fn unfmix(mut k: u64) -> u64 {
+        // The inverse of an odd multiplier mod 2^64 (Newton's iteration).
+        let inv = |m: u64| {
+            let mut x = m;
+            for _ in 0..6 {
+                x = x.wrapping_mul(2u64.wrapping_sub(m.wrapping_mul(x)));
+            }
+            x
+        };
+        k ^= k >> 33;
+        k = k.wrapping_mul(inv(0xc4ce_b9fe_1a85_ec53));
+        k ^= k >> 33;
+        k = k.wrapping_mul(inv(0xff51_afd7_ed55_8ccd));
+        k ^ (k >> 33)
+    }
+
+    /// `n` distinct ids whose unkeyed fingerprints share their first 64
+    /// bits (the table's hash): what a peer that knows the code can mint.
+    fn colliding_ids(n: u64) -> Vec<PeerChunkId> {
+        let target = 0x0123_4567_89ab_cdefu64;
+        (0..n)
+            .map(|i| {
+                let mut x = id(i, 7);
+                let w = |b: &[u8]| u64::from_le_bytes(b.try_into().expect("8 bytes"));
+                let words = [
+                    w(&x.ns.0[..8]),
+                    w(&x.ns.0[8..]),
+                    w(&x.key[..8]),
+                    w(&x.key[8..16]),
+                    w(&x.key[16..24]),
+                ];
+                let mut a = 0x9e37_79b9_7f4a_7c15u64;
+                for v in words {
+                    a = fmix(a ^ v);
+                }
+                // a7 = fmix(a6 ^ group), group 0; a6 = fmix(a5 ^ key[24..]).
+                let a6 = unfmix(target);
+                let last = unfmix(a6) ^ a;
+                x.key[24..].copy_from_slice(&last.to_le_bytes());
+                assert_eq!(
+                    fingerprint([0, 0], &x).0[..2],
+                    [target as u32, (target >> 32) as u32]
+                );
+                x
+            })
+            .collect()
+    }
+
+    /// Ids minted to share one unkeyed table hash spread over the keyed
+    /// table (QA: 65,536 of them held the lock for over a minute), and are
+    /// still told apart.
+    #[test]
+    fn ids_crafted_to_collide_unkeyed_get_distinct_hashes() {
+        let ids = colliding_ids(4096);
+        let d = Directory::new();
+        let hashes: std::collections::HashSet<u64> = ids
+            .iter()
+            .map(|x| {
+                let f = d.fp(x);
+                u64::from(f.0[0]) | u64::from(f.0[1]) << 32
+            })
+            .collect();
+        assert!(hashes.len() > 4000, "{} distinct hashes", hashes.len());
+        d.apply(0, ids.iter().map(|x| Op::Add(*x, 1)))
+            .expect("under the limit");
+        assert_eq!(d.len(), ids.len());
+        assert!(ids.iter().all(|x| d.holders(x) == 1));
+        // Two directories key their fingerprints differently.
+        assert_ne!(Directory::new().fp(&ids[0]), d.fp(&ids[0]));
     }
 
     /// Measures the bytes per remote entry for 1M entries (the number

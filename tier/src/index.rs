@@ -54,11 +54,35 @@ pub(crate) fn hash_parts(ns: &Namespace, key: &ChunkKey, group: GroupId) -> u64 
 /// (a batch computes it once): both namespace words and the group, mixed by
 /// multiplies, so that neither two groups nor two namespaces differ by a
 /// plain XOR a family of structured keys could cancel.
+///
+/// Keyed with a random value per process ([`process_key`]): unkeyed, the
+/// rounds of [`key_hash`] can be solved for a last word, so a client could
+/// mint any number of distinct keys with one hash ([`colliding_key`] does
+/// it for tests) and make the index and the RAM table probe one long run
+/// for every other client. Hashes are never stored or sent: recovery and
+/// peers work on ids.
 #[inline]
 pub(crate) fn seed(ns: &Namespace, group: GroupId) -> u64 {
+    seed_under(process_key(), ns, group)
+}
+
+/// [`seed`] under `key` (0: the unkeyed seed a client could compute).
+#[inline]
+fn seed_under(key: u64, ns: &Namespace, group: GroupId) -> u64 {
     let w = |o: usize| u64::from_le_bytes(ns.0[o..o + 8].try_into().expect("8 bytes"));
-    let s = (w(0) ^ u64::from(group)).wrapping_mul(0xa076_1d64_78bd_642f) ^ w(8);
+    let s = (w(0) ^ u64::from(group) ^ key).wrapping_mul(0xa076_1d64_78bd_642f) ^ w(8);
     s.wrapping_mul(0xe703_7ed1_a0b4_28db)
+}
+
+/// A random 64-bit key, fixed for the life of the process.
+#[inline]
+fn process_key() -> u64 {
+    static KEY: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *KEY.get_or_init(|| {
+        use std::hash::BuildHasher;
+        // std's RandomState draws its keys from the OS's random source.
+        std::collections::hash_map::RandomState::new().hash_one(0x6b76_7469_6572_u64)
+    })
 }
 
 /// A key's hash under `seed`: all four words of the key, each mixed in by a
@@ -360,6 +384,33 @@ mod tests {
             crc: n,
             txn: 0,
         }
+    }
+
+    /// Keys minted to share one hash under the unkeyed seed (what a client
+    /// that knows the code could compute) spread under the process's key.
+    #[test]
+    fn keys_crafted_to_collide_unkeyed_get_distinct_hashes() {
+        let ns = Namespace([9; 16]);
+        let unkeyed = seed_under(0, &ns, 0);
+        let base = ChunkKey([0x33; 32]);
+        let keys: Vec<ChunkKey> = (0..1024u64)
+            .map(|i| {
+                let mut k = base.0;
+                k[..8].copy_from_slice(&i.to_le_bytes());
+                // A key with `k`'s first three words and `base`'s hash.
+                let last = key_mix(key_state(unkeyed, &ChunkKey(k)))
+                    ^ key_mix(key_state(unkeyed, &base))
+                    ^ key_word(&base, 3);
+                k[24..].copy_from_slice(&last.to_le_bytes());
+                let k = ChunkKey(k);
+                assert_eq!(key_hash(unkeyed, &k), key_hash(unkeyed, &base));
+                k
+            })
+            .collect();
+        let hashes: std::collections::HashSet<u64> =
+            keys.iter().map(|k| hash_parts(&ns, k, 0)).collect();
+        assert!(hashes.len() > 1000, "{} distinct hashes", hashes.len());
+        assert_ne!(process_key(), 0);
     }
 
     #[test]
