@@ -1253,6 +1253,17 @@ impl std::fmt::Display for StreamErr {
 const FRAME_BODY_TIMEOUT: Duration = Duration::from_secs(10);
 
 async fn read_frame(recv: &mut RecvStream) -> Result<Message, StreamErr> {
+    read_frame_within(recv, crate::proto::frame::MAX_BODY).await
+}
+
+/// The largest body of a stream's first frame (a fetch request or a hello,
+/// at most 520 bytes) and of a fetch reply: a peer could otherwise make
+/// every new stream buffer up to 16 MiB for the body deadline (QA: 120
+/// streams took a holder from 42 to 740 MB resident).
+const SMALL_FRAME_MAX: u32 = 1 << 10;
+
+/// [`read_frame`] of a frame whose body is at most `max_body` bytes.
+async fn read_frame_within(recv: &mut RecvStream, max_body: u32) -> Result<Message, StreamErr> {
     let mut header = [0u8; HEADER_LEN];
     match recv.read_exact(&mut header).await {
         Ok(()) => {}
@@ -1260,6 +1271,12 @@ async fn read_frame(recv: &mut RecvStream) -> Result<Message, StreamErr> {
         Err(e) => return Err(StreamErr::Io(e.to_string())),
     }
     let h = FrameHeader::decode(&header).map_err(StreamErr::Decode)?;
+    if h.body_len > max_body {
+        return Err(StreamErr::Decode(crate::proto::DecodeError::TooLong {
+            len: u64::from(h.body_len),
+            max: u64::from(max_body),
+        }));
+    }
     // The body is taken as it arrives, within a deadline: a peer that
     // announced 16 MiB bodies on many streams and sent none (or all but a
     // byte) held that memory for as long as its connection lived.
@@ -1483,9 +1500,12 @@ async fn serve_stream(
     cert_name: Option<String>,
     stats: Arc<ServeStats>,
 ) -> Result<(), StreamErr> {
-    let first = tokio::time::timeout(shared.cfg.connect_timeout, read_frame(&mut recv))
-        .await
-        .map_err(|_| StreamErr::Io("no request within the timeout".into()))??;
+    let first = tokio::time::timeout(
+        shared.cfg.connect_timeout,
+        read_frame_within(&mut recv, SMALL_FRAME_MAX),
+    )
+    .await
+    .map_err(|_| StreamErr::Io("no request within the timeout".into()))??;
     match first {
         Message::FetchRequest { id } => serve_fetch(&shared, send, id, &stats).await,
         Message::Hello {
@@ -2012,7 +2032,7 @@ async fn connect(shared: &Arc<Shared>, slot: &Slot) -> Result<Dialed, String> {
         )
         .await
         .map_err(|e| e.to_string())?;
-        let hello = read_frame(&mut recv)
+        let hello = read_frame_within(&mut recv, SMALL_FRAME_MAX)
             .await
             .map_err(|e| match conn.close_reason() {
                 // E.g. the peer's TLS alert when it refused our certificate.
@@ -2291,13 +2311,15 @@ async fn fetch_from(
         .await
         .map_err(|e| tr(e.to_string()))?;
     let _ = send.finish();
-    let reply = read_frame(&mut recv).await.map_err(|e| match e {
-        StreamErr::Decode(d) => FetchError::Corrupt {
-            peer: peer.clone(),
-            why: d.to_string(),
-        },
-        other => tr(other.to_string()),
-    })?;
+    let reply = read_frame_within(&mut recv, SMALL_FRAME_MAX)
+        .await
+        .map_err(|e| match e {
+            StreamErr::Decode(d) => FetchError::Corrupt {
+                peer: peer.clone(),
+                why: d.to_string(),
+            },
+            other => tr(other.to_string()),
+        })?;
     slot.progressed();
     let corrupt = |why: String| FetchError::Corrupt {
         peer: peer.clone(),
@@ -2343,36 +2365,118 @@ async fn fetch_from(
         )));
     }
     let len = len as usize;
-    let mut buf = shared
-        .source
-        .fetch_buffer(len)
-        .unwrap_or_else(|| Box::new(BytesMut::with_capacity(len)));
-    // The CRC runs over each piece right after it is copied (still in
-    // cache), not in a second pass over the whole chunk.
-    let (mut got, mut filled) = (crate::proto::frame::crc32c_digest(), 0usize);
-    while filled < len {
-        match recv.read_chunk(len - filled, true).await {
+    let mut payload = Payload::new(len, |len| {
+        shared
+            .source
+            .fetch_buffer(len)
+            .unwrap_or_else(|| Box::new(BytesMut::with_capacity(len)))
+    });
+    while payload.missing() > 0 {
+        match recv.read_chunk(payload.missing(), true).await {
             Ok(Some(c)) => {
-                buf.extend_from_slice(&c.bytes);
-                filled += c.bytes.len();
-                got.update(&c.bytes);
+                payload.push(c.bytes);
                 slot.progressed();
             }
             Ok(None) => {
                 return Err(corrupt(format!(
-                    "stream ended after {filled} of {len} payload bytes"
+                    "stream ended after {} of {len} payload bytes",
+                    len - payload.missing()
                 )));
             }
             Err(e) => return Err(tr(e.to_string())),
         }
     }
-    let got = crate::proto::frame::crc32c_value(&got);
-    if got != crc {
-        return Err(corrupt(format!(
-            "payload crc32c {got:#010x} != {crc:#010x}"
-        )));
+    payload.finish(crc).map_err(corrupt)
+}
+
+/// Payloads up to this length take their whole buffer at once (see
+/// [`Payload`]).
+const EAGER_PAYLOAD: usize = 1 << 20;
+
+/// A fetched payload being received, piece by piece, in order.
+///
+/// Memory follows the bytes that came, not the length the holder claimed:
+/// a payload over [`EAGER_PAYLOAD`] keeps its pieces as they arrived until
+/// half of it is in, and only then takes a buffer of the whole length and
+/// copies them into it. A holder that claimed 256 MiB per reply and sent
+/// nothing made its requester allocate and zero 16 × 256 MiB per fetch
+/// timeout (3 GB resident with a 256 MiB RAM budget: QA); now it holds at
+/// most twice what it sent.
+struct Payload<F: FnOnce(usize) -> Box<dyn FetchBuffer>> {
+    len: usize,
+    filled: usize,
+    /// Pieces that came before the buffer was taken.
+    early: Vec<Bytes>,
+    buf: Option<Box<dyn FetchBuffer>>,
+    take: Option<F>,
+    /// CRC32C of the pieces so far, each taken as it arrives (still in
+    /// cache), not in a second pass over the whole chunk.
+    crc: crc_fast::Digest,
+}
+
+impl<F: FnOnce(usize) -> Box<dyn FetchBuffer>> Payload<F> {
+    /// A payload of `len` bytes; `take(len)` makes its buffer.
+    fn new(len: usize, take: F) -> Self {
+        let mut p = Self {
+            len,
+            filled: 0,
+            early: Vec::new(),
+            buf: None,
+            take: Some(take),
+            crc: crate::proto::frame::crc32c_digest(),
+        };
+        if len <= EAGER_PAYLOAD {
+            p.take_buffer();
+        }
+        p
     }
-    Ok(buf.freeze())
+
+    fn take_buffer(&mut self) {
+        if let Some(take) = self.take.take() {
+            let mut buf = take(self.len);
+            for piece in self.early.drain(..) {
+                buf.extend_from_slice(&piece);
+            }
+            self.buf = Some(buf);
+        }
+    }
+
+    /// Bytes still to come.
+    fn missing(&self) -> usize {
+        self.len - self.filled
+    }
+
+    /// Adds the next piece (at most [`Payload::missing`] bytes).
+    fn push(&mut self, piece: Bytes) {
+        debug_assert!(piece.len() <= self.missing());
+        self.crc.update(&piece);
+        self.filled += piece.len();
+        match &mut self.buf {
+            Some(buf) => buf.extend_from_slice(&piece),
+            None => {
+                self.early.push(piece);
+                if self.filled >= self.len / 2 {
+                    self.take_buffer();
+                }
+            }
+        }
+    }
+
+    /// The payload, when every byte came and its CRC32C is `crc`.
+    fn finish(mut self, crc: u32) -> Result<Bytes, String> {
+        if self.filled != self.len {
+            return Err(format!(
+                "{} of {} payload bytes came",
+                self.filled, self.len
+            ));
+        }
+        let got = crate::proto::frame::crc32c_value(&self.crc);
+        if got != crc {
+            return Err(format!("payload crc32c {got:#010x} != {crc:#010x}"));
+        }
+        self.take_buffer();
+        Ok(self.buf.take().expect("taken above").freeze())
+    }
 }
 
 #[cfg(test)]
@@ -2399,5 +2503,75 @@ mod limiter_tests {
         );
         drop(wait);
         assert!(l.tokens() >= after_spent, "{} < {after_spent}", l.tokens());
+    }
+}
+
+#[cfg(test)]
+mod payload_tests {
+    use super::*;
+    use std::cell::Cell;
+
+    fn crc(b: &[u8]) -> u32 {
+        let mut d = crate::proto::frame::crc32c_digest();
+        d.update(b);
+        crate::proto::frame::crc32c_value(&d)
+    }
+
+    /// A holder that claims a large payload and sends little makes its
+    /// requester take no buffer of the claimed length (QA: 20 such fetches
+    /// held 3 GB); the buffer comes once half has arrived, and the payload
+    /// is byte-exact whatever the piece boundaries.
+    #[test]
+    fn a_large_payload_takes_its_buffer_once_half_has_come() {
+        let len = 64 << 20;
+        let data: Vec<u8> = (0..len).map(|i| (i * 7 % 251) as u8).collect();
+        let taken = Cell::new(0usize);
+        let take = |n: usize| -> Box<dyn FetchBuffer> {
+            taken.set(taken.get() + 1);
+            Box::new(BytesMut::with_capacity(n))
+        };
+        let mut p = Payload::new(len, take);
+        assert_eq!(taken.get(), 0, "no buffer before a byte came");
+        let piece = 1_000_003;
+        let mut at = 0;
+        while at + piece < len / 2 {
+            p.push(Bytes::copy_from_slice(&data[at..at + piece]));
+            at += piece;
+        }
+        assert_eq!(taken.get(), 0, "no buffer with {at} of {len} bytes in");
+        while at < len {
+            let end = (at + piece).min(len);
+            p.push(Bytes::copy_from_slice(&data[at..end]));
+            at = end;
+            assert_eq!(taken.get(), usize::from(at >= len / 2));
+        }
+        assert_eq!(p.missing(), 0);
+        assert_eq!(&p.finish(crc(&data)).expect("whole")[..], &data[..]);
+    }
+
+    /// Small payloads take their buffer at once; a payload cut short or
+    /// with another CRC is refused.
+    #[test]
+    fn small_payloads_take_their_buffer_at_once_and_bad_ones_are_refused() {
+        let taken = Cell::new(0usize);
+        let take = |n: usize| -> Box<dyn FetchBuffer> {
+            taken.set(taken.get() + 1);
+            Box::new(BytesMut::with_capacity(n))
+        };
+        let p = Payload::new(EAGER_PAYLOAD, take);
+        assert_eq!(taken.get(), 1);
+        assert!(p.finish(0).expect_err("nothing came").contains("0 of"));
+        let data = vec![5u8; 3 << 20];
+        let mut p = Payload::new(data.len(), |n| -> Box<dyn FetchBuffer> {
+            Box::new(BytesMut::with_capacity(n))
+        });
+        p.push(Bytes::copy_from_slice(&data));
+        let e = p.finish(crc(&data) ^ 1).expect_err("wrong crc");
+        assert!(e.contains("crc32c"), "{e}");
+        let p = Payload::new(0, |n| -> Box<dyn FetchBuffer> {
+            Box::new(BytesMut::with_capacity(n))
+        });
+        assert_eq!(p.missing(), 0);
+        assert!(p.finish(crc(&[])).expect("empty").is_empty());
     }
 }
