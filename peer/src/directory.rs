@@ -193,6 +193,13 @@ impl Directory {
         self.inner.read().map.get(&fp).map_or(0, |e| e.holders)
     }
 
+    /// The payload length announced for `id` (by the first peer that said
+    /// it holds it; saturated at `u32::MAX`), if any peer does.
+    pub fn announced_len(&self, id: &PeerChunkId) -> Option<u32> {
+        let fp = self.fp(id);
+        self.inner.read().map.get(&fp).map(|e| e.len)
+    }
+
     /// Bitmasks for many ids under one lock.
     pub fn holders_many<'a>(&self, ids: impl IntoIterator<Item = &'a PeerChunkId>) -> Vec<u32> {
         let g = self.inner.read();
@@ -371,6 +378,8 @@ mod tests {
         assert_eq!(d.holders(&id(1, 1)), 0b1001);
         assert_eq!(d.holders(&id(2, 1)), 0b1000);
         assert_eq!(d.holders(&id(1, 2)), 0, "same key, other namespace");
+        assert_eq!(d.announced_len(&id(2, 1)), Some(50));
+        assert_eq!(d.announced_len(&id(1, 2)), None);
         assert_eq!(
             d.totals(3),
             SlotTotals {

@@ -2365,7 +2365,11 @@ async fn fetch_from(
         )));
     }
     let len = len as usize;
-    let mut payload = Payload::new(len, |len| {
+    // A claim past what was announced for the chunk (a holder's lie, or a
+    // rarer overwrite by a larger version) gets its buffer as bytes come.
+    let announced = shared.directory.announced_len(id).map_or(0, |l| l as usize);
+    let eager = len <= EAGER_PAYLOAD.max(announced);
+    let mut payload = Payload::new(len, eager, |len| {
         shared
             .source
             .fetch_buffer(len)
@@ -2395,13 +2399,17 @@ const EAGER_PAYLOAD: usize = 1 << 20;
 
 /// A fetched payload being received, piece by piece, in order.
 ///
-/// Memory follows the bytes that came, not the length the holder claimed:
-/// a payload over [`EAGER_PAYLOAD`] keeps its pieces as they arrived until
-/// half of it is in, and only then takes a buffer of the whole length and
-/// copies them into it. A holder that claimed 256 MiB per reply and sent
-/// nothing made its requester allocate and zero 16 × 256 MiB per fetch
-/// timeout (3 GB resident with a 256 MiB RAM budget: QA); now it holds at
-/// most twice what it sent.
+/// A payload whose length is no more than what was announced for the chunk
+/// (or [`EAGER_PAYLOAD`]) takes its buffer at once: the usual case. One
+/// claiming more keeps its pieces as they arrived until half of it is in,
+/// and only then takes a buffer of the whole length and copies them into
+/// it, so memory follows the bytes that came, not the claim. A holder that
+/// claimed 256 MiB per reply for a 1,000-byte chunk and sent nothing made
+/// its requester allocate and zero 16 × 256 MiB per fetch timeout (3 GB
+/// resident with a 256 MiB RAM budget: QA). Not every payload is received
+/// that way: holding the pieces of half of every large payload kept the
+/// heap grown by them (twice the resident memory after a burst of 32 MiB
+/// fetches: QA).
 struct Payload<F: FnOnce(usize) -> Box<dyn FetchBuffer>> {
     len: usize,
     filled: usize,
@@ -2415,8 +2423,9 @@ struct Payload<F: FnOnce(usize) -> Box<dyn FetchBuffer>> {
 }
 
 impl<F: FnOnce(usize) -> Box<dyn FetchBuffer>> Payload<F> {
-    /// A payload of `len` bytes; `take(len)` makes its buffer.
-    fn new(len: usize, take: F) -> Self {
+    /// A payload of `len` bytes; `take(len)` makes its buffer, at once when
+    /// `eager`, else once half of it came.
+    fn new(len: usize, eager: bool, take: F) -> Self {
         let mut p = Self {
             len,
             filled: 0,
@@ -2425,7 +2434,7 @@ impl<F: FnOnce(usize) -> Box<dyn FetchBuffer>> Payload<F> {
             take: Some(take),
             crc: crate::proto::frame::crc32c_digest(),
         };
-        if len <= EAGER_PAYLOAD {
+        if eager {
             p.take_buffer();
         }
         p
@@ -2517,10 +2526,9 @@ mod payload_tests {
         crate::proto::frame::crc32c_value(&d)
     }
 
-    /// A holder that claims a large payload and sends little makes its
-    /// requester take no buffer of the claimed length (QA: 20 such fetches
-    /// held 3 GB); the buffer comes once half has arrived, and the payload
-    /// is byte-exact whatever the piece boundaries.
+    /// A payload claimed past its announced length takes no buffer of the
+    /// claimed length before half of it came (QA: 20 such fetches held
+    /// 3 GB), and is byte-exact whatever the piece boundaries.
     #[test]
     fn a_large_payload_takes_its_buffer_once_half_has_come() {
         let len = 64 << 20;
@@ -2530,7 +2538,7 @@ mod payload_tests {
             taken.set(taken.get() + 1);
             Box::new(BytesMut::with_capacity(n))
         };
-        let mut p = Payload::new(len, take);
+        let mut p = Payload::new(len, false, take);
         assert_eq!(taken.get(), 0, "no buffer before a byte came");
         let piece = 1_000_003;
         let mut at = 0;
@@ -2549,26 +2557,26 @@ mod payload_tests {
         assert_eq!(&p.finish(crc(&data)).expect("whole")[..], &data[..]);
     }
 
-    /// Small payloads take their buffer at once; a payload cut short or
+    /// Announced payloads take their buffer at once; a payload cut short or
     /// with another CRC is refused.
     #[test]
-    fn small_payloads_take_their_buffer_at_once_and_bad_ones_are_refused() {
+    fn announced_payloads_take_their_buffer_at_once_and_bad_ones_are_refused() {
         let taken = Cell::new(0usize);
         let take = |n: usize| -> Box<dyn FetchBuffer> {
             taken.set(taken.get() + 1);
             Box::new(BytesMut::with_capacity(n))
         };
-        let p = Payload::new(EAGER_PAYLOAD, take);
+        let p = Payload::new(64 << 20, true, take);
         assert_eq!(taken.get(), 1);
         assert!(p.finish(0).expect_err("nothing came").contains("0 of"));
         let data = vec![5u8; 3 << 20];
-        let mut p = Payload::new(data.len(), |n| -> Box<dyn FetchBuffer> {
+        let mut p = Payload::new(data.len(), false, |n| -> Box<dyn FetchBuffer> {
             Box::new(BytesMut::with_capacity(n))
         });
         p.push(Bytes::copy_from_slice(&data));
         let e = p.finish(crc(&data) ^ 1).expect_err("wrong crc");
         assert!(e.contains("crc32c"), "{e}");
-        let p = Payload::new(0, |n| -> Box<dyn FetchBuffer> {
+        let p = Payload::new(0, true, |n| -> Box<dyn FetchBuffer> {
             Box::new(BytesMut::with_capacity(n))
         });
         assert_eq!(p.missing(), 0);
