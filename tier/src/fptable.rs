@@ -56,9 +56,11 @@ pub(crate) fn advise_huge(addr: usize, len: usize) {
     if len < HUGE {
         return;
     }
-    let page = 4096;
-    let start = addr.next_multiple_of(page);
-    let end = (addr + len) / page * page;
+    // Whole huge pages only: the advice is about them, and a range aligned
+    // to 4 KiB alone is refused (EINVAL) on a kernel with 64 KiB pages, as
+    // some aarch64 kernels are.
+    let start = addr.next_multiple_of(HUGE);
+    let end = (addr + len) / HUGE * HUGE;
     if end > start {
         // SAFETY: advice on memory this process owns (a vector's buffer);
         // MADV_HUGEPAGE never changes contents.
