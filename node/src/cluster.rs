@@ -11,12 +11,14 @@
 //!
 //! `tier` and `peer` never see each other: ids are converted here.
 
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
+use parking_lot::Mutex;
 use peer::cert::NodeMaterial;
 use peer::tls::TlsSetup;
 use peer::{
@@ -152,6 +154,44 @@ pub struct Cluster {
     store: Arc<ChunkStore>,
     fetch_timeout: Duration,
     admit: bool,
+    /// Fetches in flight by id: concurrent local misses of one chunk share
+    /// one fetch ([`Cluster::fetch_named`]).
+    inflight: Arc<Mutex<HashMap<ChunkId, Arc<Flight>>>>,
+}
+
+/// The outcome of one fetch, shared by the GETs that wait for it.
+type Flight = tokio::sync::OnceCell<Option<Bytes>>;
+
+/// A GET's share of a fetch in flight: the last one to leave (done or
+/// cancelled) takes the fetch off the in-flight map.
+struct FlightShare {
+    map: Arc<Mutex<HashMap<ChunkId, Arc<Flight>>>>,
+    id: ChunkId,
+    flight: Arc<Flight>,
+}
+
+impl FlightShare {
+    fn join(map: &Arc<Mutex<HashMap<ChunkId, Arc<Flight>>>>, id: ChunkId) -> Self {
+        let flight = Arc::clone(map.lock().entry(id).or_default());
+        Self {
+            map: Arc::clone(map),
+            id,
+            flight,
+        }
+    }
+}
+
+impl Drop for FlightShare {
+    fn drop(&mut self) {
+        let mut m = self.map.lock();
+        // The map's reference and ours: nobody else waits for it.
+        if m.get(&self.id)
+            .is_some_and(|f| Arc::ptr_eq(f, &self.flight))
+            && Arc::strong_count(&self.flight) <= 2
+        {
+            m.remove(&self.id);
+        }
+    }
 }
 
 /// A cluster whose certificates are loaded and whose peer port is bound,
@@ -295,7 +335,23 @@ impl Cluster {
     /// local chunk) would serve the old value here and back to the holder.
     /// Each node serves only its own versions of such keys. Other
     /// namespaces' keys are content hashes: a copy never goes stale.
+    ///
+    /// Concurrent calls for one id share one fetch (two requests with a
+    /// common prefix restore the same chunks at once: each fetched them,
+    /// and moved them over the network, again). A call whose caller goes
+    /// away (a client that hung up) leaves the fetch to the others; the
+    /// last one to go ends it.
     pub async fn fetch_named(&self, id: &ChunkId, name: Option<Bytes>) -> Option<Bytes> {
+        let share = FlightShare::join(&self.inflight, *id);
+        share
+            .flight
+            .get_or_init(|| self.fetch_once(id, name))
+            .await
+            .clone()
+    }
+
+    /// One fetch of `id` (see [`Cluster::fetch_named`]).
+    async fn fetch_once(&self, id: &ChunkId, name: Option<Bytes>) -> Option<Bytes> {
         match self.handle.fetch(&to_peer(id), self.fetch_timeout).await {
             Ok(b) => {
                 if self.admit && self.admits(id) {
@@ -364,6 +420,7 @@ impl PreparedCluster {
             store,
             fetch_timeout: self.fetch_timeout,
             admit: self.admit,
+            inflight: Arc::default(),
         })
     }
 }

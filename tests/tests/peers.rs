@@ -1210,6 +1210,35 @@ fn chunks_served_to_a_peer_are_not_counted_as_local_hits() {
     );
 }
 
+/// Concurrent GETs of one chunk that only a peer holds share one fetch
+/// (QA: 8 GETs of one key made 8 fetches, each moving the chunk over the
+/// network), and each gets the bytes.
+#[test]
+fn concurrent_gets_of_one_chunk_share_one_peer_fetch() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let Two { a, b, .. } = two_nodes(dir.path());
+    let r0 = test_record(0);
+    let ns = a.client().hello(&r0).expect("HELLO");
+    let key = node::tier::ChunkKey([0x5e; 32]);
+    let data: Vec<u8> = (0..3u32 << 20).map(|i| (i % 251) as u8).collect();
+    put(&a, ns, key, &data);
+    wait_present(&b, ns, key, Duration::from_secs(15));
+    let go = std::sync::Barrier::new(8);
+    std::thread::scope(|s| {
+        for _ in 0..8 {
+            s.spawn(|| {
+                let mut c = b.client();
+                assert_eq!(c.hello(&r0).expect("HELLO"), ns);
+                go.wait();
+                let got = c.get_bytes(ns, 0, key).expect("GET").expect("a hit");
+                assert!(got == data, "other bytes");
+            });
+        }
+    });
+    assert_eq!(peer_field(&b, "a", "fetches_ok"), Some(1));
+    assert_eq!(peer_field(&b, "a", "fetches_in_flight"), Some(0));
+}
+
 /// The count of peer replies that failed verification is exported in
 /// `/metrics`, STATS and `/status` (the peer layer counted them, but the
 /// daemon exported nothing: review). A corrupt reply itself is the peer
