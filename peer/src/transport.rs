@@ -2378,7 +2378,7 @@ async fn fetch_from(
     while payload.missing() > 0 {
         match recv.read_chunk(payload.missing(), true).await {
             Ok(Some(c)) => {
-                payload.push(c.bytes);
+                payload.push(&c.bytes);
                 slot.progressed();
             }
             Ok(None) => {
@@ -2400,53 +2400,39 @@ const EAGER_PAYLOAD: usize = 1 << 20;
 /// A fetched payload being received, piece by piece, in order.
 ///
 /// A payload whose length is no more than what was announced for the chunk
-/// (or [`EAGER_PAYLOAD`]) takes its buffer at once: the usual case. One
-/// claiming more keeps its pieces as they arrived until half of it is in,
-/// and only then takes a buffer of the whole length and copies them into
-/// it, so memory follows the bytes that came, not the claim. A holder that
-/// claimed 256 MiB per reply for a 1,000-byte chunk and sent nothing made
-/// its requester allocate and zero 16 × 256 MiB per fetch timeout (3 GB
-/// resident with a 256 MiB RAM budget: QA). Not every payload is received
-/// that way: holding the pieces of half of every large payload kept the
-/// heap grown by them (twice the resident memory after a burst of 32 MiB
-/// fetches: QA).
-struct Payload<F: FnOnce(usize) -> Box<dyn FetchBuffer>> {
+/// (or [`EAGER_PAYLOAD`]) takes its buffer of the whole length at once: the
+/// usual case. One claiming more goes into a buffer that grows as bytes
+/// come (doubling; a large one is remapped, not copied), so memory follows
+/// the bytes that came, not the claim. A holder that claimed 256 MiB per
+/// reply for a 1,000-byte chunk and sent nothing made its requester
+/// allocate and zero 16 × 256 MiB per fetch timeout (3 GB resident with a
+/// 256 MiB RAM budget: QA). Not every payload grows so: keeping the pieces
+/// of half of every large payload, a first version, kept the heap grown
+/// by them after honest bursts, and the regrowth's copies are for claims
+/// past what was announced only.
+struct Payload {
     len: usize,
     filled: usize,
-    /// Pieces that came before the buffer was taken.
-    early: Vec<Bytes>,
-    buf: Option<Box<dyn FetchBuffer>>,
-    take: Option<F>,
+    buf: Box<dyn FetchBuffer>,
     /// CRC32C of the pieces so far, each taken as it arrives (still in
     /// cache), not in a second pass over the whole chunk.
     crc: crc_fast::Digest,
 }
 
-impl<F: FnOnce(usize) -> Box<dyn FetchBuffer>> Payload<F> {
-    /// A payload of `len` bytes; `take(len)` makes its buffer, at once when
-    /// `eager`, else once half of it came.
-    fn new(len: usize, eager: bool, take: F) -> Self {
-        let mut p = Self {
+impl Payload {
+    /// A payload of `len` bytes: into `take(len)` when `eager`, else into a
+    /// buffer that grows as bytes come.
+    fn new(len: usize, eager: bool, take: impl FnOnce(usize) -> Box<dyn FetchBuffer>) -> Self {
+        let buf = if eager {
+            take(len)
+        } else {
+            Box::new(BytesMut::with_capacity(len.min(EAGER_PAYLOAD)))
+        };
+        Self {
             len,
             filled: 0,
-            early: Vec::new(),
-            buf: None,
-            take: Some(take),
+            buf,
             crc: crate::proto::frame::crc32c_digest(),
-        };
-        if eager {
-            p.take_buffer();
-        }
-        p
-    }
-
-    fn take_buffer(&mut self) {
-        if let Some(take) = self.take.take() {
-            let mut buf = take(self.len);
-            for piece in self.early.drain(..) {
-                buf.extend_from_slice(&piece);
-            }
-            self.buf = Some(buf);
         }
     }
 
@@ -2456,23 +2442,15 @@ impl<F: FnOnce(usize) -> Box<dyn FetchBuffer>> Payload<F> {
     }
 
     /// Adds the next piece (at most [`Payload::missing`] bytes).
-    fn push(&mut self, piece: Bytes) {
+    fn push(&mut self, piece: &[u8]) {
         debug_assert!(piece.len() <= self.missing());
-        self.crc.update(&piece);
+        self.crc.update(piece);
         self.filled += piece.len();
-        match &mut self.buf {
-            Some(buf) => buf.extend_from_slice(&piece),
-            None => {
-                self.early.push(piece);
-                if self.filled >= self.len / 2 {
-                    self.take_buffer();
-                }
-            }
-        }
+        self.buf.extend_from_slice(piece);
     }
 
     /// The payload, when every byte came and its CRC32C is `crc`.
-    fn finish(mut self, crc: u32) -> Result<Bytes, String> {
+    fn finish(self, crc: u32) -> Result<Bytes, String> {
         if self.filled != self.len {
             return Err(format!(
                 "{} of {} payload bytes came",
@@ -2483,8 +2461,7 @@ impl<F: FnOnce(usize) -> Box<dyn FetchBuffer>> Payload<F> {
         if got != crc {
             return Err(format!("payload crc32c {got:#010x} != {crc:#010x}"));
         }
-        self.take_buffer();
-        Ok(self.buf.take().expect("taken above").freeze())
+        Ok(self.buf.freeze())
     }
 }
 
@@ -2526,11 +2503,11 @@ mod payload_tests {
         crate::proto::frame::crc32c_value(&d)
     }
 
-    /// A payload claimed past its announced length takes no buffer of the
-    /// claimed length before half of it came (QA: 20 such fetches held
-    /// 3 GB), and is byte-exact whatever the piece boundaries.
+    /// A payload claimed past its announced length never takes a buffer of
+    /// the claimed length (QA: 20 such fetches held 3 GB), and is
+    /// byte-exact whatever the piece boundaries.
     #[test]
-    fn a_large_payload_takes_its_buffer_once_half_has_come() {
+    fn a_payload_claimed_past_its_announced_length_grows_as_bytes_come() {
         let len = 64 << 20;
         let data: Vec<u8> = (0..len).map(|i| (i * 7 % 251) as u8).collect();
         let taken = Cell::new(0usize);
@@ -2539,20 +2516,10 @@ mod payload_tests {
             Box::new(BytesMut::with_capacity(n))
         };
         let mut p = Payload::new(len, false, take);
-        assert_eq!(taken.get(), 0, "no buffer before a byte came");
-        let piece = 1_000_003;
-        let mut at = 0;
-        while at + piece < len / 2 {
-            p.push(Bytes::copy_from_slice(&data[at..at + piece]));
-            at += piece;
+        for piece in data.chunks(1_000_003) {
+            p.push(piece);
         }
-        assert_eq!(taken.get(), 0, "no buffer with {at} of {len} bytes in");
-        while at < len {
-            let end = (at + piece).min(len);
-            p.push(Bytes::copy_from_slice(&data[at..end]));
-            at = end;
-            assert_eq!(taken.get(), usize::from(at >= len / 2));
-        }
+        assert_eq!(taken.get(), 0, "a buffer of the claimed length was taken");
         assert_eq!(p.missing(), 0);
         assert_eq!(&p.finish(crc(&data)).expect("whole")[..], &data[..]);
     }
@@ -2573,7 +2540,7 @@ mod payload_tests {
         let mut p = Payload::new(data.len(), false, |n| -> Box<dyn FetchBuffer> {
             Box::new(BytesMut::with_capacity(n))
         });
-        p.push(Bytes::copy_from_slice(&data));
+        p.push(&data);
         let e = p.finish(crc(&data) ^ 1).expect_err("wrong crc");
         assert!(e.contains("crc32c"), "{e}");
         let p = Payload::new(0, true, |n| -> Box<dyn FetchBuffer> {
