@@ -24,18 +24,8 @@ skip() {
   exit 0
 }
 
-need_apt() {
-  local missing=()
-  for pair in "$@"; do
-    command -v "${pair%%:*}" >/dev/null 2>&1 || missing+=("${pair#*:}")
-  done
-  [ ${#missing[@]} -eq 0 ] && return 0
-  export DEBIAN_FRONTEND=noninteractive
-  apt-get install -y -qq "${missing[@]}" >/dev/null 2>&1 || {
-    apt-get update -qq >/dev/null
-    apt-get install -y -qq "${missing[@]}" >/dev/null
-  }
-}
+# shellcheck source=../lib/apt.sh
+. scripts/lib/apt.sh
 
 if ! rustup target list --installed 2>/dev/null | grep -qx "$TARGET"; then
   command -v rustup >/dev/null 2>&1 || skip "no rustup to install the $TARGET standard library"

@@ -5,18 +5,8 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 ROOT=$PWD
 
-need_apt() {
-  local missing=()
-  for pair in "$@"; do
-    command -v "${pair%%:*}" >/dev/null 2>&1 || missing+=("${pair#*:}")
-  done
-  [ ${#missing[@]} -eq 0 ] && return 0
-  export DEBIAN_FRONTEND=noninteractive
-  apt-get install -y -qq "${missing[@]}" >/dev/null 2>&1 || {
-    apt-get update -qq >/dev/null
-    apt-get install -y -qq "${missing[@]}" >/dev/null
-  }
-}
+# shellcheck source=../lib/apt.sh
+. scripts/lib/apt.sh
 need_apt redis-cli:redis-tools redis-benchmark:redis-tools curl:curl
 
 KVTIER=${KVTIER_BIN:-$ROOT/target/debug/kvtier}
