@@ -150,48 +150,11 @@ pub struct ClusterOptions {
 
 /// The running peer cascade of a node.
 pub struct Cluster {
-    handle: PeerHandle,
-    store: Arc<ChunkStore>,
-    fetch_timeout: Duration,
-    admit: bool,
+    /// What a fetch needs, shared with the tasks that run them.
+    fetcher: Arc<Fetcher>,
     /// Fetches in flight by id: concurrent local misses of one chunk share
     /// one fetch ([`Cluster::fetch_named`]).
-    inflight: Arc<Mutex<HashMap<ChunkId, Arc<Flight>>>>,
-}
-
-/// The outcome of one fetch, shared by the GETs that wait for it.
-type Flight = tokio::sync::OnceCell<Option<Bytes>>;
-
-/// A GET's share of a fetch in flight: the last one to leave (done or
-/// cancelled) takes the fetch off the in-flight map.
-struct FlightShare {
-    map: Arc<Mutex<HashMap<ChunkId, Arc<Flight>>>>,
-    id: ChunkId,
-    flight: Arc<Flight>,
-}
-
-impl FlightShare {
-    fn join(map: &Arc<Mutex<HashMap<ChunkId, Arc<Flight>>>>, id: ChunkId) -> Self {
-        let flight = Arc::clone(map.lock().entry(id).or_default());
-        Self {
-            map: Arc::clone(map),
-            id,
-            flight,
-        }
-    }
-}
-
-impl Drop for FlightShare {
-    fn drop(&mut self) {
-        let mut m = self.map.lock();
-        // The map's reference and ours: nobody else waits for it.
-        if m.get(&self.id)
-            .is_some_and(|f| Arc::ptr_eq(f, &self.flight))
-            && Arc::strong_count(&self.flight) <= 2
-        {
-            m.remove(&self.id);
-        }
-    }
+    flights: Arc<Mutex<Flights>>,
 }
 
 /// A cluster whose certificates are loaded and whose peer port is bound,
@@ -203,6 +166,55 @@ pub struct PreparedCluster {
     socket: std::net::UdpSocket,
     fetch_timeout: Duration,
     admit: bool,
+}
+
+/// The parts of a [`Cluster`] one fetch uses.
+struct Fetcher {
+    handle: PeerHandle,
+    store: Arc<ChunkStore>,
+    fetch_timeout: Duration,
+    admit: bool,
+}
+
+/// Fetches in flight, and a counter that tells one flight of an id from
+/// the next.
+#[derive(Default)]
+struct Flights {
+    by_id: HashMap<ChunkId, Flight>,
+    next: u64,
+}
+
+/// One fetch in flight: a task of its own, so that it goes on for the GETs
+/// waiting for it when the one that started it goes away.
+struct Flight {
+    serial: u64,
+    /// The GETs waiting for it (changed only under the map's lock).
+    waiters: usize,
+    done: tokio::sync::watch::Receiver<Option<Option<Bytes>>>,
+    task: tokio::task::AbortHandle,
+}
+
+/// A GET's wait for a flight: the last waiter to go away before the fetch
+/// is done ends it (no fetch runs to its timeout for nobody).
+struct Waiting {
+    flights: Arc<Mutex<Flights>>,
+    id: ChunkId,
+    serial: u64,
+}
+
+impl Drop for Waiting {
+    fn drop(&mut self) {
+        let mut f = self.flights.lock();
+        if let Some(flight) = f.by_id.get_mut(&self.id)
+            && flight.serial == self.serial
+        {
+            flight.waiters -= 1;
+            if flight.waiters == 0 {
+                flight.task.abort();
+                f.by_id.remove(&self.id);
+            }
+        }
+    }
 }
 
 impl Cluster {
@@ -294,18 +306,18 @@ impl Cluster {
 
     /// The peer layer's handle.
     pub fn handle(&self) -> &PeerHandle {
-        &self.handle
+        &self.fetcher.handle
     }
 
     /// Whether any up or suspect peer holds `id` (RAM only, no RPC).
     pub fn holds(&self, id: &ChunkId) -> bool {
-        !self.handle.holders(&to_peer(id)).is_empty()
+        !self.fetcher.handle.holders(&to_peer(id)).is_empty()
     }
 
     /// For each id, whether any up or suspect peer holds it (one lock).
     pub fn available(&self, ids: &[ChunkId]) -> Vec<bool> {
         let p: Vec<PeerChunkId> = ids.iter().map(to_peer).collect();
-        self.handle.available(&p)
+        self.fetcher.handle.available(&p)
     }
 
     /// How many of `keys` (in order, namespace `ns`, `group`) are in RAM on
@@ -316,7 +328,7 @@ impl Cluster {
             .iter()
             .map(|k| to_peer(&ChunkId::new(ns, *k, group)))
             .collect();
-        self.handle.ram_prefix(PeerNamespace(ns.0), &p)
+        self.fetcher.handle.ram_prefix(PeerNamespace(ns.0), &p)
     }
 
     /// Fetches `id` from a holder within the fetch timeout (verified by the
@@ -342,16 +354,75 @@ impl Cluster {
     /// away (a client that hung up) leaves the fetch to the others; the
     /// last one to go ends it.
     pub async fn fetch_named(&self, id: &ChunkId, name: Option<Bytes>) -> Option<Bytes> {
-        let share = FlightShare::join(&self.inflight, *id);
-        share
-            .flight
-            .get_or_init(|| self.fetch_once(id, name))
-            .await
-            .clone()
+        let (mut done, _waiting) = {
+            let mut f = self.flights.lock();
+            let Flights { by_id, next } = &mut *f;
+            let flight = match by_id.entry(*id) {
+                std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+                std::collections::hash_map::Entry::Vacant(e) => {
+                    *next += 1;
+                    let serial = *next;
+                    let (tx, done) = tokio::sync::watch::channel(None);
+                    let fetcher = Arc::clone(&self.fetcher);
+                    let flights = Arc::clone(&self.flights);
+                    let id = *id;
+                    let task = tokio::spawn(async move {
+                        let got = fetcher.fetch_once(&id, name).await;
+                        // Off the map first: a miss that comes after this
+                        // starts a fetch of its own, never reuses this one.
+                        {
+                            let mut f = flights.lock();
+                            if f.by_id.get(&id).is_some_and(|x| x.serial == serial) {
+                                f.by_id.remove(&id);
+                            }
+                        }
+                        let _ = tx.send(Some(got));
+                    });
+                    e.insert(Flight {
+                        serial,
+                        waiters: 0,
+                        done,
+                        task: task.abort_handle(),
+                    })
+                }
+            };
+            flight.waiters += 1;
+            let waiting = Waiting {
+                flights: Arc::clone(&self.flights),
+                id: *id,
+                serial: flight.serial,
+            };
+            (flight.done.clone(), waiting)
+        };
+        // A closed channel: the task ended without an answer (aborted
+        // because every waiter left, which this one has not, or panicked).
+        let got = done.wait_for(Option::is_some).await.ok()?;
+        got.clone().flatten()
     }
 
+    /// Status of every peer.
+    pub fn peers(&self) -> Vec<PeerStatus> {
+        self.fetcher.handle.peers()
+    }
+
+    /// Closes every peer connection (bounded by `grace`).
+    pub async fn shutdown(&self, grace: Duration) {
+        self.fetcher.handle.shutdown(grace).await;
+    }
+}
+
+impl Fetcher {
     /// One fetch of `id` (see [`Cluster::fetch_named`]).
     async fn fetch_once(&self, id: &ChunkId, name: Option<Bytes>) -> Option<Bytes> {
+        // A GET that missed locally just before another one's fetch of the
+        // chunk was admitted: served from RAM (counted as the peer hit it
+        // nearly was), not fetched again.
+        if self.admit
+            && self.admits(id)
+            && let Some(b) = self.store.peek_ram(id, name.as_deref())
+        {
+            return Some(b);
+        }
         match self.handle.fetch(&to_peer(id), self.fetch_timeout).await {
             Ok(b) => {
                 if self.admit && self.admits(id) {
@@ -391,16 +462,6 @@ impl Cluster {
             .namespace_record(&id.ns)
             .is_some_and(|r| r.engine != crate::resp::keys::RESP_ENGINE)
     }
-
-    /// Status of every peer.
-    pub fn peers(&self) -> Vec<PeerStatus> {
-        self.handle.peers()
-    }
-
-    /// Closes every peer connection (bounded by `grace`).
-    pub async fn shutdown(&self, grace: Duration) {
-        self.handle.shutdown(grace).await;
-    }
 }
 
 impl PreparedCluster {
@@ -416,11 +477,13 @@ impl PreparedCluster {
             handle: handle.clone(),
         }));
         Ok(Cluster {
-            handle,
-            store,
-            fetch_timeout: self.fetch_timeout,
-            admit: self.admit,
-            inflight: Arc::default(),
+            fetcher: Arc::new(Fetcher {
+                handle,
+                store,
+                fetch_timeout: self.fetch_timeout,
+                admit: self.admit,
+            }),
+            flights: Arc::default(),
         })
     }
 }
@@ -467,7 +530,7 @@ impl Cluster {
                 |p| p.fetches_failed,
             ),
         ];
-        let unlisted = self.handle.served_unlisted(false);
+        let unlisted = self.fetcher.handle.served_unlisted(false);
         for (name, help, f) in counters {
             let mut me = enc.encode_descriptor(name, help, None, MetricType::Counter)?;
             for (n, p) in names.iter().zip(&peers) {
@@ -507,7 +570,7 @@ impl Cluster {
                 |p| i64::from(p.fetches_in_flight),
             ),
         ];
-        ConstCounter::new(self.handle.corrupt_replies()).encode(enc.encode_descriptor(
+        ConstCounter::new(self.fetcher.handle.corrupt_replies()).encode(enc.encode_descriptor(
             "peer_corrupt_replies",
             "Replies from peers that failed verification (id, length or CRC32C; each a miss)",
             None,

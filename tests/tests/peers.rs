@@ -1239,6 +1239,61 @@ fn concurrent_gets_of_one_chunk_share_one_peer_fetch() {
     assert_eq!(peer_field(&b, "a", "fetches_in_flight"), Some(0));
 }
 
+/// A shared fetch goes on for the GETs still waiting when the GET that
+/// started it is abandoned (review: it ran inside that GET, so the next
+/// waiter started the fetch again, with a fresh timeout).
+#[test]
+fn a_shared_fetch_outlives_the_get_that_started_it() {
+    use node::native::codec::{RegionEntry, Request};
+    let dir = tempfile::tempdir().expect("temp dir");
+    let two = two_nodes(dir.path());
+    let (ns, keys) = a_holds(&two, 13, 1);
+    let Two { a, b, .. } = two;
+    let key = keys[0].0;
+    let mut first = b.client();
+    first.create_region(1 << 20).expect("region");
+    // a frozen: the fetch waits for its timeout (1 s).
+    kvtier_tests::freeze(a.pid());
+    let t0 = Instant::now();
+    first
+        .send(&Request::Get {
+            ns,
+            group: 0,
+            entries: vec![RegionEntry {
+                key,
+                offset: 0,
+                len: 1 << 20,
+            }],
+        })
+        .expect("send GET");
+    poll("b fetching from a", Duration::from_millis(800), || {
+        (peer_field(&b, "a", "fetches_in_flight")? > 0).then_some(())
+    });
+    let waited = std::thread::scope(|s| {
+        let second = s.spawn(|| {
+            let mut c = b.client();
+            c.hello(&test_record(0)).expect("HELLO");
+            let t = Instant::now();
+            assert_eq!(c.get_bytes(ns, 0, key).expect("GET"), None, "a is frozen");
+            t.elapsed()
+        });
+        // The second GET joins; then the first one's client hangs up.
+        std::thread::sleep(Duration::from_millis(600));
+        drop(first);
+        second.join().expect("second GET")
+    });
+    let total = t0.elapsed();
+    kvtier_tests::signal(a.pid(), libc::SIGCONT);
+    // One fetch, timed out once at about 1 s after the first GET; started
+    // again, it would have ended about 1 s after the hang-up (1.6 s or
+    // more).
+    assert!(
+        total < Duration::from_millis(1400),
+        "the second GET waited {waited:?}, {total:?} after the first began"
+    );
+    assert_eq!(peer_field(&b, "a", "fetches_failed"), Some(1));
+}
+
 /// The count of peer replies that failed verification is exported in
 /// `/metrics`, STATS and `/status` (the peer layer counted them, but the
 /// daemon exported nothing: review). A corrupt reply itself is the peer
