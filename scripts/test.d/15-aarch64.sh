@@ -27,9 +27,12 @@ skip() {
 # shellcheck source=../lib/apt.sh
 . scripts/lib/apt.sh
 
+# The lint's metadata takes about 0.5 GB beside the host build.
+free_kib=$(df -Pk . | awk 'NR == 2 { print $4 }')
+[ "${free_kib:-0}" -ge $((2 << 20)) ] || skip "under 2 GiB free for the $TARGET build"
 if ! rustup target list --installed 2>/dev/null | grep -qx "$TARGET"; then
   command -v rustup >/dev/null 2>&1 || skip "no rustup to install the $TARGET standard library"
-  timeout 600 rustup target add "$TARGET" || skip "rustup could not install $TARGET"
+  timeout 300 rustup target add "$TARGET" || skip "rustup could not install $TARGET"
 fi
 need_apt aarch64-linux-gnu-gcc:gcc-aarch64-linux-gnu ||
   skip "could not install gcc-aarch64-linux-gnu"
@@ -39,7 +42,10 @@ echo "cargo clippy --target $TARGET"
 cargo clippy --locked --workspace --all-targets --all-features --target "$TARGET" -- -D warnings
 
 if [ "${KVTEST_AARCH64_QEMU:-0}" = 1 ]; then
-  need_apt qemu-aarch64-static:qemu-user-static
+  need_apt qemu-aarch64-static:qemu-user-static || {
+    echo "15-aarch64: FAIL: could not install qemu-user-static" >&2
+    exit 1
+  }
   export CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUNNER="qemu-aarch64-static -L /usr/aarch64-linux-gnu"
   echo "tests under qemu-aarch64"
   cargo test --locked --target "$TARGET" -p kvtier-tier -p kvtier-peer -p kvtier-node -p kvtier-cli \
