@@ -1579,3 +1579,121 @@ async fn a_peer_replaced_by_a_copy_of_another_is_a_down_row() {
         n.handle.shutdown(Duration::from_secs(2)).await;
     }
 }
+
+/// Runs a holder that speaks KVTP by hand as `tls`: it announces `chunks`
+/// (id, announced length) and answers a fetch of an id with `reply(id)`:
+/// the length it claims and the bytes it then sends (the stream then
+/// stays open). Returns its address; it runs until the test ends.
+fn hand_holder(
+    tls: &TlsSetup,
+    chunks: Vec<(PeerChunkId, u64)>,
+    reply: fn(&PeerChunkId) -> (u64, Vec<u8>),
+) -> SocketAddr {
+    use peer::proto::{FetchStatus, Message};
+    use quinn::crypto::rustls::QuicServerConfig;
+    let sc = quinn::ServerConfig::with_crypto(Arc::new(
+        QuicServerConfig::try_from(tls.server.clone()).expect("server"),
+    ));
+    let ep = quinn::Endpoint::server(sc, "127.0.0.1:0".parse().expect("addr")).expect("bind");
+    let addr = ep.local_addr().expect("addr");
+    let send = |m: Message| peer::proto::frame::encode(&m);
+    tokio::spawn(async move {
+        while let Some(inc) = ep.accept().await {
+            let chunks = chunks.clone();
+            tokio::spawn(async move {
+                let Ok(conn) = inc.await else { return };
+                while let Ok((mut s, mut r)) = conn.accept_bi().await {
+                    let chunks = chunks.clone();
+                    tokio::spawn(async move {
+                        match raw_frame(&mut r).await {
+                            Some(Message::Hello { .. }) => {
+                                let entries: Vec<_> =
+                                    chunks.iter().map(|(id, len)| (*id, *len, true)).collect();
+                                for m in [
+                                    Message::Hello {
+                                        node_name: "node-evil".into(),
+                                        cluster: "prod".into(),
+                                        epoch: 7,
+                                    },
+                                    Message::Namespaces { records: vec![] },
+                                    Message::SnapshotBegin {
+                                        epoch: 7,
+                                        seq: 0,
+                                        total: entries.len() as u64,
+                                    },
+                                    Message::SnapshotPart { entries },
+                                    Message::SnapshotEnd { seq: 0 },
+                                ] {
+                                    let _ = s.write_all(&send(m)).await;
+                                }
+                                while let Some(m) = raw_frame(&mut r).await {
+                                    if let Message::Ping { nonce } = m {
+                                        let _ = s.write_all(&send(Message::Pong { nonce })).await;
+                                    }
+                                }
+                            }
+                            Some(Message::FetchRequest { id }) => {
+                                let (len, bytes) = reply(&id);
+                                let crc =
+                                    crc_fast::checksum(crc_fast::CrcAlgorithm::Crc32Iscsi, &bytes)
+                                        as u32;
+                                let m = Message::FetchReply {
+                                    status: FetchStatus::Ok,
+                                    id,
+                                    len,
+                                    crc,
+                                };
+                                let _ = s.write_all(&send(m)).await;
+                                let _ = s.write_all(&bytes).await;
+                                tokio::time::sleep(Duration::from_secs(30)).await;
+                            }
+                            _ => {}
+                        }
+                    });
+                }
+            });
+        }
+    });
+    addr
+}
+
+/// A fetch reply claiming more than was announced for the chunk takes no
+/// buffer of the claimed length from the node (a holder that claimed
+/// 256 MiB per reply and sent nothing made 20 GETs hold 3 GB: QA); a reply
+/// of the announced length takes one at once, as before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reply_claiming_more_than_was_announced_takes_no_lent_buffer() {
+    let c = Cluster::new("prod");
+    let evil = hand_holder(
+        &c.node("node-evil"),
+        vec![(id(1), 2 << 20), (id(2), 2 << 20)],
+        |id| {
+            if id.key[0] == 1 {
+                (2 << 20, vec![1u8; 2 << 20])
+            } else {
+                (64 << 20, vec![2u8; 1 << 10])
+            }
+        },
+    );
+    let b = start(c.node("node-b"), fast_cfg(vec![evil.to_string()]));
+    b.source.lend.store(true, Ordering::Relaxed);
+    poll("the holder's snapshot", Duration::from_secs(10), || {
+        (!b.handle.holders(&id(2)).is_empty()).then_some(())
+    })
+    .await;
+    let got = b
+        .handle
+        .fetch(&id(1), Duration::from_secs(5))
+        .await
+        .expect("the announced chunk");
+    assert_eq!(got.len(), 2 << 20);
+    assert_eq!(b.source.lent.load(Ordering::Relaxed), 1, "taken at once");
+    let r = b.handle.fetch(&id(2), Duration::from_millis(500)).await;
+    assert!(matches!(r, Err(FetchError::Timeout { .. })), "{r:?}");
+    assert_eq!(
+        b.source.lent.load(Ordering::Relaxed),
+        1,
+        "a buffer of the claimed 64 MiB was taken"
+    );
+    b.handle.shutdown(Duration::from_secs(2)).await;
+}
