@@ -414,18 +414,16 @@ impl Cluster {
 impl Fetcher {
     /// One fetch of `id` (see [`Cluster::fetch_named`]).
     async fn fetch_once(&self, id: &ChunkId, name: Option<Bytes>) -> Option<Bytes> {
+        let admit = self.admit && self.admits(id);
         // A GET that missed locally just before another one's fetch of the
         // chunk was admitted: served from RAM (counted as the peer hit it
         // nearly was), not fetched again.
-        if self.admit
-            && self.admits(id)
-            && let Some(b) = self.store.peek_ram(id, name.as_deref())
-        {
+        if admit && let Some(b) = self.store.peek_ram(id, name.as_deref()) {
             return Some(b);
         }
         match self.handle.fetch(&to_peer(id), self.fetch_timeout).await {
             Ok(b) => {
-                if self.admit && self.admits(id) {
+                if admit {
                     // A clean RAM insert: the holder keeps the durable copy,
                     // so this one is never written to the local disk and is
                     // dropped on eviction. An unregistered namespace (no

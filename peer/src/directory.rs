@@ -72,15 +72,13 @@ fn fmix(mut k: u64) -> u64 {
     k ^ (k >> 33)
 }
 
-/// Fingerprints `id` under `seed` (one directory's random key; see the
-/// module docs for why it is keyed).
-fn fingerprint(seed: [u64; 2], id: &PeerChunkId) -> Fingerprint {
-    let w = |b: &[u8]| {
-        let mut a = [0u8; 8];
-        a.copy_from_slice(b);
-        u64::from_le_bytes(a)
-    };
-    let words = [
+/// The fingerprint's two lanes before the seed and the id's words.
+const FP_INIT: [u64; 2] = [0x9e37_79b9_7f4a_7c15, 0x6a09_e667_f3bc_c909];
+
+/// `id` as the words [`fingerprint`] mixes in: namespace, key, group.
+fn fp_words(id: &PeerChunkId) -> [u64; 7] {
+    let w = |b: &[u8]| u64::from_le_bytes(b.try_into().expect("8 bytes"));
+    [
         w(&id.ns.0[..8]),
         w(&id.ns.0[8..]),
         w(&id.key[..8]),
@@ -88,9 +86,15 @@ fn fingerprint(seed: [u64; 2], id: &PeerChunkId) -> Fingerprint {
         w(&id.key[16..24]),
         w(&id.key[24..]),
         u64::from(id.group),
-    ];
-    let mut a = 0x9e37_79b9_7f4a_7c15u64 ^ seed[0];
-    let mut b = 0x6a09_e667_f3bc_c909u64 ^ seed[1];
+    ]
+}
+
+/// Fingerprints `id` under `seed` (one directory's random key; see the
+/// module docs for why it is keyed).
+fn fingerprint(seed: [u64; 2], id: &PeerChunkId) -> Fingerprint {
+    let words = fp_words(id);
+    let mut a = FP_INIT[0] ^ seed[0];
+    let mut b = FP_INIT[1] ^ seed[1];
     for (i, x) in words.iter().enumerate() {
         a = fmix(a ^ x);
         b = fmix(b ^ x.rotate_left(17 + i as u32));
@@ -502,16 +506,9 @@ mod tests {
         (0..n)
             .map(|i| {
                 let mut x = id(i, 7);
-                let w = |b: &[u8]| u64::from_le_bytes(b.try_into().expect("8 bytes"));
-                let words = [
-                    w(&x.ns.0[..8]),
-                    w(&x.ns.0[8..]),
-                    w(&x.key[..8]),
-                    w(&x.key[8..16]),
-                    w(&x.key[16..24]),
-                ];
-                let mut a = 0x9e37_79b9_7f4a_7c15u64;
-                for v in words {
+                // The first lane (the table's hash) over the first five words.
+                let mut a = FP_INIT[0];
+                for v in &fp_words(&x)[..5] {
                     a = fmix(a ^ v);
                 }
                 // a7 = fmix(a6 ^ group), group 0; a6 = fmix(a5 ^ key[24..]).

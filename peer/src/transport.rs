@@ -2406,10 +2406,8 @@ const EAGER_PAYLOAD: usize = 1 << 20;
 /// the bytes that came, not the claim. A holder that claimed 256 MiB per
 /// reply for a 1,000-byte chunk and sent nothing made its requester
 /// allocate and zero 16 × 256 MiB per fetch timeout (3 GB resident with a
-/// 256 MiB RAM budget: QA). Not every payload grows so: keeping the pieces
-/// of half of every large payload, a first version, kept the heap grown
-/// by them after honest bursts, and the regrowth's copies are for claims
-/// past what was announced only.
+/// 256 MiB RAM budget: QA). Only such claims grow: the regrowth copies,
+/// and an honest payload needs one buffer of its announced length.
 struct Payload {
     len: usize,
     filled: usize,
@@ -2503,6 +2501,11 @@ mod payload_tests {
         crate::proto::frame::crc32c_value(&d)
     }
 
+    /// A new buffer of `n` bytes, as when the node lends none.
+    fn fresh(n: usize) -> Box<dyn FetchBuffer> {
+        Box::new(BytesMut::with_capacity(n))
+    }
+
     /// A payload claimed past its announced length never takes a buffer of
     /// the claimed length (QA: 20 such fetches held 3 GB), and is
     /// byte-exact whatever the piece boundaries.
@@ -2511,9 +2514,9 @@ mod payload_tests {
         let len = 64 << 20;
         let data: Vec<u8> = (0..len).map(|i| (i * 7 % 251) as u8).collect();
         let taken = Cell::new(0usize);
-        let take = |n: usize| -> Box<dyn FetchBuffer> {
+        let take = |n: usize| {
             taken.set(taken.get() + 1);
-            Box::new(BytesMut::with_capacity(n))
+            fresh(n)
         };
         let mut p = Payload::new(len, false, take);
         for piece in data.chunks(1_000_003) {
@@ -2529,23 +2532,19 @@ mod payload_tests {
     #[test]
     fn announced_payloads_take_their_buffer_at_once_and_bad_ones_are_refused() {
         let taken = Cell::new(0usize);
-        let take = |n: usize| -> Box<dyn FetchBuffer> {
+        let take = |n: usize| {
             taken.set(taken.get() + 1);
-            Box::new(BytesMut::with_capacity(n))
+            fresh(n)
         };
         let p = Payload::new(64 << 20, true, take);
         assert_eq!(taken.get(), 1);
         assert!(p.finish(0).expect_err("nothing came").contains("0 of"));
         let data = vec![5u8; 3 << 20];
-        let mut p = Payload::new(data.len(), false, |n| -> Box<dyn FetchBuffer> {
-            Box::new(BytesMut::with_capacity(n))
-        });
+        let mut p = Payload::new(data.len(), false, fresh);
         p.push(&data);
         let e = p.finish(crc(&data) ^ 1).expect_err("wrong crc");
         assert!(e.contains("crc32c"), "{e}");
-        let p = Payload::new(0, true, |n| -> Box<dyn FetchBuffer> {
-            Box::new(BytesMut::with_capacity(n))
-        });
+        let p = Payload::new(0, true, fresh);
         assert_eq!(p.missing(), 0);
         assert!(p.finish(crc(&[])).expect("empty").is_empty());
     }

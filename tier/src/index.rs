@@ -142,11 +142,19 @@ fn key_round(h: u64, word: u64, mul: u64) -> u64 {
 pub(crate) fn colliding_key(seed: u64, key: &ChunkKey) -> ChunkKey {
     let mut k = key.0;
     k[16..24].copy_from_slice(&(!key_word(key, 2)).to_le_bytes());
-    let theirs = key_state(seed, &ChunkKey(k));
-    let last = key_mix(key_state(seed, key)) ^ key_word(key, 3) ^ key_mix(theirs);
+    key_with_hash_of(seed, &ChunkKey(k), key)
+}
+
+/// `prefix`'s first three words, and the fourth that gives it `target`'s
+/// [`key_hash`] under `seed` (the last round is a bijection of its word).
+#[cfg(test)]
+fn key_with_hash_of(seed: u64, prefix: &ChunkKey, target: &ChunkKey) -> ChunkKey {
+    let mut k = prefix.0;
+    let last =
+        key_mix(key_state(seed, target)) ^ key_word(target, 3) ^ key_mix(key_state(seed, prefix));
     k[24..32].copy_from_slice(&last.to_le_bytes());
     let other = ChunkKey(k);
-    debug_assert_eq!(key_hash(seed, &other), key_hash(seed, key));
+    debug_assert_eq!(key_hash(seed, &other), key_hash(seed, target));
     other
 }
 
@@ -397,12 +405,7 @@ mod tests {
             .map(|i| {
                 let mut k = base.0;
                 k[..8].copy_from_slice(&i.to_le_bytes());
-                // A key with `k`'s first three words and `base`'s hash.
-                let last = key_mix(key_state(unkeyed, &ChunkKey(k)))
-                    ^ key_mix(key_state(unkeyed, &base))
-                    ^ key_word(&base, 3);
-                k[24..].copy_from_slice(&last.to_le_bytes());
-                let k = ChunkKey(k);
+                let k = key_with_hash_of(unkeyed, &ChunkKey(k), &base);
                 assert_eq!(key_hash(unkeyed, &k), key_hash(unkeyed, &base));
                 k
             })
