@@ -70,8 +70,8 @@ pub(crate) fn seed(ns: &Namespace, group: GroupId) -> u64 {
 #[inline]
 fn seed_under(key: u64, ns: &Namespace, group: GroupId) -> u64 {
     let w = |o: usize| u64::from_le_bytes(ns.0[o..o + 8].try_into().expect("8 bytes"));
-    let s = (w(0) ^ u64::from(group) ^ key).wrapping_mul(0xa076_1d64_78bd_642f) ^ w(8);
-    s.wrapping_mul(0xe703_7ed1_a0b4_28db)
+    let s = fold_mul(w(0) ^ u64::from(group) ^ key, 0xa076_1d64_78bd_642f);
+    fold_mul(s ^ w(8), 0xe703_7ed1_a0b4_28db)
 }
 
 /// A random 64-bit key, fixed for the life of the process.
@@ -86,29 +86,43 @@ fn process_key() -> u64 {
 }
 
 /// A key's hash under `seed`: all four words of the key, each mixed in by a
-/// multiply round (xor-shift, xor the word, multiply by an odd constant: a
-/// bijection of the word for a given state). Every byte counts: keys are
-/// uniform hashes when vLLM makes them, but a client may use structured ones
-/// (a fixed prefix and a counter in the last bytes), and a hash of only the
-/// first 16 bytes gave all of those one hash, so a fingerprint-only presence
-/// test called every such key present and the index probed one long run.
-/// Rounds rather than one multiply of folded words: a fold such as
-/// `a ^ rotl(b)` maps whole families of structured keys (a repeated byte `x`
-/// and its complement) to one hash. The low bits pick the home slot, the
-/// high 32 bits make the fingerprint (see [`crate::fptable`]). Shared with
-/// the RAM tier.
+/// multiply round. Every byte counts: keys are uniform hashes when vLLM makes
+/// them, but a client may use structured ones (a fixed prefix and a counter
+/// in the last bytes), and a hash of only the first 16 bytes gave all of
+/// those one hash, so a fingerprint-only presence test called every such key
+/// present and the index probed one long run. Rounds rather than one
+/// multiply of folded words: a fold such as `a ^ rotl(b)` maps whole
+/// families of structured keys (a repeated byte `x` and its complement) to
+/// one hash.
+///
+/// The first three rounds fold the 128-bit product ([`fold_mul`]): a plain
+/// 64-bit multiply carries a difference in its input's top bit to the top bit
+/// alone, whatever the seed, so the next word could cancel it and families
+/// of 8 keys shared one hash under every key. Folded, a difference spreads
+/// through carries that depend on the keyed state. The last round is a plain
+/// multiply, a bijection of the last word for a given state (tests mint
+/// colliding keys with it; a client cannot, not knowing the state). The low
+/// bits pick the home slot, the high 32 bits make the fingerprint (see
+/// [`crate::fptable`]). Shared with the RAM tier.
 #[inline]
 pub(crate) fn key_hash(seed: u64, key: &ChunkKey) -> u64 {
-    let h = key_round(key_state(seed, key), key_word(key, 3), KEY_MUL[3]);
+    let h = (key_mix(key_state(seed, key)) ^ key_word(key, 3)).wrapping_mul(KEY_MUL[3]);
     h ^ (h >> 32)
 }
 
 /// [`key_hash`]'s state after the first three words of `key`.
 #[inline(always)]
 fn key_state(seed: u64, key: &ChunkKey) -> u64 {
-    let h = (key_word(key, 0) ^ seed).wrapping_mul(KEY_MUL[0]);
-    let h = key_round(h, key_word(key, 1), KEY_MUL[1]);
-    key_round(h, key_word(key, 2), KEY_MUL[2])
+    let h = fold_mul(key_word(key, 0) ^ seed, KEY_MUL[0]);
+    let h = fold_mul(h ^ key_word(key, 1), KEY_MUL[1]);
+    fold_mul(h ^ key_word(key, 2), KEY_MUL[2])
+}
+
+/// The 128-bit product of `x` and `m`, its halves XORed.
+#[inline(always)]
+fn fold_mul(x: u64, m: u64) -> u64 {
+    let p = u128::from(x) * u128::from(m);
+    (p as u64) ^ (p >> 64) as u64
 }
 
 /// The odd multipliers of [`key_hash`]'s rounds.
@@ -127,11 +141,6 @@ fn key_word(key: &ChunkKey, i: usize) -> u64 {
 #[inline(always)]
 fn key_mix(h: u64) -> u64 {
     h ^ (h >> 29)
-}
-
-#[inline(always)]
-fn key_round(h: u64, word: u64, mul: u64) -> u64 {
-    (key_mix(h) ^ word).wrapping_mul(mul)
 }
 
 /// A key other than `key` with the same [`key_hash`] under `seed` (same
@@ -414,6 +423,43 @@ mod tests {
             keys.iter().map(|k| hash_parts(&ns, k, 0)).collect();
         assert!(hashes.len() > 1000, "{} distinct hashes", hashes.len());
         assert_ne!(process_key(), 0);
+    }
+
+    /// Keys that differ in the top bit of one word and the bits the next
+    /// round's xor-shift moves it to in the next word: a multiply carries a
+    /// top-bit difference to the top bit alone whatever the seed, so with a
+    /// plain multiply per round every such family of 8 keys shared one hash
+    /// under every key (and a fingerprint-only LOOKUP called all 8 present
+    /// when one was).
+    #[test]
+    fn top_bit_differences_do_not_cancel_in_the_next_word() {
+        let ns = Namespace([4; 16]);
+        let top = 1u64 << 63;
+        let next = top | (top >> 29);
+        for seed_key in [0, 1, process_key()] {
+            let seed = seed_under(seed_key, &ns, 0);
+            for base in [[0u8; 32], [0x5a; 32], [0xff; 32]] {
+                let mut seen = std::collections::HashSet::new();
+                for flips in 0..8u32 {
+                    let mut words = [0u64; 4];
+                    for (w, b) in words.iter_mut().zip(base.chunks(8)) {
+                        *w = u64::from_le_bytes(b.try_into().unwrap());
+                    }
+                    for w in 0..3 {
+                        if flips >> w & 1 == 1 {
+                            words[w] ^= top;
+                            words[w + 1] ^= next;
+                        }
+                    }
+                    let mut k = [0u8; 32];
+                    for (b, w) in k.chunks_mut(8).zip(words) {
+                        b.copy_from_slice(&w.to_le_bytes());
+                    }
+                    let h = key_hash(seed, &ChunkKey(k));
+                    assert!(seen.insert(h), "seed key {seed_key:#x} flips {flips:03b}");
+                }
+            }
+        }
     }
 
     #[test]
