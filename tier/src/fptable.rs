@@ -37,7 +37,9 @@ pub(crate) fn fingerprint(h: u64) -> u32 {
     ((h >> 32) as u32) | 1
 }
 
-/// A cache prefetch hint for `p` (no-op off x86_64).
+/// A cache prefetch hint for `p` (x86_64 and aarch64, the CPU of DGX Spark;
+/// a no-op elsewhere). The batched probes depend on it: without it each of
+/// a batch's misses waits for memory in turn.
 #[inline(always)]
 pub(crate) fn prefetch<T>(p: *const T) {
     #[cfg(target_arch = "x86_64")]
@@ -45,7 +47,18 @@ pub(crate) fn prefetch<T>(p: *const T) {
     unsafe {
         core::arch::x86_64::_mm_prefetch(p as *const i8, core::arch::x86_64::_MM_HINT_T0);
     }
-    #[cfg(not(target_arch = "x86_64"))]
+    #[cfg(target_arch = "aarch64")]
+    // SAFETY: `prfm` is a hint: it reads no memory architecturally and
+    // never faults, even on invalid addresses; it touches no stack, flags or
+    // other registers. (`core::arch::aarch64::_prefetch` is not stable.)
+    unsafe {
+        core::arch::asm!(
+            "prfm pldl1keep, [{p}]",
+            p = in(reg) p,
+            options(nostack, readonly, preserves_flags)
+        );
+    }
+    #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
     let _ = p;
 }
 
