@@ -18,6 +18,10 @@
 //!   `pread`, `pread` then CRC32C (the store before split reads), and the
 //!   split read with the CRC of each piece as it lands (the store now).
 //!
+//! Each raw baseline is also run from (into) 64 buffers in turn instead of
+//! one, colder than the CPU caches (see `raw_bufs`): how much of a gap is
+//! the baseline's buffer staying in cache.
+//!
 //! Data lives under the target dir (not /tmp, which may be tmpfs); at most
 //! ~1.5 GiB on disk. Run: `cargo bench -p kvtier-tier --bench disk`
 //! (`KVTIER_BENCH_REGION_MIB=N` for regions of N MiB instead of the default,
@@ -50,7 +54,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 /// "unwritten" until first written, and each first write converts them);
 /// else over the bytes of the existing file, as a store that has filled its
 /// budget once writes (reclaimed regions).
-fn raw_write(path: &Path, block: usize, total: u64, fresh: bool) -> f64 {
+fn raw_write(path: &Path, bufs: &[AlignedBuf], block: usize, total: u64, fresh: bool) -> f64 {
     if fresh {
         let _ = std::fs::remove_file(path);
     }
@@ -67,12 +71,13 @@ fn raw_write(path: &Path, block: usize, total: u64, fresh: bool) -> f64 {
         let rc = unsafe { libc::fallocate(f.as_raw_fd(), 0, 0, (total + 64 * MIB) as i64) };
         assert_eq!(rc, 0, "fallocate: {}", std::io::Error::last_os_error());
     }
-    let mut buf = AlignedBuf::zeroed(block);
-    buf.iter_mut().enumerate().for_each(|(i, b)| *b = i as u8);
     let t = Instant::now();
     let mut off = 0;
-    while off < total {
-        f.write_all_at(&buf, off).expect("write");
+    for buf in bufs.iter().cycle() {
+        if off >= total {
+            break;
+        }
+        f.write_all_at(&buf[..block], off).expect("write");
         off += block as u64;
     }
     f.sync_data().expect("sync");
@@ -115,7 +120,14 @@ fn store_write(s: &ChunkStore, ids: &[ChunkId], payloads: &[Bytes]) -> StoreWrit
 }
 
 /// Prints one write comparison (medians over the reps).
-fn report_write(what: &str, chunk: usize, raw: Vec<f64>, store: &[StoreWrite], direct: bool) {
+fn report_write(
+    what: &str,
+    chunk: usize,
+    raw: Vec<f64>,
+    cold: Vec<f64>,
+    store: &[StoreWrite],
+    direct: bool,
+) {
     let pick = |f: fn(&StoreWrite) -> f64| median(store.iter().map(f).collect());
     let (wr, ws) = (median(raw), pick(|w| w.gbps));
     println!(
@@ -134,12 +146,17 @@ fn report_write(what: &str, chunk: usize, raw: Vec<f64>, store: &[StoreWrite], d
         pick(|w| w.syncs),
         (1.0 - tw - ts) * 100.0,
     );
+    let wc = median(cold);
+    println!(
+        "  raw from {COLD_BUFS} buffers in turn (colder than the CPU caches): {wc:.2} GB/s; store = {:.2}x of it",
+        ws / wc
+    );
 }
 
 /// `O_DIRECT` `pread` of the blocks covering each `(offset, length)`
 /// record, in the order given (at the store's record offsets: the store's
 /// reads without the store), queue depth 1: GB/s of those blocks.
-fn raw_read_at(path: &Path, records: &[(u64, u64)]) -> f64 {
+fn raw_read_at(path: &Path, bufs: &mut [AlignedBuf], records: &[(u64, u64)]) -> f64 {
     let f = OpenOptions::new()
         .read(true)
         .custom_flags(libc::O_DIRECT)
@@ -149,11 +166,11 @@ fn raw_read_at(path: &Path, records: &[(u64, u64)]) -> f64 {
         let first = off / BLOCK * BLOCK;
         (first, block_up(off + len) - first)
     };
-    let most = records.iter().map(|r| span(r).1).max().unwrap_or(0);
-    let mut buf = AlignedBuf::zeroed(most as usize);
+    let n = bufs.len();
     let (t, mut bytes) = (Instant::now(), 0);
-    for r in records {
+    for (i, r) in records.iter().enumerate() {
         let (first, len) = span(r);
+        let buf = &mut bufs[i % n];
         f.read_exact_at(&mut buf[..len as usize], first)
             .expect("read");
         black_box(&buf[..8]);
@@ -199,10 +216,34 @@ fn read_strategies(path: &Path, block: usize, count: u64, stride: u64) -> [f64; 
 }
 
 /// `pread` of `count` blocks of `block` bytes, `stride` apart: GB/s.
-fn raw_read(path: &Path, block: usize, count: u64, stride: u64) -> f64 {
+fn raw_read(path: &Path, bufs: &mut [AlignedBuf], block: usize, count: u64, stride: u64) -> f64 {
     let records: Vec<(u64, u64)> = (0..count).map(|i| (i * stride, block as u64)).collect();
-    raw_read_at(path, &records)
+    raw_read_at(path, bufs, &records)
 }
+
+/// Buffers the raw baselines write from and read into, each of `len`
+/// bytes with contents of its own: one (the baseline: the same buffer
+/// every time, so it stays in the CPU caches), or [`COLD_BUFS`] in turn,
+/// more than the CPU caches hold (a diagnostic row: on the virtio disks
+/// measured here a raw write from, or read into, a cache-warm buffer is
+/// 15–20 % faster; docs/benchmarks.md "Session 31"). The store's batch
+/// buffers were just packed and its read buffer is recycled, so neither
+/// row is its exact case; the first is the target's baseline.
+fn raw_bufs(n: usize, len: usize) -> Vec<AlignedBuf> {
+    (0..n)
+        .map(|k| {
+            let mut b = AlignedBuf::zeroed(len);
+            b.iter_mut()
+                .enumerate()
+                .for_each(|(i, x)| *x = (i as u8).wrapping_add(k as u8));
+            b
+        })
+        .collect()
+}
+
+/// How many buffers the cold raw rows rotate through (of up to 4 MiB + 4
+/// KiB each: 256 MiB and more).
+const COLD_BUFS: usize = 64;
 
 /// Region size of the bench stores: `KVTIER_BENCH_REGION_MIB`, else the
 /// store's default. Each full region costs a seal (summary + fdatasyncs)
@@ -247,6 +288,11 @@ fn bench(_c: &mut Criterion) {
             (vec![], vec![], vec![], vec![]);
         let (mut fresh, mut steady, mut rd_split_time, mut rd_at_store) =
             (vec![], vec![], vec![], vec![]);
+        let (mut cold_fresh, mut cold_over, mut rd_cold) = (vec![], vec![], vec![]);
+        let record = (chunk as u64 + 128).next_multiple_of(4096);
+        let big = (4 * MIB).max(record) as usize;
+        let mut hot = raw_bufs(1, big);
+        let mut cold = raw_bufs(COLD_BUFS, big);
         let mut strategies = vec![];
         let mut direct = false;
         for rep in 0..REPS {
@@ -270,19 +316,21 @@ fn bench(_c: &mut Criterion) {
                     .collect()
             };
             // First fill: a new store, a new preallocated raw file.
-            raw_fresh.push(raw_write(&raw, 4 * MIB as usize, TOTAL, true));
+            raw_fresh.push(raw_write(&raw, &hot, 4 * MIB as usize, TOTAL, true));
+            cold_fresh.push(raw_write(&raw, &cold, 4 * MIB as usize, TOTAL, true));
             fresh.push(store_write(&s, &ids(0), &payloads));
             // Fill the rest of the budget (untimed), so the timed writes
             // that follow all land in reclaimed regions.
             store_write(&s, &ids(1), &payloads);
-            raw_over.push(raw_write(&raw, 4 * MIB as usize, TOTAL, false));
+            raw_over.push(raw_write(&raw, &hot, 4 * MIB as usize, TOTAL, false));
+            cold_over.push(raw_write(&raw, &cold, 4 * MIB as usize, TOTAL, false));
             let last = ids(2);
             steady.push(store_write(&s, &last, &payloads));
             // Reads: drop RAM by reopening (promote off keeps RAM empty).
             drop(s);
             let s = ChunkStore::open(cfg.clone()).expect("reopen");
-            let record = (chunk as u64 + 128).next_multiple_of(4096);
-            rd_raw.push(raw_read(&raw, record as usize, n - 1, record));
+            rd_raw.push(raw_read(&raw, &mut hot, record as usize, n - 1, record));
+            rd_cold.push(raw_read(&raw, &mut cold, record as usize, n - 1, record));
             strategies.push(read_strategies(&raw, record as usize, n - 1, record));
             let before = s.stats();
             let t = Instant::now();
@@ -301,7 +349,11 @@ fn bench(_c: &mut Criterion) {
                 })
                 .collect();
             drop(s);
-            rd_at_store.push(raw_read_at(&cfg.data_dir.join("store.kvt"), &records));
+            rd_at_store.push(raw_read_at(
+                &cfg.data_dir.join("store.kvt"),
+                &mut hot,
+                &records,
+            ));
             let read_us = (after.disk_read_micros - before.disk_read_micros) as f64;
             rd_split_time.push((
                 read_us / 1e6 / secs,
@@ -313,6 +365,7 @@ fn bench(_c: &mut Criterion) {
             "first fill (vs a new fallocated file)",
             chunk,
             raw_fresh,
+            cold_fresh,
             &fresh,
             direct,
         );
@@ -320,6 +373,7 @@ fn bench(_c: &mut Criterion) {
             "steady state (reclaimed regions, vs overwriting a file)",
             chunk,
             raw_over,
+            cold_over,
             &steady,
             direct,
         );
@@ -329,6 +383,11 @@ fn bench(_c: &mut Criterion) {
             chunk >> 20,
             (chunk as u64 + 128).next_multiple_of(4096) >> 10,
             rs / rr
+        );
+        let rc = median(rd_cold);
+        println!(
+            "  raw into {COLD_BUFS} buffers in turn (colder than the CPU caches): {rc:.2} GB/s; store = {:.2}x of it",
+            rs / rc
         );
         let ra = median(rd_at_store);
         println!(
