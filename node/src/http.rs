@@ -649,7 +649,7 @@ impl Collector for NodeCollector {
         gauge(
             &mut enc,
             "ram_bytes",
-            "Bytes of chunks in RAM: payloads and stored names (RESP keys)",
+            "Bytes of chunks in RAM as the RAM budget charges them: payloads, stored names (RESP keys) and about 270 bytes of bookkeeping per chunk",
             s.ram_bytes as i64,
         )?;
         gauge(

@@ -34,6 +34,12 @@ pub struct TierConfig {
     pub data_dir: PathBuf,
     /// Hard byte limit of the RAM LRU. Default: 1 GiB. Minimum: 1 MiB.
     pub ram_budget: u64,
+    /// Bytes `ram_budget` charges each chunk beyond its payload and name:
+    /// its bookkeeping (node, id, table slot), so that a budget also bounds
+    /// how many tiny or empty chunks RAM holds. 0 counts payload and name
+    /// bytes alone (tests of the LRU's arithmetic). Default:
+    /// [`crate::ram::ENTRY_COST`], the real cost.
+    pub ram_entry_cost: u64,
     /// Hard byte limit of the NVMe store (preallocated). Default: 16 GiB;
     /// 0 disables the disk tier (RAM only).
     pub disk_budget: u64,
@@ -135,6 +141,7 @@ impl Default for TierConfig {
         Self {
             data_dir: PathBuf::from("kvtier-data"),
             ram_budget: 1 << 30,
+            ram_entry_cost: crate::ram::ENTRY_COST,
             disk_budget: 16 << 30,
             region_size: 256 << 20,
             idle_flush_after: Duration::from_secs(30),

@@ -11,8 +11,11 @@
 //!
 //! # Budget and accounting
 //! The budget is a hard, global byte limit: each entry is charged its payload
-//! length plus its name length (per-entry bookkeeping, ~200 bytes, is not
-//! charged). [`RamCache::used_bytes`] never exceeds [`RamCache::budget`]: an
+//! length plus its name length plus [`ENTRY_COST`] for its bookkeeping (its
+//! slab node, table slot and id). Without that last part, chunks of a few
+//! bytes or none were charged next to nothing: a million empty chunks held
+//! 505 MB under a 1 MiB budget and nothing was ever evicted (QA).
+//! [`RamCache::used_bytes`] never exceeds [`RamCache::budget`]: an
 //! insert first reserves its bytes with a compare-and-swap on the global
 //! counter and evicts until the reservation succeeds, so a reading of
 //! `used_bytes` may include bytes reserved by inserts in flight.
@@ -137,9 +140,10 @@ pub struct RamEntry {
 }
 
 impl RamEntry {
-    /// Bytes charged to the budget: payload plus name.
-    pub fn charged_bytes(&self) -> u64 {
-        charge(&self.data, self.name.as_ref())
+    /// Bytes of its payload and name (the budget charges
+    /// [`RamCache::charge_of`]: these plus the entry's bookkeeping).
+    pub fn stored_bytes(&self) -> u64 {
+        stored(&self.data, self.name.as_ref())
     }
 }
 
@@ -155,7 +159,14 @@ pub struct Evicted {
     pub spilled: bool,
 }
 
-fn charge(data: &Bytes, name: Option<&Bytes>) -> u64 {
+/// Bytes each entry is charged beyond its payload and name: its slab node
+/// and dense id, its table slot, and the heap block of a small payload
+/// (rounded up; the real figure is close to it).
+pub const ENTRY_COST: u64 =
+    (size_of::<Option<Node>>() + size_of::<ChunkId>() + size_of::<crate::fptable::Slot>() + 32)
+        as u64;
+
+fn stored(data: &Bytes, name: Option<&Bytes>) -> u64 {
     (data.len() + name.map_or(0, |n| n.len())) as u64
 }
 
@@ -408,6 +419,9 @@ pub struct RamCache {
     /// `log2(shards.len())`.
     shard_bits: u32,
     budget: u64,
+    /// Charged per entry beyond its bytes: [`ENTRY_COST`] (0 in unit tests
+    /// of the LRU's arithmetic).
+    entry_cost: u64,
     /// Bytes charged to entries plus reservations of inserts in flight.
     used: AtomicU64,
     /// Bytes charged to dirty entries.
@@ -460,6 +474,7 @@ impl RamCache {
             shard_mask: n - 1,
             shard_bits: n.trailing_zeros(),
             budget: budget_bytes,
+            entry_cost: ENTRY_COST,
             used: AtomicU64::new(0),
             dirty: AtomicU64::new(0),
             len: AtomicUsize::new(0),
@@ -480,6 +495,21 @@ impl RamCache {
     pub fn with_spill(mut self, on: bool) -> Self {
         self.spill = on;
         self
+    }
+
+    /// Charges `cost` per entry instead of [`ENTRY_COST`]
+    /// (`TierConfig::ram_entry_cost`; 0 counts payload and name bytes
+    /// alone, for tests of the LRU's arithmetic).
+    pub fn with_entry_cost(mut self, cost: u64) -> Self {
+        self.entry_cost = cost;
+        self
+    }
+
+    /// What the budget charges for `e`: its payload and name plus its
+    /// bookkeeping.
+    #[inline]
+    pub fn charge_of(&self, e: &RamEntry) -> u64 {
+        e.stored_bytes() + self.entry_cost
     }
 
     /// Splits an id's hash into its shard (the lowest bits) and the hash
@@ -517,7 +547,7 @@ impl RamCache {
     /// Releases the accounting of a node that left the cache (called with
     /// its shard locked, so `dirty` stays consistent with the flags).
     fn release(&self, node: &Node) {
-        let size = node.entry.charged_bytes();
+        let size = self.charge_of(&node.entry);
         self.used.fetch_sub(size, Ordering::AcqRel);
         if node.entry.dirty {
             self.dirty.fetch_sub(size, Ordering::AcqRel);
@@ -529,7 +559,7 @@ impl RamCache {
     fn unspilled(&self, node: &Node) {
         self.spilled.fetch_sub(1, Ordering::AcqRel);
         self.spilled_bytes
-            .fetch_sub(node.entry.charged_bytes(), Ordering::AcqRel);
+            .fetch_sub(self.charge_of(&node.entry), Ordering::AcqRel);
     }
 
     /// Removes `id` from a locked shard if present; returns the node.
@@ -574,7 +604,7 @@ impl RamCache {
             // Stays in `present`: still found.
             self.spilled.fetch_add(1, Ordering::AcqRel);
             self.spilled_bytes
-                .fetch_add(shard.node(i).entry.charged_bytes(), Ordering::AcqRel);
+                .fetch_add(self.charge_of(&shard.node(i).entry), Ordering::AcqRel);
             self.release(shard.node(i));
             victim.tail_tick.store(shard.tail_tick(), Ordering::Release);
             drop(shard);
@@ -637,7 +667,7 @@ impl RamCache {
         dirty: bool,
         only_if: Option<AbsentMark>,
     ) -> Result<(Option<u64>, Vec<Evicted>), crate::Error> {
-        let size = charge(&data, name.as_ref());
+        let size = stored(&data, name.as_ref()) + self.entry_cost;
         if size > self.budget {
             return Err(crate::Error::TooLarge {
                 len: size,
@@ -1104,7 +1134,7 @@ impl RamCache {
         if entry.dirty {
             entry.dirty = false;
             self.dirty
-                .fetch_sub(entry.charged_bytes(), Ordering::AcqRel);
+                .fetch_sub(self.charge_of(&entry), Ordering::AcqRel);
         }
         true
     }
@@ -1132,7 +1162,7 @@ impl RamCache {
         node.referenced = false;
         node.entry.dirty = true;
         self.dirty
-            .fetch_add(node.entry.charged_bytes(), Ordering::AcqRel);
+            .fetch_add(self.charge_of(&node.entry), Ordering::AcqRel);
         true
     }
 
@@ -1256,6 +1286,15 @@ mod tests {
     use proptest::prelude::*;
 
     use super::*;
+
+    /// A cache that charges payload bytes alone (these tests count them).
+    fn new_cache(budget: u64) -> RamCache {
+        RamCache::new(budget).with_entry_cost(0)
+    }
+
+    fn sharded(budget: u64, shards: usize) -> RamCache {
+        RamCache::with_shards(budget, shards).with_entry_cost(0)
+    }
     use crate::fptable::fingerprint;
     use crate::types::{ChunkKey, Namespace};
 
@@ -1284,13 +1323,13 @@ mod tests {
                 let e = c.peek_any(i).expect("listed id is present");
                 assert!(e.dirty && e.seq == *seq);
                 spilled += 1;
-                spilled_bytes += e.charged_bytes();
+                spilled_bytes += c.charge_of(&e);
                 continue;
             };
             assert_eq!(e.seq, *seq);
-            used += e.charged_bytes();
+            used += c.charge_of(&e);
             if e.dirty {
-                dirty += e.charged_bytes();
+                dirty += c.charge_of(&e);
             }
         }
         assert_eq!(c.used_bytes(), used);
@@ -1336,7 +1375,7 @@ mod tests {
     /// a remove.
     #[test]
     fn evicted_dirty_entries_are_spilled_until_unspilled() {
-        let c = RamCache::with_shards(300, 4).with_spill(true);
+        let c = sharded(300, 4).with_spill(true);
         let mut seqs = Vec::new();
         for n in 0..3 {
             seqs.push(
@@ -1391,7 +1430,7 @@ mod tests {
     /// nothing under its removal bucket left the cache since the mark.
     #[test]
     fn insert_if_unchanged_never_overrides_what_happened_since_the_mark() {
-        let c = RamCache::with_shards(1000, 4);
+        let c = sharded(1000, 4);
         let mark = c.get_or_mark(&id(1)).unwrap_err();
         assert_eq!(c.mark_if_absent(&id(1)), Some(mark));
         let (seq, _) = c
@@ -1425,7 +1464,7 @@ mod tests {
         assert!(seq.is_none() && !c.contains(&id(4)));
         check_accounting(&c);
         // A refusal after evicting to make room gives the room back.
-        let full = RamCache::with_shards(100, 1);
+        let full = sharded(100, 1);
         full.insert(id(5), bytes(100, 5), None, false).unwrap();
         let mark = full.get_or_mark(&id(6)).unwrap_err();
         full.remove(&id(6));
@@ -1442,7 +1481,7 @@ mod tests {
     /// the same bucket) gives its reservation back.
     #[test]
     fn refusal_on_the_slow_path_gives_the_reservation_back() {
-        let c = RamCache::with_shards(100, 1);
+        let c = sharded(100, 1);
         let a = id(0);
         let ba = removal_bucket(c.route(hash_id(&a)).1);
         let b = (1..)
@@ -1465,7 +1504,7 @@ mod tests {
     /// disk) stays readable: it is replaced only under the final lock.
     #[test]
     fn a_put_over_a_spilled_entry_keeps_it_readable_while_evicting() {
-        let c = Arc::new(RamCache::with_shards(300, 4).with_spill(true));
+        let c = Arc::new(sharded(300, 4).with_spill(true));
         let shard = |i: &ChunkId| c.route(hash_id(i)).0;
         let x = id(0);
         let others: Vec<ChunkId> = (1..)
@@ -1500,7 +1539,7 @@ mod tests {
 
     #[test]
     fn insert_get_replace_remove() {
-        let c = RamCache::new(1000);
+        let c = new_cache(1000);
         let (s1, ev) = c.insert(id(1), bytes(100, 1), None, true).unwrap();
         assert!(ev.is_empty());
         assert_eq!(c.used_bytes(), 100);
@@ -1532,7 +1571,7 @@ mod tests {
 
     #[test]
     fn too_large_is_refused_and_leaves_the_cache_unchanged() {
-        let c = RamCache::new(100);
+        let c = new_cache(100);
         c.insert(id(1), bytes(60, 1), None, true).unwrap();
         let err = c
             .insert(id(1), bytes(99, 2), Some(bytes(2, 0)), true)
@@ -1559,7 +1598,7 @@ mod tests {
 
     #[test]
     fn evicts_least_recently_used_across_shards() {
-        let c = RamCache::new(300);
+        let c = new_cache(300);
         for n in 0..3 {
             c.insert(id(n), bytes(100, n as u8), None, n == 0).unwrap();
         }
@@ -1578,7 +1617,7 @@ mod tests {
 
     #[test]
     fn mark_clean_only_for_the_current_version() {
-        let c = RamCache::new(1000);
+        let c = new_cache(1000);
         let (s1, _) = c.insert(id(1), bytes(10, 1), None, true).unwrap();
         let (s2, _) = c.insert(id(1), bytes(20, 2), None, true).unwrap();
         assert!(!c.mark_clean(&id(1), s1), "stale seq must not clean");
@@ -1597,7 +1636,7 @@ mod tests {
 
     #[test]
     fn dirty_entries_oldest_first_with_age_and_limit() {
-        let c = RamCache::new(10_000);
+        let c = new_cache(10_000);
         for n in 0..10 {
             c.insert(id(n), bytes(10, 0), None, n % 2 == 0).unwrap();
         }
@@ -1620,7 +1659,7 @@ mod tests {
 
     #[test]
     fn retain_and_ids() {
-        let c = RamCache::new(10_000);
+        let c = new_cache(10_000);
         for n in 0..20 {
             c.insert(id(n), bytes(n as usize, 0), None, true).unwrap();
         }
@@ -1640,7 +1679,7 @@ mod tests {
     #[test]
     fn contains_batch_agrees_with_contains() {
         for shards in [1, 4, DEFAULT_SHARDS] {
-            let c = RamCache::with_shards(10_000, shards);
+            let c = sharded(10_000, shards);
             for n in (0..200).step_by(3) {
                 c.insert(id(n), bytes(1, 0), None, false).unwrap();
             }
@@ -1672,6 +1711,35 @@ mod tests {
         }
     }
 
+    /// Empty and tiny chunks are charged their bookkeeping: a budget bounds
+    /// how many there are, not only their bytes (a million empty chunks held
+    /// 505 MB under a 1 MiB budget, evicting nothing).
+    #[test]
+    fn empty_chunks_are_charged_their_bookkeeping() {
+        assert!(ENTRY_COST >= size_of::<Option<Node>>() as u64);
+        let budget = 64 * ENTRY_COST;
+        let c = RamCache::with_shards(budget, 4);
+        let mut evicted = 0;
+        for n in 0..1000u64 {
+            let (_, ev) = c.insert(id(n), Bytes::new(), None, false).unwrap();
+            evicted += ev.len();
+            assert!(c.used_bytes() <= budget);
+        }
+        assert_eq!(c.len(), 64);
+        assert_eq!(evicted, 1000 - 64);
+        assert_eq!(c.used_bytes(), 64 * ENTRY_COST);
+        // A chunk of the budget less its bookkeeping fits; one byte more
+        // does not.
+        let c = RamCache::new(budget);
+        let fits = (budget - ENTRY_COST) as usize;
+        c.insert(id(1), Bytes::from(vec![0; fits]), None, false)
+            .unwrap();
+        assert!(
+            c.insert(id(2), Bytes::from(vec![0; fits + 1]), None, false)
+                .is_err()
+        );
+    }
+
     #[test]
     fn a_hash_collision_keeps_both_entries() {
         // Two keys of one namespace and group with the same id hash, so
@@ -1681,7 +1749,7 @@ mod tests {
         let b = ChunkId::new(Namespace([0; 16]), k, 0);
         assert_ne!(a, b);
         assert_eq!(hash_id(&a), hash_id(&b));
-        let c = RamCache::new(100);
+        let c = new_cache(100);
         c.insert(a, bytes(1, 1), None, false).unwrap();
         c.insert(b, bytes(2, 2), None, false).unwrap();
         assert_eq!(c.get(&a).unwrap().data.len(), 1);
@@ -1722,7 +1790,7 @@ mod tests {
             k[20] = n;
             ChunkId::new(Namespace([1; 16]), ChunkKey(k), 0)
         };
-        let c = RamCache::new(10_000);
+        let c = new_cache(10_000);
         for n in 0..40 {
             c.insert(same(n), bytes(1, n), None, n % 2 == 0).unwrap();
             c.insert(id(u64::from(n)), bytes(1, n), None, false)
@@ -1783,7 +1851,7 @@ mod tests {
 
     fn run_model(shards: usize, ops: Vec<Op>) -> Result<(), TestCaseError> {
         let budget = 1000;
-        let c = RamCache::with_shards(budget, shards);
+        let c = sharded(budget, shards);
         let mut m = Model {
             budget,
             ..Default::default()
@@ -1809,7 +1877,7 @@ mod tests {
                     m.entries.push((i, size, dirty, seq));
                     let got: Vec<_> = ev
                         .iter()
-                        .map(|e| (e.id, e.entry.charged_bytes(), e.entry.dirty, e.entry.seq))
+                        .map(|e| (e.id, c.charge_of(&e.entry), e.entry.dirty, e.entry.seq))
                         .collect();
                     prop_assert_eq!(got, want);
                 }
@@ -1821,7 +1889,7 @@ mod tests {
                         Some(p) => {
                             let e = got.expect("model has it");
                             prop_assert_eq!(
-                                (e.charged_bytes(), e.dirty, e.seq),
+                                (c.charge_of(&e), e.dirty, e.seq),
                                 (m.entries[p].1, m.entries[p].2, m.entries[p].3)
                             );
                             prop_assert!(e.data.iter().all(|&b| b == k));
@@ -1899,7 +1967,7 @@ mod tests {
     #[test]
     fn concurrent_stress_keeps_invariants() {
         let budget = 64 * 1024;
-        let c = Arc::new(RamCache::with_shards(budget, 4));
+        let c = Arc::new(sharded(budget, 4));
         let stop = Arc::new(AtomicBool::new(false));
         let watcher = {
             let (c, stop) = (Arc::clone(&c), Arc::clone(&stop));

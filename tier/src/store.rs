@@ -416,16 +416,18 @@ pub struct NamespaceListing {
 pub struct StoreStats {
     /// Chunks in RAM.
     pub ram_chunks: u64,
-    /// Payload bytes in RAM.
+    /// Bytes RAM's budget charges for its chunks: payloads, names and
+    /// each chunk's bookkeeping (`TierConfig::ram_entry_cost`).
     pub ram_bytes: u64,
     /// RAM budget.
     pub ram_budget: u64,
-    /// Dirty (not yet durable) bytes in RAM.
+    /// Of `ram_bytes`, those of dirty (not yet durable) chunks.
     pub dirty_bytes: u64,
     /// Chunks evicted from RAM and not on disk yet: still readable from
     /// memory, outside the RAM budget (not in `ram_chunks`).
     pub spilled_chunks: u64,
-    /// Bytes of those chunks (memory held beyond `ram_bytes`).
+    /// Bytes of those chunks, counted as `ram_bytes` counts them (memory
+    /// held beyond `ram_bytes`).
     pub spilled_bytes: u64,
     /// Chunks on disk.
     pub disk_chunks: u64,
@@ -811,7 +813,9 @@ impl ChunkStore {
             manifest::load(&config.data_dir)?
         };
         // A chunk evicted dirty stays readable until the disk has it.
-        let ram = RamCache::new(config.ram_budget).with_spill(dev.is_some());
+        let ram = RamCache::new(config.ram_budget)
+            .with_spill(dev.is_some())
+            .with_entry_cost(config.ram_entry_cost);
         let buffers = Arc::new(BufferPool::for_store(config.ram_budget, config.huge_pages));
         let (disk, rec) = match dev {
             None => (None, None),
@@ -998,7 +1002,12 @@ impl ChunkStore {
     /// bytes: the RAM budget, and with a disk what an empty region holds
     /// after the headers.
     pub fn max_chunk_len(&self, name_len: usize) -> u64 {
-        let ram = self.inner.config.ram_budget;
+        // The RAM tier charges the name and the entry's bookkeeping too.
+        let ram = self
+            .inner
+            .config
+            .ram_budget
+            .saturating_sub(self.inner.config.ram_entry_cost + name_len as u64);
         match &self.inner.disk {
             Some(d) => ram.min(crate::writer::max_payload_len(d.region_size, name_len)),
             None => ram,
@@ -2772,7 +2781,7 @@ mod tests {
         const LEN: usize = 4 << 20;
         let (store, ns) = store_with_ns(TierConfig {
             data_dir: dir.path().to_path_buf(),
-            ram_budget: 8 * LEN as u64,
+            ram_budget: 8 * (LEN as u64 + crate::ram::ENTRY_COST),
             disk_budget: 0,
             ..TierConfig::default()
         });
@@ -2827,7 +2836,7 @@ mod race_tests {
     /// No idle flush during a test.
     const NO_IDLE: Duration = Duration::from_secs(3600);
 
-    /// A store over `dev` (1 MiB of RAM, `region`-sized regions, the whole
+    /// A store over `dev` (1 MiB of RAM for payloads, `region`-sized regions, the whole
     /// device as disk budget) with one namespace.
     fn open_on(
         dir: &std::path::Path,
@@ -2848,7 +2857,9 @@ mod race_tests {
     ) -> (ChunkStore, Namespace) {
         let mut cfg = TierConfig {
             data_dir: dir.to_path_buf(),
-            ram_budget: 1 << 20,
+            // Four 256 KiB chunks and the bookkeeping RAM charges per entry
+            // (a few small ones too, never a fifth large one).
+            ram_budget: (1 << 20) + 16 * crate::ram::ENTRY_COST,
             disk_budget: dev.len(),
             region_size: region,
             idle_flush_after: idle,

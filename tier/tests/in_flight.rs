@@ -19,7 +19,8 @@ const WAIT: Duration = Duration::from_secs(20);
 fn config(dir: &std::path::Path) -> TierConfig {
     TierConfig {
         data_dir: dir.to_path_buf(),
-        ram_budget: 4 * MIB,
+        // Payload bytes, and the bookkeeping RAM charges per entry.
+        ram_budget: 4 * MIB + 16 * tier::ram::ENTRY_COST,
         disk_budget: 16 * MIB,
         region_size: MIB,
         idle_flush_after: Duration::from_secs(3600),
@@ -96,7 +97,10 @@ fn a_chunk_on_its_way_to_disk_is_never_a_miss() {
     // Every evicted chunk is spilled (its write queued or held), counted
     // beside the RAM tier, not in it.
     assert_eq!(stats.spilled_chunks, stats.ram_evictions, "{stats:?}");
-    assert_eq!(stats.spilled_bytes, stats.spilled_chunks * LEN as u64);
+    assert_eq!(
+        stats.spilled_bytes,
+        stats.spilled_chunks * (LEN as u64 + tier::ram::ENTRY_COST)
+    );
     assert_eq!(stats.ram_chunks + stats.spilled_chunks, N);
     for n in 0..N {
         let hit = s.get(&id(n)).unwrap_or_else(|| panic!("chunk {n} missed"));

@@ -931,6 +931,9 @@ fn rewrites_of_reclaimed_chunks_end_on_an_idle_store() {
     let mut cfg = config(dir.path());
     cfg.disk_budget = 8 * MIB;
     cfg.ram_budget = 2 * MIB;
+    // Payload bytes alone: the chunks' disk records are then several times
+    // their RAM charge (with the real bookkeeping charge they are not).
+    cfg.ram_entry_cost = 0;
     cfg.idle_flush_after = Duration::from_millis(40);
     let s = ChunkStore::open(cfg).unwrap();
     let ns = s.register_namespace(&record(0)).unwrap();
@@ -2812,4 +2815,29 @@ fn a_store_too_large_for_its_filesystem_leaves_the_space_free() {
     // One that fits opens.
     std::fs::remove_file(data.join("store.kvt")).unwrap();
     drop(ChunkStore::open(config(&data)).unwrap());
+}
+
+/// Empty chunks fill a RAM-only store's budget with their bookkeeping and
+/// are evicted like any other (QA: a million empty chunks held 505 MB
+/// under a 1 MiB budget, nothing evicted); the largest chunk RAM alone
+/// takes leaves room for that bookkeeping.
+#[test]
+fn empty_chunks_are_bounded_by_the_ram_budget() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = config(dir.path());
+    cfg.ram_budget = MIB;
+    cfg.disk_budget = 0;
+    let s = ChunkStore::open(cfg).unwrap();
+    let ns = s.register_namespace(&record(0)).unwrap();
+    for i in 0..20_000 {
+        s.put(id(ns, i), Bytes::new()).unwrap();
+    }
+    let st = s.stats();
+    assert_eq!(st.ram_chunks, MIB / tier::ram::ENTRY_COST, "{st:?}");
+    assert!(st.ram_bytes <= MIB, "{st:?}");
+    assert_eq!(st.ram_evictions, 20_000 - st.ram_chunks, "{st:?}");
+    let max = s.max_chunk_len(0);
+    assert_eq!(max, MIB - tier::ram::ENTRY_COST);
+    s.put(id(ns, 0), payload(0, max as usize)).unwrap();
+    assert!(s.put(id(ns, 1), payload(1, max as usize + 1)).is_err());
 }
