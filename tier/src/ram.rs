@@ -1134,7 +1134,7 @@ impl RamCache {
         if entry.dirty {
             entry.dirty = false;
             self.dirty
-                .fetch_sub(self.charge_of(&entry), Ordering::AcqRel);
+                .fetch_sub(self.charge_of(entry), Ordering::AcqRel);
         }
         true
     }
