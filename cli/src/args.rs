@@ -114,7 +114,7 @@ pub struct ConfigArgs {
     #[arg(long, value_name = "SIZE")]
     pub disk_reserve: Option<ByteSize>,
     /// Size of one region of the disk store (the unit of eviction), e.g.
-    /// 64MiB. Default for a new store: 256MiB, or with a disk budget under
+    /// 64MiB; 1MiB to 1GiB. Default for a new store: 256MiB, or with a disk budget under
     /// 2GiB the power of two below an eighth of it (at least 1MiB). Unset,
     /// an existing store keeps the size it was made with.
     #[arg(long, value_name = "SIZE")]
@@ -153,7 +153,7 @@ pub struct ConfigArgs {
             .try_map(|s| parse_write_policy(&s))
     )]
     pub write_policy: Option<WritePolicy>,
-    /// Time a graceful shutdown may spend flushing. Default: 30s.
+    /// Time a graceful shutdown may spend flushing; at most 1 day. Default: 30s.
     #[arg(long, value_name = "DURATION")]
     pub shutdown_deadline: Option<HumanDuration>,
     /// Log format: human or json. Default: human.

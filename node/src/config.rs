@@ -632,13 +632,22 @@ impl NodeConfig {
                 format!("{} is below the minimum of 1MiB", self.ram_budget),
             ));
         }
-        if self.region_size.0 < (1 << 20) || self.region_size.0 % 4096 != 0 {
+        if self.region_size.0 < (1 << 20)
+            || self.region_size.0 > MAX_REGION_SIZE
+            || self.region_size.0 % 4096 != 0
+        {
             return Err(bad(
                 "region-size",
                 format!(
-                    "{} must be at least 1MiB and a multiple of 4KiB",
+                    "{} must be at least 1MiB, at most 1GiB and a multiple of 4KiB",
                     self.region_size
                 ),
+            ));
+        }
+        if self.shutdown_deadline.0 > MAX_SHUTDOWN_DEADLINE {
+            return Err(bad(
+                "shutdown-deadline",
+                format!("{} is longer than the 1 day limit", self.shutdown_deadline),
             ));
         }
         if let Some(d) = self.disk_budget
@@ -998,7 +1007,10 @@ impl NodeConfig {
         }
         warnings.extend(self.peer_warnings());
         if let Some(pool) = self.gpu_kv_pool {
-            let tier = self.ram_budget.0 + self.disk_budget.map_or(0, |b| b.0);
+            let tier = self
+                .ram_budget
+                .0
+                .saturating_add(self.disk_budget.map_or(0, |b| b.0));
             if tier <= pool.0 {
                 warnings.push(format!(
                     "the tier (ram-budget {} + disk-budget {} = {}) is NOT larger than the GPU KV \
@@ -1032,6 +1044,12 @@ impl NodeConfig {
                 dir.display()
             ));
         }
+        if self.peer_fetch_timeout.0 < MIN_USEFUL_FETCH_TIMEOUT {
+            w.push(format!(
+                "peer-fetch-timeout {} is shorter than a fetch from a peer takes (a round trip                  and the chunk's transfer: a few ms for a few MiB): GETs of chunks that only                  peers hold will miss although LOOKUP reports them; use 100ms or more                  (default 2s)",
+                self.peer_fetch_timeout,
+            ));
+        }
         let rate = self.peer_serve_rate.0;
         let timeout = self.peer_fetch_timeout.0.as_secs_f64();
         let in_time = (rate as f64 * timeout) as u64;
@@ -1058,7 +1076,7 @@ impl NodeConfig {
     fn disk_not_larger_than_ram(&self) -> Option<String> {
         let disk = self.disk_budget.filter(|b| b.0 > 0)?;
         let region = self.region_size.0.max(1);
-        let floor = self.ram_budget.0 + 2 * region;
+        let floor = self.ram_budget.0.saturating_add(2 * region);
         (!tier::store::rewrites_reclaimed(self.ram_budget.0, region, disk.0 / region)).then(|| {
             format!(
                 "disk-budget {} is not larger than ram-budget {} plus two regions of {}: chunks \
@@ -1611,6 +1629,18 @@ fn load_with(sources: &ConfigSources, env: &Environment, store_only: bool) -> Re
     })
 }
 
+/// Under this, a `peer-fetch-timeout` is warned about: no fetch of a
+/// chunk from a peer completes in time.
+const MIN_USEFUL_FETCH_TIMEOUT: std::time::Duration = std::time::Duration::from_millis(10);
+
+/// The largest `region-size` (the store's own limit).
+const MAX_REGION_SIZE: u64 = 1 << 30;
+
+/// The longest `shutdown-deadline`: a stop's deadline is an instant, and
+/// humantime takes centuries (`now + d` overflowed and panicked the stop,
+/// losing the dirty set: QA).
+const MAX_SHUTDOWN_DEADLINE: std::time::Duration = std::time::Duration::from_secs(86_400);
+
 /// `region-size` of a new store with a disk budget of 2 GiB or more.
 const DEFAULT_REGION_SIZE: u64 = 256 << 20;
 
@@ -2022,6 +2052,61 @@ mod tests {
         assert!(e.contains("KVTIER_RAM_BUDGT"), "{e}");
     }
 
+    /// QA: a `shutdown-deadline` of centuries was accepted and panicked the
+    /// stop (`now + d` overflowed), losing the dirty set; a `region-size`
+    /// over 1 GiB passed `config check` and was refused by the store at
+    /// `node start`, with another minimum. Both are refused at load.
+    #[test]
+    fn shutdown_deadlines_past_a_day_and_regions_past_a_gib_are_refused() {
+        let e = err_of(load_with(
+            Some("shutdown-deadline = \"500years\"\n"),
+            &[],
+            Overrides::default(),
+        ));
+        assert!(
+            e.contains("shutdown-deadline") && e.contains("1 day"),
+            "{e}"
+        );
+        load_with(
+            Some("shutdown-deadline = \"1day\"\n"),
+            &[],
+            Overrides::default(),
+        )
+        .expect("a day is accepted");
+        for size in [ByteSize::gib(2), ByteSize((1 << 30) + 4096)] {
+            let flags = Overrides {
+                region_size: Some(size),
+                ..Overrides::default()
+            };
+            let e = err_of(load_with(None, &[], flags));
+            assert!(
+                e.contains("region-size") && e.contains("at most 1GiB"),
+                "{size}: {e}"
+            );
+        }
+    }
+
+    /// QA: with `ram-budget` at u64::MAX the budget sums wrapped: a false
+    /// "tier NOT larger than the GPU KV pool" and no disk-vs-RAM warning.
+    #[test]
+    fn budget_sums_saturate() {
+        let flags = Overrides {
+            ram_budget: Some(ByteSize(u64::MAX)),
+            disk_budget: Some(ByteSize::mib(4)),
+            region_size: Some(ByteSize::mib(1)),
+            gpu_kv_pool: Some(ByteSize::gib(16)),
+            ..Overrides::default()
+        };
+        let l = load_with(None, &[], flags).unwrap();
+        let w = l.config.clone().resolve_with(&l, roomy()).unwrap();
+        assert!(!w.iter().any(|w| w.contains("GPU KV pool")), "{w:?}");
+        assert!(
+            w.iter()
+                .any(|w| w.contains("is not larger than ram-budget")),
+            "{w:?}"
+        );
+    }
+
     /// Peer durations that `now + d` would overflow (humantime takes
     /// centuries) are refused, naming the key: they panicked a GET or the
     /// membership timer.
@@ -2324,6 +2409,15 @@ mod tests {
             "{w:?}"
         );
         assert!(warnings(&[dev[0], dev[1], ("KVTIER_PEER_SERVE_RATE", "32MiB")]).is_empty());
+        // QA: a 1ns fetch timeout made every GET of a peer's chunk miss
+        // while LOOKUP reported it, without a word.
+        let w = warnings(&[dev[0], dev[1], ("KVTIER_PEER_FETCH_TIMEOUT", "1ns")]);
+        assert!(
+            w.iter()
+                .any(|w| w.contains("peer-fetch-timeout 1ns is shorter")),
+            "{w:?}"
+        );
+        assert!(warnings(&[dev[0], dev[1], ("KVTIER_PEER_FETCH_TIMEOUT", "100ms")]).is_empty());
         // Without a peer listener neither applies.
         assert!(warnings(&[("KVTIER_PEER_SERVE_RATE", "16MiB")]).is_empty());
     }

@@ -633,7 +633,11 @@ impl NodeHandle {
     /// shutdown deadline and closes the store. Returns after every task has
     /// finished.
     pub async fn shutdown(mut self) -> Result<RunSummary> {
-        let deadline = Instant::now() + self.config.shutdown_deadline.0;
+        // The config caps the deadline at a day; a far one never overflows.
+        let now = Instant::now();
+        let deadline = now
+            .checked_add(self.config.shutdown_deadline.0)
+            .unwrap_or(now + Duration::from_secs(86_400 * 365));
         tracing::info!(
             deadline = %self.config.shutdown_deadline,
             "shutting down: stopping servers, then flushing dirty chunks"

@@ -484,6 +484,12 @@ fn counter<N: prometheus_client::encoding::EncodeCounterValue>(
     m.encode(me)
 }
 
+/// A gauge's value: a count or size past `i64::MAX` (a `ram-budget` of
+/// u64::MAX) reads as `i64::MAX`, not as a negative number.
+fn gauge_value(v: impl TryInto<i64>) -> i64 {
+    v.try_into().unwrap_or(i64::MAX)
+}
+
 fn gauge<T: prometheus_client::encoding::EncodeGaugeValue>(
     enc: &mut DescriptorEncoder,
     name: &str,
@@ -643,62 +649,67 @@ impl Collector for NodeCollector {
             &mut enc,
             "buffer_pool_bytes",
             "Bytes of dropped chunks' buffers kept for new chunks",
-            s.buffer_pool_bytes as i64,
+            gauge_value(s.buffer_pool_bytes),
         )?;
-        gauge(&mut enc, "ram_chunks", "Chunks in RAM", s.ram_chunks as i64)?;
+        gauge(
+            &mut enc,
+            "ram_chunks",
+            "Chunks in RAM",
+            gauge_value(s.ram_chunks),
+        )?;
         gauge(
             &mut enc,
             "ram_bytes",
             "Bytes of chunks in RAM as the RAM budget charges them: payloads, stored names (RESP keys) and about 270 bytes of bookkeeping per chunk",
-            s.ram_bytes as i64,
+            gauge_value(s.ram_bytes),
         )?;
         gauge(
             &mut enc,
             "ram_budget_bytes",
             "RAM budget",
-            s.ram_budget as i64,
+            gauge_value(s.ram_budget),
         )?;
         gauge(
             &mut enc,
             "dirty_bytes",
             "Bytes in RAM not yet written to disk (written chunks are durable within about a second, at once with a flush)",
-            s.dirty_bytes as i64,
+            gauge_value(s.dirty_bytes),
         )?;
         gauge(
             &mut enc,
             "spilled_chunks",
             "Chunks evicted from RAM and not on disk yet (readable, outside the RAM budget)",
-            s.spilled_chunks as i64,
+            gauge_value(s.spilled_chunks),
         )?;
         gauge(
             &mut enc,
             "spilled_bytes",
             "Bytes of chunks evicted from RAM and not on disk yet",
-            s.spilled_bytes as i64,
+            gauge_value(s.spilled_bytes),
         )?;
         gauge(
             &mut enc,
             "disk_chunks",
             "Chunks on disk",
-            s.disk_chunks as i64,
+            gauge_value(s.disk_chunks),
         )?;
         gauge(
             &mut enc,
             "disk_bytes",
             "Payload bytes on disk",
-            s.disk_bytes as i64,
+            gauge_value(s.disk_bytes),
         )?;
         gauge(
             &mut enc,
             "disk_budget_bytes",
             "Disk budget",
-            s.disk_budget as i64,
+            gauge_value(s.disk_budget),
         )?;
         gauge(
             &mut enc,
             "writer_queue_depth",
             "Chunks queued for the disk writer",
-            s.writer_queue_depth as i64,
+            gauge_value(s.writer_queue_depth),
         )?;
         gauge(
             &mut enc,
@@ -760,6 +771,13 @@ impl Collector for NodeCollector {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// QA: `ram-budget` u64::MAX read as -1 in `/metrics`.
+    #[test]
+    fn gauges_past_i64_read_as_its_max() {
+        assert_eq!(gauge_value(u64::MAX), i64::MAX);
+        assert_eq!(gauge_value(7u64), 7);
+    }
 
     #[test]
     fn parse_head_cases() {

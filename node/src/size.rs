@@ -121,8 +121,14 @@ impl FromStr for ByteSize {
         // Fractional: exact for anything a human writes ("1.5GiB"); reject
         // what does not fit or is not a plain decimal.
         let (int, frac) = num.split_once('.').ok_or_else(|| err("not a number"))?;
-        if frac.is_empty() || frac.contains('.') || frac.len() > 9 {
+        if frac.contains('.') {
             return Err(err("not a number"));
+        }
+        if frac.is_empty() {
+            return Err(err("no digit after the decimal point"));
+        }
+        if frac.len() > 9 {
+            return Err(err("at most 9 digits after the decimal point"));
         }
         let int: u64 = if int.is_empty() {
             0
@@ -353,6 +359,11 @@ mod tests {
             ("20000000TiB", "too large"),
             ("1.5", "no fraction"),
             ("1.5B", "no fraction"),
+            (
+                "1.1234567890GiB",
+                "at most 9 digits after the decimal point",
+            ),
+            ("5.GiB", "no digit after the decimal point"),
             ("12XB", "unknown unit \"XB\""),
             ("8G", "\"G\" is ambiguous: write \"GiB\""),
             ("8g", "\"G\" is ambiguous"),

@@ -259,7 +259,7 @@ pub fn store_file_unformatted(data_dir: &std::path::Path) -> bool {
 /// budget plus two regions; on a smaller disk the rewrites would reclaim
 /// more of what RAM holds (and a restart loses such chunks: the node warns).
 pub fn rewrites_reclaimed(ram_budget: u64, region_size: u64, region_count: u64) -> bool {
-    ram_budget + 2 * region_size < region_size * region_count
+    ram_budget.saturating_add(2 * region_size) < region_size.saturating_mul(region_count)
 }
 
 /// The region size of the store in `data_dir`, from its superblock (see
@@ -1595,7 +1595,11 @@ impl ChunkStore {
             self.file_lock.lock().take();
             return Ok(FlushReport::default());
         }
-        let end = Instant::now() + deadline;
+        // A deadline past what an instant holds (centuries) is no deadline.
+        let now = Instant::now();
+        let end = now
+            .checked_add(deadline)
+            .unwrap_or(now + Duration::from_secs(86_400 * 365));
         let rewrites = || {
             self.inner
                 .counters

@@ -2841,3 +2841,18 @@ fn empty_chunks_are_bounded_by_the_ram_budget() {
     s.put(id(ns, 0), payload(0, max as usize)).unwrap();
     assert!(s.put(id(ns, 1), payload(1, max as usize + 1)).is_err());
 }
+
+/// A close deadline past what an instant holds is no deadline: the dirty
+/// set is written (QA: the daemon's `now + deadline` overflowed and
+/// panicked its stop with centuries of `shutdown-deadline`).
+#[test]
+fn a_close_deadline_of_centuries_flushes_and_does_not_panic() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = ChunkStore::open(config(dir.path())).unwrap();
+    let ns = s.register_namespace(&record(0)).unwrap();
+    s.put(id(ns, 1), payload(1, 4096)).unwrap();
+    let report = s.close(Duration::MAX).unwrap();
+    assert_eq!((report.chunks, report.failed), (1, 0), "{report:?}");
+    let s = ChunkStore::open(config(dir.path())).unwrap();
+    assert_eq!(s.get(&id(ns, 1)).unwrap().data, payload(1, 4096));
+}
