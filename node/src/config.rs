@@ -1046,7 +1046,10 @@ impl NodeConfig {
         }
         if self.peer_fetch_timeout.0 < MIN_USEFUL_FETCH_TIMEOUT {
             w.push(format!(
-                "peer-fetch-timeout {} is shorter than a fetch from a peer takes (a round trip                  and the chunk's transfer: a few ms for a few MiB): GETs of chunks that only                  peers hold will miss although LOOKUP reports them; use 100ms or more                  (default 2s)",
+                "peer-fetch-timeout {} is shorter than a fetch from a peer takes (a round trip \
+                 and the chunk's transfer: a few ms for a few MiB): GETs of chunks that only \
+                 peers hold will miss although LOOKUP reports them; use 100ms or more \
+                 (default 2s)",
                 self.peer_fetch_timeout,
             ));
         }

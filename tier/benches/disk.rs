@@ -290,7 +290,9 @@ fn bench(_c: &mut Criterion) {
             (vec![], vec![], vec![], vec![]);
         let (mut cold_fresh, mut cold_over, mut rd_cold) = (vec![], vec![], vec![]);
         let record = (chunk as u64 + 128).next_multiple_of(4096);
-        let big = (4 * MIB).max(record) as usize;
+        // A record's blocks: at most one block past its rounded length
+        // (a record starts 64-byte aligned, not block aligned).
+        let big = (4 * MIB).max(record + BLOCK) as usize;
         let mut hot = raw_bufs(1, big);
         let mut cold = raw_bufs(COLD_BUFS, big);
         let mut strategies = vec![];

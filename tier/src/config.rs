@@ -26,6 +26,10 @@ pub enum WritePolicy {
     Backpressure,
 }
 
+/// The largest [`TierConfig::ram_entry_cost`]: far above the real cost,
+/// far below the smallest RAM budget.
+const MAX_RAM_ENTRY_COST: u64 = 64 << 10;
+
 /// Configuration of a [`crate::ChunkStore`]. Field docs end with their default.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case", deny_unknown_fields, default)]
@@ -179,6 +183,14 @@ impl TierConfig {
             return Err(Error::Config(format!(
                 "ram-budget is {} bytes; the minimum is 1 MiB",
                 self.ram_budget
+            )));
+        }
+        if self.ram_entry_cost > MAX_RAM_ENTRY_COST {
+            return Err(Error::Config(format!(
+                "ram-entry-cost is {} bytes; the most is {MAX_RAM_ENTRY_COST} (the real \
+                 bookkeeping is {} bytes)",
+                self.ram_entry_cost,
+                crate::ram::ENTRY_COST
             )));
         }
         if self.region_size % BLOCK != 0

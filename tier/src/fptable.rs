@@ -48,8 +48,8 @@ pub(crate) fn prefetch<T>(p: *const T) {
         core::arch::x86_64::_mm_prefetch(p as *const i8, core::arch::x86_64::_MM_HINT_T0);
     }
     #[cfg(target_arch = "aarch64")]
-    // SAFETY: `prfm` is a hint: it reads no memory architecturally and
-    // never faults, even on invalid addresses; it touches no stack, flags or
+    // SAFETY: `prfm` is a hint with no architectural effect: it never
+    // faults, even on invalid addresses, and touches no stack, flags or
     // other registers. (`core::arch::aarch64::_prefetch` is not stable.)
     unsafe {
         core::arch::asm!(

@@ -101,7 +101,10 @@ fn process_key() -> u64 {
 /// of 8 keys shared one hash under every key. Folded, a difference spreads
 /// through carries that depend on the keyed state. The last round is a plain
 /// multiply, a bijection of the last word for a given state (tests mint
-/// colliding keys with it; a client cannot, not knowing the state). The low
+/// colliding keys with it; a client cannot, not knowing the state). So two
+/// keys that differ only in the last word's top bit get hashes that differ
+/// only in bits 63 and 31: one home slot, fingerprints one bit apart (a
+/// pair that probes together, never a false "present"). The low
 /// bits pick the home slot, the high 32 bits make the fingerprint (see
 /// [`crate::fptable`]). Shared with the RAM tier.
 #[inline]

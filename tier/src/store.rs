@@ -998,6 +998,14 @@ impl ChunkStore {
         &self.inner.config
     }
 
+    /// What the RAM budget charges a chunk of `len` payload bytes with a
+    /// name of `name_len` bytes: both, and its bookkeeping
+    /// (`TierConfig::ram_entry_cost`).
+    pub fn ram_charge(&self, len: u64, name_len: usize) -> u64 {
+        len.saturating_add(name_len as u64)
+            .saturating_add(self.inner.config.ram_entry_cost)
+    }
+
     /// The largest chunk payload a put accepts with a name of `name_len`
     /// bytes: the RAM budget, and with a disk what an empty region holds
     /// after the headers.
@@ -1174,7 +1182,8 @@ impl ChunkStore {
     /// all or none. Later, when any member is lost (its write failed, it was
     /// dropped unwritten, its region was reclaimed), the other members are
     /// dropped too. A plain put of a member's id takes it out of the group.
-    /// The whole group must fit in the RAM budget at once.
+    /// The whole group must fit in the RAM budget at once, each member
+    /// charged as RAM charges it ([`ChunkStore::ram_charge`]).
     pub fn put_atomic(&self, chunks: Vec<(ChunkId, Bytes)>) -> Result<()> {
         let inner = &self.inner;
         inner.check_writable("a put")?;
@@ -1185,7 +1194,7 @@ impl ChunkStore {
                 return Err(Error::UnknownNamespace(id.ns));
             }
             inner.check_fits_region(0, data.len())?;
-            total += data.len() as u64;
+            total = total.saturating_add(self.ram_charge(data.len() as u64, 0));
             if !ids.contains(id) {
                 ids.push(*id);
             }
@@ -1193,7 +1202,8 @@ impl ChunkStore {
         if total > inner.config.ram_budget {
             return Err(Error::TooLarge {
                 len: total,
-                limit_name: "ram-budget (an atomic group must fit at once)",
+                limit_name: "ram-budget (an atomic group must fit at once, with the bookkeeping RAM \
+                             charges per chunk)",
                 limit: inner.config.ram_budget,
             });
         }

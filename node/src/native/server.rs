@@ -872,12 +872,19 @@ impl Connection {
                 ),
             ));
         }
-        let total: u64 = entries.iter().map(|e| e.len).sum();
+        // Each member as RAM charges it: its bytes and its bookkeeping.
+        let total = entries
+            .iter()
+            .fold(0u64, |t, e| t.saturating_add(store.ram_charge(e.len, 0)));
         let budget = store.config().ram_budget;
         if atomic && total > budget {
             return Err((
                 ErrorCode::TooLarge,
-                format!("atomic PUT of {total} bytes exceeds ram-budget ({budget} bytes)"),
+                format!(
+                    "atomic PUT of {} chunks, {total} bytes with the bookkeeping RAM charges \
+                     per chunk, exceeds ram-budget ({budget} bytes)",
+                    entries.len()
+                ),
             ));
         }
         // A chunk the store would refuse is refused before it is copied out
