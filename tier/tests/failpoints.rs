@@ -48,7 +48,8 @@ const MIB: u64 = 1 << 20;
 fn cfg(dir: &std::path::Path) -> TierConfig {
     TierConfig {
         data_dir: dir.to_path_buf(),
-        ram_budget: 4 * MIB,
+        // 4 MiB of payloads, and the bookkeeping RAM charges per chunk.
+        ram_budget: 4 * MIB + 16 * tier::ram::ENTRY_COST,
         disk_budget: 8 * MIB,
         region_size: MIB,
         idle_flush_after: Duration::from_secs(3600),
