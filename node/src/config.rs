@@ -633,7 +633,7 @@ impl NodeConfig {
             ));
         }
         if self.region_size.0 < (1 << 20)
-            || self.region_size.0 > MAX_REGION_SIZE
+            || self.region_size.0 > tier::config::MAX_REGION_SIZE
             || self.region_size.0 % 4096 != 0
         {
             return Err(bad(
@@ -1636,12 +1636,9 @@ fn load_with(sources: &ConfigSources, env: &Environment, store_only: bool) -> Re
 /// chunk from a peer completes in time.
 const MIN_USEFUL_FETCH_TIMEOUT: std::time::Duration = std::time::Duration::from_millis(10);
 
-/// The largest `region-size` (the store's own limit).
-const MAX_REGION_SIZE: u64 = 1 << 30;
-
-/// The longest `shutdown-deadline`: a stop's deadline is an instant, and
-/// humantime takes centuries (`now + d` overflowed and panicked the stop,
-/// losing the dirty set: QA).
+/// The longest `shutdown-deadline` (humantime takes centuries: such a
+/// deadline once overflowed an instant and panicked the stop, losing the
+/// dirty set: QA).
 const MAX_SHUTDOWN_DEADLINE: std::time::Duration = std::time::Duration::from_secs(86_400);
 
 /// `region-size` of a new store with a disk budget of 2 GiB or more.

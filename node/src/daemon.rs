@@ -633,11 +633,7 @@ impl NodeHandle {
     /// shutdown deadline and closes the store. Returns after every task has
     /// finished.
     pub async fn shutdown(mut self) -> Result<RunSummary> {
-        // The config caps the deadline at a day; a far one never overflows.
-        let now = Instant::now();
-        let deadline = now
-            .checked_add(self.config.shutdown_deadline.0)
-            .unwrap_or(now + Duration::from_secs(86_400 * 365));
+        let started = Instant::now();
         tracing::info!(
             deadline = %self.config.shutdown_deadline,
             "shutting down: stopping servers, then flushing dirty chunks"
@@ -678,7 +674,11 @@ impl NodeHandle {
             // the store goes away.
             c.shutdown(Duration::from_secs(1)).await;
         }
-        let remaining = deadline.saturating_duration_since(Instant::now());
+        let remaining = self
+            .config
+            .shutdown_deadline
+            .0
+            .saturating_sub(started.elapsed());
         let store = Arc::clone(&self.ctx.store);
         tracing::info!(
             dirty_bytes = store.stats().dirty_bytes,

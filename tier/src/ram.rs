@@ -139,14 +139,6 @@ pub struct RamEntry {
     pub inserted: Instant,
 }
 
-impl RamEntry {
-    /// Bytes of its payload and name (the budget charges
-    /// [`RamCache::charge_of`]: these plus the entry's bookkeeping).
-    pub fn stored_bytes(&self) -> u64 {
-        stored(&self.data, self.name.as_ref())
-    }
-}
-
 /// An entry pushed out of the cache; the caller writes it to disk if dirty.
 #[derive(Clone, Debug)]
 pub struct Evicted {
@@ -166,8 +158,8 @@ pub const ENTRY_COST: u64 =
     (size_of::<Option<Node>>() + size_of::<ChunkId>() + size_of::<crate::fptable::Slot>() + 32)
         as u64;
 
-fn stored(data: &Bytes, name: Option<&Bytes>) -> u64 {
-    (data.len() + name.map_or(0, |n| n.len())) as u64
+fn name_len(name: Option<&Bytes>) -> u64 {
+    name.map_or(0, |n| n.len() as u64)
 }
 
 /// Advises huge pages for the whole buffer of `v` (see [`advise_huge`]).
@@ -505,11 +497,17 @@ impl RamCache {
         self
     }
 
-    /// What the budget charges for `e`: its payload and name plus its
-    /// bookkeeping.
+    /// What the budget charges a chunk of `len` payload bytes with a name
+    /// of `name_len` bytes: both, and its bookkeeping.
+    #[inline]
+    pub fn charge(&self, len: u64, name_len: u64) -> u64 {
+        len.saturating_add(name_len).saturating_add(self.entry_cost)
+    }
+
+    /// [`RamCache::charge`] of `e`.
     #[inline]
     pub fn charge_of(&self, e: &RamEntry) -> u64 {
-        e.stored_bytes() + self.entry_cost
+        self.charge(e.data.len() as u64, name_len(e.name.as_ref()))
     }
 
     /// Splits an id's hash into its shard (the lowest bits) and the hash
@@ -667,11 +665,11 @@ impl RamCache {
         dirty: bool,
         only_if: Option<AbsentMark>,
     ) -> Result<(Option<u64>, Vec<Evicted>), crate::Error> {
-        let size = stored(&data, name.as_ref()).saturating_add(self.entry_cost);
+        let name_len = name_len(name.as_ref());
+        let size = self.charge(data.len() as u64, name_len);
         if size > self.budget {
             // The payload against what the budget leaves it: less the name
             // (a RESP value's key) and the entry's bookkeeping.
-            let name_len = name.as_ref().map_or(0, |n| n.len() as u64);
             return Err(crate::Error::TooLarge {
                 len: data.len() as u64,
                 limit_name: if name.is_some() {
@@ -679,7 +677,7 @@ impl RamCache {
                 } else {
                     "ram-budget less the bookkeeping RAM charges per chunk"
                 },
-                limit: self.budget.saturating_sub(self.entry_cost + name_len),
+                limit: self.budget.saturating_sub(self.charge(0, name_len)),
             });
         }
         let (slot, hash) = self.locate(&id);

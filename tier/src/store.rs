@@ -1002,8 +1002,7 @@ impl ChunkStore {
     /// name of `name_len` bytes: both, and its bookkeeping
     /// (`TierConfig::ram_entry_cost`).
     pub fn ram_charge(&self, len: u64, name_len: usize) -> u64 {
-        len.saturating_add(name_len as u64)
-            .saturating_add(self.inner.config.ram_entry_cost)
+        self.inner.ram.charge(len, name_len as u64)
     }
 
     /// The largest chunk payload a put accepts with a name of `name_len`
@@ -1015,7 +1014,7 @@ impl ChunkStore {
             .inner
             .config
             .ram_budget
-            .saturating_sub(self.inner.config.ram_entry_cost + name_len as u64);
+            .saturating_sub(self.ram_charge(0, name_len));
         match &self.inner.disk {
             Some(d) => ram.min(crate::writer::max_payload_len(d.region_size, name_len)),
             None => ram,
