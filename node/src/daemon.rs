@@ -238,8 +238,13 @@ pub struct StartupInfo {
     pub direct_io: bool,
     /// RAM budget.
     pub ram_budget: ByteSize,
-    /// Disk budget.
+    /// Disk budget: the store file's bytes (whole regions; 0 without a
+    /// disk).
     pub disk_budget: ByteSize,
+    /// Regions in the store file and their size (0 without a disk).
+    pub disk_regions: u64,
+    /// Bytes per region.
+    pub region_size: ByteSize,
     /// The largest chunk a put accepts (unnamed): the RAM budget, and with
     /// a disk what one region holds after its headers.
     pub max_chunk: ByteSize,
@@ -260,7 +265,7 @@ impl StartupInfo {
             self.chunks,
             ByteSize(self.bytes).approx(),
             self.ram_budget.approx(),
-            self.disk_budget.approx(),
+            self.disk_summary(),
             if self.direct_io { "on" } else { "off" },
             self.max_chunk.approx_floor(),
             self.addrs.socket.display(),
@@ -282,6 +287,21 @@ impl StartupInfo {
             None => s.push_str("  peers      off (single node)\n"),
         }
         s
+    }
+
+    /// The disk budget as the store holds it: its size and its regions
+    /// (a configured budget that is not a whole number of regions is
+    /// rounded down to one).
+    fn disk_summary(&self) -> String {
+        if self.disk_regions == 0 {
+            return "0 B (RAM only)".into();
+        }
+        format!(
+            "{} ({} × {} regions)",
+            self.disk_budget.approx(),
+            self.disk_regions,
+            self.region_size.approx()
+        )
     }
 }
 
@@ -577,6 +597,8 @@ pub async fn start(config: NodeConfig) -> Result<NodeHandle> {
         direct_io: stats.direct_io,
         ram_budget: config.ram_budget,
         disk_budget: ByteSize(stats.disk_budget),
+        disk_regions: stats.disk_regions,
+        region_size: ByteSize(stats.region_size),
         max_chunk: ByteSize(ctx.store.max_chunk_len(0)),
         addrs,
     };
@@ -772,6 +794,7 @@ pub async fn run(config: NodeConfig, shutdown: impl Future<Output = ()>) -> Resu
             direct_io = st.direct_io,
             ram_budget = st.ram_budget.0,
             disk_budget = st.disk_budget.0,
+            disk_regions = st.disk_regions,
             max_chunk = st.max_chunk.0,
             socket = %st.addrs.socket.display(),
             resp = %st.addrs.resp.map_or_else(|| "off".to_string(), |a| a.to_string()),
@@ -925,6 +948,32 @@ mod tests {
         ] {
             assert_eq!(redis_cli_hint(addr.parse().expect("addr")), want, "{addr}");
         }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_summary_states_the_disk_budget_the_store_holds() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let mut cfg = test_config(dir.path());
+        // 18 MiB is not a whole number of 4 MiB regions: the file holds 16.
+        cfg.disk_budget = Some(ByteSize::mib(18));
+        let node = start(cfg.clone()).await.expect("start");
+        let render = node.startup().render();
+        assert!(
+            render.contains("disk budget 16.0 MiB (4 × 4.0 MiB regions)"),
+            "{render}"
+        );
+        let file = std::fs::metadata(cfg.data_dir.join(crate::config::STORE_FILE)).expect("file");
+        assert_eq!(file.len(), 16 << 20);
+        assert_eq!(node.startup().disk_budget.0, file.len());
+        node.shutdown().await.expect("shutdown");
+
+        let mut ram_only = test_config(dir.path());
+        ram_only.data_dir = dir.path().join("ram-only");
+        ram_only.disk_budget = Some(ByteSize(0));
+        let node = start(ram_only).await.expect("start");
+        let render = node.startup().render();
+        assert!(render.contains("disk budget 0 B (RAM only)"), "{render}");
+        node.shutdown().await.expect("shutdown");
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -433,7 +433,9 @@ pub struct StoreStats {
     pub disk_chunks: u64,
     /// Payload bytes on disk.
     pub disk_bytes: u64,
-    /// Disk budget.
+    /// Disk budget: with a disk, the bytes of the store file (whole
+    /// regions, so up to a region less than a configured budget that is
+    /// not a multiple of the region size); without one, the configured 0.
     pub disk_budget: u64,
     /// GET hits served from RAM.
     pub hits_ram: u64,
@@ -492,6 +494,8 @@ pub struct StoreStats {
     pub disk_poisoned: bool,
     /// Regions in the store file.
     pub disk_regions: u64,
+    /// Bytes per region (0 without a disk).
+    pub region_size: u64,
     /// Bytes of RAM used by the disk index.
     pub index_bytes: u64,
     /// fdatasyncs issued by the disk writer (flushes, region seals and
@@ -1504,6 +1508,8 @@ impl ChunkStore {
             s.direct_io = d.dev.direct_io();
             s.disk_poisoned = d.poisoned().is_some();
             s.disk_regions = u64::from(d.region_count);
+            s.region_size = d.region_size;
+            s.disk_budget = d.region_size.saturating_mul(s.disk_regions);
         }
         s.writer_queue_depth = i.tx.as_ref().map_or(0, |t| t.len() as u64)
             + i.overflow.lock().as_ref().map_or(0, |o| o.len() as u64);
