@@ -411,7 +411,9 @@ fn render_table(doc: &serde_json::Value) -> String {
             other => {
                 let mut text = other.to_string();
                 // Byte counts are easier to read with a unit.
-                if (prefix.ends_with("bytes") || prefix.ends_with("budget"))
+                if (prefix.ends_with("bytes")
+                    || prefix.ends_with("budget")
+                    || prefix.ends_with("_size"))
                     && let Some(n) = other.as_u64()
                 {
                     // A limit rounds down, as the start-up summary's: a
