@@ -203,7 +203,7 @@ fn write_fixture(dir: &Path) {
 /// With `KVTIER_BLESS=1`, (re)writes the fixture (every file of the data
 /// dir except the lock).
 fn bless_if_asked() {
-    if !std::env::var_os("KVTIER_BLESS").is_some_and(|v| v == "1") {
+    if std::env::var_os("KVTIER_BLESS").is_none_or(|v| v != "1") {
         return;
     }
     let tmp = tempfile::tempdir().expect("temp dir");
