@@ -482,6 +482,10 @@ impl Disk {
             .sum();
         let mut index = Index::with_capacity(total.min(MAX_INDEX_HINT) as usize);
         let mut txns: HashMap<u64, (u32, Vec<ChunkId>)> = HashMap::new();
+        // What each member's id mapped to before its group's entry was
+        // applied (the first time), so that a group found incomplete rolls
+        // its members back to what came before it instead of dropping them.
+        let mut before: HashMap<(ChunkId, u64), Option<Location>> = HashMap::new();
         let mut rec = Recovered {
             regions: Vec::new(),
             unsealed: Vec::new(),
@@ -503,6 +507,7 @@ impl Disk {
                 if !t.1.contains(&id) {
                     t.1.push(id);
                 }
+                before.entry((id, e.txn)).or_insert_with(|| index.get(&id));
             }
             index.insert(
                 id,
@@ -606,12 +611,29 @@ impl Disk {
             // Open (not sealed): the writer appends to it.
             regions[u.r as usize] = (u.generation, false);
         }
-        // Atomic groups: hide every member of a group that is not complete.
-        for (txn, (size, members)) in txns {
-            if members.len() as u32 != size {
-                for id in members {
-                    if index.get(&id).is_some_and(|l| l.txn == txn) {
-                        index.remove(&id);
+        // Atomic groups: a group not found whole is undone. Each member whose
+        // newest entry is that group's goes back to what it was before the
+        // group (an earlier version, or nothing), and further back while that
+        // too belongs to an incomplete group. Dropping the member instead
+        // broke the group before it: with {A, B} flushed, then {A', B'} of
+        // which only A' reached the disk, A was lost and B shown alone.
+        let incomplete: std::collections::HashSet<u64> = txns
+            .iter()
+            .filter(|(_, (size, members))| members.len() as u32 != *size)
+            .map(|(txn, _)| *txn)
+            .collect();
+        for txn in &incomplete {
+            for id in &txns[txn].1 {
+                let mut now = index.get(id);
+                while let Some(l) = now.filter(|l| incomplete.contains(&l.txn)) {
+                    now = before.get(&(*id, l.txn)).copied().flatten();
+                }
+                match now {
+                    Some(l) => {
+                        index.insert(*id, l);
+                    }
+                    None => {
+                        index.remove(id);
                     }
                 }
             }
