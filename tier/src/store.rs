@@ -590,6 +590,10 @@ pub trait ChunkObserver: Send + Sync {
     fn in_ram(&self, _id: &ChunkId, _in_ram: bool) {}
 }
 
+/// How long a member leaving its atomic group waits for room in the
+/// writer's queue to be written for the group ([`Inner::write_for_group`]).
+const FOR_GROUP_WAIT: Duration = Duration::from_millis(100);
+
 /// Live atomic groups: which chunks belong to which transaction.
 #[derive(Default)]
 struct Txns {
@@ -1220,17 +1224,23 @@ impl ChunkStore {
         }
         let size = ids.len() as u32;
         let _gate = inner.gate.write();
+        let mut keep = Vec::new();
         let txn = {
             let mut t = inner.txns.lock();
             let txn = t.next;
             t.next += 1;
             for id in &ids {
-                inner.leave_group(&mut t, id);
+                if let Some(k) = inner.leave_group(&mut t, id) {
+                    keep.push((*id, k));
+                }
                 t.of.insert(*id, (txn, size));
             }
             t.members.insert(txn, ids.clone());
             txn
         };
+        for (id, (old, old_size)) in keep {
+            inner.write_for_group(id, old, old_size);
+        }
         let mut evicted = Vec::new();
         let mut res = Ok(());
         let t = Instant::now();
@@ -1877,11 +1887,16 @@ impl Inner {
             return Err(Error::UnknownNamespace(id.ns));
         }
         self.check_fits_region(name.as_ref().map_or(0, |n| n.len()), data.len())?;
-        {
+        let keep = {
             let mut t = self.txns.lock();
             if t.of.contains_key(&id) {
-                self.leave_group(&mut t, &id);
+                self.leave_group(&mut t, &id)
+            } else {
+                None
             }
+        };
+        if let Some((txn, size)) = keep {
+            self.write_for_group(id, txn, size);
         }
         let mut evicted = Vec::new();
         let t = Instant::now();
@@ -1944,21 +1959,27 @@ impl Inner {
     /// left will never be written as one (QA: a group put, one member
     /// overwritten or deleted, then a flush and a clean stop, lost the other
     /// members at the restart). Once a member is queued the recorded size
-    /// is fixed; see docs/STATUS.md for what that leaves open.
-    fn leave_group(&self, t: &mut Txns, id: &ChunkId) {
-        if let Some((txn, _)) = t.of.remove(id) {
-            if let Some(m) = t.members.get_mut(&txn) {
-                m.retain(|x| x != id);
-                if m.is_empty() {
-                    t.members.remove(&txn);
-                    t.queued.remove(&txn);
-                } else if !t.queued.contains(&txn) {
-                    let size = m.len() as u32;
-                    for x in m.iter() {
-                        t.of.insert(*x, (txn, size));
-                    }
-                }
+    /// is fixed, and the leaving member's version is written for the group.
+    /// Returns `(txn, size)` when the group's size is fixed and others
+    /// remain: the caller then hands `id`'s version in the group to
+    /// [`Inner::write_for_group`] (outside the lock) before replacing it.
+    #[must_use]
+    fn leave_group(&self, t: &mut Txns, id: &ChunkId) -> Option<(u64, u32)> {
+        let (txn, size) = t.of.remove(id)?;
+        let m = t.members.get_mut(&txn)?;
+        m.retain(|x| x != id);
+        if m.is_empty() {
+            t.members.remove(&txn);
+            t.queued.remove(&txn);
+            None
+        } else if !t.queued.contains(&txn) {
+            let size = m.len() as u32;
+            for x in m.iter() {
+                t.of.insert(*x, (txn, size));
             }
+            None
+        } else {
+            Some((txn, size))
         }
     }
 
@@ -2395,6 +2416,15 @@ impl Inner {
         // Steps 1 and 2 under the index's write lock (then the cancel lock,
         // the order `finish` takes them in): nothing put after `t` can be
         // indexed before this removal, which would take it out.
+        // 0. out of its atomic group, its version in the group written for
+        //    the group first where that must be (before the tombstone).
+        let keep = {
+            let mut t = self.txns.lock();
+            self.leave_group(&mut t, id)
+        };
+        if let Some((txn, size)) = keep {
+            self.write_for_group(*id, txn, size);
+        }
         let mut on_disk = false;
         let t = match &self.disk {
             Some(d) => {
@@ -2412,10 +2442,6 @@ impl Inner {
         let in_ram = self.ram.remove_if(id, |e| e.inserted <= t).is_some();
         if let (Some(_), Some(tx)) = (&self.disk, &self.tx) {
             let _ = tx.send(Msg::Tombstone(*id, t));
-        }
-        {
-            let mut t = self.txns.lock();
-            self.leave_group(&mut t, id);
         }
         if notify && (in_ram || on_disk) {
             if let Some(o) = self.observer() {
@@ -2545,6 +2571,53 @@ impl Inner {
             txn_size,
             created_ms: crate::layout::now_ms(),
             ticket,
+            for_group: false,
+        }
+    }
+
+    /// Writes the version of `id` that its atomic group `txn` (of `size`
+    /// members as their entries record) holds, as `id` leaves the group,
+    /// when another member may already be on disk: without it recovery
+    /// would find the group short of a member and undo the rest (QA: a
+    /// group put, one member evicted and written, another overwritten or
+    /// deleted, then a flush and a clean stop lost the written member at
+    /// the restart). Written, never indexed; queued before the version or
+    /// tombstone that replaces it, so recovery applies that one after it.
+    /// Nothing to do when that version is on disk already, or is no longer
+    /// held (its group broke). Waits at most [`FOR_GROUP_WAIT`] for room
+    /// in the writer's queue, then gives up (counted in the log at debug:
+    /// the rest of the group is then undone at a restart, as before).
+    fn write_for_group(&self, id: ChunkId, txn: u64, size: u32) {
+        let (Some(d), Some(tx)) = (&self.disk, &self.tx) else {
+            return;
+        };
+        if d.index.read().get(&id).is_some_and(|l| l.txn == txn) {
+            return;
+        }
+        let Some(e) = self.ram.peek_any(&id).filter(|e| e.dirty) else {
+            return;
+        };
+        let job = Job {
+            id,
+            name: e.name,
+            data: e.data,
+            ram_seq: None,
+            after_cancel: false,
+            superseded: false,
+            spill_seq: None,
+            inserted: e.inserted,
+            _pending: PendingWrite::new(&self.pending, id),
+            txn,
+            txn_size: size,
+            created_ms: crate::layout::now_ms(),
+            ticket: None,
+            for_group: true,
+        };
+        if tx.send_timeout(Msg::Write(job), FOR_GROUP_WAIT).is_err() {
+            tracing::debug!(
+                txn,
+                "writer queue full: a member leaving its atomic group is not written for it"
+            );
         }
     }
 
@@ -2614,6 +2687,11 @@ impl Hooks for Inner {
     }
 
     fn wanted(&self, job: &mut Job) -> bool {
+        if job.for_group {
+            // Always written (its group's count needs it), never indexed.
+            job.superseded = true;
+            return true;
+        }
         // A flush's job of a version overwritten since the flush was called
         // (the new version need not reach the disk before the flush
         // returns): written all the same, never indexed, so that after a

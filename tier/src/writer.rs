@@ -66,6 +66,10 @@ pub(crate) struct Job {
     pub txn_size: u32,
     pub created_ms: u64,
     pub ticket: Option<Arc<Ticket>>,
+    /// A replaced or deleted member's version, written only so that its
+    /// atomic group is found whole at recovery; never indexed (see
+    /// `Inner::write_for_group`).
+    pub for_group: bool,
 }
 
 /// Counts one write job of `id` in the store's map of writes not done yet
