@@ -485,7 +485,7 @@ impl Disk {
         // What each member's id mapped to before its group's entry was
         // applied (the first time), so that a group found incomplete rolls
         // its members back to what came before it instead of dropping them.
-        let mut before: HashMap<(ChunkId, u64), Option<Location>> = HashMap::new();
+        let mut before: HashMap<(ChunkId, u64), Location> = HashMap::new();
         let mut rec = Recovered {
             regions: Vec::new(),
             unsealed: Vec::new(),
@@ -507,7 +507,13 @@ impl Disk {
                 if !t.1.contains(&id) {
                     t.1.push(id);
                 }
-                before.entry((id, e.txn)).or_insert_with(|| index.get(&id));
+                // Only an earlier location of another group (a rewrite of
+                // this group's version is not "before" it); no entry means
+                // nothing before, so first versions, the usual case, cost
+                // nothing here.
+                if let Some(prev) = index.get(&id).filter(|l| l.txn != e.txn) {
+                    before.entry((id, e.txn)).or_insert(prev);
+                }
             }
             index.insert(
                 id,
@@ -625,8 +631,15 @@ impl Disk {
         for txn in &incomplete {
             for id in &txns[txn].1 {
                 let mut now = index.get(id);
+                // Each step goes to an older group's entry; bounded all the
+                // same.
+                let mut steps = 0;
                 while let Some(l) = now.filter(|l| incomplete.contains(&l.txn)) {
-                    now = before.get(&(*id, l.txn)).copied().flatten();
+                    steps += 1;
+                    now = before
+                        .get(&(*id, l.txn))
+                        .copied()
+                        .filter(|_| steps <= incomplete.len());
                 }
                 match now {
                     Some(l) => {
