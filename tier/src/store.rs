@@ -2452,7 +2452,7 @@ impl Inner {
         // 0. out of its atomic group, its version in the group written for
         //    the group first where that must be (before the tombstone); all
         //    under the gate, as a put (see `put_inner`).
-        let _gate = self.gate.read();
+        let gate = self.gate.read();
         let keep = {
             let mut t = self.txns.lock();
             self.leave_group(&mut t, id)
@@ -2475,6 +2475,10 @@ impl Inner {
             None => Instant::now(),
         };
         let in_ram = self.ram.remove_if(id, |e| e.inserted <= t).is_some();
+        // Not held across the tombstone's send, which waits while the
+        // writer's queue is full (readers would wait behind a put_atomic
+        // waiting for the gate).
+        drop(gate);
         if let (Some(_), Some(tx)) = (&self.disk, &self.tx) {
             let _ = tx.send(Msg::Tombstone(*id, t));
         }
