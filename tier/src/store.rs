@@ -687,6 +687,9 @@ pub(crate) struct Inner {
     pending: Arc<Mutex<HashMap<ChunkId, u32>>>,
     // parking_lot: short sections on atomic puts and group breaks.
     txns: Mutex<Txns>,
+    /// Regions holding entries of live atomic groups written since the
+    /// open ([`Hooks::group_entries`]): a reclaim breaks those groups.
+    group_regions: Mutex<HashMap<u32, Vec<u64>>>,
     /// Held for writing while an atomic group is inserted into RAM, for
     /// reading by every read: a reader sees all of a group or none of it.
     /// parking_lot: never held across I/O.
@@ -928,6 +931,7 @@ impl ChunkStore {
             overflow_bytes: AtomicU64::new(0),
             pending: Arc::new(Mutex::new(HashMap::new())),
             txns: Mutex::new(txns),
+            group_regions: Mutex::new(HashMap::new()),
             gate: RwLock::new(()),
             closed: AtomicBool::new(false),
             recovery_micros: AtomicU64::new(0),
@@ -2845,7 +2849,30 @@ impl Hooks for Inner {
         self.ram.next_seq()
     }
 
-    fn reclaimed(&self, removed: Vec<(ChunkId, Location)>, ram_seq: u64) {
+    fn group_entries(&self, r: u32, mut txns: Vec<u64>) {
+        txns.sort_unstable();
+        txns.dedup();
+        let live = self.txns.lock();
+        txns.retain(|t| live.members.contains_key(t));
+        drop(live);
+        if !txns.is_empty() {
+            let mut m = self.group_regions.lock();
+            let v = m.entry(r).or_default();
+            v.extend(txns);
+            v.sort_unstable();
+            v.dedup();
+        }
+    }
+
+    fn reclaimed(&self, r: u32, removed: Vec<(ChunkId, Location)>, ram_seq: u64) {
+        // Groups with an entry in the region lose a member, also where
+        // that entry was not indexed (a member that left, written for its
+        // group): the rest goes now, as a restart would undo it (the
+        // region's indexed members break their groups below too).
+        let groups = self.group_regions.lock().remove(&r).unwrap_or_default();
+        for txn in groups {
+            self.break_group(txn);
+        }
         let obs = self.observer();
         // A chunk still in RAM and read since it got there lost only its
         // disk copy: it is marked dirty again ([`RamCache::mark_dirty`]), so
@@ -4353,6 +4380,51 @@ mod race_tests {
         drop(s);
         let (s, _) = open_on(dir.path(), file(dir.path(), 16 << 20), 1 << 20, NO_IDLE);
         assert_eq!(v(&s, b), Some(data(1, 2)[0]), "the older version came back");
+    }
+
+    /// A group whose member left (that member's version in the group on
+    /// disk, no longer indexed) loses it when the region holding it is
+    /// reclaimed: the rest goes at once, as a restart undoes it (it stayed
+    /// served until a restart dropped it).
+    #[test]
+    fn reclaiming_a_left_members_group_entry_breaks_the_group() {
+        const REGION: u64 = 64 * KIB as u64;
+        let dir = tempfile::tempdir().unwrap();
+        let (s, ns) = open_on(dir.path(), file(dir.path(), 6 * REGION), REGION, NO_IDLE);
+        let id = |n: u64| ChunkId::new(ns, key(n), 0);
+        let small = |n: u64| Bytes::from(vec![n as u8; 20_000]);
+        let (a, b) = (id(1), id(2));
+        s.put_atomic(vec![(a, small(1)), (b, small(2))]).unwrap();
+        write_now(&s, a); // A's version in the group, in the first region
+        let first = s.disk_location(&a).unwrap().0;
+        s.put(a, small(11)).unwrap(); // A leaves; its group entry stays on disk
+        assert!(s.disk_location(&a).is_none());
+        // Fillers until another region is open; B's version goes there.
+        let mut n = 100;
+        loop {
+            s.put(id(n), small(n)).unwrap();
+            write_now(&s, id(n));
+            n += 1;
+            if s.disk_location(&id(n - 1)).unwrap().0 != first {
+                break;
+            }
+        }
+        write_now(&s, b);
+        assert_ne!(s.disk_location(&b).unwrap().0, first);
+        assert!(s.get(&b).is_some());
+        // More until the first region is reclaimed.
+        while s.stats().region_evictions == 0 {
+            assert!(n < 400, "the first region was never reclaimed");
+            s.put(id(n), small(n)).unwrap();
+            write_now(&s, id(n));
+            n += 1;
+        }
+        assert!(s.get(&b).is_none(), "B outlived its group's entry of A");
+        s.close(Duration::from_secs(10)).unwrap();
+        drop(s);
+        let (s, _) = open_on(dir.path(), file(dir.path(), 6 * REGION), REGION, NO_IDLE);
+        assert!(s.get(&b).is_none(), "a restart agrees");
+        assert_eq!(s.get(&a).map(|h| h.data[0]), Some(11));
     }
 
     /// A job writes its version's group tag, not the tag of the group the

@@ -175,7 +175,10 @@ pub(crate) trait Hooks: Send + Sync {
     /// These entries left the index because their region was reclaimed;
     /// `ram_seq`: [`Hooks::ram_seq`] while they did (a RAM version from
     /// then on never had their disk copy).
-    fn reclaimed(&self, removed: Vec<(ChunkId, Location)>, ram_seq: u64);
+    fn reclaimed(&self, r: u32, removed: Vec<(ChunkId, Location)>, ram_seq: u64);
+    /// Region `r` now holds entries of these atomic groups (indexed or
+    /// not): reclaiming it takes a member from each.
+    fn group_entries(&self, r: u32, txns: Vec<u64>);
     /// A tombstone for `id` deleted at `at` was written, or (for
     /// [`Msg::Forget`]) every job queued before it is done: cancellations of
     /// `id` made at or before `at` are no longer needed.
@@ -1411,6 +1414,16 @@ impl Writer {
                 }
             }
         }
+        let txns: Vec<u64> = items
+            .iter()
+            .filter_map(|it| match it {
+                Item::Job(j) if j.txn != 0 => Some(j.txn),
+                _ => None,
+            })
+            .collect();
+        if !txns.is_empty() {
+            self.hooks.group_entries(r, txns);
+        }
         for it in items.iter() {
             match it {
                 Item::Job(j) => {
@@ -1675,7 +1688,7 @@ impl Writer {
             .region_evictions
             .fetch_add(1, Ordering::Relaxed);
         self.regions[r as usize] = (0, false);
-        self.hooks.reclaimed(removed, ram_seq);
+        self.hooks.reclaimed(r, removed, ram_seq);
     }
 }
 
