@@ -39,10 +39,6 @@ pub(crate) struct Ticket {
     pub failed: AtomicU64,
 }
 
-/// Size past which `Writer::packed_newest` is pruned to ids with jobs
-/// pending.
-const PACKED_NEWEST_PRUNE: usize = 4096;
-
 /// One chunk to write.
 pub(crate) struct Job {
     pub id: ChunkId,
@@ -97,19 +93,6 @@ impl PendingWrite {
             map: Arc::clone(map),
             id,
         }
-    }
-}
-
-impl PendingWrite {
-    /// Whether another job of the same id is pending besides this one.
-    fn others(&self) -> bool {
-        self.map.lock().get(&self.id).is_some_and(|n| *n > 1)
-    }
-
-    /// Drops from `packed` the ids with no job pending.
-    fn prune(&self, packed: &mut std::collections::HashMap<ChunkId, Instant>) {
-        let m = self.map.lock();
-        packed.retain(|id, _| m.contains_key(id));
     }
 }
 
@@ -245,17 +228,6 @@ pub(crate) struct Writer {
     /// and delete it at recovery. An entry goes once its id has no pending
     /// cancellation left (after a tombstone or forget is handled).
     newer: std::collections::HashMap<ChunkId, Instant>,
-    /// For ids with more than one write job pending: the newest `inserted`
-    /// of their jobs packed so far. A job of an older version that would be
-    /// written unindexed (`Job::superseded`: a flush's job of a version
-    /// overwritten since, or one written for its atomic group) and comes
-    /// after a newer version's is dropped: its record would follow the
-    /// newer one in the log and bring the older version back at recovery
-    /// (review: a flush that made its job after another flush had written
-    /// the newer version served the older one after a clean close). An
-    /// entry goes when a job of its id is packed as the only one pending;
-    /// the map is pruned to ids with jobs pending when it grows large.
-    packed_newest: std::collections::HashMap<ChunkId, Instant>,
     /// Jobs marked `after_cancel` packed and not yet written or failed, per
     /// id: a tombstone of that id waits for them before it is decided.
     unfinished: std::collections::HashMap<ChunkId, u32>,
@@ -450,7 +422,6 @@ impl Writer {
             packer: Packer::new(pack_helpers),
             abandoned: std::collections::HashSet::new(),
             newer: std::collections::HashMap::new(),
-            packed_newest: std::collections::HashMap::new(),
             unfinished: std::collections::HashMap::new(),
             retry_tombs: Vec::new(),
             journal,
@@ -948,23 +919,6 @@ impl Writer {
                 Item::Job(mut j) => {
                     if !self.hooks.wanted(&mut j) {
                         continue;
-                    }
-                    if j.superseded
-                        && self
-                            .packed_newest
-                            .get(&j.id)
-                            .is_some_and(|t| *t > j.inserted)
-                    {
-                        continue;
-                    }
-                    if j._pending.others() {
-                        let t = self.packed_newest.entry(j.id).or_insert(j.inserted);
-                        *t = (*t).max(j.inserted);
-                        if self.packed_newest.len() > PACKED_NEWEST_PRUNE {
-                            j._pending.prune(&mut self.packed_newest);
-                        }
-                    } else {
-                        self.packed_newest.remove(&j.id);
                     }
                     // A version put after a pending cancellation of its id:
                     // counted until written (`finish`) or failed.
