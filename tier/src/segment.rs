@@ -481,7 +481,9 @@ impl Disk {
             .filter_map(|(_, _, s)| s.map(|s| u64::from(s.entry_count).min(per_region)))
             .sum();
         let mut index = Index::with_capacity(total.min(MAX_INDEX_HINT) as usize);
-        let mut txns: HashMap<u64, (u32, Vec<ChunkId>)> = HashMap::new();
+        // Per group: the size its entries record and the distinct members
+        // found (an id counted once, however often its version was written).
+        let mut txns: HashMap<u64, (u32, u32)> = HashMap::new();
         // What each member's id mapped to before its group's entry was
         // applied (the first time), so that a group found incomplete rolls
         // its members back to what came before it instead of dropping them.
@@ -503,15 +505,18 @@ impl Disk {
             }
             if e.txn != 0 {
                 *max_txn = (*max_txn).max(e.txn);
-                let t = txns.entry(e.txn).or_insert((e.txn_size, Vec::new()));
-                if !t.1.contains(&id) {
-                    t.1.push(id);
+                let prev = index.get(&id);
+                // A rewrite of this group's version (the id's newest entry is
+                // already the group's) is not another member.
+                let again = prev.is_some_and(|l| l.txn == e.txn);
+                let t = txns.entry(e.txn).or_insert((e.txn_size, 0));
+                if !again {
+                    t.1 += 1;
                 }
-                // Only an earlier location of another group (a rewrite of
-                // this group's version is not "before" it); no entry means
+                // Only an earlier location of another group; no entry means
                 // nothing before, so first versions, the usual case, cost
                 // nothing here.
-                if let Some(prev) = index.get(&id).filter(|l| l.txn != e.txn) {
+                if let Some(prev) = prev.filter(|_| !again) {
                     before.entry((id, e.txn)).or_insert(prev);
                 }
             }
@@ -625,11 +630,20 @@ impl Disk {
         // which only A' reached the disk, A was lost and B shown alone.
         let incomplete: std::collections::HashSet<u64> = txns
             .iter()
-            .filter(|(_, (size, members))| members.len() as u32 != *size)
+            .filter(|(_, (size, found))| found != size)
             .map(|(txn, _)| *txn)
             .collect();
-        for txn in &incomplete {
-            for id in &txns[txn].1 {
+        let undo: Vec<ChunkId> = if incomplete.is_empty() {
+            Vec::new()
+        } else {
+            index
+                .iter()
+                .filter(|(_, l)| incomplete.contains(&l.txn))
+                .map(|(id, _)| *id)
+                .collect()
+        };
+        {
+            for id in &undo {
                 let mut now = index.get(id);
                 // Each step goes to an older group's entry; bounded all the
                 // same.

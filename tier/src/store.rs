@@ -17,7 +17,7 @@
 //! key, group, name, length, payload CRC) and any failure is a miss, a
 //! `verify_failures` count and a log line.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::thread::JoinHandle;
@@ -592,18 +592,22 @@ pub trait ChunkObserver: Send + Sync {
 
 /// Live atomic groups: which chunks belong to which transaction.
 #[derive(Default)]
+///
+/// hashbrown's foldhash rather than SipHash: the maps are rebuilt from the
+/// whole index at every open (a store of 1M chunks in groups of two spent
+/// most of its recovery here).
 struct Txns {
     next: u64,
-    members: HashMap<u64, Vec<ChunkId>>,
+    members: hashbrown::HashMap<u64, Vec<ChunkId>>,
     /// Each member's group and the group's size as its entry records it.
-    of: HashMap<ChunkId, (u64, u32)>,
+    of: hashbrown::HashMap<ChunkId, (u64, u32)>,
     /// Groups with an entry that may be on disk (a write job was made for
     /// a member, or recovery found one): their recorded size is fixed.
-    queued: HashSet<u64>,
+    queued: hashbrown::HashSet<u64>,
     /// When each group put since the open was registered: a version of a
     /// member inserted before that is not the group's (a flush's late job
     /// of an older version), and is written without the group's tag.
-    since: HashMap<u64, Instant>,
+    since: hashbrown::HashMap<u64, Instant>,
 }
 
 impl Txns {
@@ -895,16 +899,19 @@ impl ChunkStore {
                     txns.members.entry(loc.txn).or_default().push(*id);
                 }
             }
-            let sizes: Vec<(u64, u32)> = txns
-                .members
-                .iter()
-                .map(|(t, m)| (*t, m.len() as u32))
-                .collect();
-            for (t, n) in sizes {
-                for id in txns.members[&t].clone() {
-                    txns.of.insert(id, (t, n));
+            let Txns {
+                members,
+                of,
+                queued,
+                ..
+            } = &mut txns;
+            of.reserve(members.values().map(Vec::len).sum());
+            queued.reserve(members.len());
+            for (t, m) in members.iter() {
+                for id in m {
+                    of.insert(*id, (*t, m.len() as u32));
                 }
-                txns.queued.insert(t);
+                queued.insert(*t);
             }
         }
         txns.next = txns.next.max(1);
