@@ -1926,17 +1926,7 @@ impl Inner {
         // this id landed after the put, a group whole in RAM and short on
         // disk).
         let gate = self.gate.read();
-        let keep = {
-            let mut t = self.txns.lock();
-            if t.of.contains_key(&id) {
-                self.leave_group(&mut t, &id)
-            } else {
-                None
-            }
-        };
-        if let Some((txn, size)) = keep {
-            self.write_for_group(id, txn, size);
-        }
+        self.leave_group_now(&id);
         let mut evicted = Vec::new();
         let t = Instant::now();
         let inserted = self.ram_insert(id, name, data, &mut evicted);
@@ -2021,6 +2011,21 @@ impl Inner {
         } else {
             Some((txn, size))
         }
+    }
+
+    /// Takes `id` out of its atomic group, if any, and writes its version
+    /// in the group for the group first where [`Inner::leave_group`] says
+    /// so (a put or delete replacing it; the caller holds the gate).
+    fn leave_group_now(&self, id: &ChunkId) {
+        let keep = self.leave_group(&mut self.txns.lock(), id);
+        if let Some((txn, size)) = keep {
+            self.write_for_group(*id, txn, size);
+        }
+    }
+
+    /// Whether `id` is a member of a live atomic group.
+    fn in_group(&self, id: &ChunkId) -> bool {
+        self.txns.lock().of.contains_key(id)
     }
 
     /// Drops every remaining member of `txn` (one member was lost).
@@ -2460,13 +2465,7 @@ impl Inner {
         //    the group first where that must be (before the tombstone); all
         //    under the gate, as a put (see `put_inner`).
         let gate = self.gate.read();
-        let keep = {
-            let mut t = self.txns.lock();
-            self.leave_group(&mut t, id)
-        };
-        if let Some((txn, size)) = keep {
-            self.write_for_group(*id, txn, size);
-        }
+        self.leave_group_now(id);
         let mut on_disk = false;
         let t = match &self.disk {
             Some(d) => {
@@ -2537,7 +2536,7 @@ impl Inner {
                 // A group's version now: the walk's version is written
                 // (unindexed) as before; should the newer group be
                 // incomplete at recovery, that is what the flush promised.
-                Some(c) if c.seq != seq && self.txns.lock().of.contains_key(&id) => e,
+                Some(c) if c.seq != seq && self.in_group(&id) => e,
                 Some(c) if c.dirty => c,
                 _ => continue,
             };
@@ -2787,10 +2786,7 @@ impl Hooks for Inner {
                 // Not where the newer version is a group's: should that
                 // group turn out incomplete at recovery, this version is
                 // what the flush promised (review).
-                if newer_in_ram
-                    && cur.is_some_and(|e| !e.dirty)
-                    && !self.txns.lock().of.contains_key(&job.id)
-                {
+                if newer_in_ram && cur.is_some_and(|e| !e.dirty) && !self.in_group(&job.id) {
                     // The newer version is on disk already: this one would
                     // follow it in the log and come back at recovery
                     // (review: a flush whose job was made late).
