@@ -497,7 +497,7 @@ def main():
     ap.add_argument("--workers", type=int, default=1)
     ap.add_argument("--epochs", type=int, default=10)
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--port", type=int, default=7620)
+    ap.add_argument("--port", type=int, default=7620, help="the daemon's HTTP port on 127.0.0.1 (0: any free one)")
     ap.add_argument("--evictions-only", type=int, default=0)
     ap.add_argument("--member-ops", type=int, default=1)
     ap.add_argument("--max-seconds", type=float, default=600)
@@ -511,6 +511,7 @@ def main():
     os.makedirs(a.rundir, exist_ok=True)
     rng = random.Random(a.seed)
     d = Daemon(a.rundir, dargs, a.port)
+    DAEMONS.append(d)
     flushing = mp.Value("i", 0)
     pipes, procs = [], []
     for w in range(a.workers):
@@ -645,8 +646,35 @@ def main():
         for k in tot:
             tot[k] += m[1][k]
     P(f"TOTAL {json.dumps({**tot, **counts, 'reclaim_seen': reclaim_seen, 'secs': round(time.time() - t_start, 1)})}")
+    if tot["violations"] or counts["term_bad_rc"]:
+        P(f"FAILED: see the VIOLATION lines of {a.rundir}/worker-*.log and {a.rundir}/parent.log")
+        return 1
+    return 0
+
+
+def run():
+    """main() with the daemon it started stopped on every way out (an
+    exception, a hung worker's timeout sending SIGTERM)."""
+    parent = os.getpid()
+
+    def on_term(signum, frame):
+        if os.getpid() != parent:
+            os._exit(1)  # a worker (forked with this handler)
+        raise SystemExit(f"chaos.py: signal {signum}")
+
+    signal.signal(signal.SIGTERM, on_term)
+    try:
+        return main()
+    finally:
+        d = DAEMONS[0] if DAEMONS else None
+        if d is not None and d.proc is not None and d.proc.poll() is None:
+            d.proc.kill()
+            d.proc.wait()
+
+
+DAEMONS = []
 
 
 if __name__ == "__main__":
     mp.set_start_method("fork")
-    main()
+    sys.exit(run())
