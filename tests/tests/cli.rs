@@ -2195,3 +2195,29 @@ fn get_writes_through_a_symlink_and_keeps_hard_links() {
     assert_eq!(std::fs::read(&target).expect("read"), b"chunk bytes");
     assert_eq!(std::fs::read(&other).expect("read"), b"chunk bytes");
 }
+
+/// A stop that cannot persist the namespaces' last-used times (here a
+/// directory planted under the manifest's temporary name, which even root
+/// cannot replace) warns once, not once per flush and again at close, and
+/// still exits 0 with the chunks flushed.
+#[test]
+fn a_stop_that_cannot_persist_last_used_times_warns_once() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let mut d = Daemon::start(dir.path(), &[], &[]).unwrap_or_else(|e| panic!("{e}"));
+    let mut c = d.client();
+    let ns = c.hello(&kvtier_tests::test_record(0)).expect("HELLO");
+    let (key, data) = kvtier_tests::chunk_bytes(330, 0);
+    assert_eq!(c.put_bytes(ns, 0, &[(key, &data)]).expect("PUT"), vec![0]);
+    drop(c);
+    let planted = d.data_dir.join("namespaces.json.tmp");
+    std::fs::create_dir_all(planted.join("x")).expect("plant a directory");
+    assert_eq!(d.stop_with(libc::SIGTERM).code(), Some(0), "{}", d.log());
+    let log = d.log();
+    assert_eq!(
+        log.matches("could not persist namespace last-used times")
+            .count(),
+        1,
+        "{log}"
+    );
+    assert!(log.contains("\"flushed_chunks\":1"), "{log}");
+}

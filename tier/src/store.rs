@@ -656,6 +656,10 @@ pub(crate) struct Inner {
     // parking_lot: only registration and manifest writes take it; it keeps
     // two manifest writers from racing.
     manifest_lock: Mutex<()>,
+    /// The last try to persist namespace last-used times failed: its
+    /// warning is not repeated (a stop tries in each flush and again at
+    /// close) until a try succeeds.
+    last_used_failing: AtomicBool,
     counters: Counters,
     // parking_lot: swapped rarely, read on every add/remove.
     observer: RwLock<Option<Arc<dyn ChunkObserver>>>,
@@ -926,6 +930,7 @@ impl ChunkStore {
             tx: has_disk.then_some(tx),
             namespaces: RwLock::new(namespaces),
             manifest_lock: Mutex::new(()),
+            last_used_failing: AtomicBool::new(false),
             counters: Counters::default(),
             observer: RwLock::new(None),
             cancel: Mutex::new(HashMap::new()),
@@ -1861,8 +1866,12 @@ impl Inner {
         if snap.is_empty() {
             return;
         }
-        if let Err(e) = manifest::store(&self.config.data_dir, &snap) {
-            tracing::warn!(error = %e, "could not persist namespace last-used times");
+        match manifest::store(&self.config.data_dir, &snap) {
+            Ok(()) => self.last_used_failing.store(false, Ordering::Relaxed),
+            Err(e) if self.last_used_failing.swap(true, Ordering::Relaxed) => {
+                tracing::debug!(error = %e, "could not persist namespace last-used times (again)");
+            }
+            Err(e) => tracing::warn!(error = %e, "could not persist namespace last-used times"),
         }
     }
 
