@@ -36,7 +36,7 @@ use crate::index::{Location, key_hash, seed};
 use crate::manifest::{self, NsEntry};
 use crate::ram::{AbsentMark, Evicted, RamCache, RamEntry, pipelined};
 use crate::segment::{Disk, ReadMiss};
-use crate::writer::{Hooks, Job, Msg, PendingWrite, Ticket, Writer};
+use crate::writer::{Hooks, Job, Msg, PendingMap, PendingWrite, Ticket, Writer};
 use crate::{ChunkId, ChunkKey, Error, GroupId, Namespace, NamespaceRecord, Result, Tier};
 
 /// Name of the store file inside the data dir.
@@ -688,7 +688,7 @@ pub(crate) struct Inner {
     overflow_bytes: AtomicU64,
     /// Write jobs not done yet (queued, packed or in flight), per id
     /// ([`PendingWrite`]). parking_lot: short sections.
-    pending: Arc<Mutex<HashMap<ChunkId, u32>>>,
+    pending: PendingMap,
     // parking_lot: short sections on atomic puts and group breaks.
     txns: Mutex<Txns>,
     /// Regions holding entries of live atomic groups written since the
@@ -937,7 +937,7 @@ impl ChunkStore {
             forget_later: Mutex::new(HashMap::new()),
             overflow: Mutex::new(Some(Vec::new())),
             overflow_bytes: AtomicU64::new(0),
-            pending: Arc::new(Mutex::new(HashMap::new())),
+            pending: PendingMap::default(),
             txns: Mutex::new(txns),
             group_regions: Mutex::new(HashMap::new()),
             gate: RwLock::new(()),
@@ -1776,7 +1776,11 @@ impl ChunkStore {
     /// Test hook: write jobs of `id` queued, packed or in flight.
     #[cfg(feature = "test_utils")]
     pub fn pending_writes(&self, id: &ChunkId) -> usize {
-        self.inner.pending.lock().get(id).map_or(0, |n| *n as usize)
+        self.inner
+            .pending
+            .lock()
+            .get(id)
+            .map_or(0, |n| n.jobs as usize)
     }
 
     /// Test hook: header length of the chunk `id` on disk.
@@ -2539,7 +2543,11 @@ impl Inner {
             // in turn (a send can wait), and a version put since may have
             // been written already, which this older one must not follow
             // in the log (review). Written since, or gone (deleted, or
-            // written and evicted): nothing to do.
+            // written and evicted): nothing to do. The job is counted
+            // first: a put after the read below sees it (`supersede`), and
+            // a newer version written meanwhile is remembered with the
+            // count (`Pending::written`, see `Hooks::wanted`).
+            let counted = PendingWrite::new(&self.pending, id);
             let seq = e.seq;
             let cur = match self.ram.peek_any(&id) {
                 // A group's version now: the walk's version is written
@@ -2556,7 +2564,7 @@ impl Inner {
             };
             covered.push((id, cur.seq));
             self.send_until(
-                Msg::Write(self.write_job(id, cur, held, Some(ticket.clone()))),
+                Msg::Write(self.write_job_counted(id, cur, held, Some(ticket.clone()), counted)),
                 deadline,
             )?;
         }
@@ -2620,6 +2628,20 @@ impl Inner {
     /// A write job for version `e` of `id` (flush, idle pass, eviction);
     /// `held` says what becomes of its RAM copy once written.
     fn write_job(&self, id: ChunkId, e: RamEntry, held: Held, ticket: Option<Arc<Ticket>>) -> Job {
+        let counted = PendingWrite::new(&self.pending, id);
+        self.write_job_counted(id, e, held, ticket, counted)
+    }
+
+    /// [`Inner::write_job`] with its count among `id`'s writes not done
+    /// yet taken already.
+    fn write_job_counted(
+        &self,
+        id: ChunkId,
+        e: RamEntry,
+        held: Held,
+        ticket: Option<Arc<Ticket>>,
+        counted: PendingWrite,
+    ) -> Job {
         // The size is read and the group marked queued in one step, so a
         // member leaving meanwhile cannot change the size under this job.
         let (txn, txn_size) = {
@@ -2639,7 +2661,7 @@ impl Inner {
             superseded: false,
             spill_seq: (held == Held::Spilled).then_some(e.seq),
             inserted: e.inserted,
-            _pending: PendingWrite::new(&self.pending, id),
+            _pending: counted,
             txn,
             txn_size,
             created_ms: crate::layout::now_ms(),
@@ -2801,6 +2823,18 @@ impl Hooks for Inner {
                     // (review: a flush whose job was made late).
                     return false;
                 }
+                // Also where that newer version was overwritten in turn
+                // (the newest dirty in RAM, not written yet): a crash then
+                // served this one where a flush had returned after the
+                // newer one.
+                if job.ram_seq.is_some_and(|seq| {
+                    self.pending
+                        .lock()
+                        .get(&job.id)
+                        .is_some_and(|p| p.written > seq)
+                }) {
+                    return false;
+                }
                 job.superseded = true;
                 return true;
             }
@@ -2843,6 +2877,15 @@ impl Hooks for Inner {
     fn written(&self, job: &Job) {
         if let Some(seq) = job.ram_seq {
             self.ram.mark_clean(&job.id, seq);
+        }
+        // Not a group's version: a flush's job of an older version that
+        // comes later is left out then (see `wanted`).
+        if job.txn == 0
+            && !job.for_group
+            && let Some(seq) = job.ram_seq.or(job.spill_seq)
+            && let Some(p) = self.pending.lock().get_mut(&job.id)
+        {
+            p.written = p.written.max(seq);
         }
         // The disk index has it now (the writer updates it first).
         if let Some(seq) = job.spill_seq {
@@ -4382,6 +4425,47 @@ mod race_tests {
             v(&s, b),
             Some(data(1, 2)[0]),
             "the older version came back after a clean close"
+        );
+    }
+
+    /// A flush's job of a version overwritten twice since it read it, the
+    /// middle version written (and flushed) meanwhile and the newest still
+    /// dirty in RAM, is dropped: written after the middle version it won at
+    /// recovery, so a crash served it although a flush had returned after
+    /// the middle one.
+    #[test]
+    fn a_flush_job_is_dropped_when_a_newer_version_was_written_and_overwritten() {
+        let dir = tempfile::tempdir().unwrap();
+        let crash = Arc::new(crate::testdev::CrashDevice::new(16 << 20));
+        let (s, ns) = open_on(dir.path(), crash.clone(), 1 << 20, NO_IDLE);
+        let a = ChunkId::new(ns, key(1), 0);
+        s.put(a, data(1, 1)).unwrap();
+        // A flush counts its job of A1, then reads A1 (`flush_inner`)...
+        let counted = PendingWrite::new(&s.inner.pending, a);
+        let first = s.inner.ram.peek(&a).unwrap();
+        // ...then, before its job reaches the writer, A2 is put and flushed
+        // by another call, and A3 is put (dirty in RAM).
+        s.put(a, data(1, 2)).unwrap();
+        s.flush().unwrap();
+        s.put(a, data(1, 3)).unwrap();
+        let ticket = Arc::new(Ticket::default());
+        s.inner
+            .send(Msg::Write(s.inner.write_job_counted(
+                a,
+                first,
+                Held::Resident,
+                Some(ticket.clone()),
+                counted,
+            )))
+            .unwrap();
+        s.inner.flush_marker(None).unwrap();
+        assert_eq!(v(&s, a), Some(data(1, 3)[0]));
+        let s = crash_reopen(dir.path(), s, &crash);
+        assert_eq!(
+            v(&s, a),
+            Some(data(1, 2)[0]),
+            "A2 was flushed, A3 never written: after a crash A must be A2 (A1 = {})",
+            data(1, 1)[0]
         );
     }
 

@@ -72,23 +72,38 @@ pub(crate) struct Job {
     pub for_group: bool,
 }
 
+/// An id's entry in the store's map of writes not done yet
+/// ([`PendingWrite`]).
+#[derive(Default)]
+pub(crate) struct Pending {
+    /// Write jobs of the id queued, packed or in flight.
+    pub jobs: u32,
+    /// The newest RAM version (sequence number) of the id that an untagged
+    /// job wrote while this entry lived: a flush's job of an older version
+    /// (overwritten since) then has nothing left to promise and is dropped
+    /// ([`Hooks::wanted`]), since it would follow that record in the log and
+    /// win at recovery. 0: none.
+    pub written: u64,
+}
+
+/// The store's map of writes not done yet, per id.
+pub(crate) type PendingMap = Arc<parking_lot::Mutex<std::collections::HashMap<ChunkId, Pending>>>;
+
 /// Counts one write job of `id` in the store's map of writes not done yet
 /// (queued, packed or in flight) until the job is dropped: after it was
 /// indexed, failed, skipped or not queued at all. A put of an id with a
 /// count asks for its older versions' writes to be cancelled
-/// (`Inner::supersede`).
+/// (`Inner::supersede`). A flush takes its count before it reads the
+/// version to write, so that a put after that read sees it.
 pub(crate) struct PendingWrite {
-    map: Arc<parking_lot::Mutex<std::collections::HashMap<ChunkId, u32>>>,
+    map: PendingMap,
     id: ChunkId,
 }
 
 impl PendingWrite {
     /// Counts a job of `id` in `map`.
-    pub(crate) fn new(
-        map: &Arc<parking_lot::Mutex<std::collections::HashMap<ChunkId, u32>>>,
-        id: ChunkId,
-    ) -> Self {
-        *map.lock().entry(id).or_default() += 1;
+    pub(crate) fn new(map: &PendingMap, id: ChunkId) -> Self {
+        map.lock().entry(id).or_default().jobs += 1;
         Self {
             map: Arc::clone(map),
             id,
@@ -100,8 +115,8 @@ impl Drop for PendingWrite {
     fn drop(&mut self) {
         let mut m = self.map.lock();
         if let Some(n) = m.get_mut(&self.id) {
-            *n -= 1;
-            if *n == 0 {
+            n.jobs -= 1;
+            if n.jobs == 0 {
                 m.remove(&self.id);
             }
         }
