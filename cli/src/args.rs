@@ -16,7 +16,8 @@ environment, which wins over the file, which wins over the built-in defaults. \
 `kvtier config check` prints the effective configuration.
 
 Exit codes: 0 ok, 1 error, 2 usage, 3 daemon unreachable, 4 not found / miss, \
-5 verification failures found. See docs/cli.md.";
+5 verification failures found, 130 `node start` stopped by a second signal before its flush \
+ended, 141 stdout closed early. See docs/cli.md.";
 
 /// kvtier: a per-node KV-cache tier (RAM over NVMe) for LLM inference engines.
 #[derive(Debug, Parser)]
@@ -25,6 +26,32 @@ pub struct Cli {
     /// The command.
     #[command(subcommand)]
     pub command: Command,
+}
+
+impl Cli {
+    /// Whether the command was asked for JSON on stdout (`--json`): an
+    /// error then prints `{"ok": false, ...}` there too.
+    pub fn json_output(&self) -> bool {
+        match &self.command {
+            Command::Config(ConfigCommand::Check(a)) => a.json,
+            Command::Stats(a) => a.json,
+            Command::Lookup(a) => a.json,
+            Command::Put(a) => a.json,
+            Command::Delete(a) => a.json,
+            Command::Flush(a) => a.json,
+            Command::Namespaces(a) => a.json,
+            Command::Verify(a) => a.json,
+            Command::Gc(a) => a.json,
+            Command::Peers(a) => a.json,
+            // `get` writes the chunk's bytes; `bench --json FILE` writes a
+            // file; the others print no JSON.
+            Command::Node(_)
+            | Command::Get(_)
+            | Command::Completions(_)
+            | Command::Bench(_)
+            | Command::Cert(_) => false,
+        }
+    }
 }
 
 /// The commands.

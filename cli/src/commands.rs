@@ -218,35 +218,9 @@ impl Signals {
 // -------------------------------------------------------------- config check
 
 /// `config check`; with `--json`, an invalid configuration prints
-/// `{"ok": false, "error": ..., "causes": [...]}` on stdout too (QA: stdout
-/// was empty, so a script parsing it got nothing to parse), the message on
-/// stderr and the exit code as without it.
+/// `{"ok": false, "error": ..., "causes": [...]}` on stdout too, as every
+/// command's `--json` does on an error (`crate::main_with`).
 fn config_check(args: &ConfigCheckArgs) -> Result<u8> {
-    let r = config_check_inner(args);
-    if args.json
-        && let Err(e) = &r
-        && !crate::StdoutClosed::is_broken_pipe(e)
-    {
-        // As stderr says it: a cause the message already quotes is left out.
-        let mut said = e.to_string();
-        let mut causes = Vec::new();
-        for cause in e.chain().skip(1).map(|c| c.to_string()) {
-            if !said.contains(&cause) {
-                causes.push(cause.clone());
-            }
-            said.push_str(&cause);
-        }
-        let doc = serde_json::json!({
-            "ok": false,
-            "error": e.to_string(),
-            "causes": causes,
-        });
-        outln!("{}", serde_json::to_string_pretty(&doc)?);
-    }
-    r
-}
-
-fn config_check_inner(args: &ConfigCheckArgs) -> Result<u8> {
     let loaded = load(&args.config)?;
     let (mut cfg, mut warnings) = resolved(&loaded)?;
     warnings.extend(cfg.access_warnings());
@@ -328,8 +302,13 @@ fn config_check_inner(args: &ConfigCheckArgs) -> Result<u8> {
     }
     if args.strict && !warnings.is_empty() {
         errln!(
-            "kvtier: error: config check --strict: {} warning(s), see above",
-            warnings.len()
+            "kvtier: error: config check --strict: {} warning(s), {}",
+            warnings.len(),
+            if args.json {
+                "listed under \"warnings\" in the JSON"
+            } else {
+                "see above"
+            }
         );
         return Ok(EXIT_ERROR);
     }

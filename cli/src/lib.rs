@@ -3,7 +3,7 @@
 //!
 //! Exit codes (documented in `docs/cli.md`): 0 ok, 1 error, 2 usage,
 //! 3 daemon unreachable, 4 not found / miss, 5 verification failures found,
-//! 141 stdout closed early.
+//! 130 `node start` stopped by a second signal, 141 stdout closed early.
 
 /// Writes a line to stdout like `println!`, but returns the error instead
 /// of panicking: a reader that went away (`kvtier stats | head -1`) ends the
@@ -134,6 +134,7 @@ pub fn main_with(bin: &'static str) -> ExitCode {
             return ExitCode::from(if e.use_stderr() { EXIT_USAGE } else { EXIT_OK });
         }
     };
+    let json = cli.json_output();
     match commands::run(cli) {
         Ok(code) => ExitCode::from(code),
         Err(err) if StdoutClosed::is_broken_pipe(&err) => ExitCode::from(EXIT_STDOUT_CLOSED),
@@ -149,6 +150,21 @@ pub fn main_with(bin: &'static str) -> ExitCode {
                 }
                 said.push_str(&cause);
             }
+            let code = exit_code_of(&err);
+            if json {
+                // A script parsing stdout gets a document there too (QA:
+                // stdout was empty but for `config check`); the message
+                // also goes to stderr, and the exit code is as without it.
+                use std::io::Write as _;
+                let doc = serde_json::json!({
+                    "ok": false,
+                    "error": err.to_string(),
+                    "causes": causes,
+                    "exit_code": code,
+                });
+                let text = serde_json::to_string_pretty(&doc).unwrap_or_default();
+                let _ = writeln!(std::io::stdout().lock(), "{text}");
+            }
             if node::logging::json_active() {
                 // `node start --log-format json`: stderr carries JSON lines only.
                 let line = node::logging::fatal_json_line(bin, &err.to_string(), &causes);
@@ -158,10 +174,31 @@ pub fn main_with(bin: &'static str) -> ExitCode {
                 for cause in &causes {
                     errln!("  caused by: {cause}");
                 }
+                if unknown_namespace(&err) {
+                    // The daemon's message speaks to protocol clients
+                    // ("send HELLO"); a CLI user registers with a flag.
+                    errln!(
+                        "  hint: `{bin} namespaces` lists the namespaces the daemon has; `{bin} put \
+                         --namespace-record FILE` registers one from its record"
+                    );
+                }
             }
-            ExitCode::from(exit_code_of(&err))
+            ExitCode::from(code)
         }
     }
+}
+
+/// Whether the daemon refused a request for a namespace it has no record of.
+fn unknown_namespace(err: &anyhow::Error) -> bool {
+    err.chain().any(|c| {
+        matches!(
+            c.downcast_ref(),
+            Some(node::native::NativeError::Remote {
+                code: node::native::codec::ErrorCode::UnknownNamespace,
+                ..
+            })
+        )
+    })
 }
 
 /// The exit code for an error: 2 for a usage error, 3 when the daemon is

@@ -36,10 +36,14 @@ const UNITS: &[(&str, u64)] = &[
     ("mib", 1 << 20),
     ("gib", 1 << 30),
     ("tib", 1 << 40),
+    ("pib", 1 << 50),
+    ("eib", 1 << 60),
     ("kb", 1_000),
     ("mb", 1_000_000),
     ("gb", 1_000_000_000),
     ("tb", 1_000_000_000_000),
+    ("pb", 1_000_000_000_000_000),
+    ("eb", 1_000_000_000_000_000_000),
     ("b", 1),
 ];
 
@@ -88,7 +92,7 @@ impl FromStr for ByteSize {
         let unit = unit.trim();
         let mult = if unit.is_empty() {
             1
-        } else if let [letter @ (b'k' | b'm' | b'g' | b't')] = unit.as_bytes() {
+        } else if let [letter @ (b'k' | b'm' | b'g' | b't' | b'p' | b'e')] = unit.as_bytes() {
             // systemd and the JVM read "8G" as GiB, SI as GB: a 7 % gap
             // either way, so the unit must say which.
             let l = (*letter as char).to_ascii_uppercase();
@@ -357,6 +361,11 @@ mod tests {
             ("+5GiB", "without a sign"),
             ("99999999999999999999", "too large"),
             ("20000000TiB", "too large"),
+            // Units past TiB exist, so a huge size says so (QA: "unknown
+            // unit \"EiB\"").
+            ("99999999EiB", "too large"),
+            ("16EiB", "too large"),
+            ("8P", "\"P\" is ambiguous"),
             ("1.5", "no fraction"),
             ("1.5B", "no fraction"),
             (
@@ -375,6 +384,12 @@ mod tests {
             assert!(e.contains(why), "{s}: {e}");
         }
         assert_eq!("1.0".parse::<ByteSize>().unwrap(), ByteSize(1));
+        assert_eq!("2PiB".parse::<ByteSize>().unwrap(), ByteSize(2 << 50));
+        assert_eq!("1EiB".parse::<ByteSize>().unwrap(), ByteSize(1 << 60));
+        assert_eq!(
+            "3PB".parse::<ByteSize>().unwrap(),
+            ByteSize(3_000_000_000_000_000)
+        );
     }
 
     #[test]

@@ -2221,3 +2221,82 @@ fn a_stop_that_cannot_persist_last_used_times_warns_once() {
     );
     assert!(log.contains("\"flushed_chunks\":1"), "{log}");
 }
+
+/// Every command's `--json` prints `{"ok": false, ...}` on stdout when it
+/// fails, with the exit code it returns (QA: stdout was empty but for
+/// `config check`, so a script piping it to a JSON parser got nothing),
+/// and the message on stderr as without `--json`; without `--json` stdout
+/// stays empty.
+#[test]
+fn json_commands_print_an_error_document_on_failure() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let sock = dir.path().join("none.sock");
+    let sock = sock.to_string_lossy().into_owned();
+    let data = dir.path().join("empty-data").to_string_lossy().into_owned();
+    let ns = "00112233445566778899aabbccddeeff";
+    let key = "00112233445566778899aabbccddeeff00112233445566778899aabbccddeeff";
+    let cases: Vec<(Vec<&str>, i32)> = vec![
+        (vec!["stats", "--socket", &sock], 3),
+        (vec!["flush", "--socket", &sock], 3),
+        (vec!["peers", "--socket", &sock], 3),
+        (vec!["lookup", "--socket", &sock, "--namespace", ns, key], 3),
+        (vec!["verify", "--data-dir", &data], 1),
+    ];
+    for (args, code) in cases {
+        let plain = run_kvtier(&args, &[]);
+        assert_eq!(
+            plain.status.code(),
+            Some(code),
+            "{args:?}: {}",
+            text_of(&plain)
+        );
+        assert!(plain.stdout.is_empty(), "{args:?}: {}", text_of(&plain));
+        let mut with = args.clone();
+        with.push("--json");
+        let out = run_kvtier(&with, &[]);
+        assert_eq!(out.status.code(), Some(code), "{with:?}: {}", text_of(&out));
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout)
+            .unwrap_or_else(|e| panic!("{with:?}: stdout is not JSON ({e}): {}", text_of(&out)));
+        assert_eq!(v["ok"], false, "{v}");
+        assert_eq!(v["exit_code"], code, "{v}");
+        let msg = v["error"].as_str().expect("error");
+        assert!(
+            text(&out.stderr).contains(msg),
+            "{with:?}: stderr lacks the message: {}",
+            text_of(&out)
+        );
+    }
+}
+
+/// A put into a namespace the daemon has no record of says how a CLI user
+/// registers one (QA: the daemon's own message says "send HELLO", which a
+/// CLI user cannot).
+#[test]
+fn a_put_into_an_unknown_namespace_hints_at_namespace_record() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let mut d = Daemon::start(dir.path(), &[], &[]).unwrap_or_else(|e| panic!("{e}"));
+    let file = dir.path().join("chunk.bin");
+    std::fs::write(&file, b"bytes").expect("write");
+    let sock = d.socket.to_string_lossy().into_owned();
+    let out = run_kvtier(
+        &[
+            "put",
+            &file.to_string_lossy(),
+            "--socket",
+            &sock,
+            "--namespace",
+            "ffffffffffffffffffffffffffffffff",
+            "--name",
+            "x",
+        ],
+        &[],
+    );
+    assert_eq!(out.status.code(), Some(1), "{}", text_of(&out));
+    let err = text(&out.stderr);
+    assert!(err.contains("unknown-namespace"), "{err}");
+    assert!(
+        err.contains("hint:") && err.contains("put --namespace-record FILE"),
+        "{err}"
+    );
+    assert_eq!(d.stop_with(libc::SIGTERM).code(), Some(0), "{}", d.log());
+}
