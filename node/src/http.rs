@@ -557,6 +557,12 @@ impl Collector for NodeCollector {
         )?;
         counter(
             &mut enc,
+            "evicted_chunks",
+            "Chunks that left this node to make room with no copy kept (RAM eviction without a disk copy, region reclaim of a chunk RAM did not hold)",
+            s.evicted_chunks,
+        )?;
+        counter(
+            &mut enc,
             "lost_writes",
             "Dirty chunks lost because their disk write failed after RAM evicted them",
             s.lost_writes,

@@ -472,6 +472,12 @@ pub struct StoreStats {
     /// Chunks whose disk copy was reclaimed (its region reused) while RAM
     /// held them clean: marked dirty again, so they are written anew.
     pub reclaimed_rewrites: u64,
+    /// Chunks that left this node to make room, no copy kept: evicted from
+    /// RAM with none on disk (a RAM-only store, or dropped unwritten), or
+    /// their region reclaimed while RAM did not hold them. What RESP's
+    /// `INFO` reports as `evicted_keys`; RAM evictions whose chunk stays on
+    /// disk are not counted.
+    pub evicted_chunks: u64,
     /// Reads that failed verification (CRC, identity, length) or I/O.
     pub verify_failures: u64,
     /// Region slots, summaries or batch records found damaged (bit rot) when
@@ -642,6 +648,7 @@ struct Counters {
     dropped_unwritten: AtomicU64,
     lost_writes: AtomicU64,
     reclaimed_rewrites: AtomicU64,
+    evicted_chunks: AtomicU64,
 }
 
 pub(crate) struct Inner {
@@ -1530,6 +1537,7 @@ impl ChunkStore {
             dropped_unwritten: c.dropped_unwritten.load(Ordering::Relaxed),
             lost_writes: c.lost_writes.load(Ordering::Relaxed),
             reclaimed_rewrites: c.reclaimed_rewrites.load(Ordering::Relaxed),
+            evicted_chunks: c.evicted_chunks.load(Ordering::Relaxed),
             recovery_micros: i.recovery_micros.load(Ordering::Relaxed),
             ..Default::default()
         };
@@ -2241,7 +2249,9 @@ impl Inner {
             // A store without a disk has no writer and inserts clean: only a
             // dirty chunk of a store with a disk goes on.
             let (true, Some(tx)) = (e.entry.dirty, &self.tx) else {
-                self.lost(&e.id);
+                if self.lost(&e.id) {
+                    self.counters.evicted_chunks.fetch_add(1, Ordering::Relaxed);
+                }
                 continue;
             };
             // Failpoint `tier::store::hand_off` (feature `failpoints`): a
@@ -2327,7 +2337,9 @@ impl Inner {
         if let Some(seq) = spill_seq {
             self.ram.unspill(id, seq);
         }
-        self.lost(id);
+        if self.lost(id) {
+            self.counters.evicted_chunks.fetch_add(1, Ordering::Relaxed);
+        }
     }
 
     /// The RAM half of a read: `Err(mark)` when the id is not in RAM (the
@@ -2959,6 +2971,7 @@ impl Hooks for Inner {
                 self.break_group(loc.txn);
             }
             if !self.ram.contains(&id) {
+                self.counters.evicted_chunks.fetch_add(1, Ordering::Relaxed);
                 if let Some(o) = &obs {
                     o.removed(&id);
                 }

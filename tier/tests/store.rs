@@ -1442,6 +1442,8 @@ fn ram_only_store_works_without_a_disk() {
     assert_eq!(st.puts, 13, "{st:?}");
     assert!(st.ram_evictions >= 4, "{st:?}");
     assert_eq!(st.dropped_unwritten, 0, "{st:?}");
+    // Every RAM eviction of a RAM-only store leaves the node.
+    assert_eq!(st.evicted_chunks, st.ram_evictions, "{st:?}");
     assert_eq!(s.flush().unwrap().failed, 0);
     assert!(s.get(&id(ns, 11)).is_some());
     assert!(s.get(&id(ns, 0)).is_none());
@@ -3036,4 +3038,39 @@ fn an_atomic_group_counts_the_bookkeeping_of_its_members() {
     for i in 0..4 {
         assert_eq!(s.get(&id(ns, i)).unwrap().data, payload(i, len));
     }
+}
+
+/// `evicted_chunks` (RESP's `evicted_keys`) counts chunks that left the node
+/// to make room: not a RAM eviction whose chunk stays on disk, but a chunk
+/// whose region was reclaimed while RAM did not hold it.
+#[test]
+fn evicted_chunks_counts_chunks_that_left_the_node_only() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = ChunkStore::open(config(dir.path())).unwrap();
+    let ns = s.register_namespace(&record(0)).unwrap();
+    // 4 MiB of RAM over 8 MiB of disk: the first chunks go to disk.
+    for n in 0..10 {
+        s.put(id(ns, n), payload(n, 512 * 1024)).unwrap();
+    }
+    s.flush().unwrap();
+    let gone = |upto: u64| {
+        (0..upto)
+            .filter(|n| s.locate(&id(ns, *n)).is_none())
+            .count() as u64
+    };
+    let st = s.stats();
+    assert_eq!(st.evicted_chunks, gone(10), "{st:?}");
+    assert!(
+        st.ram_evictions > st.evicted_chunks,
+        "chunks evicted from RAM and kept on disk are not counted: {st:?}"
+    );
+    // Far past the disk: regions are reclaimed and their oldest chunks go.
+    for n in 10..60 {
+        s.put(id(ns, n), payload(n, 512 * 1024)).unwrap();
+        s.flush().unwrap();
+    }
+    let st = s.stats();
+    assert!(st.region_evictions > 0, "{st:?}");
+    assert!(gone(60) > 10, "{st:?}");
+    assert_eq!(st.evicted_chunks, gone(60), "{st:?}");
 }

@@ -104,7 +104,7 @@ pub fn info_text(shared: &Shared, sections: &[Bytes], keys: Option<u64>) -> Stri
                     (st.hits_ram + st.hits_disk + st.hits_peer).to_string(),
                 ),
                 ("keyspace_misses".into(), st.misses.to_string()),
-                ("evicted_keys".into(), st.ram_evictions.to_string()),
+                ("evicted_keys".into(), st.evicted_chunks.to_string()),
                 ("kvtier_hits_ram".into(), st.hits_ram.to_string()),
                 ("kvtier_hits_disk".into(), st.hits_disk.to_string()),
                 ("kvtier_hits_peer".into(), st.hits_peer.to_string()),
