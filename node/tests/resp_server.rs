@@ -188,10 +188,24 @@ async fn basic_commands_reply_like_redis() {
         b"-ERR SET option 'EX' is not supported by kvtier: keys do not expire (the cache evicts by size)\r\n",
     )
     .await;
+    // Redis checks every option first, then the expiry's value (QA: these
+    // got the "not supported" error).
     rt(
         &mut c,
-        b"SELECT 0\r\nSELECT 1\r\nSELECT x\r\n",
-        b"+OK\r\n-ERR DB index is out of range\r\n-ERR value is not an integer or out of range\r\n",
+        b"SET k v KEEPTTL EX 5\r\nSET k v EX 5 KEEPTTL\r\nSET k v EX 5 PX 5\r\nSET k v EX abc\r\nSET k v EX 0\r\nSET k v EX\r\n",
+        b"-ERR syntax error\r\n-ERR syntax error\r\n-ERR syntax error\r\n-ERR value is not an integer or out of range\r\n-ERR invalid expire time in 'set' command\r\n-ERR syntax error\r\n",
+    )
+    .await;
+    rt(
+        &mut c,
+        b"SELECT 0\r\nSELECT 1\r\nSELECT x\r\nSELECT 99999999999\r\n",
+        b"+OK\r\n-ERR DB index is out of range\r\n-ERR value is not an integer or out of range\r\n-ERR value is out of range, value must between -2147483648 and 2147483647\r\n",
+    )
+    .await;
+    rt(
+        &mut c,
+        b"CLIENT NO-EVICT on\r\nCLIENT NO-EVICT maybe\r\nCLIENT NO-EVICT on x\r\nCLIENT NO-TOUCH OFF\r\nCLIENT SETINFO LIB-VER 1\r\nCLIENT SETINFO badattr x\r\nCLIENT SETINFO LIB-NAME\r\n",
+        b"+OK\r\n-ERR syntax error\r\n-ERR wrong number of arguments for 'client|no-evict' command\r\n+OK\r\n+OK\r\n-ERR Unrecognized option 'badattr'\r\n-ERR wrong number of arguments for 'client|setinfo' command\r\n",
     )
     .await;
     rt(

@@ -426,6 +426,12 @@ async fn dispatch(shared: &Shared, s: &mut Session, args: &[Bytes], out: &mut Ou
         }
         "select" => match super::parser::string_to_i64(&args[1]) {
             None => err(NOT_INTEGER),
+            // Redis reads the index as a C int first.
+            Some(n) if i32::try_from(n).is_err() => err(format!(
+                "value is out of range, value must between {} and {}",
+                i32::MIN,
+                i32::MAX
+            )),
             Some(0) => {
                 out.ok();
                 Ok(())
@@ -586,7 +592,24 @@ fn client(s: &mut Session, args: &[Bytes], out: &mut Output) -> Res {
             ];
             help_reply(out, &lines);
         }
-        b"setinfo" | b"no-evict" | b"no-touch" | b"tracking" if args.len() >= 3 => out.ok(),
+        b"no-evict" | b"no-touch" if args.len() == 3 => {
+            if !(args[2].eq_ignore_ascii_case(b"on") || args[2].eq_ignore_ascii_case(b"off")) {
+                return err(SYNTAX);
+            }
+            out.ok();
+        }
+        b"setinfo" if args.len() == 4 => {
+            if !(args[2].eq_ignore_ascii_case(b"lib-name")
+                || args[2].eq_ignore_ascii_case(b"lib-ver"))
+            {
+                return err(format!(
+                    "Unrecognized option '{}'",
+                    String::from_utf8_lossy(&args[2])
+                ));
+            }
+            out.ok();
+        }
+        b"tracking" if args.len() >= 3 => out.ok(),
         b"setinfo" | b"no-evict" | b"no-touch" | b"tracking" => {
             return Err(wrong_args(&format!(
                 "client|{}",
@@ -957,7 +980,10 @@ async fn del(shared: &Shared, args: &[Bytes], out: &mut Output) -> Res {
 
 async fn set(shared: &Shared, args: &[Bytes], out: &mut Output) -> Res {
     let (key, value) = (&args[1], &args[2]);
-    let (mut nx, mut xx, mut get_old) = (false, false, false);
+    let (mut nx, mut xx, mut get_old, mut keepttl) = (false, false, false, false);
+    // An expiry option and its value: checked as Redis does (every option
+    // first, then the value), then refused.
+    let mut expire: Option<(Vec<u8>, &Bytes)> = None;
     let mut i = 3;
     while i < args.len() {
         let opt = args[i].to_ascii_uppercase();
@@ -965,19 +991,28 @@ async fn set(shared: &Shared, args: &[Bytes], out: &mut Output) -> Res {
             b"NX" if !xx => nx = true,
             b"XX" if !nx => xx = true,
             b"GET" => get_old = true,
-            b"KEEPTTL" => {}
-            b"EX" | b"PX" | b"EXAT" | b"PXAT" => {
-                if i + 1 >= args.len() {
-                    return err(SYNTAX);
-                }
-                let o = String::from_utf8_lossy(&opt).into_owned();
-                return err(format!(
-                    "SET option '{o}' is not supported by kvtier: keys do not expire (the cache evicts by size)"
-                ));
+            b"KEEPTTL" if expire.is_none() => keepttl = true,
+            b"EX" | b"PX" | b"EXAT" | b"PXAT"
+                if !keepttl && expire.is_none() && i + 1 < args.len() =>
+            {
+                i += 1;
+                expire = Some((opt, &args[i]));
             }
             _ => return err(SYNTAX),
         }
         i += 1;
+    }
+    if let Some((opt, value)) = expire {
+        return match super::parser::string_to_i64(value) {
+            None => err(NOT_INTEGER),
+            Some(n) if n <= 0 => err("invalid expire time in 'set' command"),
+            Some(_) => {
+                let o = String::from_utf8_lossy(&opt).into_owned();
+                err(format!(
+                    "SET option '{o}' is not supported by kvtier: keys do not expire (the cache evicts by size)"
+                ))
+            }
+        };
     }
     if key.len() > MAX_KEY_LEN {
         return err(format!(
