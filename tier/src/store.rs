@@ -721,6 +721,12 @@ enum Held {
     Gone,
 }
 
+/// What a flush covers, walked when it is called ([`Inner::flush_walk`]).
+struct FlushWalk {
+    dirty: Vec<(ChunkId, RamEntry)>,
+    spilled: Vec<(ChunkId, u64)>,
+}
+
 /// A pending cancellation of an id's queued writes.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Cancel {
@@ -2049,6 +2055,18 @@ impl Inner {
         self.txns.lock().of.contains_key(id)
     }
 
+    /// The members of atomic group `txn` now, once a put_atomic in progress
+    /// has inserted them all (it holds the gate until then).
+    fn group_members(&self, txn: u64) -> Vec<ChunkId> {
+        let _gate = self.gate.read();
+        self.txns
+            .lock()
+            .members
+            .get(&txn)
+            .cloned()
+            .unwrap_or_default()
+    }
+
     /// Drops every remaining member of `txn` (one member was lost).
     fn break_group(&self, txn: u64) {
         let members = {
@@ -2535,14 +2553,30 @@ impl Inner {
     /// write may have landed after the first marker's fdatasync), a second
     /// marker syncs again.
     pub(crate) fn flush_inner(&self, deadline: Option<Instant>) -> Result<FlushReport> {
-        let Some(d) = &self.disk else {
+        if self.disk.is_none() {
             // RAM-only: nothing is owed to a disk (puts are clean).
             return Ok(FlushReport::default());
+        }
+        let walked = self.flush_walk();
+        self.flush_walked(walked, deadline)
+    }
+
+    /// What a flush covers: the dirty entries, then the spilled ones (an
+    /// entry evicted between the two walks is in the second one; a spilled
+    /// entry never becomes resident again).
+    fn flush_walk(&self) -> FlushWalk {
+        FlushWalk {
+            dirty: self.ram.dirty_entries(None, usize::MAX),
+            spilled: self.ram.spilled_ids(),
+        }
+    }
+
+    /// The rest of [`Inner::flush_inner`], after its walk.
+    fn flush_walked(&self, walk: FlushWalk, deadline: Option<Instant>) -> Result<FlushReport> {
+        let Some(d) = &self.disk else {
+            return Ok(FlushReport::default());
         };
-        // Dirty first: an entry evicted between the two walks is in the
-        // second one (a spilled entry never becomes resident again).
-        let dirty = self.ram.dirty_entries(None, usize::MAX);
-        let spilled = self.ram.spilled_ids();
+        let FlushWalk { dirty, spilled } = walk;
         if let Some(p) = d.poisoned() {
             return Err(Error::Poisoned(p));
         }
@@ -2596,12 +2630,62 @@ impl Inner {
                 moved = true;
             }
         }
-        if late > 0 || moved {
+        // Groups whose version of an id made the writer drop this flush's
+        // job of an older one: the rest of each group is written too, in
+        // rounds (a member evicted meanwhile is written by its eviction,
+        // which the next round's marker covers), at most three.
+        let mut members: Vec<(ChunkId, u64)> = Vec::new();
+        let mut again = late > 0 || moved;
+        let mut done = hashbrown::HashSet::new();
+        for round in 0..3 {
+            let mut next = Vec::new();
+            if round > 0 {
+                for (id, seq) in std::mem::take(&mut members) {
+                    if !self.ram.peek(&id).is_some_and(|e| e.seq == seq && !e.dirty) {
+                        again = true;
+                    }
+                }
+            }
+            let groups = std::mem::take(&mut *ticket.groups.lock());
+            for txn in groups {
+                if !done.insert(txn) {
+                    continue;
+                }
+                for id in self.group_members(txn) {
+                    let counted = PendingWrite::new(&self.pending, id);
+                    let Some(cur) = self.ram.peek_any(&id).filter(|c| c.dirty) else {
+                        continue;
+                    };
+                    let held = if self.ram.spilled(&id, cur.seq).is_some() {
+                        Held::Spilled
+                    } else {
+                        Held::Resident
+                    };
+                    next.push((id, cur.seq));
+                    self.send_until(
+                        Msg::Write(self.write_job_counted(
+                            id,
+                            cur,
+                            held,
+                            Some(ticket.clone()),
+                            counted,
+                        )),
+                        deadline,
+                    )?;
+                }
+            }
+            again |= !next.is_empty();
+            if !again {
+                break;
+            }
             tracing::debug!(
                 late,
-                "flush: a second round for chunks evicted during the call"
+                round,
+                "flush: another round for chunks evicted during the call or atomic groups"
             );
             self.flush_marker(deadline)?;
+            again = false;
+            members = next;
         }
         self.persist_last_used();
         // Until a delete's tombstone is on disk (or in the deletes journal),
@@ -2826,25 +2910,33 @@ impl Hooks for Inner {
             let cur = self.ram.peek(&job.id);
             let newer_in_ram = cur.as_ref().is_some_and(|e| Some(e.seq) != job.ram_seq);
             if !hard && (soft || newer_in_ram) {
-                // Not where the newer version is a group's: should that
-                // group turn out incomplete at recovery, this version is
-                // what the flush promised (review).
-                if newer_in_ram && cur.is_some_and(|e| !e.dirty) && !self.in_group(&job.id) {
-                    // The newer version is on disk already: this one would
-                    // follow it in the log and come back at recovery
-                    // (review: a flush whose job was made late).
-                    return false;
-                }
-                // Also where that newer version was overwritten in turn
-                // (the newest dirty in RAM, not written yet): a crash then
-                // served this one where a flush had returned after the
-                // newer one.
-                if job.ram_seq.is_some_and(|seq| {
-                    self.pending
-                        .lock()
-                        .get(&job.id)
-                        .is_some_and(|p| p.written > seq)
-                }) {
+                // A newer version is on disk already: this one would follow
+                // it in the log and come back at recovery (review: a flush
+                // whose job was made late). Known from RAM (the newer
+                // version clean there) or from the id's pending-write entry
+                // (written, then overwritten or evicted).
+                let newer_written = if newer_in_ram && cur.is_some_and(|e| !e.dirty) {
+                    Some(self.txn_of(&job.id).0)
+                } else {
+                    job.ram_seq.and_then(|seq| {
+                        self.pending
+                            .lock()
+                            .get(&job.id)
+                            .filter(|p| p.written > seq)
+                            .map(|p| p.written_txn)
+                    })
+                };
+                if let Some(txn) = newer_written {
+                    // A group's version: it stands for this one only once
+                    // the whole group is on disk (recovery undoes a group
+                    // found incomplete, back to before it, where this
+                    // version was never written); the flush writes the rest
+                    // of the group before it returns (`flush_walked`).
+                    if txn != 0
+                        && let Some(t) = &job.ticket
+                    {
+                        t.groups.lock().push(txn);
+                    }
                     return false;
                 }
                 job.superseded = true;
@@ -2890,14 +2982,15 @@ impl Hooks for Inner {
         if let Some(seq) = job.ram_seq {
             self.ram.mark_clean(&job.id, seq);
         }
-        // Not a group's version: a flush's job of an older version that
-        // comes later is left out then (see `wanted`).
-        if job.txn == 0
-            && !job.for_group
-            && let Some(seq) = job.ram_seq.or(job.spill_seq)
+        // A flush's job of an older version that comes later is left out
+        // then (see `wanted`). A job for a group (`for_group`) writes an
+        // older version on purpose and carries no sequence number.
+        if let Some(seq) = job.ram_seq.or(job.spill_seq)
             && let Some(p) = self.pending.lock().get_mut(&job.id)
+            && seq > p.written
         {
-            p.written = p.written.max(seq);
+            p.written = seq;
+            p.written_txn = job.txn;
         }
         // The disk index has it now (the writer updates it first).
         if let Some(seq) = job.spill_seq {
@@ -4671,36 +4764,59 @@ mod race_tests {
         assert!(s.get(&x).is_some());
     }
 
-    /// A flush's job of B1 is written (unindexed) although B2 is on disk,
-    /// since B2 is a group's: should that group be incomplete at a crash,
-    /// B1 is what the flush promised (review).
+    /// A flush's job of B1, made after B2 (a group's version) was written,
+    /// is dropped (written after B2 it broke B2's group for good: recovery
+    /// found the group short of B and undid it), and the flush writes the
+    /// rest of B2's group instead, so that B2 stands for B1 whole on disk
+    /// when the flush returns (before: B1 after a crash, A gone).
     #[test]
-    fn a_flush_job_is_kept_when_the_newer_version_is_a_groups() {
+    fn a_flush_overtaken_by_a_groups_version_writes_the_whole_group() {
         let dir = tempfile::tempdir().unwrap();
         let (s, ns, dev) = crash_open(dir.path());
         let (a, b) = (ChunkId::new(ns, key(1), 0), ChunkId::new(ns, key(2), 0));
         s.put_atomic(vec![(a, data(1, 1)), (b, data(2, 1))])
             .unwrap();
         write_now(&s, a); // A1 on disk, G1 queued
-        // A flush of B1 makes its job; its send waits (queue full).
-        let ticket = Arc::new(Ticket::default());
-        let older = s.inner.write_job(
-            b,
-            s.inner.ram.peek(&b).unwrap(),
-            Held::Resident,
-            Some(ticket.clone()),
-        );
+        // A flush walks: B1 is dirty.
+        let walked = s.inner.flush_walk();
         // G2: A leaves G1 first (written: nothing to do), then B empties it.
         s.put_atomic(vec![(a, data(1, 2)), (b, data(2, 2))])
             .unwrap();
         write_now(&s, b); // B2 on disk (an eviction, another flush)
-        s.inner.send(Msg::Write(older)).unwrap();
-        s.inner.flush_marker(None).unwrap(); // the flush of B1 returns Ok
+        let r = s.inner.flush_walked(walked, None).unwrap();
+        assert_eq!(r.failed, 0, "{r:?}");
+        let s = crash_reopen(dir.path(), s, &dev);
+        let (ga, gb) = (v(&s, a), v(&s, b));
+        assert_eq!(
+            (ga, gb),
+            (Some(data(1, 2)[0]), Some(data(2, 2)[0])),
+            "B1 was flushed, B2's group written whole: after a crash A = {ga:?}, B = {gb:?} \
+             (A1 = {}, B1 = {})",
+            data(1, 1)[0],
+            data(2, 1)[0]
+        );
+    }
+
+    /// As above, where the job of B1 reaches the writer before B2 is
+    /// written: B1 is written (unindexed, ahead of B2); the group, put
+    /// after the walk, is not this flush's.
+    #[test]
+    fn a_flush_ahead_of_a_groups_version_writes_its_own_and_the_group() {
+        let dir = tempfile::tempdir().unwrap();
+        let (s, ns, dev) = crash_open(dir.path());
+        let (a, b) = (ChunkId::new(ns, key(1), 0), ChunkId::new(ns, key(2), 0));
+        s.put(b, data(2, 1)).unwrap();
+        let walked = s.inner.flush_walk();
+        s.put_atomic(vec![(a, data(1, 2)), (b, data(2, 2))])
+            .unwrap();
+        let r = s.inner.flush_walked(walked, None).unwrap();
+        assert_eq!(r.failed, 0, "{r:?}");
         let s = crash_reopen(dir.path(), s, &dev);
         let (ga, gb) = (v(&s, a), v(&s, b));
         assert!(
-            gb == Some(data(2, 1)[0]) || gb == Some(data(2, 2)[0]),
-            "B1 was flushed, yet after a crash A = {ga:?}, B = {gb:?}"
+            (ga, gb) == (None, Some(data(2, 1)[0]))
+                || (ga, gb) == (Some(data(1, 2)[0]), Some(data(2, 2)[0])),
+            "B1 flushed: after a crash A = {ga:?}, B = {gb:?}"
         );
     }
 

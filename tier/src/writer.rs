@@ -37,6 +37,11 @@ pub(crate) struct Ticket {
     pub written: AtomicU64,
     pub bytes: AtomicU64,
     pub failed: AtomicU64,
+    /// Atomic groups whose version of an id was written before this
+    /// flush's job of an older version, which was dropped for it
+    /// ([`Hooks::wanted`]): the flush then writes the rest of each group,
+    /// so that the version it stands for is whole on disk when it returns.
+    pub groups: parking_lot::Mutex<Vec<u64>>,
 }
 
 /// One chunk to write.
@@ -78,12 +83,15 @@ pub(crate) struct Job {
 pub(crate) struct Pending {
     /// Write jobs of the id queued, packed or in flight.
     pub jobs: u32,
-    /// The newest RAM version (sequence number) of the id that an untagged
-    /// job wrote while this entry lived: a flush's job of an older version
-    /// (overwritten since) then has nothing left to promise and is dropped
-    /// ([`Hooks::wanted`]), since it would follow that record in the log and
-    /// win at recovery. 0: none.
+    /// The newest RAM version (sequence number) of the id that a job wrote
+    /// while this entry lived: a flush's job of an older version
+    /// (overwritten since) is dropped then ([`Hooks::wanted`]), since it
+    /// would follow that record in the log and win at recovery. 0: none.
     pub written: u64,
+    /// The atomic group of that version (0: none): the flush that dropped
+    /// its older job then writes the rest of the group
+    /// ([`Ticket::groups`]).
+    pub written_txn: u64,
 }
 
 /// The store's map of writes not done yet, per id.
