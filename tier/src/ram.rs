@@ -681,7 +681,6 @@ impl RamCache {
             });
         }
         let (slot, hash) = self.locate(&id);
-        let seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
         let mut node = Node {
             id,
             hash,
@@ -689,8 +688,8 @@ impl RamCache {
                 data,
                 name,
                 dirty,
-                seq,
-                // Stamped again under the final lock, below.
+                // Both taken under the final lock, below.
+                seq: 0,
                 inserted: Instant::now(),
             },
             tick: 0,
@@ -760,6 +759,12 @@ impl RamCache {
         // that removal is always newer than the cancellation (and its write
         // is not cancelled).
         node.entry.inserted = Instant::now();
+        // The sequence number too: versions of one id are numbered in the
+        // order they land (an insert that evicts drops this lock meanwhile,
+        // and a later put of the same id can land first; review: the writer
+        // compares versions of an id by it).
+        let seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
+        node.entry.seq = seq;
         shard.insert_new(node);
         slot.tail_tick.store(shard.tail_tick(), Ordering::Release);
         drop(shard);

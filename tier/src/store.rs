@@ -4764,6 +4764,67 @@ mod race_tests {
         assert!(s.get(&x).is_some());
     }
 
+    /// A flush's job of A1 that reaches the writer while a newer version's
+    /// job (A2, another flush's) is packed or in flight waits for that
+    /// write before it is decided (review: decided at packing, before A2's
+    /// write finished, A1 was kept and written after A2, and a crash
+    /// served A1 although the flush of A2 had returned).
+    #[test]
+    fn a_flush_job_behind_a_newer_version_in_flight_waits_for_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let crash = Arc::new(crate::testdev::CrashDevice::new(16 << 20));
+        let dev = Arc::new(HoldingDevice::new(crash.clone()));
+        let (s, ns) = open_on(dir.path(), dev.clone(), 1 << 20, NO_IDLE);
+        let a = ChunkId::new(ns, key(1), 0);
+        let x = ChunkId::new(ns, key(9), 0);
+        s.put(x, Bytes::from(vec![1u8; 4096])).unwrap();
+        s.flush().unwrap(); // a region is open
+        s.put(a, data(1, 1)).unwrap();
+        let counted = PendingWrite::new(&s.inner.pending, a); // F1 counts...
+        let first = s.inner.ram.peek(&a).unwrap(); // ...and reads A1
+        s.put(a, data(1, 2)).unwrap(); // A2
+        // The writer busy (x's write held; a forget queued behind it), so
+        // what follows is taken in one pass.
+        s.put(x, Bytes::from(vec![2u8; 4096])).unwrap();
+        dev.hold_writes();
+        let held = Released(&dev);
+        let job_of = |id: ChunkId, ticket: Option<Arc<Ticket>>| {
+            let e = s.inner.ram.peek(&id).unwrap();
+            s.inner
+                .send(Msg::Write(s.inner.write_job(id, e, Held::Resident, ticket)))
+                .unwrap();
+        };
+        job_of(x, None);
+        assert!(dev.wait_held(1, WAIT));
+        s.inner
+            .send(Msg::Forget(ChunkId::new(ns, key(60), 0), Instant::now(), 0))
+            .unwrap();
+        std::thread::sleep(Duration::from_millis(100));
+        job_of(a, Some(Arc::new(Ticket::default()))); // F2's job of A2
+        s.inner
+            .send(Msg::Write(s.inner.write_job_counted(
+                a,
+                first,
+                Held::Resident,
+                Some(Arc::new(Ticket::default())),
+                counted,
+            )))
+            .unwrap(); // F1's job of A1
+        let (ack, f2) = bounded(1);
+        s.inner.send(Msg::Flush(ack)).unwrap(); // F2's marker
+        drop(held);
+        f2.recv().unwrap().unwrap(); // F2, which covered A2, returns Ok
+        s.inner.flush_marker(None).unwrap(); // F1 returns Ok
+        assert_eq!(v(&s, a), Some(data(1, 2)[0]));
+        let s = crash_reopen(dir.path(), s, &crash);
+        assert_eq!(
+            v(&s, a),
+            Some(data(1, 2)[0]),
+            "after a crash A must be A2 (A1 = {})",
+            data(1, 1)[0]
+        );
+    }
+
     /// A flush's job of B1, made after B2 (a group's version) was written,
     /// is dropped (written after B2 it broke B2's group for good: recovery
     /// found the group short of B and undid it), and the flush writes the

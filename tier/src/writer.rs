@@ -254,6 +254,13 @@ pub(crate) struct Writer {
     /// Jobs marked `after_cancel` packed and not yet written or failed, per
     /// id: a tombstone of that id waits for them before it is decided.
     unfinished: std::collections::HashMap<ChunkId, u32>,
+    /// Jobs with a RAM version packed and not yet written or failed, per id:
+    /// how many, and the newest version (sequence number). A flush's job of
+    /// an older version waits for them before it is decided
+    /// ([`Hooks::wanted`] drops it once a newer version is written, and
+    /// must write it when that write failed; review: decided while the
+    /// newer one was still packed, it was written after it).
+    packed: std::collections::HashMap<ChunkId, (u32, u64)>,
     /// Tombstones whose batch failed while the disk was not poisoned (the
     /// ENOSPC pause): written again ahead of the next items or flush.
     retry_tombs: Vec<(ChunkId, Instant)>,
@@ -446,6 +453,7 @@ impl Writer {
             abandoned: std::collections::HashSet::new(),
             newer: std::collections::HashMap::new(),
             unfinished: std::collections::HashMap::new(),
+            packed: std::collections::HashMap::new(),
             retry_tombs: Vec::new(),
             journal,
             unsynced: None,
@@ -940,8 +948,26 @@ impl Writer {
         for it in items {
             match it {
                 Item::Job(mut j) => {
+                    if j.ticket.is_some()
+                        && let Some(seq) = j.ram_seq
+                        && self
+                            .packed
+                            .get(&j.id)
+                            .is_some_and(|(_, newest)| *newest > seq)
+                    {
+                        // A newer version of `id` is packed or in flight:
+                        // write what comes before this job and wait, so the
+                        // decision rests on what reached the disk.
+                        self.pack(std::mem::take(&mut kept));
+                        self.drain();
+                    }
                     if !self.hooks.wanted(&mut j) {
                         continue;
+                    }
+                    if let Some(seq) = j.ram_seq.or(j.spill_seq) {
+                        let e = self.packed.entry(j.id).or_insert((0, seq));
+                        e.0 += 1;
+                        e.1 = e.1.max(seq);
                     }
                     // A version put after a pending cancellation of its id:
                     // counted until written (`finish`) or failed.
@@ -975,8 +1001,16 @@ impl Writer {
         superseded
     }
 
-    /// A job marked `after_cancel` is written or failed.
+    /// A packed job is written or failed.
     fn settle(&mut self, j: &Job) {
+        if j.ram_seq.or(j.spill_seq).is_some()
+            && let Some(e) = self.packed.get_mut(&j.id)
+        {
+            e.0 -= 1;
+            if e.0 == 0 {
+                self.packed.remove(&j.id);
+            }
+        }
         if !j.after_cancel {
             return;
         }
