@@ -260,7 +260,7 @@ pub(crate) struct Writer {
     /// ([`Hooks::wanted`] drops it once a newer version is written, and
     /// must write it when that write failed; review: decided while the
     /// newer one was still packed, it was written after it).
-    packed: std::collections::HashMap<ChunkId, (u32, u64)>,
+    packed: hashbrown::HashMap<ChunkId, (u32, u64)>,
     /// Tombstones whose batch failed while the disk was not poisoned (the
     /// ENOSPC pause): written again ahead of the next items or flush.
     retry_tombs: Vec<(ChunkId, Instant)>,
@@ -453,7 +453,7 @@ impl Writer {
             abandoned: std::collections::HashSet::new(),
             newer: std::collections::HashMap::new(),
             unfinished: std::collections::HashMap::new(),
-            packed: std::collections::HashMap::new(),
+            packed: hashbrown::HashMap::new(),
             retry_tombs: Vec::new(),
             journal,
             unsynced: None,
