@@ -2647,6 +2647,7 @@ impl Inner {
                 }
             }
             let groups = std::mem::take(&mut *ticket.groups.lock());
+            let handled = !groups.is_empty();
             for txn in groups {
                 if !done.insert(txn) {
                     continue;
@@ -2674,7 +2675,11 @@ impl Inner {
                     )?;
                 }
             }
-            again |= !next.is_empty();
+            // A round that handled a group ends with a marker, whatever it
+            // sent (a member written by another job since the last marker
+            // is synced by this one; review: this held only through
+            // `moved` above).
+            again |= !next.is_empty() || handled;
             if !again {
                 break;
             }
@@ -2686,6 +2691,17 @@ impl Inner {
             self.flush_marker(deadline)?;
             again = false;
             members = next;
+        }
+        // Groups named in the last round (three group versions overtaking
+        // this flush's jobs in a row) are not written by it: not reported
+        // as written either.
+        let left = ticket.groups.lock().len() as u64;
+        if left > 0 {
+            tracing::warn!(
+                groups = left,
+                "flush: atomic groups newer than chunks it covered were not all written; counted as failed"
+            );
+            ticket.failed.fetch_add(left, Ordering::Relaxed);
         }
         self.persist_last_used();
         // Until a delete's tombstone is on disk (or in the deletes journal),
@@ -4855,6 +4871,62 @@ mod race_tests {
              (A1 = {}, B1 = {})",
             data(1, 1)[0],
             data(2, 1)[0]
+        );
+    }
+
+    /// A member of the group written by another job after the flush's
+    /// first marker is synced by a marker of the round that handles the
+    /// group before the flush returns (review).
+    #[test]
+    fn a_group_round_syncs_a_member_written_after_the_first_marker() {
+        let dir = tempfile::tempdir().unwrap();
+        let crash = Arc::new(crate::testdev::CrashDevice::new(16 << 20));
+        let dev = Arc::new(HoldingDevice::new(crash.clone()));
+        let (s, ns) = open_on(dir.path(), dev.clone(), 1 << 20, NO_IDLE);
+        let (a, b) = (ChunkId::new(ns, key(1), 0), ChunkId::new(ns, key(2), 0));
+        let x = ChunkId::new(ns, key(9), 0);
+        s.put(x, Bytes::from(vec![1u8; 4096])).unwrap();
+        s.flush().unwrap();
+        s.put_atomic(vec![(a, data(1, 1)), (b, data(2, 1))])
+            .unwrap();
+        write_now(&s, a);
+        let walked = s.inner.flush_walk(); // B1 dirty
+        s.put_atomic(vec![(a, data(1, 2)), (b, data(2, 2))])
+            .unwrap();
+        write_now(&s, b); // B2 on disk, synced
+        s.put(x, Bytes::from(vec![2u8; 4096])).unwrap();
+        dev.hold_writes();
+        let held = Released(&dev);
+        let e = s.inner.ram.peek(&x).unwrap();
+        s.inner
+            .send(Msg::Write(s.inner.write_job(x, e, Held::Resident, None)))
+            .unwrap();
+        assert!(dev.wait_held(1, WAIT));
+        s.inner
+            .send(Msg::Forget(ChunkId::new(ns, key(60), 0), Instant::now(), 0))
+            .unwrap();
+        std::thread::scope(|sc| {
+            let t = sc.spawn(|| s.inner.flush_walked(walked, None));
+            std::thread::sleep(Duration::from_millis(200)); // B1's job and the marker queued
+            let gate = s.inner.gate.write(); // the round waits in group_members
+            let e = s.inner.ram.peek(&a).unwrap(); // A2, queued behind the marker
+            s.inner
+                .send(Msg::Write(s.inner.write_job(a, e, Held::Resident, None)))
+                .unwrap();
+            drop(held);
+            let t0 = Instant::now();
+            while s.inner.ram.peek(&a).unwrap().dirty {
+                assert!(t0.elapsed() < WAIT);
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            drop(gate);
+            let r = t.join().unwrap().unwrap();
+            assert_eq!(r.failed, 0, "{r:?}");
+        });
+        let s = crash_reopen(dir.path(), s, &crash);
+        assert_eq!(
+            (v(&s, a), v(&s, b)),
+            (Some(data(1, 2)[0]), Some(data(2, 2)[0]))
         );
     }
 
