@@ -4934,7 +4934,7 @@ mod race_tests {
     /// written: B1 is written (unindexed, ahead of B2); the group, put
     /// after the walk, is not this flush's.
     #[test]
-    fn a_flush_ahead_of_a_groups_version_writes_its_own_and_the_group() {
+    fn a_flush_ahead_of_a_groups_version_writes_its_own_version_first() {
         let dir = tempfile::tempdir().unwrap();
         let (s, ns, dev) = crash_open(dir.path());
         let (a, b) = (ChunkId::new(ns, key(1), 0), ChunkId::new(ns, key(2), 0));
