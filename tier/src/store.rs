@@ -2050,11 +2050,6 @@ impl Inner {
         }
     }
 
-    /// Whether `id` is a member of a live atomic group.
-    fn in_group(&self, id: &ChunkId) -> bool {
-        self.txns.lock().of.contains_key(id)
-    }
-
     /// The members of atomic group `txn` now, once a put_atomic in progress
     /// has inserted them all (it holds the gate until then).
     fn group_members(&self, txn: u64) -> Vec<ChunkId> {
@@ -2582,6 +2577,17 @@ impl Inner {
         }
         self.send_forgets(true, deadline);
         let ticket = Arc::new(Ticket::default());
+        let send = |id, e, held, counted| {
+            self.send_until(
+                Msg::Write(self.write_job_counted(id, e, held, Some(ticket.clone()), counted)),
+                deadline,
+            )
+        };
+        // Written since its job was made and still the version RAM holds:
+        // else it was spilled (or evicted) meanwhile, and its eviction's
+        // write may have landed after the last marker's fdatasync.
+        let clean_at =
+            |id: &ChunkId, seq| self.ram.peek(id).is_some_and(|e| e.seq == seq && !e.dirty);
         let mut covered = spilled;
         covered.reserve(dirty.len());
         for (id, e) in dirty {
@@ -2597,9 +2603,11 @@ impl Inner {
             let seq = e.seq;
             let cur = match self.ram.peek_any(&id) {
                 // A group's version now: the walk's version is written
-                // (unindexed) as before; should the newer group be
-                // incomplete at recovery, that is what the flush promised.
-                Some(c) if c.seq != seq && self.in_group(&id) => e,
+                // (unindexed), which recovery goes back to should the group
+                // be incomplete; unless the group's version was written
+                // first, when the writer drops it and names the group for
+                // the rounds below.
+                Some(c) if c.seq != seq && self.txn_of(&id).0 != 0 => e,
                 Some(c) if c.dirty => c,
                 _ => continue,
             };
@@ -2609,10 +2617,7 @@ impl Inner {
                 Held::Resident
             };
             covered.push((id, cur.seq));
-            self.send_until(
-                Msg::Write(self.write_job_counted(id, cur, held, Some(ticket.clone()), counted)),
-                deadline,
-            )?;
+            send(id, cur, held, counted)?;
         }
         self.flush_marker(deadline)?;
         let mut late = 0;
@@ -2620,13 +2625,8 @@ impl Inner {
         for (id, seq) in covered {
             if let Some(e) = self.ram.spilled(&id, seq) {
                 late += 1;
-                self.send_until(
-                    Msg::Write(self.write_job(id, e, Held::Spilled, Some(ticket.clone()))),
-                    deadline,
-                )?;
-            } else if !self.ram.peek(&id).is_some_and(|e| e.seq == seq && !e.dirty) {
-                // Spilled (or evicted) at some point: its eviction's write
-                // may have landed after the first marker's fdatasync.
+                send(id, e, Held::Spilled, PendingWrite::new(&self.pending, id))?;
+            } else if !clean_at(&id, seq) {
                 moved = true;
             }
         }
@@ -2639,13 +2639,7 @@ impl Inner {
         let mut done = hashbrown::HashSet::new();
         for round in 0..3 {
             let mut next = Vec::new();
-            if round > 0 {
-                for (id, seq) in std::mem::take(&mut members) {
-                    if !self.ram.peek(&id).is_some_and(|e| e.seq == seq && !e.dirty) {
-                        again = true;
-                    }
-                }
-            }
+            again |= members.iter().any(|(id, seq)| !clean_at(id, *seq));
             let groups = std::mem::take(&mut *ticket.groups.lock());
             let handled = !groups.is_empty();
             for txn in groups {
@@ -2663,16 +2657,7 @@ impl Inner {
                         Held::Resident
                     };
                     next.push((id, cur.seq));
-                    self.send_until(
-                        Msg::Write(self.write_job_counted(
-                            id,
-                            cur,
-                            held,
-                            Some(ticket.clone()),
-                            counted,
-                        )),
-                        deadline,
-                    )?;
+                    send(id, cur, held, counted)?;
                 }
             }
             // A round that handled a group ends with a marker, whatever it
@@ -2916,7 +2901,9 @@ impl Hooks for Inner {
         // returns): written all the same, never indexed, so that after a
         // crash the id reads as this version or a newer one, not as an
         // older one still on disk. A delete or a group break still drops it.
-        if job.ticket.is_some() && job.ram_seq.is_some() {
+        if job.ticket.is_some()
+            && let Some(seq) = job.ram_seq
+        {
             let (soft, hard) = self.cancel.lock().get(&job.id).map_or((false, false), |c| {
                 (
                     job.inserted <= c.at,
@@ -2924,7 +2911,7 @@ impl Hooks for Inner {
                 )
             });
             let cur = self.ram.peek(&job.id);
-            let newer_in_ram = cur.as_ref().is_some_and(|e| Some(e.seq) != job.ram_seq);
+            let newer_in_ram = cur.as_ref().is_some_and(|e| e.seq != seq);
             if !hard && (soft || newer_in_ram) {
                 // A newer version is on disk already: this one would follow
                 // it in the log and come back at recovery (review: a flush
@@ -2934,13 +2921,11 @@ impl Hooks for Inner {
                 let newer_written = if newer_in_ram && cur.is_some_and(|e| !e.dirty) {
                     Some(self.txn_of(&job.id).0)
                 } else {
-                    job.ram_seq.and_then(|seq| {
-                        self.pending
-                            .lock()
-                            .get(&job.id)
-                            .filter(|p| p.written > seq)
-                            .map(|p| p.written_txn)
-                    })
+                    self.pending
+                        .lock()
+                        .get(&job.id)
+                        .filter(|p| p.written > seq)
+                        .map(|p| p.written_txn)
                 };
                 if let Some(txn) = newer_written {
                     // A group's version: it stands for this one only once
