@@ -3976,6 +3976,30 @@ mod race_tests {
         (s, ns, dev)
     }
 
+    /// Holds the writer of a store on `dev` in a write of `x` (whose first
+    /// version was flushed, so a region is open) with a forget queued
+    /// behind it: what is sent next is taken in one pass once the returned
+    /// guard lets the write go.
+    fn hold_writer_in<'a>(
+        s: &ChunkStore,
+        ns: Namespace,
+        dev: &'a HoldingDevice,
+        x: ChunkId,
+    ) -> Released<'a> {
+        s.put(x, Bytes::from(vec![2u8; 4096])).unwrap();
+        dev.hold_writes();
+        let held = Released(dev);
+        let e = s.inner.ram.peek(&x).unwrap();
+        s.inner
+            .send(Msg::Write(s.inner.write_job(x, e, Held::Resident, None)))
+            .unwrap();
+        assert!(dev.wait_held(1, WAIT));
+        s.inner
+            .send(Msg::Forget(ChunkId::new(ns, key(60), 0), Instant::now(), 0))
+            .unwrap();
+        held
+    }
+
     /// Fills the writer's queue of a store whose writes are held on its
     /// device (the writer waits in one write, the queue of one is full):
     /// puts 256 KiB fillers from key `from` until a dirty eviction is
@@ -4784,24 +4808,18 @@ mod race_tests {
         let counted = PendingWrite::new(&s.inner.pending, a); // F1 counts...
         let first = s.inner.ram.peek(&a).unwrap(); // ...and reads A1
         s.put(a, data(1, 2)).unwrap(); // A2
-        // The writer busy (x's write held; a forget queued behind it), so
-        // what follows is taken in one pass.
-        s.put(x, Bytes::from(vec![2u8; 4096])).unwrap();
-        dev.hold_writes();
-        let held = Released(&dev);
-        let job_of = |id: ChunkId, ticket: Option<Arc<Ticket>>| {
-            let e = s.inner.ram.peek(&id).unwrap();
-            s.inner
-                .send(Msg::Write(s.inner.write_job(id, e, Held::Resident, ticket)))
-                .unwrap();
-        };
-        job_of(x, None);
-        assert!(dev.wait_held(1, WAIT));
-        s.inner
-            .send(Msg::Forget(ChunkId::new(ns, key(60), 0), Instant::now(), 0))
-            .unwrap();
+        // The writer busy, so what follows is taken in one pass.
+        let held = hold_writer_in(&s, ns, &dev, x);
         std::thread::sleep(Duration::from_millis(100));
-        job_of(a, Some(Arc::new(Ticket::default()))); // F2's job of A2
+        let e = s.inner.ram.peek(&a).unwrap();
+        s.inner
+            .send(Msg::Write(s.inner.write_job(
+                a,
+                e,
+                Held::Resident,
+                Some(Arc::new(Ticket::default())),
+            )))
+            .unwrap(); // F2's job of A2
         s.inner
             .send(Msg::Write(s.inner.write_job_counted(
                 a,
@@ -4879,17 +4897,7 @@ mod race_tests {
         s.put_atomic(vec![(a, data(1, 2)), (b, data(2, 2))])
             .unwrap();
         write_now(&s, b); // B2 on disk, synced
-        s.put(x, Bytes::from(vec![2u8; 4096])).unwrap();
-        dev.hold_writes();
-        let held = Released(&dev);
-        let e = s.inner.ram.peek(&x).unwrap();
-        s.inner
-            .send(Msg::Write(s.inner.write_job(x, e, Held::Resident, None)))
-            .unwrap();
-        assert!(dev.wait_held(1, WAIT));
-        s.inner
-            .send(Msg::Forget(ChunkId::new(ns, key(60), 0), Instant::now(), 0))
-            .unwrap();
+        let held = hold_writer_in(&s, ns, &dev, x);
         std::thread::scope(|sc| {
             let t = sc.spawn(|| s.inner.flush_walked(walked, None));
             std::thread::sleep(Duration::from_millis(200)); // B1's job and the marker queued
