@@ -2262,9 +2262,7 @@ impl Inner {
             // A store without a disk has no writer and inserts clean: only a
             // dirty chunk of a store with a disk goes on.
             let (true, Some(tx)) = (e.entry.dirty, &self.tx) else {
-                if self.lost(&e.id) {
-                    self.counters.evicted_chunks.fetch_add(1, Ordering::Relaxed);
-                }
+                self.evicted(&e.id);
                 continue;
             };
             // Failpoint `tier::store::hand_off` (feature `failpoints`): a
@@ -2350,6 +2348,12 @@ impl Inner {
         if let Some(seq) = spill_seq {
             self.ram.unspill(id, seq);
         }
+        self.evicted(id);
+    }
+
+    /// A chunk pushed out to make room: counted in `evicted_chunks` when no
+    /// other copy of it is left here ([`Inner::lost`]).
+    fn evicted(&self, id: &ChunkId) {
         if self.lost(id) {
             self.counters.evicted_chunks.fetch_add(1, Ordering::Relaxed);
         }
