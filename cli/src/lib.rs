@@ -130,6 +130,9 @@ pub fn main_with(bin: &'static str) -> ExitCode {
         Ok(cli) => cli,
         Err(e) => {
             // --help and --version print to stdout and exit 0; usage errors exit 2.
+            if e.use_stderr() && json_requested(std::env::args_os().skip(1)) {
+                print_json_error(&usage_error_line(&e), &[], EXIT_USAGE);
+            }
             let _ = e.print();
             return ExitCode::from(if e.use_stderr() { EXIT_USAGE } else { EXIT_OK });
         }
@@ -155,15 +158,7 @@ pub fn main_with(bin: &'static str) -> ExitCode {
                 // A script parsing stdout gets a document there too (QA:
                 // stdout was empty but for `config check`); the message
                 // also goes to stderr, and the exit code is as without it.
-                use std::io::Write as _;
-                let doc = serde_json::json!({
-                    "ok": false,
-                    "error": err.to_string(),
-                    "causes": causes,
-                    "exit_code": code,
-                });
-                let text = serde_json::to_string_pretty(&doc).unwrap_or_default();
-                let _ = writeln!(std::io::stdout().lock(), "{text}");
+                print_json_error(&err.to_string(), &causes, code);
             }
             if node::logging::json_active() {
                 // `node start --log-format json`: stderr carries JSON lines only.
@@ -186,6 +181,34 @@ pub fn main_with(bin: &'static str) -> ExitCode {
             ExitCode::from(code)
         }
     }
+}
+
+/// Prints the `{"ok": false, ...}` document of a failed `--json` command
+/// on stdout.
+fn print_json_error(error: &str, causes: &[String], code: u8) {
+    use std::io::Write as _;
+    let doc = serde_json::json!({
+        "ok": false,
+        "error": error,
+        "causes": causes,
+        "exit_code": code,
+    });
+    let text = serde_json::to_string_pretty(&doc).unwrap_or_default();
+    let _ = writeln!(std::io::stdout().lock(), "{text}");
+}
+
+/// Whether a command line that clap refused asked for `--json` (before a
+/// `--`, after which words are values): its usage error then goes to
+/// stdout as a JSON document too (QA: a script got nothing to parse).
+fn json_requested(args: impl Iterator<Item = std::ffi::OsString>) -> bool {
+    args.take_while(|a| a != "--").any(|a| a == "--json")
+}
+
+/// The first line of a usage error, without clap's "error: " prefix.
+fn usage_error_line(e: &clap::Error) -> String {
+    let text = e.to_string();
+    let line = text.lines().next().unwrap_or_default();
+    line.strip_prefix("error: ").unwrap_or(line).to_string()
 }
 
 /// Whether the daemon refused a request for a namespace it has no record of.

@@ -2226,7 +2226,7 @@ fn a_stop_that_cannot_persist_last_used_times_warns_once() {
 /// fails, with the exit code it returns (QA: stdout was empty but for
 /// `config check`, so a script piping it to a JSON parser got nothing),
 /// and the message on stderr as without `--json`; without `--json` stdout
-/// stays empty.
+/// stays empty. Usage errors too (exit code 2).
 #[test]
 fn json_commands_print_an_error_document_on_failure() {
     let dir = tempfile::tempdir().expect("temp dir");
@@ -2241,6 +2241,12 @@ fn json_commands_print_an_error_document_on_failure() {
         (vec!["peers", "--socket", &sock], 3),
         (vec!["lookup", "--socket", &sock, "--namespace", ns, key], 3),
         (vec!["verify", "--data-dir", &data], 1),
+        // A usage error clap refuses (QA: no JSON), and one in a value.
+        (vec!["stats", "--socket", &sock, "--no-such-flag"], 2),
+        (
+            vec!["lookup", "--socket", &sock, "--namespace", "nothex", key],
+            2,
+        ),
     ];
     for (args, code) in cases {
         let plain = run_kvtier(&args, &[]);
