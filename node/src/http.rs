@@ -629,6 +629,12 @@ impl Collector for NodeCollector {
         )?;
         counter(
             &mut enc,
+            "disk_batch_writes",
+            "Batch writes of the disk writer (disk_write_bytes over this is the mean batch size)",
+            s.disk_batch_writes,
+        )?;
+        counter(
+            &mut enc,
             "disk_syncs",
             "fdatasyncs of the store file (flushes, region switches, and the writer's sync of what it wrote once its queue is empty: after 200 ms without work, or a second after the write)",
             s.disk_syncs,

@@ -181,6 +181,9 @@ fn a_restart_without_region_size_keeps_the_stores_regions_and_metrics_count_disk
     assert!(m("kvtier_disk_write_seconds_total") > 0.0);
     assert!(m("kvtier_disk_sync_seconds_total") > 0.0);
     assert!(m("kvtier_disk_write_bytes_total") >= 32.0 * 4096.0);
+    // 32 chunks flushed at once: a batch or a few, not one per chunk.
+    let batches = m("kvtier_disk_batch_writes_total");
+    assert!((1.0..16.0).contains(&batches), "{batches} batch writes");
     assert_eq!(d.stop_with(libc::SIGTERM).code(), Some(0), "{}", d.log());
     // Without --region-size the default (256 MiB) would not fit the 32 MiB
     // budget twice: the daemon must adopt the store's 4 MiB to start.

@@ -107,6 +107,8 @@ struct StoreWrite {
     /// Share of the time in fdatasyncs, and how many.
     in_syncs: f64,
     syncs: f64,
+    /// Mean batch write, bytes.
+    batch: f64,
 }
 
 fn store_write(s: &ChunkStore, ids: &[ChunkId], payloads: &[Bytes]) -> StoreWrite {
@@ -128,6 +130,8 @@ fn store_write(s: &ChunkStore, ids: &[ChunkId], payloads: &[Bytes]) -> StoreWrit
         write_gbps: (after.disk_write_bytes - before.disk_write_bytes) as f64 / write_us / 1e3,
         in_syncs: (after.disk_sync_micros - before.disk_sync_micros) as f64 / 1e6 / secs,
         syncs: (after.disk_syncs - before.disk_syncs) as f64,
+        batch: (after.disk_write_bytes - before.disk_write_bytes) as f64
+            / (after.disk_batch_writes - before.disk_batch_writes).max(1) as f64,
     }
 }
 
@@ -151,9 +155,10 @@ fn report_write(
     );
     let (tw, ts) = (pick(|w| w.in_writes), pick(|w| w.in_syncs));
     println!(
-        "  store time: {:.0}% in batch writes (at {:.2} GB/s), {:.0}% in {} fdatasyncs, {:.0}% with the device idle",
+        "  store time: {:.0}% in batch writes (at {:.2} GB/s, {:.0} KiB each), {:.0}% in {} fdatasyncs, {:.0}% with the device idle",
         tw * 100.0,
         pick(|w| w.write_gbps),
+        pick(|w| w.batch) / 1024.0,
         ts * 100.0,
         pick(|w| w.syncs),
         (1.0 - tw - ts) * 100.0,

@@ -1981,6 +1981,70 @@ mod tests {
         }
     }
 
+    /// Versions of one id are numbered in the order they land: after
+    /// concurrent inserts of one id, each evicting to make room, the version
+    /// RAM holds is the one with the largest sequence number (review: the
+    /// number was taken before an evicting insert dropped its lock, so a
+    /// later insert could land first with a larger one; the writer compares
+    /// versions of an id by it).
+    #[test]
+    fn versions_of_one_id_are_numbered_in_the_order_they_land() {
+        const UNIT: usize = 16 * 1024;
+        const THREADS: usize = 3;
+        let c = Arc::new(sharded(4 * UNIT as u64, 4));
+        let target = id(0);
+        let round_seqs = Arc::new(parking_lot::Mutex::new(Vec::<(u64, u8)>::new()));
+        let start = Arc::new(std::sync::Barrier::new(THREADS + 1));
+        let done = Arc::new(std::sync::Barrier::new(THREADS + 1));
+        let rounds = 400u32;
+        let workers: Vec<_> = (0..THREADS)
+            .map(|t| {
+                let (c, seqs) = (Arc::clone(&c), Arc::clone(&round_seqs));
+                let (start, done) = (Arc::clone(&start), Arc::clone(&done));
+                std::thread::spawn(move || {
+                    for r in 0..rounds {
+                        start.wait();
+                        // Distinct within a round (and never the filler's 0).
+                        let tag = (1 + t + THREADS * (r as usize % 80)) as u8;
+                        // Half a unit more for some: sizes differ, so some
+                        // evict more than others.
+                        let len = UNIT + (t % 2) * UNIT / 2;
+                        let (seq, _) = c.insert(target, bytes(len, tag), None, true).unwrap();
+                        seqs.lock().push((seq, tag));
+                        done.wait();
+                    }
+                })
+            })
+            .collect();
+        let (mut checked, mut filler) = (0, 1u64);
+        for _ in 0..rounds {
+            // A full cache of other ids: every insert of the round evicts.
+            c.remove(&target);
+            for _ in 0..4 {
+                c.insert(id(filler), bytes(UNIT, 0), None, false).unwrap();
+                filler += 1;
+            }
+            start.wait();
+            done.wait();
+            let mut seqs = std::mem::take(&mut *round_seqs.lock());
+            seqs.sort_unstable();
+            let &(newest, tag) = seqs.last().expect("the round's inserts");
+            // Evicted by a later insert of the round: nothing to compare.
+            if let Some(e) = c.peek(&target) {
+                assert_eq!(
+                    (e.seq, e.data[0]),
+                    (newest, tag),
+                    "RAM holds a version older than the newest one put (seqs {seqs:?})"
+                );
+                checked += 1;
+            }
+        }
+        for w in workers {
+            w.join().expect("worker");
+        }
+        assert!(checked > rounds / 2, "checked only {checked} rounds");
+    }
+
     #[test]
     fn concurrent_stress_keeps_invariants() {
         let budget = 64 * 1024;

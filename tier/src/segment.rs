@@ -45,6 +45,8 @@ pub(crate) struct DiskCounters {
     pub sync_micros: AtomicU64,
     /// Time the I/O thread spent writing batches, in microseconds.
     pub write_micros: AtomicU64,
+    /// Batch writes the I/O thread issued (failed ones included).
+    pub batch_writes: AtomicU64,
     /// Bytes read from disk by chunk reads (whole blocks).
     pub read_bytes: AtomicU64,
     /// Time chunk reads spent waiting for the device, in microseconds.

@@ -513,6 +513,11 @@ pub struct StoreStats {
     /// microseconds (`disk_write_bytes` over this is the device's write
     /// speed as the store sees it).
     pub disk_write_micros: u64,
+    /// Batch writes issued by the disk writer's I/O thread
+    /// (`disk_write_bytes` over this is the mean batch: the writer gathers
+    /// what is queued, up to 4 MiB, so batches are small while it keeps up
+    /// with a trickle and large when it is behind).
+    pub disk_batch_writes: u64,
     /// Bytes chunk reads took from disk (whole blocks, headers included).
     pub disk_read_bytes: u64,
     /// Time chunk reads spent in disk reads (failed ones included), in
@@ -1568,6 +1573,7 @@ impl ChunkStore {
             s.disk_syncs = dc.syncs.load(Ordering::Relaxed);
             s.disk_sync_micros = dc.sync_micros.load(Ordering::Relaxed);
             s.disk_write_micros = dc.write_micros.load(Ordering::Relaxed);
+            s.disk_batch_writes = dc.batch_writes.load(Ordering::Relaxed);
             s.disk_read_bytes = dc.read_bytes.load(Ordering::Relaxed);
             s.disk_read_micros = dc.read_micros.load(Ordering::Relaxed);
             s.writer_paused_nospace = d.paused_nospace.load(Ordering::Relaxed);

@@ -359,6 +359,7 @@ fn write_batch(
     let t = Instant::now();
     let res = dev.write_at(buf, off);
     DiskCounters::add_time(&counters.write_micros, t);
+    counters.batch_writes.fetch_add(1, Ordering::Relaxed);
     res
 }
 
