@@ -250,15 +250,35 @@ fn config_check(args: &ConfigCheckArgs) -> Result<u8> {
         .map(|_| "resp-password")
         .into_iter()
         .collect();
+    // What the sizes come to (QA: `disk-budget = "300MiB"` printed, 288 MiB
+    // used): whole regions, and the largest chunk they and the RAM take.
+    let (layout, max_chunk) = tier::store::planned_layout(&cfg.tier_config());
+    let strict_failed = args.strict && !warnings.is_empty();
     if args.json {
-        let doc = serde_json::json!({
-            "ok": !args.strict || warnings.is_empty(),
+        let mut doc = serde_json::json!({
+            "ok": !strict_failed,
             "file": loaded.file,
             "config": cfg,
+            "store": {
+                "regions": layout.region_count,
+                "region_size": layout.region_size,
+                "disk_bytes": layout.bytes(),
+                "max_chunk": max_chunk,
+            },
             "hidden": hidden,
             "warnings": warnings,
             "in_use": in_use,
         });
+        if strict_failed {
+            // The shape of every failed `--json` command (cli.md, "Output").
+            doc["error"] = format!(
+                "config check --strict: {} warning(s), listed under \"warnings\"",
+                warnings.len()
+            )
+            .into();
+            doc["exit_code"] = EXIT_ERROR.into();
+            doc["causes"] = serde_json::json!([]);
+        }
         outln!("{}", serde_json::to_string_pretty(&doc)?);
     } else {
         use std::fmt::Write as _;
@@ -284,6 +304,23 @@ fn config_check(args: &ConfigCheckArgs) -> Result<u8> {
         if let Some(note) = &in_use {
             let _ = writeln!(text, "# NOTE: {note}");
         }
+        if layout.region_count == 0 {
+            let _ = writeln!(
+                text,
+                "# store: RAM only (no disk tier); chunks up to {}",
+                ByteSize(max_chunk).approx_floor()
+            );
+        } else {
+            let _ = writeln!(
+                text,
+                "# store: {} × {} regions = {} (disk-budget rounded down to whole regions); chunks \
+                 up to {}",
+                layout.region_count,
+                ByteSize(layout.region_size).approx(),
+                ByteSize(layout.bytes()).approx(),
+                ByteSize(max_chunk).approx_floor()
+            );
+        }
         if cfg.gpu_kv_pool.is_none() {
             let _ = writeln!(
                 text,
@@ -300,7 +337,7 @@ fn config_check(args: &ConfigCheckArgs) -> Result<u8> {
         text.push_str(&cfg.to_toml());
         out!("{text}");
     }
-    if args.strict && !warnings.is_empty() {
+    if strict_failed {
         errln!(
             "kvtier: error: config check --strict: {} warning(s), {}",
             warnings.len(),
@@ -317,6 +354,9 @@ fn config_check(args: &ConfigCheckArgs) -> Result<u8> {
 
 // ---------------------------------------------------------- client commands
 
+/// The socket of the daemon the systemd unit starts (`RuntimeDirectory=kvtier`).
+const SYSTEM_SOCKET: &str = "/run/kvtier/kvtier.sock";
+
 fn socket_of(args: &ClientArgs) -> Result<PathBuf> {
     if let Some(s) = &args.socket {
         return Ok(s.clone());
@@ -325,7 +365,24 @@ fn socket_of(args: &ClientArgs) -> Result<PathBuf> {
         config: args.config.clone(),
         ..Default::default()
     })?;
-    Ok(loaded.config.socket)
+    Ok(default_or_system(
+        loaded.config.socket,
+        loaded.sources.is_default("socket"),
+        std::path::Path::new(SYSTEM_SOCKET),
+    ))
+}
+
+/// `socket`, or `system` where `socket` is the built-in default
+/// (`from_default`), does not exist, and `system` does: a user other than
+/// root whose own default socket is not there reaches the system daemon
+/// (QA: as the docs' operator, every client command failed against the
+/// systemd unit's daemon without --config).
+fn default_or_system(socket: PathBuf, from_default: bool, system: &std::path::Path) -> PathBuf {
+    if from_default && socket.symlink_metadata().is_err() && system.symlink_metadata().is_ok() {
+        system.to_path_buf()
+    } else {
+        socket
+    }
 }
 
 /// Per-reply timeout when `--timeout` is not given.
@@ -1111,10 +1168,8 @@ fn verify(args: &VerifyArgs) -> Result<u8> {
     // records that still parse (the chunks are checked all the same), and
     // it is reported here; `--repair` sets it aside and rewrites it.
     let manifest_problem = match tier::manifest::load(&cfg.data_dir) {
-        Err(e @ tier::Error::ManifestCorrupt { .. }) if !args.repair => Some(format!(
-            "{e}; `verify --repair` copies it aside and keeps the records that still parse \
-             (chunks are not affected; a client registers its namespace again at HELLO)"
-        )),
+        // The error's own text says what `--repair` does (QA: said twice).
+        Err(e @ tier::Error::ManifestCorrupt { .. }) if !args.repair => Some(e.to_string()),
         _ => None,
     };
     // An unreadable `gc.pending`, which a writable open (`--repair`) removes.
@@ -1495,6 +1550,27 @@ mod printable_tests {
             super::printable("a\u{202e}gpj.exe b\u{200b}c\u{feff}\u{2066}é中"),
             "a\\u{202e}gpj.exe b\\u{200b}c\\u{feff}\\u{2066}é中"
         );
+    }
+}
+
+#[cfg(test)]
+mod socket_tests {
+    use super::default_or_system;
+
+    #[test]
+    fn a_missing_default_socket_falls_back_to_the_system_daemons() {
+        let dir = std::env::temp_dir().join(format!("kvtier-socket-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let (own, system) = (dir.join("own.sock"), dir.join("system.sock"));
+        // Neither exists: the default stays (its error names it).
+        assert_eq!(default_or_system(own.clone(), true, &system), own);
+        std::fs::write(&system, b"").expect("system socket stand-in");
+        assert_eq!(default_or_system(own.clone(), true, &system), system);
+        // Named by a flag, the file or the environment: never replaced.
+        assert_eq!(default_or_system(own.clone(), false, &system), own);
+        std::fs::write(&own, b"").expect("own socket stand-in");
+        assert_eq!(default_or_system(own.clone(), true, &system), own);
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }
 

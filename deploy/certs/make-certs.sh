@@ -9,9 +9,11 @@
 # Result: OUT_DIR/ca/{ca.pem,ca.key} (keep ca.key offline) and, per node,
 # OUT_DIR/NODE/{ca.pem,node.pem,node.key}: copy OUT_DIR/NODE to that node's
 # tls-dir (e.g. /etc/kvtier/tls). Key files are 0600. Existing files are
-# never overwritten.
+# never overwritten: run again with more nodes to add them (an existing CA
+# in OUT_DIR/ca signs them; node directories that exist are left as they
+# are). The kvtier binary: $KVTIER_BIN, else kvtier on PATH.
 set -euo pipefail
-KVTIER=${KVTIER:-kvtier}
+KVTIER=${KVTIER_BIN:-${KVTIER:-kvtier}}
 out=${1:?usage: make-certs.sh OUT_DIR [CLUSTER] [NODE=ADDR ...]}
 cluster=${2:-kvtier}
 shift $(( $# >= 2 ? 2 : $# ))
@@ -19,9 +21,17 @@ nodes=("$@")
 if [ ${#nodes[@]} -eq 0 ]; then
   nodes=(spark1 spark2 spark3 spark4)
 fi
-"$KVTIER" cert init-ca --cluster "$cluster" --out "$out/ca"
+if [ -e "$out/ca/ca.pem" ] && [ -e "$out/ca/ca.key" ]; then
+  echo "using the existing CA in $out/ca"
+else
+  "$KVTIER" cert init-ca --cluster "$cluster" --out "$out/ca"
+fi
 for spec in "${nodes[@]}"; do
   name=${spec%%=*}
+  if [ -e "$out/$name" ]; then
+    echo "$out/$name exists; left as it is"
+    continue
+  fi
   args=(--ca "$out/ca" --node "$name" --out "$out/$name")
   if [ "$spec" != "$name" ]; then
     args+=(--ip "${spec#*=}")

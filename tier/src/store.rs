@@ -219,6 +219,32 @@ pub fn existing_layout(data_dir: &std::path::Path) -> Option<StoreLayout> {
         })
 }
 
+/// The store `config` opens, before opening it: its regions (the disk
+/// budget rounded down to whole regions), their size, the file's bytes and
+/// the largest unnamed chunk a put accepts (see
+/// [`ChunkStore::max_chunk_len`]).
+pub fn planned_layout(config: &TierConfig) -> (StoreLayout, u64) {
+    let region_size = config.region_size.max(1);
+    let count = if config.disk_budget == 0 {
+        0
+    } else {
+        u32::try_from(config.disk_budget / region_size).unwrap_or(u32::MAX)
+    };
+    let ram = config.ram_budget.saturating_sub(config.ram_entry_cost);
+    let max = if count == 0 {
+        ram
+    } else {
+        ram.min(crate::writer::max_payload_len(region_size, 0))
+    };
+    (
+        StoreLayout {
+            region_size: if count == 0 { 0 } else { region_size },
+            region_count: count,
+        },
+        max,
+    )
+}
+
 /// Checks an existing store file against `config` as [`ChunkStore::open`]
 /// does first (its version, region size and budget; a truncated file),
 /// writing nothing: `kvtier config check` reports what a start would
@@ -316,6 +342,22 @@ fn check_existing_file(path: &std::path::Path, config: &TierConfig, len: u64) ->
         e => e,
     })?;
     let Some(sb) = sb else {
+        // No superblock. A format writes it (and syncs) before anything
+        // else, so a file that holds region slots or batches lost it
+        // (zeroed or damaged): formatting it anew, at whatever geometry is
+        // configured now, would lose its chunks without a word (QA: a
+        // zeroed superblock came back as a bigger store, half its chunks
+        // gone). Checked for read-only probes too (`kvtier config check`).
+        if let Some(found) = store_data_in_unformatted(path, file_len, config.region_size)
+            .map_err(|e| io("read the store file", e))?
+        {
+            return Err(Error::Corrupt {
+                what: format!("store file {}", path.display()),
+                detail: format!(
+                    "it has no kvtier superblock (zeroed or damaged) but holds store data                      ({found}); formatting it would lose its chunks, so it is left as it is.                      Restore the file from a copy, or move it (or the data dir) aside to start                      an empty store"
+                ),
+            });
+        }
         return Ok(false);
     };
     let l = StoreLayout {
@@ -354,6 +396,50 @@ fn check_existing_file(path: &std::path::Path, config: &TierConfig, len: u64) ->
             .map_err(|e| io("trim", e))?;
     }
     Ok(true)
+}
+
+/// What a store file with no superblock holds that only a formatted store
+/// writes, if anything: region 0's slots or first batch (at the same
+/// offsets whatever the region size), or another region's open slot at the
+/// configured region size (at most 65,536 looked at). Zeros everywhere (a
+/// new file, or a format that crashed before its superblock): `None`.
+fn store_data_in_unformatted(
+    path: &std::path::Path,
+    file_len: u64,
+    region_size: u64,
+) -> std::io::Result<Option<String>> {
+    use crate::layout::{DATA_START, OPEN_SLOT};
+    use std::os::unix::fs::FileExt;
+    let block = crate::device::BLOCK;
+    if file_len <= block {
+        return Ok(None);
+    }
+    let f = open_data_file(path, std::fs::OpenOptions::new().read(true), 0)?;
+    let mut buf = vec![0u8; block as usize];
+    let mut used = |at: u64| -> std::io::Result<bool> {
+        if at + block > file_len {
+            return Ok(false);
+        }
+        f.read_exact_at(&mut buf, at)?;
+        Ok(buf.iter().any(|&b| b != 0))
+    };
+    for at in [OPEN_SLOT, OPEN_SLOT + block, DATA_START] {
+        if used(at)? {
+            return Ok(Some(format!(
+                "region 0's slots or first batch at byte {at}"
+            )));
+        }
+    }
+    let regions = (file_len / region_size.max(block)).min(1 << 16);
+    for r in 1..regions {
+        let at = r * region_size + OPEN_SLOT;
+        if used(at)? {
+            return Ok(Some(format!(
+                "region {r}'s open slot at byte {at}, at the configured region size"
+            )));
+        }
+    }
+    Ok(None)
 }
 
 /// Warns when the store file is missing or empty while the manifest beside

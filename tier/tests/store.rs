@@ -1657,6 +1657,61 @@ fn a_store_file_cut_inside_its_superblock_is_called_truncated() {
     assert_eq!(file_len(dir.path()), 10, "a refused open writes nothing");
 }
 
+/// A store file whose superblock was zeroed but which holds chunks is
+/// refused, not formatted anew at the configured geometry (QA: it came back
+/// as a larger store with half its chunks gone, logged at INFO only); a
+/// file of zeros (a format that crashed before its superblock) is
+/// formatted.
+#[test]
+fn a_store_file_that_lost_its_superblock_is_refused_not_formatted() {
+    use std::os::unix::fs::FileExt;
+    let dir = tempfile::tempdir().unwrap();
+    let ns = fill_and_close(dir.path(), 6);
+    let path = dir.path().join(tier::store::STORE_FILE);
+    let zero_at = |at: u64| {
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&path)
+            .unwrap()
+            .write_all_at(&[0u8; 4096], at)
+            .unwrap();
+    };
+    zero_at(0);
+    let before = std::fs::read(&path).unwrap();
+    for region_size in [MIB, 2 * MIB] {
+        let other = TierConfig {
+            region_size,
+            disk_budget: 16 * MIB,
+            ..config(dir.path())
+        };
+        let e = ChunkStore::open(other).err().expect("refused").to_string();
+        assert!(
+            e.contains("no kvtier superblock") && e.contains("holds store data"),
+            "{e}"
+        );
+        assert!(
+            std::fs::read(&path).unwrap() == before,
+            "a refused open writes nothing"
+        );
+    }
+    // Region 0's slots and first batch zeroed too: region 1's open slot
+    // (at the configured region size) still gives it away.
+    for at in [4096, 8192, 12288] {
+        zero_at(at);
+    }
+    let e = ChunkStore::open(config(dir.path()))
+        .err()
+        .expect("refused")
+        .to_string();
+    assert!(e.contains("region 1's open slot"), "{e}");
+    // All zeros: a new store.
+    std::fs::write(&path, vec![0u8; 8 * MIB as usize]).unwrap();
+    let s = ChunkStore::open(config(dir.path())).expect("formatted");
+    let ns2 = s.register_namespace(&record(0)).unwrap();
+    assert_eq!(ns2, ns);
+    assert!(s.get(&id(ns, 0)).is_none());
+}
+
 #[test]
 fn a_truncated_store_file_is_refused_until_grown_on_purpose() {
     let dir = tempfile::tempdir().unwrap();

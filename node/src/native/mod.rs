@@ -177,7 +177,10 @@ fn unavailable_hint(path: &std::path::Path, e: &io::Error) -> &'static str {
         // A path the kernel cannot take (over 107 bytes): no daemon could
         // listen there either.
         io::ErrorKind::InvalidInput => "use a shorter socket path",
-        _ => "is `kvtier node start` running?",
+        _ => {
+            "is `kvtier node start` running? A daemon started with another configuration (the \
+             systemd unit's: /run/kvtier/kvtier.sock) is reached with --socket or --config"
+        }
     }
 }
 
