@@ -198,7 +198,17 @@ impl Signals {
                 _ = self.term.recv() => "SIGTERM",
                 _ = self.int.recv() => "SIGINT",
             };
-            let msg = format!("second signal ({name}): exiting now without finishing the flush");
+            // What the exit loses, as the stop's own report would say it.
+            let lost = match node::daemon::unwritten_now() {
+                Some(0) => "; nothing was left unwritten".to_string(),
+                Some(b) => format!(
+                    "; {} of chunks not on disk yet are lost",
+                    node::size::ByteSize(b).approx()
+                ),
+                None => String::new(),
+            };
+            let msg =
+                format!("second signal ({name}): exiting now without finishing the flush{lost}");
             // Written directly (the exit comes right after it): in the JSON
             // log format, as one JSON line too (QA: it was plain text
             // among the JSON lines).

@@ -219,6 +219,21 @@ pub struct BoundAddrs {
     pub peer: Option<SocketAddr>,
 }
 
+/// The store of the node that [`run`] serves, for a last word at an
+/// abrupt exit ([`unwritten_now`]).
+static RUNNING: parking_lot::Mutex<Option<std::sync::Weak<ChunkStore>>> =
+    parking_lot::Mutex::new(None);
+
+/// What exiting now would lose, in bytes, of the node that [`run`] serves:
+/// chunks not on disk yet (RAM's dirty ones, and those evicted on their
+/// way to the disk writer). `None` when no node runs, or its store has no
+/// disk (then everything is in RAM by design).
+pub fn unwritten_now() -> Option<u64> {
+    let store = RUNNING.lock().as_ref()?.upgrade()?;
+    let s = store.stats();
+    (s.disk_budget > 0).then_some(s.dirty_bytes + s.spilled_bytes)
+}
+
 /// What the node found when it started.
 #[derive(Clone, Debug, Serialize)]
 pub struct StartupInfo {
@@ -804,6 +819,7 @@ impl NodeHandle {
 pub async fn run(config: NodeConfig, shutdown: impl Future<Output = ()>) -> Result<RunSummary> {
     let human = config.log_format == LogFormat::Human;
     let mut node = start(config).await?;
+    *RUNNING.lock() = Some(Arc::downgrade(&node.context().store));
     let st = node.startup();
     if human {
         crate::logging::eprint_lossy(&st.render());

@@ -136,6 +136,11 @@ fn second_signal_during_the_flush_exits_at_once_with_130(first: libc::c_int, sec
         "{line}"
     );
     assert_eq!(v["level"], "WARN", "{line}");
+    // It says what the exit loses (the flush had only begun).
+    assert!(
+        line.contains("of chunks not on disk yet are lost"),
+        "{line}"
+    );
     assert!(
         v["timestamp"].is_string() && v["target"].is_string(),
         "{line}"
