@@ -364,9 +364,6 @@ fn config_check(args: &ConfigCheckArgs) -> Result<u8> {
 
 // ---------------------------------------------------------- client commands
 
-/// The socket of the daemon the systemd unit starts (`RuntimeDirectory=kvtier`).
-const SYSTEM_SOCKET: &str = "/run/kvtier/kvtier.sock";
-
 fn socket_of(args: &ClientArgs) -> Result<PathBuf> {
     if let Some(s) = &args.socket {
         return Ok(s.clone());
@@ -375,24 +372,7 @@ fn socket_of(args: &ClientArgs) -> Result<PathBuf> {
         config: args.config.clone(),
         ..Default::default()
     })?;
-    Ok(default_or_system(
-        loaded.config.socket,
-        loaded.sources.is_default("socket"),
-        std::path::Path::new(SYSTEM_SOCKET),
-    ))
-}
-
-/// `socket`, or `system` where `socket` is the built-in default
-/// (`from_default`), does not exist, and `system` does: a user other than
-/// root whose own default socket is not there reaches the system daemon
-/// (QA: as the docs' operator, every client command failed against the
-/// systemd unit's daemon without --config).
-fn default_or_system(socket: PathBuf, from_default: bool, system: &std::path::Path) -> PathBuf {
-    if from_default && socket.symlink_metadata().is_err() && system.symlink_metadata().is_ok() {
-        system.to_path_buf()
-    } else {
-        socket
-    }
+    Ok(loaded.config.socket)
 }
 
 /// Per-reply timeout when `--timeout` is not given.
@@ -1560,27 +1540,6 @@ mod printable_tests {
             super::printable("a\u{202e}gpj.exe b\u{200b}c\u{feff}\u{2066}é中"),
             "a\\u{202e}gpj.exe b\\u{200b}c\\u{feff}\\u{2066}é中"
         );
-    }
-}
-
-#[cfg(test)]
-mod socket_tests {
-    use super::default_or_system;
-
-    #[test]
-    fn a_missing_default_socket_falls_back_to_the_system_daemons() {
-        let dir = std::env::temp_dir().join(format!("kvtier-socket-test-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).expect("temp dir");
-        let (own, system) = (dir.join("own.sock"), dir.join("system.sock"));
-        // Neither exists: the default stays (its error names it).
-        assert_eq!(default_or_system(own.clone(), true, &system), own);
-        std::fs::write(&system, b"").expect("system socket stand-in");
-        assert_eq!(default_or_system(own.clone(), true, &system), system);
-        // Named by a flag, the file or the environment: never replaced.
-        assert_eq!(default_or_system(own.clone(), false, &system), own);
-        std::fs::write(&own, b"").expect("own socket stand-in");
-        assert_eq!(default_or_system(own.clone(), true, &system), own);
-        let _ = std::fs::remove_dir_all(&dir);
     }
 }
 

@@ -204,11 +204,18 @@ fn json_requested(args: impl Iterator<Item = std::ffi::OsString>) -> bool {
     args.take_while(|a| a != "--").any(|a| a == "--json")
 }
 
-/// The first line of a usage error, without clap's "error: " prefix.
+/// The first paragraph of a usage error on one line, without clap's
+/// "error: " prefix: "the following required arguments were not provided:
+/// --name <NAME>" (review: the first line alone left out the arguments).
 fn usage_error_line(e: &clap::Error) -> String {
     let text = e.to_string();
-    let line = text.lines().next().unwrap_or_default();
-    line.strip_prefix("error: ").unwrap_or(line).to_string()
+    let para: Vec<&str> = text
+        .lines()
+        .take_while(|l| !l.trim().is_empty())
+        .map(str::trim)
+        .collect();
+    let line = para.join(" ");
+    line.strip_prefix("error: ").unwrap_or(&line).to_string()
 }
 
 /// Whether the daemon refused a request for a namespace it has no record of.

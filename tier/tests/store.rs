@@ -1694,16 +1694,39 @@ fn a_store_file_that_lost_its_superblock_is_refused_not_formatted() {
             "a refused open writes nothing"
         );
     }
-    // Region 0's slots and first batch zeroed too: region 1's open slot
-    // (at the configured region size) still gives it away.
-    for at in [4096, 8192, 12288] {
-        zero_at(at);
-    }
-    let e = ChunkStore::open(config(dir.path()))
+    // The whole first region zeroed, and opened with regions larger than
+    // the file (review: only region 0's blocks were looked at then): the
+    // rest of the file still gives it away.
+    zero_at(0);
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&path)
+        .unwrap()
+        .write_all_at(&vec![0u8; MIB as usize], 0)
+        .unwrap();
+    let larger = TierConfig {
+        region_size: 8 * MIB,
+        disk_budget: 16 * MIB,
+        ram_budget: 16 * MIB,
+        ..config(dir.path())
+    };
+    let e = ChunkStore::open(larger).err().expect("refused").to_string();
+    assert!(e.contains("holds store data"), "{e}");
+    // Past the first 64 MiB, what may be an open slot of regions of any
+    // whole number of MiB: here region 2 of 40 MiB regions (or 8 of 10).
+    let big = dir.path().join("big");
+    std::fs::create_dir_all(&big).unwrap();
+    let f = std::fs::File::create(big.join(tier::store::STORE_FILE)).unwrap();
+    f.set_len(128 * MIB).unwrap();
+    f.write_all_at(&[0x4b; 64], 2 * 40 * MIB + 4096).unwrap();
+    let e = ChunkStore::open(config(&big))
         .err()
         .expect("refused")
         .to_string();
-    assert!(e.contains("region 1's open slot"), "{e}");
+    assert!(
+        e.contains("holds store data") && e.contains(&format!("at byte {}", 80 * MIB + 4096)),
+        "{e}"
+    );
     // All zeros: a new store.
     std::fs::write(&path, vec![0u8; 8 * MIB as usize]).unwrap();
     let s = ChunkStore::open(config(dir.path())).expect("formatted");

@@ -111,7 +111,7 @@ pub enum NativeError {
     /// The daemon is not reachable.
     #[error(
         "cannot connect to the kvtier daemon at {path}: {source} ({})",
-        unavailable_hint(path, source)
+        unavailable_hint(path, source, std::path::Path::new(SYSTEM_SOCKET))
     )]
     Unavailable {
         /// Socket path.
@@ -163,24 +163,35 @@ pub enum NativeError {
     Broken(String),
 }
 
-/// What to check when connecting to `path` failed with `e`.
-fn unavailable_hint(path: &std::path::Path, e: &io::Error) -> &'static str {
+/// The socket of the daemon the systemd unit starts (`RuntimeDirectory=kvtier`).
+pub const SYSTEM_SOCKET: &str = "/run/kvtier/kvtier.sock";
+
+/// What to check when connecting to `path` failed with `e`; `system` is
+/// the systemd unit's socket, named when it exists and is not `path` (QA:
+/// a user other than root looked for a daemon of its own, and nothing said
+/// where the system's listens). Not used in its place: a command meant for
+/// a user's own stopped daemon must not reach another one.
+fn unavailable_hint(path: &std::path::Path, e: &io::Error, system: &std::path::Path) -> String {
     use std::os::unix::fs::FileTypeExt as _;
     if std::fs::metadata(path).is_ok_and(|m| !m.file_type().is_socket()) {
-        return "that path is not a socket: check --socket or `socket` in the config";
+        return "that path is not a socket: check --socket or `socket` in the config".into();
     }
     match e.kind() {
-        io::ErrorKind::PermissionDenied => {
-            "this user may not use the socket: run as the daemon's user or a member of its group \
-             (see socket-mode)"
-        }
+        io::ErrorKind::PermissionDenied => "this user may not use the socket: run as the daemon's \
+                                            user or a member of its group (see socket-mode)"
+            .into(),
         // A path the kernel cannot take (over 107 bytes): no daemon could
         // listen there either.
-        io::ErrorKind::InvalidInput => "use a shorter socket path",
-        _ => {
-            "is `kvtier node start` running? A daemon started with another configuration (the \
-             systemd unit's: /run/kvtier/kvtier.sock) is reached with --socket or --config"
-        }
+        io::ErrorKind::InvalidInput => "use a shorter socket path".into(),
+        _ if path != system && system.symlink_metadata().is_ok() => format!(
+            "is `kvtier node start` running? A daemon listens on {} (the systemd unit's): pass \
+             --socket {} or --config /etc/kvtier/kvtier.toml",
+            system.display(),
+            system.display()
+        ),
+        _ => "is `kvtier node start` running? A daemon started with another configuration is \
+              reached with --socket or --config"
+            .into(),
     }
 }
 
@@ -288,5 +299,19 @@ mod tests {
             .to_string();
             assert!(said.contains("not a socket"), "{said}");
         }
+        // A user's own default socket missing while the system daemon's
+        // exists: the hint names it (the command does not go there).
+        let own = dir.path().join("own.sock");
+        let system = dir.path().join("system.sock");
+        let refused = io::Error::from(io::ErrorKind::NotFound);
+        assert!(!unavailable_hint(&own, &refused, &system).contains("pass --socket"));
+        std::fs::write(&system, b"").expect("stand-in");
+        let said = unavailable_hint(&own, &refused, &system);
+        assert!(
+            said.contains(&format!("pass --socket {}", system.display())),
+            "{said}"
+        );
+        // Not when it is the path that failed.
+        assert!(!unavailable_hint(&system, &refused, &system).contains("pass --socket"));
     }
 }
