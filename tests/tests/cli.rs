@@ -669,25 +669,20 @@ fn config_check_warnings_are_not_ok_and_strict_fails_on_them() {
     );
     // With --json: the failed command's document (QA: no error, no
     // exit_code), and what the sizes come to.
-    let out = run_kvtier(
-        &[
-            "config",
-            "check",
-            "--data-dir",
-            &data,
-            "--socket",
-            &sock,
-            "--ram-budget",
-            "16MiB",
-            "--disk-budget",
-            "300MiB",
-            "--region-size",
-            "32MiB",
-            "--strict",
-            "--json",
-        ],
-        &env,
-    );
+    let sized = [
+        "config",
+        "check",
+        "--data-dir",
+        &data,
+        "--ram-budget",
+        "16MiB",
+        "--disk-budget",
+        "300MiB",
+        "--region-size",
+        "32MiB",
+    ];
+    let strict_json = [&sized[..], &["--socket", &sock, "--strict", "--json"]].concat();
+    let out = run_kvtier(&strict_json, &env);
     assert_eq!(out.status.code(), Some(1), "{}", text_of(&out));
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
     assert_eq!(v["ok"], false, "{v}");
@@ -698,21 +693,7 @@ fn config_check_warnings_are_not_ok_and_strict_fails_on_them() {
     );
     assert_eq!(v["store"]["regions"], 9, "{v}");
     assert_eq!(v["store"]["disk_bytes"], 9u64 * (32 << 20), "{v}");
-    let out = run_kvtier(
-        &[
-            "config",
-            "check",
-            "--data-dir",
-            &data,
-            "--ram-budget",
-            "16MiB",
-            "--disk-budget",
-            "300MiB",
-            "--region-size",
-            "32MiB",
-        ],
-        &env,
-    );
+    let out = run_kvtier(&sized, &env);
     assert!(
         text(&out.stdout).contains(
             "# store: 9 × 32.0 MiB regions = 288.0 MiB (disk-budget rounded down to whole \
