@@ -1828,6 +1828,7 @@ async fn link_loop(shared: Arc<Shared>, slot: Arc<Slot>) {
                 warned = None;
                 *slot.last_error.lock() = None;
                 *slot.alias_of.lock() = None;
+                slot.is_self.store(false, Ordering::Relaxed);
                 let extras = (shared.cfg.fetch_connections > 1).then(|| {
                     AbortOnDrop(tokio::spawn(dial_extra(
                         shared.clone(),
@@ -1866,6 +1867,17 @@ async fn link_loop(shared: Arc<Shared>, slot: Arc<Slot>) {
             Ok(Dialed::Itself) => {
                 slot.is_self.store(true, Ordering::Relaxed);
                 return;
+            }
+            Ok(Dialed::Reflected) => {
+                if warned.as_deref() != Some("reflected") {
+                    tracing::warn!(seed = %slot.seed,
+                        "this seed answered with this node's own hello, but it is not this \
+                         node's listen address (something there reflects its packets: an echo \
+                         service, a forwarding loop); hidden, and dialled again now and then");
+                    warned = Some("reflected".into());
+                }
+                *slot.last_error.lock() = None;
+                slot.is_self.store(true, Ordering::Relaxed);
             }
             Ok(Dialed::Alias { other, name })
                 if slot.name.read().as_deref().is_some_and(|mine| mine != name) =>
@@ -1917,7 +1929,7 @@ async fn link_loop(shared: Arc<Shared>, slot: Arc<Slot>) {
             }
         }
         let mut delay = backoff.next_delay(rand::thread_rng().r#gen());
-        if slot.alias_of.lock().is_some() {
+        if slot.alias_of.lock().is_some() || slot.is_self.load(Ordering::Relaxed) {
             // Its node is linked through another seed: checked now and then
             // only (each check costs the holder a TLS handshake).
             delay = delay.max(ALIAS_RECHECK_FACTOR * shared.cfg.backoff_max);
@@ -1948,6 +1960,20 @@ fn connect_failed(slot: &Slot, warned: &mut Option<String>, attempt: u32, e: Str
 /// peer's name it holds until the link ends.
 type Link = (Connection, SendStream, RecvStream, NameClaim);
 
+/// Whether `addr` is this node's own listen address: its port at an
+/// address of this host (one a socket can bind; `local`, the endpoint's
+/// address, may be a wildcard).
+fn own_address(addr: SocketAddr, local: Option<SocketAddr>) -> bool {
+    let Some(local) = local else {
+        return false;
+    };
+    if addr.port() != local.port() {
+        return false;
+    }
+    let ip = local.ip().to_canonical();
+    ip == addr.ip() || (ip.is_unspecified() && std::net::UdpSocket::bind((addr.ip(), 0)).is_ok())
+}
+
 /// An alias seed (one reaching a node another seed links to) is dialled
 /// again every this many `backoff_max`: what answers at its address may
 /// change (a node that showed a copied certificate gets its own).
@@ -1959,6 +1985,8 @@ enum Hello {
     Peer(Connection, SendStream, RecvStream, String),
     /// This node itself.
     Itself,
+    /// This node itself, reached through an address that is not its own.
+    Reflected,
     /// A node slot `other` links to (named by its certificate).
     Alias { other: usize, name: String },
 }
@@ -1967,9 +1995,12 @@ enum Hello {
 enum Dialed {
     /// A link to a peer.
     Link(Link),
-    /// This node itself (its own address, or its own hello): never dialled
-    /// again.
+    /// This node itself (its own address, or its own hello at its own
+    /// listen port on an address of this host): never dialled again.
     Itself,
+    /// Its own hello at another address (its packets reflected back):
+    /// hidden, and dialled again now and then.
+    Reflected,
     /// A peer another seed already links to (`other`: that seed).
     Alias { other: String, name: String },
 }
@@ -2061,8 +2092,18 @@ async fn connect(shared: &Arc<Shared>, slot: &Slot) -> Result<Dialed, String> {
         if node_name == shared.node_name {
             conn.close(VarInt::from_u32(0), b"self");
             if their_epoch == epoch {
-                tracing::debug!(seed = %slot.seed, "seed is this node; skipped");
-                return Ok(Hello::Itself);
+                // Its own listen port at an address of this host: this node
+                // (a shared peer list names every node), for good. Else its
+                // packets came back through something else (an echo, a
+                // forwarding loop, a hairpin NAT): what answers there may
+                // change, so it is dialled again now and then (QA: a seed
+                // that echoed UDP for a while was skipped for good, and the
+                // node that then listened there was never dialled).
+                if own_address(addr, shared.endpoint.local_addr().ok()) {
+                    tracing::debug!(seed = %slot.seed, "seed is this node; skipped");
+                    return Ok(Hello::Itself);
+                }
+                return Ok(Hello::Reflected);
             }
             // Another process answered with our name: two nodes share one
             // (a certificate issued twice, or copied). A failure, dialled
@@ -2085,6 +2126,7 @@ async fn connect(shared: &Arc<Shared>, slot: &Slot) -> Result<Dialed, String> {
     let (conn, send, recv, name) = match r {
         Hello::Peer(conn, send, recv, name) => (conn, send, recv, name),
         Hello::Itself => return Ok(Dialed::Itself),
+        Hello::Reflected => return Ok(Dialed::Reflected),
         Hello::Alias { other, name } => return Ok(alias(other, name)),
     };
     let claim = match NameClaim::take(shared, &name, slot.index) {
@@ -2547,5 +2589,23 @@ mod payload_tests {
         let p = Payload::new(0, true, fresh);
         assert_eq!(p.missing(), 0);
         assert!(p.finish(crc(&[])).expect("empty").is_empty());
+    }
+}
+
+#[cfg(test)]
+mod own_address_tests {
+    use super::own_address;
+
+    #[test]
+    fn its_own_port_at_an_address_of_this_host_is_this_node() {
+        let at = |s: &str| s.parse().expect("addr");
+        // Bound to one address: that address only.
+        assert!(own_address(at("127.0.0.1:7401"), Some(at("127.0.0.1:7401"))));
+        assert!(!own_address(at("127.0.0.1:7402"), Some(at("127.0.0.1:7401"))));
+        // Bound to every address: any address of this host at its port,
+        // not another host's (TEST-NET-1 is nobody's).
+        assert!(own_address(at("127.0.0.1:7401"), Some(at("0.0.0.0:7401"))));
+        assert!(!own_address(at("192.0.2.1:7401"), Some(at("0.0.0.0:7401"))));
+        assert!(!own_address(at("127.0.0.1:7401"), None));
     }
 }

@@ -1444,6 +1444,64 @@ async fn a_seed_that_showed_a_copied_certificate_is_linked_once_fixed() {
     }
 }
 
+/// A seed whose address echoed this node's packets back for a while (an
+/// echo service, a forwarding loop) is this node's own hello at an address
+/// that is not its own: hidden, not skipped for good, so the node that
+/// listens there later is linked (QA: it was never dialled again, a
+/// one-way partition). A seed naming the node's own listen address stays
+/// skipped (`three_node_mesh_and_self_seed`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_seed_that_reflected_this_nodes_packets_is_dialled_again() {
+    let c = Cluster::new("prod");
+    let echo = std::net::UdpSocket::bind("127.0.0.1:0").expect("bind");
+    let at = echo.local_addr().expect("addr");
+    echo.set_read_timeout(Some(Duration::from_millis(50)))
+        .expect("timeout");
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let echoed = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let echoer = {
+        let (stop, echoed) = (stop.clone(), echoed.clone());
+        std::thread::spawn(move || {
+            let mut buf = vec![0u8; 65_536];
+            let deadline = Instant::now() + Duration::from_secs(20);
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) && Instant::now() < deadline {
+                if let Ok((n, from)) = echo.recv_from(&mut buf) {
+                    let _ = echo.send_to(&buf[..n], from);
+                    echoed.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
+            }
+        })
+    };
+    let a = start(c.node("node-a"), fast_cfg(vec![at.to_string()]));
+    poll("a dialled the echo", Duration::from_secs(10), || {
+        (echoed.load(std::sync::atomic::Ordering::Relaxed) > 0).then_some(())
+    })
+    .await;
+    // Its own hello came back: no row (it is not a peer).
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(a.handle.peers().is_empty(), "{:?}", a.handle.peers());
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    echoer.join().expect("echo thread");
+    // The real node listens there now: linked within the re-dial period
+    // (six times backoff_max, 2.4 s here).
+    let b = start_at(&c.node("node-b"), at);
+    poll(
+        "a links b at the echo's address",
+        Duration::from_secs(15),
+        || {
+            let peers = a.handle.peers();
+            peers
+                .iter()
+                .any(|p| p.name.as_deref() == Some("node-b") && p.state == PeerState::Up)
+                .then_some(())
+        },
+    )
+    .await;
+    for n in [a, b] {
+        n.handle.shutdown(Duration::from_secs(2)).await;
+    }
+}
+
 /// Seeds that spell one numeric address differently are one seed from the
 /// start (before any link tells they reach one node, each had a row).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
