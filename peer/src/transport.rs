@@ -579,7 +579,8 @@ struct Slot {
     progress: Mutex<Option<Instant>>,
 }
 
-/// One fetch counted in a peer's `in_flight` for as long as it lives.
+/// One fetch counted in a peer's `in_flight` (or one reply in
+/// `Shared::serves_in_flight`) for as long as it lives.
 struct InFlight<'a>(&'a AtomicU32);
 
 impl<'a> InFlight<'a> {
@@ -663,6 +664,12 @@ struct Shared {
     // parking_lot: pushed at start and per connection, drained at shutdown.
     tasks: Mutex<Vec<JoinHandle<()>>>,
     corrupt_replies: AtomicU64,
+    /// Fetch replies being served, from admission until the requester
+    /// acknowledged the last byte (or left): a shutdown waits for them.
+    serves_in_flight: AtomicU32,
+    /// Set at a shutdown: new fetches are answered `Busy` (the requester
+    /// tries another holder) while those in flight finish.
+    draining: AtomicBool,
     /// Which slot links to each peer node, by name: claimed when a hello
     /// names the node and held until that link ends (see [`NameClaim`]).
     /// One check-and-claim under this lock, so two seeds that reach one
@@ -857,6 +864,8 @@ impl PeerHandle {
             shutdown: watch::channel(false).0,
             tasks: Mutex::new(Vec::new()),
             corrupt_replies: AtomicU64::new(0),
+            serves_in_flight: AtomicU32::new(0),
+            draining: AtomicBool::new(false),
             linked: Mutex::new(HashMap::new()),
         });
         spawn(&shared, accept_loop(shared.clone()));
@@ -1215,6 +1224,16 @@ impl PeerHandle {
 
     /// Closes every connection and waits (up to `grace`) for all tasks.
     pub async fn shutdown(&self, grace: Duration) {
+        // Fetch replies in flight finish first, for up to half the grace
+        // (QA: a clean stop of a holder cut the replies it was sending, and
+        // its peers' GETs of them missed); new fetches are turned away.
+        self.shared.draining.store(true, Ordering::SeqCst);
+        let drain_until = tokio::time::Instant::now() + grace / 2;
+        while self.shared.serves_in_flight.load(Ordering::Relaxed) > 0
+            && tokio::time::Instant::now() < drain_until
+        {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
         self.shared.shutdown.send_replace(true);
         self.shared.endpoint.close(VarInt::from_u32(0), b"shutdown");
         let tasks: Vec<_> = std::mem::take(&mut *self.shared.tasks.lock());
@@ -1639,11 +1658,15 @@ async fn serve_fetch(
         len,
         crc,
     };
-    let Ok(_serving) = stats.serving.try_acquire() else {
-        write_msg(&mut send, &reply(FetchStatus::Busy, 0, 0)).await?;
-        let _ = send.finish();
-        return Ok(());
+    let serving = match stats.serving.try_acquire() {
+        Ok(permit) if !shared.draining.load(Ordering::SeqCst) => permit,
+        _ => {
+            write_msg(&mut send, &reply(FetchStatus::Busy, 0, 0)).await?;
+            let _ = send.finish();
+            return Ok(());
+        }
     };
+    let _in_flight = InFlight::new(&shared.serves_in_flight);
     // Under a serve rate, replies to one peer go one at a time in arrival
     // order: interleaved piece by piece, up to 16 of them shared the rate
     // and all finished late together, past the requester's timeout (the
@@ -1711,8 +1734,17 @@ async fn serve_fetch(
     }
     let _ = send.finish();
     stats.bytes.fetch_add(len, Ordering::Relaxed);
+    // In flight until the requester has every byte (its acknowledgement
+    // ends `stopped`): a shutdown closing the endpoint before then would
+    // drop what is still unsent or unacknowledged. The serve slot goes now.
+    drop(serving);
+    let _ = tokio::time::timeout(DELIVERY_WAIT, stopped).await;
     Ok(())
 }
+
+/// How long a served reply may wait for its requester's acknowledgement
+/// of the last byte (counted in flight meanwhile).
+const DELIVERY_WAIT: Duration = Duration::from_secs(5);
 
 /// Token bucket for bytes served to one peer (burst: one second).
 struct RateLimiter {
@@ -2600,8 +2632,14 @@ mod own_address_tests {
     fn its_own_port_at_an_address_of_this_host_is_this_node() {
         let at = |s: &str| s.parse().expect("addr");
         // Bound to one address: that address only.
-        assert!(own_address(at("127.0.0.1:7401"), Some(at("127.0.0.1:7401"))));
-        assert!(!own_address(at("127.0.0.1:7402"), Some(at("127.0.0.1:7401"))));
+        assert!(own_address(
+            at("127.0.0.1:7401"),
+            Some(at("127.0.0.1:7401"))
+        ));
+        assert!(!own_address(
+            at("127.0.0.1:7402"),
+            Some(at("127.0.0.1:7401"))
+        ));
         // Bound to every address: any address of this host at its port,
         // not another host's (TEST-NET-1 is nobody's).
         assert!(own_address(at("127.0.0.1:7401"), Some(at("0.0.0.0:7401"))));

@@ -751,6 +751,41 @@ async fn a_serve_rate_serves_whole_chunks_in_turn() {
     b.handle.shutdown(Duration::from_secs(2)).await;
 }
 
+/// A holder's clean shutdown lets the fetch replies it is sending finish
+/// (for up to half its grace) before it closes its connections (QA: a
+/// SIGTERM cut them, and the requesters' GETs missed).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_holders_shutdown_finishes_the_replies_it_is_sending() {
+    let c = Cluster::new("prod");
+    // 12 MiB at 8 MiB/s (a burst of one second's worth, then the rate):
+    // about half a second on the wire.
+    let a = start(c.node("node-a"), rated(8 << 20));
+    let b = start(c.node("node-b"), fast_cfg(vec![a.addr.to_string()]));
+    let p = payload(12 << 20, 7);
+    a.source.insert(id(7), p.clone());
+    a.handle.local_added(id(7), p.len() as u64);
+    poll("sync", Duration::from_secs(10), || {
+        (!b.handle.holders(&id(7)).is_empty()).then_some(())
+    })
+    .await;
+    let h = b.handle.clone();
+    let fetch = tokio::spawn(async move { h.fetch(&id(7), Duration::from_secs(10)).await });
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    assert!(
+        !fetch.is_finished(),
+        "the reply was not in flight at the shutdown"
+    );
+    let t0 = Instant::now();
+    a.handle.shutdown(Duration::from_secs(4)).await;
+    let got = fetch
+        .await
+        .expect("task")
+        .expect("the reply in flight arrived");
+    assert!(got == p, "other bytes");
+    assert!(t0.elapsed() < Duration::from_secs(4), "{:?}", t0.elapsed());
+    b.handle.shutdown(Duration::from_secs(2)).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn restarted_peer_is_resynced() {
     let c = Cluster::new("prod");
