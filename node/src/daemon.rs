@@ -10,7 +10,7 @@
 
 use std::fs::File;
 use std::future::Future;
-use std::io::Read;
+use std::io::{Read, Seek};
 use std::net::SocketAddr;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
@@ -69,8 +69,8 @@ impl LockInfo {
     /// that is empty or unreadable.
     pub fn describe(&self) -> String {
         match self.pid {
-            0 => "another process (its LOCK record is empty or unreadable: a daemon that could \
-                  not write it, e.g. on a full filesystem, or a command still starting)"
+            0 => "another process (its LOCK record is empty or unreadable: a daemon or command \
+                  still starting, or one that could not write it, e.g. on a full filesystem)"
                 .into(),
             pid if self.role == "daemon" => format!(
                 "a running kvtier daemon (pid {pid}{})",
@@ -198,9 +198,20 @@ impl DataDirLock {
             // Nobody holds it exclusively; our shared lock ends with `file`.
             Ok(()) => None,
             Err(_) => {
-                let mut text = String::new();
-                file.read_to_string(&mut text).ok()?;
-                parse_record(&text).ok().or(Some(LockInfo::default()))
+                // A holder writes its record right after taking the lock:
+                // one taken a moment ago is waited for, briefly (QA: two
+                // daemons started at once; the loser's message blamed a
+                // full filesystem).
+                for _ in 0..20 {
+                    let mut text = String::new();
+                    file.rewind().ok()?;
+                    file.read_to_string(&mut text).ok()?;
+                    if let Ok(info) = parse_record(&text) {
+                        return Some(info);
+                    }
+                    std::thread::sleep(std::time::Duration::from_millis(10));
+                }
+                Some(LockInfo::default())
             }
         }
     }
@@ -949,6 +960,17 @@ mod tests {
             }
             other => panic!("expected Locked, got {other:?}"),
         }
+        // A holder that writes its record a moment after taking the lock
+        // (two starts at once): waited for, not called empty (QA).
+        let writer = {
+            let path = path.clone();
+            std::thread::spawn(move || {
+                std::thread::sleep(std::time::Duration::from_millis(50));
+                std::fs::write(&path, "{\"pid\":9,\"role\":\"daemon\"}\n").expect("write");
+            })
+        };
+        assert_eq!(DataDirLock::holder(&data).expect("held").pid, 9);
+        writer.join().expect("writer");
     }
 
     #[test]
