@@ -585,7 +585,9 @@ struct InFlight<'a>(&'a AtomicU32);
 
 impl<'a> InFlight<'a> {
     fn new(count: &'a AtomicU32) -> Self {
-        count.fetch_add(1, Ordering::Relaxed);
+        // SeqCst: a shutdown's drain reads it after setting its flag, and a
+        // serve reads the flag after counting itself (each sees the other).
+        count.fetch_add(1, Ordering::SeqCst);
         Self(count)
     }
 }
@@ -1228,8 +1230,9 @@ impl PeerHandle {
         // (QA: a clean stop of a holder cut the replies it was sending, and
         // its peers' GETs of them missed); new fetches are turned away.
         self.shared.draining.store(true, Ordering::SeqCst);
+        let deadline = tokio::time::Instant::now() + grace;
         let drain_until = tokio::time::Instant::now() + grace / 2;
-        while self.shared.serves_in_flight.load(Ordering::Relaxed) > 0
+        while self.shared.serves_in_flight.load(Ordering::SeqCst) > 0
             && tokio::time::Instant::now() < drain_until
         {
             tokio::time::sleep(Duration::from_millis(5)).await;
@@ -1237,7 +1240,6 @@ impl PeerHandle {
         self.shared.shutdown.send_replace(true);
         self.shared.endpoint.close(VarInt::from_u32(0), b"shutdown");
         let tasks: Vec<_> = std::mem::take(&mut *self.shared.tasks.lock());
-        let deadline = tokio::time::Instant::now() + grace;
         for t in tasks {
             let abort = t.abort_handle();
             if tokio::time::timeout_at(deadline, t).await.is_err() {
@@ -1528,7 +1530,9 @@ async fn serve_stream(
     match first {
         Message::FetchRequest { id } => serve_fetch(&shared, send, id, &stats).await,
         Message::Hello {
-            node_name, cluster, ..
+            node_name,
+            cluster,
+            epoch: their_epoch,
         } => {
             if cluster != shared.cluster {
                 tracing::warn!(peer = %node_name, %cluster, "refused hello from another cluster");
@@ -1561,6 +1565,11 @@ async fn serve_stream(
                 },
             )
             .await?;
+            if node_name == shared.node_name && their_epoch == epoch {
+                // This node dialled itself: no subscription (a snapshot).
+                let _ = send.finish();
+                return Ok(());
+            }
             serve_control(shared, send, recv).await
         }
         other => Err(StreamErr::Io(format!(
@@ -1658,15 +1667,18 @@ async fn serve_fetch(
         len,
         crc,
     };
+    // Counted before the drain flag is read: a shutdown that set it either
+    // sees this reply in flight or this reply sees the flag (review).
+    let in_flight = InFlight::new(&shared.serves_in_flight);
     let serving = match stats.serving.try_acquire() {
         Ok(permit) if !shared.draining.load(Ordering::SeqCst) => permit,
         _ => {
+            drop(in_flight);
             write_msg(&mut send, &reply(FetchStatus::Busy, 0, 0)).await?;
             let _ = send.finish();
             return Ok(());
         }
     };
-    let _in_flight = InFlight::new(&shared.serves_in_flight);
     // Under a serve rate, replies to one peer go one at a time in arrival
     // order: interleaved piece by piece, up to 16 of them shared the rate
     // and all finished late together, past the requester's timeout (the
@@ -1677,7 +1689,7 @@ async fn serve_fetch(
     tokio::pin!(stopped);
     // A requester that left is seen first: it neither takes the turn from
     // one still waiting nor has a chunk read for it.
-    let _turn = if limiter.limited() {
+    let turn = if limiter.limited() {
         tokio::select! {
             biased;
             _ = &mut stopped => return Ok(()),
@@ -1738,6 +1750,7 @@ async fn serve_fetch(
     // ends `stopped`): a shutdown closing the endpoint before then would
     // drop what is still unsent or unacknowledged. The serve slot goes now.
     drop(serving);
+    drop(turn);
     let _ = tokio::time::timeout(DELIVERY_WAIT, stopped).await;
     Ok(())
 }
@@ -1903,9 +1916,10 @@ async fn link_loop(shared: Arc<Shared>, slot: Arc<Slot>) {
             Ok(Dialed::Reflected) => {
                 if warned.as_deref() != Some("reflected") {
                     tracing::warn!(seed = %slot.seed,
-                        "this seed answered with this node's own hello, but it is not this \
-                         node's listen address (something there reflects its packets: an echo \
-                         service, a forwarding loop); hidden, and dialled again now and then");
+                        "this seed reaches this node itself, but it is not this node's listen \
+                         address (a port forward or NAT to it, or something reflecting its \
+                         packets); hidden, and dialled again now and then in case another node \
+                         answers there");
                     warned = Some("reflected".into());
                 }
                 *slot.last_error.lock() = None;
@@ -1957,6 +1971,7 @@ async fn link_loop(shared: Arc<Shared>, slot: Arc<Slot>) {
                         *slot.alias_of.lock() = None;
                     }
                 }
+                slot.is_self.store(false, Ordering::Relaxed);
                 connect_failed(&slot, &mut warned, backoff.attempts(), e);
             }
         }

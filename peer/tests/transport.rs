@@ -1790,3 +1790,232 @@ async fn a_reply_claiming_more_than_was_announced_takes_no_lent_buffer() {
     );
     b.handle.shutdown(Duration::from_secs(2)).await;
 }
+
+/// A UDP relay on 127.0.0.1 in front of `to`. Datagrams
+/// from the client to `to` are held `delay` (its requests and its ACKs);
+/// those back are passed at once. Runs until `stop` is set (at most 30 s).
+fn delaying_relay(
+    to: SocketAddr,
+    delay: Duration,
+    stop: Arc<AtomicBool>,
+) -> (SocketAddr, Vec<std::thread::JoinHandle<()>>) {
+    use std::net::UdpSocket;
+    let front = Arc::new(UdpSocket::bind("127.0.0.1:0").expect("bind"));
+    let back = Arc::new(UdpSocket::bind("127.0.0.1:0").expect("bind"));
+    back.connect(to).expect("connect");
+    for s in [&front, &back] {
+        s.set_read_timeout(Some(Duration::from_millis(20)))
+            .expect("timeout");
+    }
+    let at = front.local_addr().expect("addr");
+    let client: Arc<Mutex<Option<SocketAddr>>> = Arc::default();
+    let end = Instant::now() + Duration::from_secs(30);
+    let (tx, rx) = std::sync::mpsc::channel::<(Instant, Vec<u8>)>();
+    let mut threads = Vec::new();
+    {
+        let (front, client, stop) = (front.clone(), client.clone(), stop.clone());
+        threads.push(std::thread::spawn(move || {
+            let mut buf = vec![0u8; 65_536];
+            while !stop.load(Ordering::Relaxed) && Instant::now() < end {
+                if let Ok((n, from)) = front.recv_from(&mut buf) {
+                    *client.lock() = Some(from);
+                    let _ = tx.send((Instant::now() + delay, buf[..n].to_vec()));
+                }
+            }
+        }));
+    }
+    {
+        let back = back.clone();
+        threads.push(std::thread::spawn(move || {
+            while let Ok((due, d)) = rx.recv() {
+                std::thread::sleep(due.saturating_duration_since(Instant::now()));
+                let _ = back.send(&d);
+            }
+        }));
+    }
+    {
+        let (front, back, client, stop) = (front, back, client, stop);
+        threads.push(std::thread::spawn(move || {
+            let mut buf = vec![0u8; 65_536];
+            while !stop.load(Ordering::Relaxed) && Instant::now() < end {
+                if let Ok(n) = back.recv(&mut buf)
+                    && let Some(c) = *client.lock()
+                {
+                    let _ = front.send_to(&buf[..n], c);
+                }
+            }
+        }));
+    }
+    (at, threads)
+}
+
+/// Under a serve rate, the turn (replies to one peer go one at a time) is
+/// not held while a finished reply waits for the requester's ACK (review:
+/// each reply to that peer cost a round trip more). 50 ms of delay towards
+/// the holder; 16 x 4 KiB at 1 GiB/s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_serve_rate_does_not_hold_the_turn_through_the_ack_wait() {
+    let c = Cluster::new("prod");
+    let a = start(c.node("node-a"), rated(1 << 30));
+    let stop = Arc::new(AtomicBool::new(false));
+    let (via, threads) = delaying_relay(a.addr, Duration::from_millis(50), stop.clone());
+    let b = start(c.node("node-b"), fast_cfg(vec![via.to_string()]));
+    for i in 0..16u8 {
+        a.source.insert(id(i), payload(4096, i));
+        a.handle.local_added(id(i), 4096);
+    }
+    poll("sync", Duration::from_secs(10), || {
+        (!b.handle.holders(&id(15)).is_empty()).then_some(())
+    })
+    .await;
+    let t0 = Instant::now();
+    let mut set = tokio::task::JoinSet::new();
+    for i in 0..16u8 {
+        let h = b.handle.clone();
+        set.spawn(async move { h.fetch(&id(i), Duration::from_secs(5)).await });
+    }
+    while let Some(r) = set.join_next().await {
+        r.expect("task").expect("fetch");
+    }
+    let took = t0.elapsed();
+    eprintln!("16 x 4 KiB at 1 GiB/s over a 50 ms RTT: {took:?}");
+    for n in [a, b] {
+        n.handle.shutdown(Duration::from_secs(2)).await;
+    }
+    stop.store(true, Ordering::Relaxed);
+    for t in threads {
+        t.join().expect("relay");
+    }
+    // One request round trip plus a little: the rate is not what binds.
+    assert!(took < Duration::from_millis(400), "took {took:?}");
+}
+
+/// `shutdown(grace)` takes at most its grace, its drain of replies in
+/// flight included (review: the grace for the tasks and `wait_idle` began
+/// after the drain, 1.5 x grace in all).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_holders_shutdown_stays_within_its_grace() {
+    let c = Cluster::new("prod");
+    let a = start(c.node("node-a"), fast_cfg(vec![]));
+    let stop = Arc::new(AtomicBool::new(false));
+    // The requester's ACKs reach the holder 400 ms late.
+    let (via, threads) = delaying_relay(a.addr, Duration::from_millis(400), stop.clone());
+    let b = start(c.node("node-b"), fast_cfg(vec![via.to_string()]));
+    a.source.insert(id(1), payload(4096, 1));
+    a.handle.local_added(id(1), 4096);
+    poll("sync", Duration::from_secs(15), || {
+        (!b.handle.holders(&id(1)).is_empty()).then_some(())
+    })
+    .await;
+    b.handle
+        .fetch(&id(1), Duration::from_secs(5))
+        .await
+        .expect("fetch");
+    // The reply arrived; the holder waits for its ACK (400 ms away).
+    let t0 = Instant::now();
+    a.handle.shutdown(Duration::from_secs(1)).await;
+    let took = t0.elapsed();
+    eprintln!("shutdown(1 s) took {took:?}");
+    b.handle.shutdown(Duration::from_secs(1)).await;
+    stop.store(true, Ordering::Relaxed);
+    for t in threads {
+        t.join().expect("relay");
+    }
+    assert!(
+        took < Duration::from_millis(1150),
+        "shutdown(1 s) took {took:?}"
+    );
+}
+
+/// A node whose shared peer list names it at a forwarded address (a port
+/// mapping, a NAT, a service address: modelled by a relay to its own listen
+/// port) is dialled again every six backoff_max, and such a dial does not
+/// subscribe to itself (review: a snapshot of its whole index each time).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forwarded_own_seed_does_not_snapshot_the_index_again_and_again() {
+    let c = Cluster::new("prod");
+    let tls = c.node("node-a");
+    // Reserve a port for node-a, and put the relay in front of it.
+    let port = std::net::UdpSocket::bind("127.0.0.1:0").expect("bind");
+    let own = port.local_addr().expect("addr");
+    drop(port);
+    let stop = Arc::new(AtomicBool::new(false));
+    let (via, threads) = delaying_relay(own, Duration::ZERO, stop.clone());
+    init_log();
+    let source = Arc::new(MemSource::default());
+    let cfg = PeerConfig {
+        listen: own,
+        backoff_max: Duration::from_millis(100),
+        ..fast_cfg(vec![via.to_string()])
+    };
+    let handle = PeerHandle::start(cfg, tls, source.clone()).expect("start");
+    // backoff_max 100 ms: a re-dial every 600 ms.
+    tokio::time::sleep(Duration::from_millis(5000)).await;
+    let snaps = source.snapshots.load(Ordering::Relaxed);
+    eprintln!(
+        "snapshots of its own index: {snaps}; rows: {:?}",
+        handle.peers()
+    );
+    handle.shutdown(Duration::from_secs(1)).await;
+    stop.store(true, Ordering::Relaxed);
+    for t in threads {
+        t.join().expect("relay");
+    }
+    assert!(snaps <= 1, "{snaps} snapshots of its own index in 5 s");
+}
+
+/// Once a reflected seed stops reflecting, its failures are those of any
+/// seed (a down row with its last error), not hidden (review: only a link
+/// showed it again).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_seed_that_stopped_reflecting_shows_its_failures() {
+    let c = Cluster::new("prod");
+    let echo = std::net::UdpSocket::bind("127.0.0.1:0").expect("bind");
+    let at = echo.local_addr().expect("addr");
+    echo.set_read_timeout(Some(Duration::from_millis(20)))
+        .expect("timeout");
+    let stop = Arc::new(AtomicBool::new(false));
+    let echoed = Arc::new(AtomicU64::new(0));
+    let echoer = {
+        let (stop, echoed) = (stop.clone(), echoed.clone());
+        std::thread::spawn(move || {
+            let mut buf = vec![0u8; 65_536];
+            let end = Instant::now() + Duration::from_secs(20);
+            while !stop.load(Ordering::Relaxed) && Instant::now() < end {
+                if let Ok((n, from)) = echo.recv_from(&mut buf) {
+                    let _ = echo.send_to(&buf[..n], from);
+                    echoed.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        })
+    };
+    let cfg = PeerConfig {
+        backoff_max: Duration::from_millis(100),
+        ..fast_cfg(vec![at.to_string()])
+    };
+    let a = start(c.node("node-a"), cfg);
+    poll("a dialled the echo", Duration::from_secs(10), || {
+        (echoed.load(Ordering::Relaxed) > 0).then_some(())
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(a.handle.peers().is_empty(), "{:?}", a.handle.peers());
+    // The echo goes; nothing answers there now (the echo's socket is closed).
+    stop.store(true, Ordering::Relaxed);
+    echoer.join().expect("echo thread");
+    let shown = tokio::time::timeout(
+        Duration::from_secs(6),
+        poll("a row for the failing seed", Duration::from_secs(7), || {
+            a.handle
+                .peers()
+                .into_iter()
+                .find(|p| p.addr == at.to_string() && p.last_error.is_some())
+        }),
+    )
+    .await;
+    a.handle.shutdown(Duration::from_secs(1)).await;
+    assert!(
+        shown.is_ok(),
+        "the seed that stopped reflecting is still hidden"
+    );
+}
