@@ -99,10 +99,12 @@ def test_speculative_decoding_order_still_releases_finished_requests(daemon: Dae
     e = Engine({"socket": daemon.socket, "min_tokens_for_disk": 0})
     e.deferred_finalize = True
     try:
-        e.add(make_request("bg", OTHER[:300], max_tokens=400))  # keeps every step non-empty
+        # Keeps every step non-empty for as long as the release may take
+        # (CI: 300 steps went by before a loaded machine's save finished).
+        e.add(make_request("bg", OTHER[:300], max_tokens=3000))
         e.add(make_request("A", PROMPT, max_tokens=3))
         e.run(lambda: "A" in e.finished)
-        e.run(lambda: "A" not in e.scheduler.requests, max_steps=300)
+        e.run(lambda: "A" not in e.scheduler.requests, max_steps=2500)
         assert e.totals()["save_chunks"] >= 2
     finally:
         e.shutdown()
