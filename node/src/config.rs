@@ -448,7 +448,7 @@ impl Environment {
             return d.join("kvtier.sock");
         }
         if self.root {
-            return PathBuf::from("/run/kvtier/kvtier.sock");
+            return PathBuf::from(crate::native::SYSTEM_SOCKET);
         }
         if let Some(d) = &self.xdg_runtime_dir {
             return d.join("kvtier/kvtier.sock");

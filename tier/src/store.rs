@@ -230,12 +230,7 @@ pub fn planned_layout(config: &TierConfig) -> (StoreLayout, u64) {
     } else {
         u32::try_from(config.disk_budget / region_size).unwrap_or(u32::MAX)
     };
-    let ram = config.ram_budget.saturating_sub(config.ram_entry_cost);
-    let max = if count == 0 {
-        ram
-    } else {
-        ram.min(crate::writer::max_payload_len(region_size, 0))
-    };
+    let max = max_payload_for(config, (count > 0).then_some(region_size), 0);
     (
         StoreLayout {
             region_size: if count == 0 { 0 } else { region_size },
@@ -243,6 +238,21 @@ pub fn planned_layout(config: &TierConfig) -> (StoreLayout, u64) {
         },
         max,
     )
+}
+
+/// The largest chunk payload a put accepts with a name of `name_len` bytes
+/// in a store of `config` with regions of `region_size` (`None`: no disk):
+/// what the RAM budget leaves once it charges the name and the entry's
+/// bookkeeping (as `RamCache::charge` does), and with a disk what an empty
+/// region holds after the headers.
+fn max_payload_for(config: &TierConfig, region_size: Option<u64>, name_len: usize) -> u64 {
+    let ram = config
+        .ram_budget
+        .saturating_sub((name_len as u64).saturating_add(config.ram_entry_cost));
+    match region_size {
+        Some(r) => ram.min(crate::writer::max_payload_len(r, name_len)),
+        None => ram,
+    }
 }
 
 /// Checks an existing store file against `config` as [`ChunkStore::open`]
@@ -1222,16 +1232,8 @@ impl ChunkStore {
     /// bytes: the RAM budget, and with a disk what an empty region holds
     /// after the headers.
     pub fn max_chunk_len(&self, name_len: usize) -> u64 {
-        // The RAM tier charges the name and the entry's bookkeeping too.
-        let ram = self
-            .inner
-            .config
-            .ram_budget
-            .saturating_sub(self.ram_charge(0, name_len));
-        match &self.inner.disk {
-            Some(d) => ram.min(crate::writer::max_payload_len(d.region_size, name_len)),
-            None => ram,
-        }
+        let region_size = self.inner.disk.as_ref().map(|d| d.region_size);
+        max_payload_for(&self.inner.config, region_size, name_len)
     }
 
     /// Installs the availability observer (replacing any previous one).

@@ -163,7 +163,8 @@ pub enum NativeError {
     Broken(String),
 }
 
-/// The socket of the daemon the systemd unit starts (`RuntimeDirectory=kvtier`).
+/// The socket of the daemon the systemd unit starts (`RuntimeDirectory=kvtier`),
+/// and root's default (`Environment::default_socket`).
 pub const SYSTEM_SOCKET: &str = "/run/kvtier/kvtier.sock";
 
 /// What to check when connecting to `path` failed with `e`; `system` is
