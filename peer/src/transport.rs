@@ -1977,8 +1977,9 @@ async fn link_loop(shared: Arc<Shared>, slot: Arc<Slot>) {
         }
         let mut delay = backoff.next_delay(rand::thread_rng().r#gen());
         if slot.alias_of.lock().is_some() || slot.is_self.load(Ordering::Relaxed) {
-            // Its node is linked through another seed: checked now and then
-            // only (each check costs the holder a TLS handshake).
+            // Its node is linked through another seed, or it reached this
+            // node itself: checked now and then only (each check costs the
+            // holder a TLS handshake).
             delay = delay.max(ALIAS_RECHECK_FACTOR * shared.cfg.backoff_max);
         }
         tokio::select! {
