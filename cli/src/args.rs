@@ -129,22 +129,22 @@ pub struct ConfigArgs {
     #[arg(long, value_name = "DIR")]
     pub data_dir: Option<PathBuf>,
     /// RAM tier budget, e.g. 8GiB. Default: 25% of physical RAM, at most 4GiB.
-    #[arg(long, value_name = "SIZE")]
+    #[arg(long, value_name = "SIZE", allow_hyphen_values = true)]
     pub ram_budget: Option<ByteSize>,
     /// Disk tier budget (preallocated in the data dir), e.g. 500GiB; 0 keeps
     /// chunks in RAM only. Default: 16GiB, or half the available space of the
     /// data dir's filesystem if less. Must fit the free space.
-    #[arg(long, value_name = "SIZE")]
+    #[arg(long, value_name = "SIZE", allow_hyphen_values = true)]
     pub disk_budget: Option<ByteSize>,
     /// Space the disk budget leaves free on the data dir's filesystem.
     /// Default: 5% of the filesystem, at most 1GiB.
-    #[arg(long, value_name = "SIZE")]
+    #[arg(long, value_name = "SIZE", allow_hyphen_values = true)]
     pub disk_reserve: Option<ByteSize>,
     /// Size of one region of the disk store (the unit of eviction), e.g.
     /// 64MiB; 1MiB to 1GiB. Default for a new store: 256MiB, or with a disk budget under
     /// 2GiB the power of two below an eighth of it (at least 1MiB). Unset,
     /// an existing store keeps the size it was made with.
-    #[arg(long, value_name = "SIZE")]
+    #[arg(long, value_name = "SIZE", allow_hyphen_values = true)]
     pub region_size: Option<ByteSize>,
     /// Native protocol Unix socket. Default: $RUNTIME_DIRECTORY/kvtier.sock
     /// (set by systemd), else /run/kvtier/kvtier.sock as root, else
@@ -165,11 +165,11 @@ pub struct ConfigArgs {
     pub http_listen: Option<Listen>,
     /// The engine's GPU KV pool size; the daemon warns when RAM + disk
     /// budget is not larger (such a tier never serves). Default: unset.
-    #[arg(long, value_name = "SIZE")]
+    #[arg(long, value_name = "SIZE", allow_hyphen_values = true)]
     pub gpu_kv_pool: Option<ByteSize>,
     /// Write dirty chunks older than this when the disk is idle, e.g. 30s.
     /// Default: 30s.
-    #[arg(long, value_name = "DURATION")]
+    #[arg(long, value_name = "DURATION", allow_hyphen_values = true)]
     pub idle_flush_after: Option<HumanDuration>,
     /// When the disk writer falls behind: never slow PUT (`no-tax`) or wait
     /// (`backpressure`). Default: no-tax.
@@ -181,7 +181,7 @@ pub struct ConfigArgs {
     )]
     pub write_policy: Option<WritePolicy>,
     /// Time a graceful shutdown may spend flushing; at most 1 day. Default: 30s.
-    #[arg(long, value_name = "DURATION")]
+    #[arg(long, value_name = "DURATION", allow_hyphen_values = true)]
     pub shutdown_deadline: Option<HumanDuration>,
     /// Log format: human or json. Default: human.
     #[arg(
@@ -215,7 +215,7 @@ pub struct ConfigArgs {
     #[arg(long)]
     pub insecure_dev: bool,
     /// How long a local miss may wait for a peer, e.g. 500ms. Default: 2s.
-    #[arg(long, value_name = "DURATION")]
+    #[arg(long, value_name = "DURATION", allow_hyphen_values = true)]
     pub peer_fetch_timeout: Option<HumanDuration>,
 }
 
@@ -272,17 +272,17 @@ pub struct StoreArgs {
     #[arg(long, value_name = "DIR")]
     pub data_dir: Option<PathBuf>,
     /// RAM budget of the offline store, e.g. 1GiB. Default: as for the daemon.
-    #[arg(long, value_name = "SIZE")]
+    #[arg(long, value_name = "SIZE", allow_hyphen_values = true)]
     pub ram_budget: Option<ByteSize>,
     /// The store's disk budget. Default: the size of the existing store.
-    #[arg(long, value_name = "SIZE")]
+    #[arg(long, value_name = "SIZE", allow_hyphen_values = true)]
     pub disk_budget: Option<ByteSize>,
     /// The store's region size. Default: the existing store's.
-    #[arg(long, value_name = "SIZE")]
+    #[arg(long, value_name = "SIZE", allow_hyphen_values = true)]
     pub region_size: Option<ByteSize>,
     /// Space a disk budget given here must leave free on the filesystem.
     /// Default: 5% of the filesystem, at most 1GiB.
-    #[arg(long, value_name = "SIZE")]
+    #[arg(long, value_name = "SIZE", allow_hyphen_values = true)]
     pub disk_reserve: Option<ByteSize>,
     /// Not used here (kept to refuse it with the way to do it).
     #[arg(long, value_name = "PATH", hide = true)]
@@ -333,7 +333,7 @@ pub struct ClientArgs {
     /// How long to wait for each reply before giving up with exit code 3
     /// (a stopped or overloaded daemon); 0 waits forever. Default: 60s,
     /// and forever for `flush`, which takes as long as the disk needs.
-    #[arg(long, value_name = "DURATION")]
+    #[arg(long, value_name = "DURATION", allow_hyphen_values = true)]
     pub timeout: Option<HumanDuration>,
 }
 
@@ -513,7 +513,7 @@ pub struct GcArgs {
     #[arg(long = "namespace", value_name = "ID")]
     pub namespaces: Vec<node::tier::Namespace>,
     /// Drop namespaces not written or read for at least this long, e.g. 7days.
-    #[arg(long, value_name = "DURATION")]
+    #[arg(long, value_name = "DURATION", allow_hyphen_values = true)]
     pub older_than: Option<HumanDuration>,
     /// Really drop them (default: dry run, report only).
     #[arg(long)]
@@ -601,6 +601,31 @@ mod tests {
         );
         let e = Cli::try_parse_from(["kvtier", "lookup", "--namespace", "xyz", "00"]).unwrap_err();
         assert!(e.to_string().contains("--namespace"), "{e}");
+    }
+
+    /// QA: a negative size or duration given as its own word
+    /// (`--ram-budget -1`) got clap's "unexpected argument '-1'" instead of
+    /// the value's own error.
+    #[test]
+    fn negative_values_as_their_own_word_get_the_values_error() {
+        for args in [
+            &["kvtier", "node", "start", "--ram-budget", "-1"][..],
+            &["kvtier", "node", "start", "--disk-budget", "-1GiB"],
+            &["kvtier", "config", "check", "--region-size", "-64MiB"],
+            &["kvtier", "node", "start", "--shutdown-deadline", "-5s"],
+            &["kvtier", "peers", "--watch", "--interval", "-1s"],
+        ] {
+            let e = Cli::try_parse_from(args).unwrap_err();
+            assert_eq!(
+                e.kind(),
+                clap::error::ErrorKind::ValueValidation,
+                "{args:?}: {e}"
+            );
+            assert!(
+                e.to_string().contains("cannot be negative"),
+                "{args:?}: {e}"
+            );
+        }
     }
 
     /// QA: `node start --help` left out that systemd's `$STATE_DIRECTORY`

@@ -27,6 +27,7 @@ pub struct PeersArgs {
     #[arg(
         long,
         value_name = "DURATION",
+        allow_hyphen_values = true,
         default_value = "1s",
         requires = "watch"
     )]

@@ -251,14 +251,20 @@ impl FromStr for HumanDuration {
     type Err = ParseError;
 
     fn from_str(input: &str) -> Result<Self, ParseError> {
-        humantime::parse_duration(input.trim())
+        let err = |reason: String| ParseError {
+            input: input.chars().take(80).collect(),
+            what: "duration",
+            reason,
+            examples: DURATION_EXAMPLES,
+        };
+        let t = input.trim();
+        // humantime says "expected number at 0" for "-5s".
+        if t.starts_with('-') {
+            return Err(err("a duration cannot be negative".into()));
+        }
+        humantime::parse_duration(t)
             .map(HumanDuration)
-            .map_err(|e| ParseError {
-                input: input.chars().take(80).collect(),
-                what: "duration",
-                reason: e.to_string(),
-                examples: DURATION_EXAMPLES,
-            })
+            .map_err(|e| err(e.to_string()))
     }
 }
 
