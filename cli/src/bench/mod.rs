@@ -66,8 +66,8 @@ pub enum Scenario {
     Vs(vs::VsArgs),
     /// kill -9 torture: wrong reads, phantom chunks, flushed survival.
     Crash(crash::CrashArgs),
-    /// PUT p99 while the disk writer is saturated vs idle; bytes written
-    /// while idle.
+    /// PUT p99 while the disk writer is busy vs idle (saturated when it
+    /// writes ≥ 90 % of the phase); bytes written while idle.
     Churn(churn::ChurnArgs),
     /// The seed scenario in miniature: 2 ranks, 2 daemons with peers,
     /// restart, cluster lookup and full restore from disk and from a peer.
