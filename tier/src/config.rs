@@ -99,7 +99,10 @@ pub struct TierConfig {
     /// past it a dirty eviction is dropped and counted
     /// (`dropped_unwritten`); one chunk may always wait. This is the only
     /// bound under `no-tax` (a full writer queue drops nothing: hand-offs
-    /// wait beside it). `backpressure` is bounded by the queue (its PUTs
+    /// wait beside it, and their bytes are held to this limit too: a chunk
+    /// waiting there whose spilled copy an overwrite or a delete replaced
+    /// still holds its bytes, so at most twice the limit waits when all
+    /// did). `backpressure` is bounded by the queue (its PUTs
     /// wait). Default: unset = the larger of a quarter of `ram_budget` and
     /// 128 MiB.
     pub spill_limit: Option<u64>,
