@@ -699,7 +699,9 @@ pub struct FlushReport {
     pub chunks: u64,
     /// Payload bytes written by this flush.
     pub bytes: u64,
-    /// Dirty chunks that could not be written (no space / I/O error).
+    /// Dirty chunks that could not be written (no space / I/O error), or
+    /// that a `no-tax` eviction dropped unwritten before the flush wrote
+    /// them (past `spill_limit`).
     pub failed: u64,
 }
 
@@ -3130,16 +3132,29 @@ impl Hooks for Inner {
         // version is still spilled. Gone means written already, or
         // superseded by a newer put, whose own write must not be
         // overwritten on disk by this older version arriving late.
-        if let Some(seq) = job.spill_seq {
-            return self.ram.spilled(&job.id, seq).is_some();
-        }
-        match job.ram_seq {
-            None => true,
-            Some(seq) => self
-                .ram
+        let live = if let Some(seq) = job.spill_seq {
+            self.ram.spilled(&job.id, seq).is_some()
+        } else if let Some(seq) = job.ram_seq {
+            self.ram
                 .peek(&job.id)
-                .is_some_and(|e| e.seq == seq && e.dirty),
+                .is_some_and(|e| e.seq == seq && e.dirty)
+        } else {
+            return true;
+        };
+        // A flush's version gone from RAM with no copy left here (not on
+        // disk, no newer version, not deleted: dealt with above) was
+        // dropped unwritten (`no-tax` past `spill_limit`) or its eviction's
+        // write failed: this flush did not make it durable (review: the
+        // flush said every chunk was written). Still in RAM: another job
+        // (its eviction's, the flush's late round) writes it.
+        if !live
+            && let Some(t) = &job.ticket
+            && !self.ram.contains(&job.id)
+            && !self.on_disk(&job.id)
+        {
+            t.failed.fetch_add(1, Ordering::Relaxed);
         }
+        live
     }
 
     fn cancel_time(&self, id: &ChunkId) -> Option<Instant> {
@@ -5355,6 +5370,52 @@ mod race_tests {
             "one chunk lost, counted {}",
             s.stats().lost_writes
         );
+    }
+
+    /// Review: a flush's chunk that a `no-tax` eviction dropped unwritten
+    /// (past `spill_limit`) after the flush's walk was not counted: the
+    /// flush said every chunk dirty at its call was written.
+    #[test]
+    fn a_flush_counts_its_chunk_dropped_unwritten_as_failed() {
+        let dir = tempfile::tempdir().unwrap();
+        let dev = Arc::new(HoldingDevice::new(file(dir.path(), 16 << 20)));
+        let (s, ns) = open_with(dir.path(), dev.clone(), 1 << 20, NO_IDLE, |c| {
+            c.writer_queue = 1;
+            c.spill_limit = Some(256 * KIB as u64);
+        });
+        let inner = &s.inner;
+        let id = |n: u64| ChunkId::new(ns, key(n), 0);
+        s.put(id(9999), Bytes::from(vec![1u8; 4096])).unwrap();
+        s.flush().unwrap();
+        dev.hold_writes();
+        let held = Released(&dev);
+        let (w, x) = (id(1), id(2));
+        s.put(w, data(1, 1)).unwrap();
+        std::thread::scope(|scope| {
+            // The first flush's write of w holds the writer.
+            let first = scope.spawn(|| s.flush());
+            assert!(dev.wait_held(1, WAIT), "w's write in flight");
+            s.put(x, data(2, 1)).unwrap();
+            let second = scope.spawn(|| s.flush());
+            until("the second flush's walk", || {
+                inner.pending.lock().contains_key(&x)
+            });
+            // Evict w (its hand-off waits beside the full queue), then x:
+            // past the spill limit, dropped unwritten.
+            let mut n = 10;
+            while inner.ram.peek_any(&x).is_some() {
+                assert!(n < 20, "x never evicted");
+                s.put(id(n), data(n, 1)).unwrap();
+                n += 1;
+            }
+            assert_eq!(s.stats().dropped_unwritten, 1);
+            drop(held);
+            assert_eq!(first.join().unwrap().unwrap().failed, 0);
+            let r = second.join().unwrap().unwrap();
+            assert_eq!(r.failed, 1, "x was dropped, not written: {r:?}");
+        });
+        assert!(s.get(&x).is_none());
+        assert_eq!(s.get(&w).map(|h| h.data), Some(data(1, 1)));
     }
 
     /// Review: the idle pass re-queues a dirty chunk whose write
