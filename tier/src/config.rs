@@ -96,8 +96,11 @@ pub struct TierConfig {
     pub max_namespaces: usize,
     /// Under `no-tax`, most bytes of chunks evicted dirty that may wait in
     /// memory for the disk writer (`spilled_bytes`), beyond `ram_budget`:
-    /// past it a dirty eviction is dropped and counted
-    /// (`dropped_unwritten`); one chunk may always wait. This is the only
+    /// a dirty eviction is dropped and counted (`dropped_unwritten`) when
+    /// what waited before the put that evicted it is past the limit, so
+    /// one chunk may always wait and at most the limit plus the put's
+    /// evictions wait (the chunks one put evicts never count against each
+    /// other). This is the only
     /// bound under `no-tax` (a full writer queue drops nothing: hand-offs
     /// wait beside it, and their bytes are held to this limit too: a chunk
     /// waiting there whose spilled copy an overwrite or a delete replaced

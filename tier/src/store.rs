@@ -2410,6 +2410,16 @@ impl Inner {
         // queue slot each overflowed the writer's queue (dropping them)
         // while it was idle and far below `spill_limit`.
         let mut handoff = Vec::new();
+        // What waited for the writer before this call's evictions (they
+        // are counted in `spilled_bytes` already, all of them, before any is
+        // handed off), and what this call handed off so far.
+        let batch: u64 = evicted
+            .iter()
+            .filter(|e| e.spilled)
+            .map(|e| self.ram.charge_of(&e.entry))
+            .sum();
+        let before = self.ram.spilled_bytes().saturating_sub(batch);
+        let mut taken = 0u64;
         for e in evicted {
             self.counters.ram_evictions.fetch_add(1, Ordering::Relaxed);
             // Before a possible `removed`: a peer applies both in order.
@@ -2428,28 +2438,41 @@ impl Inner {
             #[cfg(feature = "failpoints")]
             fail::fail_point!("tier::store::hand_off");
             let (id, seq, spilled) = (e.id, e.entry.seq, e.spilled);
+            let charge = if spilled {
+                self.ram.charge_of(&e.entry)
+            } else {
+                0
+            };
             let held = if spilled { Held::Spilled } else { Held::Gone };
             let job = self.write_job(id, e.entry, held, None);
             match self.config.write_policy {
                 // Memory past the budget is bounded too: the writer is
                 // behind by this much already.
+                // A chunk waits while what waits before it is within the
+                // limit (so one always may, and at most the limit plus one
+                // chunk waits). Not counted: the rest of this call's
+                // evictions (QA: a 200 MiB SET evicted three small keys
+                // and a large value at once; the large one's bytes counted
+                // against the small ones, dropped while the disk was idle,
+                // and a chunk larger than the limit could only wait alone).
                 // A hand-off waiting beside the queue is still spilled
-                // (counted in `spilled_bytes`) until an overwrite or a
-                // delete replaces its copy: summing the two counted it
-                // twice and dropped at half the limit (review). Each is
-                // bounded by the limit, so what waits is at most twice it
-                // when every job beside outlived its copy.
+                // (in `spilled_bytes`) until an overwrite or a delete
+                // replaces its copy: summing the two counted it twice
+                // (review); what waits is at most twice the limit (plus a
+                // chunk) when every job beside outlived its copy.
                 WritePolicy::NoTax
                     if spilled && {
                         let beside = self.overflow_bytes.load(Ordering::Relaxed);
-                        (self.ram.spilled_len() > 1 || beside > 0)
-                            && self.ram.spilled_bytes().max(beside) > self.config.spill_limit()
+                        (before + taken).max(beside) > self.config.spill_limit()
                     } =>
                 {
                     drop(job);
                     self.dropped_unwritten(&id, spilled.then_some(seq));
                 }
-                WritePolicy::NoTax => handoff.push(job),
+                WritePolicy::NoTax => {
+                    taken += charge;
+                    handoff.push(job)
+                }
                 WritePolicy::Backpressure => {
                     if tx.send(Msg::Write(job)).is_err() {
                         self.dropped_unwritten(&id, spilled.then_some(seq));
@@ -5370,6 +5393,37 @@ mod race_tests {
             "one chunk lost, counted {}",
             s.stats().lost_writes
         );
+    }
+
+    /// QA (RESP): one put evicted three small dirty chunks and a large one
+    /// at once with the writer idle; the large one's bytes counted against
+    /// the small ones (all spilled before any was handed off), which were
+    /// dropped unwritten, and a chunk over `spill_limit` could wait only
+    /// alone. What waited before the put is what counts.
+    #[test]
+    fn one_puts_evictions_do_not_count_against_each_other() {
+        let dir = tempfile::tempdir().unwrap();
+        let dev = file(dir.path(), 16 << 20);
+        let (s, ns) = open_with(dir.path(), dev, 1 << 20, NO_IDLE, |c| {
+            c.spill_limit = Some(128 * KIB as u64);
+        });
+        let id = |n: u64| ChunkId::new(ns, key(n), 0);
+        for n in 1..=3 {
+            s.put(id(n), Bytes::from(vec![n as u8; 4 * KIB])).unwrap();
+        }
+        for n in 10..13 {
+            s.put(id(n), data(n, 1)).unwrap();
+        }
+        s.put(id(20), Bytes::from(vec![20u8; 400 * KIB])).unwrap();
+        s.flush().unwrap();
+        assert_eq!(s.stats().dropped_unwritten, 0);
+        for n in 1..=3 {
+            assert_eq!(
+                s.get(&id(n)).map(|h| h.data),
+                Some(Bytes::from(vec![n as u8; 4 * KIB]))
+            );
+        }
+        assert_eq!(s.get(&id(10)).map(|h| h.data), Some(data(10, 1)));
     }
 
     /// Review: a flush's chunk that a `no-tax` eviction dropped unwritten
