@@ -55,7 +55,6 @@ connect, connection lost, timeout; the client is closed afterwards),
 
 from __future__ import annotations
 
-import bisect
 import collections
 import ctypes
 import fcntl
@@ -358,6 +357,10 @@ class Region:
         self.address: int = ctypes.addressof(anchor)
         del anchor
         self.buffer: memoryview = memoryview(self._mmap)
+        # A region dropped without close() gives its descriptor (and so its
+        # memory, once the mapping goes too) back when it is collected (QA:
+        # a dropped client held its region's memory until the process ended).
+        self._close_fd = weakref.finalize(self, os.close, self.fd)
 
     def view(self, offset: int, length: int) -> memoryview:
         """A view of [offset, offset + length)."""
@@ -381,7 +384,7 @@ class Region:
             self._mmap.close()
         except BufferError:
             pass  # exported views still alive: the mapping goes with them
-        os.close(self.fd)
+        self._close_fd()
         self.fd = -1
 
 
@@ -421,6 +424,17 @@ def _offset_in(mv: memoryview, region: Region) -> int | None:
     return at if 0 <= at and at + mv.nbytes <= region.size else None
 
 
+def _first_fit(ranges: list[tuple[int, int]], n: int, size: int) -> int | None:
+    """The first offset where ``n`` bytes fit in ``[0, size)`` between the
+    sorted ``(start, end)`` ``ranges``, or None."""
+    off = 0
+    for start, end in ranges:
+        if off + n <= start:
+            break
+        off = max(off, end)
+    return off if off + n <= size else None
+
+
 def _peer_closed(e: OSError) -> bool:
     """Whether a socket error means that the daemon closed the connection."""
     return isinstance(e, (BrokenPipeError, ConnectionResetError))
@@ -428,6 +442,14 @@ def _peer_closed(e: OSError) -> bool:
 
 def _put_codes(codes: Any) -> list[str]:
     return ["ok" if c == 0 else fr.ERROR_NAMES.get(c, "internal") for c in codes]
+
+
+def _answers(replies: Any, n: int, op: str) -> Any:
+    """``replies`` when it has one entry per key of the request, else a
+    :class:`KvtierProtocolError` (QA: ``zip`` cut a short GET reply)."""
+    if len(replies) != n:
+        raise KvtierProtocolError(f"the daemon answered {len(replies)} entries to a {op} of {n}")
+    return replies
 
 
 class Pending(Generic[T]):
@@ -440,11 +462,15 @@ class Pending(Generic[T]):
     :class:`KvtierUnavailable`.
     """
 
-    __slots__ = ("_client", "req_id", "_decode", "_done", "_value", "_error", "_reply_bytes")
+    __slots__ = ("_client", "req_id", "_op", "_decode", "_done", "_value", "_error", "_reply_bytes")
 
-    def __init__(self, client: KvtierClient, req_id: int, decode: Callable[[Any], T], reply_bytes: int = 0) -> None:
+    def __init__(
+        self, client: KvtierClient, req_id: int, decode: Callable[[Any], T], reply_bytes: int = 0, op: int = 0
+    ) -> None:
         self._client = client
         self.req_id = req_id
+        # The request's op (its reply must carry it; 0: none sent).
+        self._op = op
         self._decode = decode
         self._reply_bytes = reply_bytes
         self._done = False
@@ -549,7 +575,12 @@ class KvtierClient:
                 if region is not None:
                     self.set_region(region, owned=False)
                 else:
-                    self.set_region(Region(region_size))
+                    own = Region(region_size)
+                    try:
+                        self.set_region(own)
+                    except BaseException:
+                        own.close()
+                        raise
             except BaseException:
                 self.close()
                 raise
@@ -570,6 +601,12 @@ class KvtierClient:
             self._sock.close()
             self._sock = None
             self._closed_why = "the client is closed (close() was called)"
+
+    def _close_because(self, error: BaseException) -> None:
+        """Closes the client after ``error``; later calls say so (QA: they
+        said that close() was called)."""
+        self.close()
+        self._closed_why = f"the client is closed: {error}"
         if self._region is not None:
             if self._owns_region:
                 self._region.close()
@@ -634,7 +671,7 @@ class KvtierClient:
             said = self._parting_error()
             if said is not None:
                 self._fail_in_flight(said)
-                self.close()
+                self._close_because(said)
                 raise said from e
             raise self._broken("lost the connection to the kvtier daemon", e, _peer_closed(e)) from e
 
@@ -741,7 +778,8 @@ class KvtierClient:
             raise ValueError(
                 f"{e}: groups are 0..65535; ranks, offsets, lengths, capacities and counts are non-negative integers"
             ) from None
-        pending: Pending[T] = Pending(self, req_id, decode, reply_bytes)
+        # The op, from the frame's header (bytes 6..8).
+        pending: Pending[T] = Pending(self, req_id, decode, reply_bytes, int.from_bytes(frame[6:8], "little"))
         # In flight from before the send: a send that fails fails it too.
         self._in_flight.append(pending)
         self._reply_bytes += reply_bytes
@@ -820,14 +858,25 @@ class KvtierClient:
         if h.req_id != head.req_id:
             self._broken_in_flight(KvtierProtocolError(f"reply id {h.req_id} does not match request id {head.req_id}"))
             return
+        if h.op & ~fr.REPLY_BIT != head._op:
+            # QA: a PING's reply to a LOOKUP raised TypeError, a DELETE's to
+            # a PUT came back as codes.
+            self._broken_in_flight(
+                KvtierProtocolError(f"reply op {h.op & ~fr.REPLY_BIT} does not match request op {head._op}")
+            )
+            return
         head._resolve(reply)
         # Cut short between these steps, `_settle_head` ends the job.
         self._consume(fr.HEADER_LEN + h.body_len)
         self._pop_head()
+        if isinstance(head._error, KvtierProtocolError):
+            # A reply that does not fit its request (its decode said so):
+            # nothing after it on this connection can be trusted.
+            self._broken_in_flight(head._error)
 
     def _broken_in_flight(self, error: KvtierError) -> None:
         self._fail_in_flight(error)
-        self.close()
+        self._close_because(error)
 
     def _call(self, build: Any, *args: Any, fd: int | None = None, reply_bytes: int = 64) -> Any:
         return self._submit(_identity, build, *args, fd=fd, reply_bytes=reply_bytes).wait()
@@ -863,15 +912,24 @@ class KvtierClient:
     def lookup(self, ns: bytes, keys: Sequence[bytes], group: int = 0) -> LookupResult:
         """Longest present prefix of ``keys`` (32 bytes each) and where each
         key lives. Touches no disk and no network on the daemon."""
-        prefix, codes = self._call(fr.lookup, ns, group, keys, reply_bytes=40 + len(keys))
-        return LookupResult(prefix, codes)
+        n = len(keys)
+        return self._submit(
+            lambda r: LookupResult(r[0], _answers(r[1], n, "LOOKUP")), fr.lookup, ns, group, keys, reply_bytes=40 + n
+        ).wait()
 
     def lookup_in_region(self, ns: bytes, offset: int, count: int, group: int = 0) -> LookupResult:
         """:meth:`lookup` of ``count`` keys (32 bytes each) already written at
         ``offset`` in the region: the keys travel in shared memory, not in the
         request frame (fewer copies for large batches)."""
-        prefix, codes = self._call(fr.lookup_in_region, ns, group, offset, count, reply_bytes=40 + count)
-        return LookupResult(prefix, codes)
+        return self._submit(
+            lambda r: LookupResult(r[0], _answers(r[1], count, "LOOKUP")),
+            fr.lookup_in_region,
+            ns,
+            group,
+            offset,
+            count,
+            reply_bytes=40 + count,
+        ).wait()
 
     def cluster_lookup(
         self, record: dict[str, Any], ranks: Sequence[int], keys: Sequence[bytes], group: int = 0
@@ -955,26 +1013,44 @@ class KvtierClient:
                 copies.append((i, bytes(mv)))
             else:
                 ranges[i] = (items[i][0], at, mv.nbytes)
-        # Copies go first-fit where no range of this call lies.
+        # Copies go where no range of this call lies: each after the one
+        # before (one pass over the ranges; QA: a first-fit scan per copy
+        # took 30 s for 16k small values), then first-fit in what was
+        # skipped once the end of the region is reached.
         taken = sorted((r[1], r[1] + r[2]) for r in ranges if r is not None and r[2] > 0)
+        placed: list[tuple[int, int]] = []
+        off, t = 0, 0
         for i, data in copies:
             mv = memoryview(data).cast("B")
             n = mv.nbytes
-            off = 0
-            for start, end in taken:
-                if off + n <= start:
-                    break
-                off = max(off, end)
-            if off + n > region.size:
-                raise KvtierError(
-                    f"PUT data ({n} bytes) does not fit the region of {region.size} bytes beside the other values of this call",
-                    "too-large",
-                )
-            region.buffer[off : off + n] = mv
-            ranges[i] = (items[i][0], off, n)
-            bisect.insort(taken, (off, off + n))
+            while t < len(taken) and taken[t][0] < off + n:
+                off = max(off, taken[t][1])
+                t += 1
+            at = off
+            if at + n > region.size:
+                at = _first_fit(sorted(taken + placed), n, region.size)
+                if at is None:
+                    raise KvtierError(
+                        f"PUT data ({n} bytes) does not fit the region of {region.size} bytes beside the other values of this call",
+                        "too-large",
+                    )
+            else:
+                off = at + n
+            if n:
+                placed.append((at, at + n))
+            region.buffer[at : at + n] = mv
+            ranges[i] = (items[i][0], at, n)
         entries = [r for r in ranges if r is not None]
-        return self._submit(_put_codes, fr.put, ns, group, entries, atomic, reply_bytes=36 + 2 * len(entries))
+        n, names = len(entries), _put_codes
+        return self._submit(
+            lambda codes: names(_answers(codes, n, "PUT")),
+            fr.put,
+            ns,
+            group,
+            entries,
+            atomic,
+            reply_bytes=36 + 2 * n,
+        )
 
     def get(
         self,
@@ -1016,8 +1092,12 @@ class KvtierClient:
 
         def results(replies: Any) -> list[GetResult]:
             out = []
-            for (key, off, _cap), (status, length) in zip(entries, replies):
-                data = buffer[off : off + length] if status.startswith("hit-") else None
+            for (key, off, cap), (status, length) in zip(entries, _answers(replies, len(entries), "GET")):
+                hit = status.startswith("hit-")
+                if hit and length > cap:
+                    # A view past the range would show a neighbour's bytes.
+                    raise KvtierProtocolError(f"the daemon wrote a hit of {length} bytes into a range of {cap}")
+                data = buffer[off : off + length] if hit else None
                 out.append(GetResult(bytes(key), status, off, length, data))
             return out
 
@@ -1045,15 +1125,22 @@ class KvtierClient:
 
     def delete(self, ns: bytes, keys: Sequence[bytes], group: int = 0) -> list[bool]:
         """Removes chunks; per key whether it existed."""
-        return list(self._call(fr.delete, ns, group, keys, reply_bytes=36 + len(keys)))
+        n = len(keys)
+        return self._submit(
+            lambda r: list(_answers(r, n, "DELETE")), fr.delete, ns, group, keys, reply_bytes=36 + n
+        ).wait()
 
     def flush(self, timeout: float | None = None) -> dict[str, int]:
         """Returns once every chunk dirty at the call is durable:
         ``{"chunks", "bytes", "failed"}``. ``timeout`` (seconds) bounds the
         wait; by default it waits as long as the disk needs (a large dirty
-        RAM tier takes minutes), whatever the client's own timeout."""
+        RAM tier takes minutes), whatever the client's own timeout. When it
+        runs out the client is closed (the reply may still come)."""
+        if timeout is not None and timeout <= 0:
+            # 0 would make the socket non-blocking (QA: the connection broke).
+            raise ValueError("timeout must be positive seconds, or None to wait as long as the disk needs")
         if self._sock is None:
-            raise KvtierUnavailable("the client is closed")
+            raise KvtierUnavailable(self._closed_why)
         sock, before = self._sock, self._sock.gettimeout()
         sock.settimeout(timeout)
         try:

@@ -32,21 +32,23 @@ Requirements and quirks (LMCache 0.5.6):
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 __all__ = ["lmcache_config", "lmcache_env", "lmcache_settings", "lmcache_yaml", "resp_url"]
 
 
 def resp_url(address: str) -> str:
-    """``host:port`` (or an existing ``resp://`` URL) → LMCache's ``remote_url``."""
-    if address.startswith("resp://"):
-        return address
-    if "://" in address:
+    """``host:port`` (or an existing ``resp://host:port`` URL) → LMCache's
+    ``remote_url``."""
+    rest = address[len("resp://") :] if address.startswith("resp://") else address
+    if "://" in rest:
         raise ValueError(f"expected host:port or resp://host:port, got {address!r}")
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise ValueError(f"expected host:port, got {address!r}")
-    return f"resp://{address}"
+    host, sep, port = rest.rpartition(":")
+    # QA: "resp://", "resp://nope" and " 127.0.0.1:6380" were taken as they were.
+    if not sep or not host or any(c.isspace() or c in "/@" for c in host) or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"expected host:port or resp://host:port, got {address!r}")
+    return f"resp://{rest}"
 
 
 def lmcache_settings(
@@ -113,11 +115,10 @@ def lmcache_env(address: str = "127.0.0.1:6380", **kwargs: Any) -> dict[str, str
 
 
 def _yaml_scalar(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        return str(v)
-    return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
+    # A JSON scalar is a YAML one (a JSON string is a double-quoted YAML
+    # scalar with the same escapes: QA, a password with a newline or a tab
+    # read back as another password).
+    return _json_scalar(v)
 
 
 def _env_scalar(v: Any) -> str:
@@ -131,4 +132,4 @@ def _json_scalar(v: Any) -> str:
         return "true" if v else "false"
     if isinstance(v, (int, float)):
         return str(v)
-    return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return json.dumps(str(v), ensure_ascii=False)

@@ -16,6 +16,7 @@ from typing import Iterator
 import pytest
 
 from kvtier import KvtierClient, KvtierError, KvtierUnavailable, Region
+from kvtier.client import KvtierProtocolError
 from kvtier.client import LookupResult
 from kvtier import _frames as fr
 
@@ -981,3 +982,157 @@ def test_an_interrupted_decode_is_done_again_on_the_next_wait(client: KvtierClie
     assert first.wait() == ["ok"]
     assert second.wait() == ["ok"]
     assert client.get_bytes(ns, key(71)) == b"ab"
+
+
+def _scripted_server(path: Path, replies) -> tuple[socket.socket, threading.Thread]:  # type: ignore[no-untyped-def]
+    """A fake daemon: answers REGISTER_REGION, then each next request with
+    ``replies(op, req_id)`` (bytes of whole frames), until the client goes."""
+    srv = _listening(path)
+
+    def serve() -> None:
+        conn = _accept_with_region(srv)
+        conn.settimeout(10)
+        try:
+            while True:
+                head = conn.recv(fr.HEADER_LEN, socket.MSG_WAITALL)
+                if len(head) < fr.HEADER_LEN:
+                    return
+                h = fr.decode_header(head)
+                if h.body_len:
+                    conn.recv(h.body_len, socket.MSG_WAITALL)
+                conn.sendall(replies(h.op, h.req_id))
+        except OSError:
+            return
+        finally:
+            conn.close()
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    return srv, t
+
+
+def _get_reply(req_id: int, results: list[tuple[int, int]]) -> bytes:
+    body = struct.pack("<II", len(results), 0) + b"".join(struct.pack("<B7xQ", s, n) for s, n in results)
+    return fr.encode_frame(fr.OP_GET | fr.REPLY_BIT, 0, 0, req_id, body)
+
+
+@pytest.mark.parametrize(
+    "case, reply",
+    [
+        # A reply of another op (QA: a PING's reply to a LOOKUP raised
+        # TypeError and left the client open).
+        ("op", lambda op, rid: fr.encode_frame(fr.OP_PING | fr.REPLY_BIT, 0, 0, rid, b"")),
+        # Fewer entries than keys (QA: zip() returned a shorter list).
+        ("count", lambda op, rid: _get_reply(rid, [(1, 8)])),
+        # A hit longer than its range (QA: a view over a neighbour's bytes).
+        ("length", lambda op, rid: _get_reply(rid, [(1, 8), (1, 5000)])),
+    ],
+)
+def test_a_reply_that_does_not_fit_its_request_closes_the_client(tmp_path: Path, case: str, reply) -> None:  # type: ignore[no-untyped-def]
+    path = tmp_path / f"{case}.sock"
+    srv, t = _scripted_server(path, reply)
+    try:
+        c = KvtierClient(path, region_size=1 << 16, timeout=5)
+        with pytest.raises(KvtierProtocolError):
+            c.get(NS, [key(0), key(1)], into=[(0, 8), (8, 8)])
+        assert c.closed
+        # Later calls say why (QA: they said that close() was called).
+        with pytest.raises(KvtierUnavailable) as e:
+            c.ping()
+        assert "close() was called" not in str(e.value), e.value
+    finally:
+        t.join(timeout=5)
+        srv.close()
+
+
+def _memfds() -> int:
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            n += os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:")
+        except OSError:
+            pass
+    return n
+
+
+def test_regions_are_not_leaked_by_failed_or_dropped_clients(tmp_path: Path, daemon) -> None:  # type: ignore[no-untyped-def]
+    """QA: a constructor whose REGISTER_REGION failed kept its memfd open,
+    and a client dropped without close() held its region's memory until the
+    process ended."""
+    import gc
+
+    path = tmp_path / "refuses.sock"
+    refusal = fr.encode_frame(fr.OP_REGISTER_REGION | fr.REPLY_BIT, 0, 5, 1, b"region too large")
+    srv = _listening(path)
+
+    def serve() -> None:
+        for _ in range(3):
+            conn = srv.accept()[0]
+            conn.recv(fr.HEADER_LEN + 8, socket.MSG_WAITALL)
+            conn.sendall(refusal)
+            conn.close()
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    try:
+        before = _memfds()
+        for _ in range(3):
+            with pytest.raises(KvtierError):
+                KvtierClient(path, region_size=1 << 16, timeout=5)
+        assert _memfds() <= before
+    finally:
+        t.join(timeout=5)
+        srv.close()
+    before = _memfds()
+    for _ in range(3):
+        c = KvtierClient(daemon.socket_path, region_size=1 << 20, timeout=5)
+        c.ping()
+        del c
+    Region(1 << 20)  # a bare region, never closed
+    gc.collect()
+    assert _memfds() <= before
+
+
+def test_flush_refuses_a_zero_timeout_and_stays_usable(client: KvtierClient) -> None:
+    """QA: ``flush(timeout=0)`` made the socket non-blocking and broke a
+    healthy connection."""
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match="timeout"):
+            client.flush(timeout=bad)
+    assert client.flush(timeout=30)["failed"] == 0
+    client.ping()
+
+
+def bkey(i: int) -> bytes:
+    return i.to_bytes(32, "little")
+
+
+def test_many_small_values_are_staged_around_ranges_and_read_back(client: KvtierClient) -> None:
+    """Bytes values are staged one after another around the zero-copy
+    ranges of the call (QA: a first-fit scan per value was quadratic), and
+    into gaps skipped once the region's end is reached."""
+    ns = client.hello(record(0))
+    size = client.region.size
+    # Zero-copy ranges at the start and the end leave one gap in between.
+    client.region.buffer[0:100] = b"a" * 100
+    client.region.buffer[size - 100 : size] = b"z" * 100
+    items: list = [(key(0), (0, 100)), (key(1), (size - 100, 100))]
+    values = {i: bytes([i % 251]) * 64 for i in range(2, 5002)}
+    items += [(bkey(i), v) for i, v in values.items()]
+    assert client.put(ns, items) == ["ok"] * len(items)
+    got = client.get(ns, [key(0), key(1)], into=[(0, 128), (128, 128)])
+    assert [bytes(r.data) for r in got] == [b"a" * 100, b"z" * 100]
+    for i in (2, 2500, 5001):
+        assert client.get_bytes(ns, bkey(i)) == values[i]
+    # Ranges at the start, a quarter and the end: a first copy of half the
+    # region goes after the quarter's range (the gap before it is too
+    # small), a second one does not fit after it and goes into that gap.
+    q = size // 4
+    for at in (0, q, size - 100):
+        client.region.buffer[at : at + 100] = b"r" * 100
+    half, fill = b"H" * (size // 2), b"F" * (q - 150)
+    put = [(bkey(9000), (0, 100)), (bkey(9001), (q, 100)), (bkey(9002), (size - 100, 100))]
+    assert client.put(ns, put + [(bkey(9003), half), (bkey(9004), fill)]) == ["ok"] * 5
+    assert client.get_bytes(ns, bkey(9003)) == half
+    assert client.get_bytes(ns, bkey(9004)) == fill
+    assert client.get_bytes(ns, bkey(9001)) == b"r" * 100

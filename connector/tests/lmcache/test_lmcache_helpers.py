@@ -27,3 +27,30 @@ def test_settings_satisfy_lmcache_resp_asserts() -> None:
     assert env["LMCACHE_REMOTE_URL"] == "resp://127.0.0.1:7000"
     assert env["LMCACHE_RESP_PASSWORD"] == "pw"
     assert env["LMCACHE_TRACK_USAGE"] == "false"
+
+
+def test_resp_url_refuses_what_is_not_host_and_port() -> None:
+    """QA: these were taken as they were."""
+    assert resp_url("resp://127.0.0.1:6380") == "resp://127.0.0.1:6380"
+    for bad in ["resp://", "resp://nope", " 127.0.0.1:6380", "resp://h:99999", "resp://a/b:1", "resp://redis://h:1"]:
+        with pytest.raises(ValueError):
+            resp_url(bad)
+
+
+@pytest.mark.parametrize("password", ['a\tb', "a\nb", 'q"\\x', "ünï"])
+def test_a_password_with_any_characters_reads_back_the_same(password: str) -> None:
+    """QA: only backslash and double quote were escaped: a tab made the
+    env JSON invalid, a newline read back from the YAML as a space."""
+    import json
+
+    env = lmcache_env("127.0.0.1:7000", password=password)
+    assert json.loads(env["LMCACHE_EXTRA_CONFIG"])["password"] == password
+    line = next(x for x in lmcache_yaml("127.0.0.1:7000", password=password).splitlines() if "password:" in x)
+    # A double-quoted YAML scalar with JSON's escapes (PyYAML reads it so
+    # where installed; the JSON reading is the same string).
+    assert json.loads(line.split(":", 1)[1]) == password
+    try:
+        import yaml  # type: ignore[import-untyped]
+    except ImportError:
+        return
+    assert yaml.safe_load(lmcache_yaml("127.0.0.1:7000", password=password))["extra_config"]["password"] == password
