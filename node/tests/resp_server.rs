@@ -125,6 +125,14 @@ async fn basic_commands_reply_like_redis() {
     let mut c = s.connect().await;
     rt(&mut c, b"PING\r\n", b"+PONG\r\n").await;
     rt(&mut c, &cmd(&[b"ping", b"hello"]), b"$5\r\nhello\r\n").await;
+    // redis-cli --pipe ends with an ECHO of a random marker.
+    rt(&mut c, &cmd(&[b"ECHO", b"a\r\nb"]), b"$4\r\na\r\nb\r\n").await;
+    rt(
+        &mut c,
+        b"ECHO\r\n",
+        b"-ERR wrong number of arguments for 'echo' command\r\n",
+    )
+    .await;
     rt(
         &mut c,
         b"PING a b\r\n",
@@ -283,7 +291,7 @@ async fn basic_commands_reply_like_redis() {
         b"-WRONGPASS invalid username-password pair or user is disabled.\r\n",
     )
     .await;
-    rt(&mut c, b"COMMAND COUNT\r\n", b":14\r\n").await;
+    rt(&mut c, b"COMMAND COUNT\r\n", b":15\r\n").await;
     rt(&mut c, b"COMMAND DOCS\r\n", b"*0\r\n").await;
     // Redis 7's entry shape: name, arity, flags, first/last key and step,
     // ACL categories, then empty tips, key specs and subcommands; a null
@@ -302,8 +310,8 @@ async fn basic_commands_reply_like_redis() {
     rt(
         &mut c,
         b"COMMAND LIST\r\n",
-        b"*14\r\n$4\r\nauth\r\n$6\r\nclient\r\n$7\r\ncommand\r\n$6\r\nconfig\r\n\
-          $6\r\ndbsize\r\n$3\r\ndel\r\n$6\r\nexists\r\n$3\r\nget\r\n$5\r\nhello\r\n\
+        b"*15\r\n$4\r\nauth\r\n$6\r\nclient\r\n$7\r\ncommand\r\n$6\r\nconfig\r\n\
+          $6\r\ndbsize\r\n$3\r\ndel\r\n$4\r\necho\r\n$6\r\nexists\r\n$3\r\nget\r\n$5\r\nhello\r\n\
           $4\r\ninfo\r\n$4\r\nping\r\n$4\r\nquit\r\n$6\r\nselect\r\n$3\r\nset\r\n",
     )
     .await;
@@ -804,28 +812,102 @@ async fn a_stored_name_is_compared_on_read() {
 
 #[tokio::test]
 async fn exists_pins_a_key_until_its_get() {
-    let s = Server::start(RespOptions::default()).await;
+    // 1 MiB of RAM and no disk: a large SET evicts (drops) the small keys.
+    let s = Server::start_with(RespOptions::default(), |c| TierConfig {
+        ram_budget: 1 << 20,
+        ..c
+    })
+    .await;
     let mut c = s.connect().await;
     rt(
         &mut c,
-        b"SET p1 v1\r\nSET p2 v2\r\nEXISTS p1 p2\r\n",
-        b"+OK\r\n+OK\r\n:2\r\n",
+        b"SET p1 v1\r\nSET p2 v2\r\nSET p4 v4\r\nEXISTS p1 p2 p4\r\n",
+        b"+OK\r\n+OK\r\n+OK\r\n:3\r\n",
     )
     .await;
-    // The store drops both (as an eviction would) behind the client's back.
+    let mut c2 = s.connect().await;
+    // Leaves less RAM than any small key takes (each is charged ~270 B).
+    let big = vec![b'x'; (1 << 20) - 400];
+    rt(&mut c2, &cmd(&[b"SET", b"big", &big]), b"+OK\r\n").await;
     let mapper = resp::keys::KeyMapper::new();
-    assert!(s.ctx.store.delete(&mapper.id(b"p1")));
-    assert!(s.ctx.store.delete(&mapper.id(b"p2")));
+    for k in [&b"p1"[..], b"p2", b"p4"] {
+        assert!(s.ctx.locate(&mapper.id(k)).is_none(), "evicted");
+    }
     // p1: the pin serves the bytes checked by EXISTS, once.
     rt(&mut c, b"GET p1\r\nGET p1\r\n", b"$2\r\nv1\r\n$-1\r\n").await;
     // p2: a write through RESP since the EXISTS invalidates the pin.
     rt(&mut c, b"DEL p2\r\nGET p2\r\n", b":0\r\n$-1\r\n").await;
+    // p4: so does a delete by another path (QA: `kvtier delete` of a key
+    // pinned by EXISTS, and its GET served the deleted value).
+    s.ctx.store.delete(&mapper.id(b"p4"));
+    rt(&mut c, b"GET p4\r\n", b"$-1\r\n").await;
     // Another connection never sees this connection's pins.
-    let mut c2 = s.connect().await;
     rt(&mut c2, b"SET p3 v3\r\n", b"+OK\r\n").await;
     rt(&mut c, b"EXISTS p3\r\n", b":1\r\n").await;
     assert!(s.ctx.store.delete(&mapper.id(b"p3")));
     rt(&mut c2, b"GET p3\r\n", b"$-1\r\n").await;
+    s.stop().await;
+}
+
+/// INFO's `kvtier_pinned_bytes`, asked on `c`.
+async fn pinned_bytes(c: &mut TcpStream) -> u64 {
+    c.write_all(b"INFO memory\r\n").await.unwrap();
+    let mut head = Vec::new();
+    while !head.ends_with(b"\r\n") {
+        let mut b = [0u8; 1];
+        tokio::time::timeout(T, c.read_exact(&mut b))
+            .await
+            .unwrap()
+            .unwrap();
+        head.push(b[0]);
+    }
+    let len: usize = std::str::from_utf8(&head[1..head.len() - 2])
+        .unwrap()
+        .parse()
+        .unwrap();
+    let mut body = vec![0u8; len + 2];
+    tokio::time::timeout(T, c.read_exact(&mut body))
+        .await
+        .unwrap()
+        .unwrap();
+    let text = String::from_utf8_lossy(&body).into_owned();
+    text.lines()
+        .find_map(|l| l.strip_prefix("kvtier_pinned_bytes:"))
+        .expect("kvtier_pinned_bytes in INFO memory")
+        .trim()
+        .parse()
+        .unwrap()
+}
+
+/// QA: pins were dropped only when a GET looked at them, so an idle
+/// connection kept an evicted value's bytes (past the RAM budget) until it
+/// closed. They go when their time is up.
+#[tokio::test]
+async fn pins_go_when_their_time_is_up_on_an_idle_connection() {
+    let opts = RespOptions {
+        pin_ttl: Duration::from_millis(300),
+        ..RespOptions::default()
+    };
+    let s = Server::start(opts).await;
+    let mut c = s.connect().await;
+    let value = vec![b'v'; 1000];
+    rt(&mut c, &cmd(&[b"SET", b"p1", &value]), b"+OK\r\n").await;
+    rt(&mut c, b"EXISTS p1\r\n", b":1\r\n").await;
+    let mut c2 = s.connect().await;
+    assert_eq!(pinned_bytes(&mut c2).await, 1000);
+    // c sends nothing more.
+    let deadline = std::time::Instant::now() + T;
+    loop {
+        let held = pinned_bytes(&mut c2).await;
+        if held == 0 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the pin still holds {held} bytes"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     s.stop().await;
 }
 
@@ -835,7 +917,11 @@ async fn exists_pins_a_key_until_its_get() {
 /// it is served from the pin.
 #[tokio::test]
 async fn exists_counts_no_read_and_its_get_counts_one() {
-    let s = Server::start(RespOptions::default()).await;
+    let s = Server::start_with(RespOptions::default(), |c| TierConfig {
+        ram_budget: 1 << 20,
+        ..c
+    })
+    .await;
     let mut c = s.connect().await;
     rt(
         &mut c,
@@ -851,13 +937,22 @@ async fn exists_counts_no_read_and_its_get_counts_one() {
         (before.hits_ram, before.bytes_out, before.misses)
     );
     rt(&mut c, b"GET p1\r\n", b"$6\r\nvalue1\r\n").await;
-    // p2 goes behind the client's back: its GET is served from the pin.
+    // p2 is evicted behind the client's back (RAM only: dropped): its GET
+    // is served from the pin.
     let mapper = resp::keys::KeyMapper::new();
-    assert!(s.ctx.store.delete(&mapper.id(b"p2")));
+    let mut c2 = s.connect().await;
+    rt(
+        &mut c2,
+        &cmd(&[b"SET", b"big", &vec![b'x'; (1 << 20) - 400]]),
+        b"+OK\r\n",
+    )
+    .await;
+    assert!(s.ctx.locate(&mapper.id(b"p2")).is_none(), "evicted");
+    let before_get = s.ctx.store.stats();
     rt(&mut c, b"GET p2\r\n", b"$6\r\nvalue2\r\n").await;
     let end = s.ctx.store.stats();
     assert_eq!(end.hits_ram, before.hits_ram + 2);
-    assert_eq!(end.bytes_out, before.bytes_out + 12);
+    assert_eq!(end.bytes_out, before_get.bytes_out + 6);
     // and counts no miss (the store was asked first: a miss and a hit).
     assert_eq!(end.misses, before.misses);
     // A key too long to store is absent: its GET is a miss (it counted

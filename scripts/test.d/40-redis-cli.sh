@@ -50,8 +50,17 @@ eq "$("${CLI[@]}" del greeting nothing)" "1" del
 eq "$("${CLI[@]}" --no-raw get greeting)" "(nil)" "get after del"
 # COMMAND INFO as redis-cli renders it: name, arity, flags, key positions.
 eq "$("${CLI[@]}" command info get | head -6 | tr '\n' ' ')" "get 2 readonly fast 1 1 " "command info"
-eq "$("${CLI[@]}" command count)" "14" "command count"
-eq "$("${CLI[@]}" command list | wc -l)" "14" "command list"
+eq "$("${CLI[@]}" command count)" "15" "command count"
+eq "$("${CLI[@]}" command list | wc -l)" "15" "command list"
+# --pipe (mass insertion) ends with an ECHO to know every reply came (QA:
+# it waited 30 s and exited 1 before ECHO was served).
+printf 'SET pa 1\r\nSET pb 2\r\nDEL pa pb\r\n' | timeout 20 redis-cli -p "$PORT" --pipe >"$TMP/pipe.out" 2>&1 ||
+  fail "redis-cli --pipe: $(cat "$TMP/pipe.out")"
+grep -q 'errors: 0, replies: 3' "$TMP/pipe.out" || fail "redis-cli --pipe: $(cat "$TMP/pipe.out")"
+# --stat reads INFO's blocked_clients (QA: garbage in its column without it).
+timeout 1 stdbuf -oL redis-cli -p "$PORT" --stat -i 0.2 >"$TMP/stat.out" 2>&1 || true
+awk 'NR==3 { found = 1; if ($4 != "0") exit 1 } END { if (!found) exit 1 }' "$TMP/stat.out" ||
+  fail "redis-cli --stat blocked column: $(cat "$TMP/stat.out")"
 eq "$("${CLI[@]}" --no-raw nosuchcommand x)" "(error) ERR unknown command 'nosuchcommand', with args beginning with: 'x' " unknown
 
 # A binary value with every byte value (NUL, CR, LF included) round-trips exactly.

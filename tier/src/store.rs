@@ -857,6 +857,8 @@ pub(crate) struct Inner {
     /// a delete replaced their spilled copy (which then no longer counts in
     /// `spilled_bytes`, while the job still holds the bytes: review).
     overflow_bytes: AtomicU64,
+    /// Deletes by bucket of the id's hash ([`ChunkStore::deletions_of`]).
+    deletions: Box<[AtomicU64]>,
     /// Write jobs not done yet (queued, packed or in flight), per id
     /// ([`PendingWrite`]). parking_lot: short sections.
     pending: PendingMap,
@@ -1114,6 +1116,7 @@ impl ChunkStore {
             forget_later: Mutex::new(HashMap::new()),
             overflow: Mutex::new(Some(Vec::new())),
             overflow_bytes: AtomicU64::new(0),
+            deletions: (0..DELETION_BUCKETS).map(|_| AtomicU64::new(0)).collect(),
             pending: PendingMap::default(),
             txns: Mutex::new(txns),
             group_regions: Mutex::new(HashMap::new()),
@@ -1658,6 +1661,15 @@ impl ChunkStore {
             hashes.shrink_to(1 << 16);
         });
         tiers.iter().take_while(|t| t.is_some()).count()
+    }
+
+    /// A count that changes whenever `id` (or an id sharing its bucket of
+    /// 1,024) is deleted, by any path (a client's delete, `gc`), and never
+    /// when RAM evicts it: a copy taken earlier (RESP's pin of a positive
+    /// EXISTS) is still the id's value while the count is unchanged and no
+    /// newer version was put.
+    pub fn deletions_of(&self, id: &ChunkId) -> u64 {
+        self.inner.deletions[deletion_bucket(id)].load(Ordering::Acquire)
     }
 
     /// Removes a chunk from RAM and disk; returns whether it existed. The
@@ -2709,6 +2721,7 @@ impl Inner {
             None => Instant::now(),
         };
         let in_ram = self.ram.remove_if(id, |e| e.inserted <= t).is_some();
+        self.deletions[deletion_bucket(id)].fetch_add(1, Ordering::AcqRel);
         // Not held across the tombstone's send, which waits while the
         // writer's queue is full (readers would wait behind a put_atomic
         // waiting for the gate).
@@ -5538,6 +5551,13 @@ mod race_tests {
             "dropped with {w} bytes waiting (spill_limit {limit})"
         );
     }
+}
+
+/// Buckets of [`ChunkStore::deletions_of`].
+const DELETION_BUCKETS: usize = 1024;
+
+fn deletion_bucket(id: &ChunkId) -> usize {
+    (crate::index::hash_id(id) >> 40) as usize % DELETION_BUCKETS
 }
 
 /// The error of a flush whose deadline passed.

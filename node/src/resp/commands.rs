@@ -31,8 +31,6 @@ const NOT_INTEGER: &str = "value is not an integer or out of range";
 const SYNTAX: &str = "syntax error";
 /// Pins taken by positive EXISTS replies, per connection.
 const PINS_MAX: usize = 32;
-/// How long a pin protects a key from vanishing before its GET.
-const PIN_TTL: Duration = Duration::from_secs(10);
 /// Slots of the per-key write epochs that invalidate pins.
 const EPOCH_SLOTS: usize = 1024;
 
@@ -59,6 +57,10 @@ pub struct Shared {
     // Bumped by every SET / DEL of a key hashing to the slot; a pin is only
     // served while its slot is unchanged, so a pin never outlives a write.
     epochs: Box<[AtomicU64]>,
+    /// Bytes held by pins over all connections (INFO's
+    /// `kvtier_pinned_bytes`): a pinned key evicted since holds its bytes
+    /// outside the RAM budget until the pin goes.
+    pub pinned_bytes: Arc<AtomicU64>,
 }
 
 impl std::fmt::Debug for Shared {
@@ -87,6 +89,7 @@ impl Shared {
             port,
             next_client_id: AtomicU64::new(1),
             epochs: (0..EPOCH_SLOTS).map(|_| AtomicU64::new(0)).collect(),
+            pinned_bytes: Arc::new(AtomicU64::new(0)),
         }
     }
 
@@ -103,8 +106,19 @@ impl Shared {
 struct Pin {
     key: Bytes,
     epoch: u64,
+    /// The store's [`tier::ChunkStore::deletions_of`] the key at the pin.
+    deletions: u64,
     at: Instant,
     data: Bytes,
+    /// [`Shared::pinned_bytes`], less `data` when the pin goes.
+    held: Arc<AtomicU64>,
+}
+
+impl Drop for Pin {
+    fn drop(&mut self) {
+        self.held
+            .fetch_sub(self.data.len() as u64, Ordering::Relaxed);
+    }
 }
 
 /// Per-connection state.
@@ -120,6 +134,7 @@ pub struct Session {
     /// Replies in RESP3 (after `HELLO 3`).
     pub resp3: bool,
     pins: VecDeque<Pin>,
+    pin_ttl: Duration,
 }
 
 impl std::fmt::Debug for Session {
@@ -132,6 +147,22 @@ impl std::fmt::Debug for Session {
 }
 
 impl Session {
+    /// How long until the oldest pin runs out (None: no pins).
+    pub fn pins_expire_in(&self) -> Option<Duration> {
+        self.pins
+            .iter()
+            .map(|p| self.pin_ttl.saturating_sub(p.at.elapsed()))
+            .min()
+    }
+
+    /// Drops the pins whose time is up, and with them bytes the store may
+    /// have evicted since (QA: an idle connection held them until it
+    /// closed, past the RAM budget).
+    pub fn drop_old_pins(&mut self) {
+        let ttl = self.pin_ttl;
+        self.pins.retain(|p| p.at.elapsed() < ttl);
+    }
+
     /// A new session; authenticated from the start when no password is set.
     pub fn new(shared: &Shared) -> Self {
         Self {
@@ -141,6 +172,7 @@ impl Session {
             close: false,
             resp3: false,
             pins: VecDeque::new(),
+            pin_ttl: shared.opts.pin_ttl,
         }
     }
 }
@@ -256,6 +288,14 @@ const COMMANDS: &[Spec] = &[
         flags: &["write"],
         keys: (1, -1, 1),
         acl: &["@keyspace", "@write", "@slow"],
+    },
+    Spec {
+        name: "echo",
+        arity: 2,
+        no_auth: false,
+        flags: &["fast"],
+        keys: (0, 0, 0),
+        acl: &["@fast", "@connection"],
     },
     Spec {
         name: "exists",
@@ -406,6 +446,12 @@ async fn dispatch(shared: &Shared, s: &mut Session, args: &[Bytes], out: &mut Ou
                 None
             };
             out.verbatim_text(super::info::info_text(shared, sections, keys).as_bytes());
+            Ok(())
+        }
+        // redis-cli --pipe ends with an ECHO to know it has every reply
+        // (QA: without it, it waited 30 s and exited 1).
+        "echo" => {
+            out.bulk(&args[1]);
             Ok(())
         }
         "ping" => match args.len() {
@@ -900,6 +946,7 @@ fn exists(shared: &Shared, s: &mut Session, args: &[Bytes], out: &mut Output) ->
 /// written or deleted through RESP since).
 fn pin(shared: &Shared, s: &mut Session, key: &Bytes, id: &ChunkId) {
     let epoch = shared.epoch_slot(id).load(Ordering::Acquire);
+    let deletions = shared.ctx.store.deletions_of(id);
     // RAM only: a chunk evicted since the EXISTS is not pinned (its GET
     // reads the disk on the blocking pool), and no disk read runs here.
     // Not counted as a read: EXISTS only asks (Redis counts no keyspace
@@ -907,14 +954,22 @@ fn pin(shared: &Shared, s: &mut Session, key: &Bytes, id: &ChunkId) {
     let Some(data) = shared.ctx.store.peek_ram(id, Some(key)) else {
         return;
     };
-    s.pins.retain(|p| p.key != *key);
+    let ttl = s.pin_ttl;
+    s.pins.retain(|p| p.key != *key && p.at.elapsed() < ttl);
     if s.pins.len() >= PINS_MAX {
         s.pins.pop_front();
     }
     s.pins.push_back(Pin {
         key: key.clone(),
         epoch,
+        deletions,
         at: Instant::now(),
+        held: {
+            shared
+                .pinned_bytes
+                .fetch_add(data.len() as u64, Ordering::Relaxed);
+            Arc::clone(&shared.pinned_bytes)
+        },
         data,
     });
 }
@@ -922,9 +977,12 @@ fn pin(shared: &Shared, s: &mut Session, key: &Bytes, id: &ChunkId) {
 fn take_pin(shared: &Shared, s: &mut Session, key: &[u8], id: &ChunkId) -> Option<Bytes> {
     let i = s.pins.iter().position(|p| p.key == key)?;
     let p = s.pins.remove(i)?;
-    let fresh =
-        p.at.elapsed() < PIN_TTL && shared.epoch_slot(id).load(Ordering::Acquire) == p.epoch;
-    fresh.then_some(p.data)
+    // Deleted by other means than RESP (`kvtier delete`, gc) since, which
+    // bump no RESP epoch (QA: a GET served a key deleted so).
+    let fresh = p.at.elapsed() < s.pin_ttl
+        && shared.epoch_slot(id).load(Ordering::Acquire) == p.epoch
+        && shared.ctx.store.deletions_of(id) == p.deletions;
+    fresh.then(|| p.data.clone())
 }
 
 async fn get(shared: &Shared, s: &mut Session, key: &Bytes, out: &mut Output) -> Res {

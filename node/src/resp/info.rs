@@ -75,6 +75,9 @@ pub fn info_text(shared: &Shared, sections: &[Bytes], keys: Option<u64>) -> Stri
                     shared.clients.load(Ordering::Relaxed).to_string(),
                 ),
                 ("maxclients".into(), shared.opts.max_connections.to_string()),
+                // No command blocks; redis-cli --stat reads the field (QA:
+                // garbage in its "blocked" column without it).
+                ("blocked_clients".into(), "0".into()),
             ],
             "memory" => vec![
                 ("used_memory".into(), st.ram_bytes.to_string()),
@@ -83,6 +86,10 @@ pub fn info_text(shared: &Shared, sections: &[Bytes], keys: Option<u64>) -> Stri
                 ("maxmemory_human".into(), human(st.ram_budget)),
                 ("maxmemory_policy".into(), "allkeys-lru".into()),
                 ("kvtier_dirty_bytes".into(), st.dirty_bytes.to_string()),
+                (
+                    "kvtier_pinned_bytes".into(),
+                    shared.pinned_bytes.load(Ordering::Relaxed).to_string(),
+                ),
                 ("kvtier_disk_bytes".into(), st.disk_bytes.to_string()),
                 ("kvtier_disk_budget".into(), st.disk_budget.to_string()),
             ],

@@ -50,6 +50,10 @@ pub struct RespOptions {
     /// each refused every other large SET for as long as they stayed: QA).
     /// Default: 30 s.
     pub value_timeout: std::time::Duration,
+    /// How long a positive EXISTS keeps the key's bytes for its GET (see
+    /// `commands::pin`); the bytes go when it runs out, also on a
+    /// connection that sends nothing more. Default: 10 s.
+    pub pin_ttl: std::time::Duration,
 }
 
 impl Default for RespOptions {
@@ -60,6 +64,7 @@ impl Default for RespOptions {
             max_connections: 1024,
             max_receiving: 0,
             value_timeout: std::time::Duration::from_secs(30),
+            pin_ttl: std::time::Duration::from_secs(10),
         }
     }
 }

@@ -319,10 +319,24 @@ async fn connection(shared: &Shared, mut sock: TcpStream) -> io::Result<()> {
         // that lands in the read buffer is copied once more into the
         // value's own buffer (the rest is read straight into it), so the
         // first read should not take in more of it than needed.
-        let n = if rbuf.is_empty() {
-            sock.read_buf(&mut (&mut rbuf).limit(FIRST_READ)).await?
-        } else {
-            sock.read_buf(&mut rbuf).await?
+        let read = async {
+            if rbuf.is_empty() {
+                sock.read_buf(&mut (&mut rbuf).limit(FIRST_READ)).await
+            } else {
+                sock.read_buf(&mut rbuf).await
+            }
+        };
+        // Pins (a positive EXISTS's bytes) go when their time is up, also
+        // on a connection that sends nothing more (reads are cancel-safe).
+        let n = match session.pins_expire_in() {
+            None => read.await?,
+            Some(left) => match tokio::time::timeout(left, read).await {
+                Ok(r) => r?,
+                Err(_) => {
+                    session.drop_old_pins();
+                    continue;
+                }
+            },
         };
         if n == 0 {
             return Ok(());
