@@ -946,7 +946,12 @@ impl NodeConfig {
         let margin = self
             .disk_reserve
             .map_or((space.total / 20).min(1 << 30), |r| r.0);
-        let usable = space.available_to_store.saturating_sub(margin);
+        // The reserve is kept of the free space only: blocks the store's
+        // files hold already need no new room (QA: a store that filled its
+        // budget could not restart with that budget set on a full shared
+        // filesystem).
+        let free = space.available_to_store.saturating_sub(space.allocated);
+        let usable = space.allocated.saturating_add(free.saturating_sub(margin));
         // The effective value, so `config check` prints it.
         self.disk_reserve = Some(ByteSize(margin));
         match self.disk_budget {
@@ -981,12 +986,14 @@ impl NodeConfig {
             Some(b) if b.0 > usable => {
                 return Err(NodeError::Config(format!(
                     "invalid `disk-budget` ({}): {} does not fit the filesystem of data dir {}: \
-                     {} available (free space plus the store's existing files) minus \
-                     `disk-reserve` {}",
+                     {} available (the store's existing files hold {} and {} is free, of which \
+                     `disk-reserve` {} stays free)",
                     loaded.sources.of("disk-budget"),
                     b.approx(),
                     self.data_dir.display(),
-                    ByteSize(space.available_to_store).approx(),
+                    ByteSize(usable).approx(),
+                    ByteSize(space.allocated).approx(),
+                    ByteSize(free).approx(),
                     ByteSize(margin).approx(),
                 )));
             }
@@ -1184,6 +1191,8 @@ struct DiskSpace {
     total: u64,
     /// Free space plus what the store's files already occupy.
     available_to_store: u64,
+    /// What the store's files already occupy (part of `available_to_store`).
+    allocated: u64,
 }
 
 /// Space of the filesystem holding `dir` (or its nearest existing ancestor).
@@ -1203,9 +1212,11 @@ fn disk_space(dir: &Path) -> Result<DiskSpace> {
     let frsize = st.f_frsize.max(1);
     let total = st.f_blocks.saturating_mul(frsize);
     let free = st.f_bavail.saturating_mul(frsize);
+    let allocated = allocated_bytes(dir);
     Ok(DiskSpace {
         total,
-        available_to_store: free.saturating_add(allocated_bytes(dir)),
+        available_to_store: free.saturating_add(allocated),
+        allocated,
     })
 }
 
@@ -1668,6 +1679,7 @@ mod tests {
         DiskSpace {
             total: 100 << 30,
             available_to_store: 40 << 30,
+            allocated: 0,
         }
     }
 
@@ -2491,6 +2503,7 @@ mod tests {
         let some = DiskSpace {
             total: 100 << 30,
             available_to_store: 10 << 30,
+            allocated: 0,
         };
         c.resolve_with(&l, some).unwrap();
         assert_eq!(c.disk_budget, Some(ByteSize(9 << 29)));
@@ -2499,6 +2512,7 @@ mod tests {
         let tight = || DiskSpace {
             total: 100 << 30,
             available_to_store: 1 << 30,
+            allocated: 0,
         };
         let e = l.config.clone().resolve_with(&l, tight()).unwrap_err();
         assert!(
@@ -2510,11 +2524,31 @@ mod tests {
         let small = DiskSpace {
             total: 100 << 30,
             available_to_store: 2 << 30,
+            allocated: 0,
         };
         let mut c_small = l.config.clone();
         c_small.resolve_with(&l, small).unwrap();
         assert_eq!(c_small.disk_budget, Some(ByteSize::mib(512)));
         assert_eq!(c_small.region_size, ByteSize::mib(64));
+
+        // A store that fills its budget on a full filesystem restarts with
+        // that budget set: its blocks are allocated, the reserve is kept of
+        // the free space only (QA: refused until 20 MiB were freed). One
+        // more region would need new room, which is not there.
+        let full = || DiskSpace {
+            total: 300 << 20,
+            available_to_store: 240 << 20,
+            allocated: 240 << 20,
+        };
+        for (budget, fits) in [(240u64 << 20, true), (256 << 20, false)] {
+            let same = Overrides {
+                disk_budget: Some(ByteSize(budget)),
+                ..flags.clone()
+            };
+            let l = load_with(None, &[], same).unwrap();
+            let r = l.config.clone().resolve_with(&l, full());
+            assert_eq!(r.is_ok(), fits, "{budget}: {r:?}");
+        }
 
         let huge = Overrides {
             disk_budget: Some(ByteSize(1 << 60)),
