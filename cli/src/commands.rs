@@ -1304,27 +1304,29 @@ fn verify(args: &VerifyArgs) -> Result<u8> {
         }
         if sealed && at_open > 0 {
             outln!(
-                "dropped at open: {at_open} chunk(s) torn or corrupt in the region open at the last shutdown \
-                 (never served; see the warnings above); that region is sealed now without them \
-                 (or freed, when it held nothing else)"
+                "dropped at open: {at_open} chunk(s) found torn or corrupt while the store opened \
+                 (never served; see the warnings above); the open region is sealed now without \
+                 them (or freed, when it held nothing else)"
             );
         } else if at_open > 0 {
             outln!(
-                "dropped at open: {at_open} chunk(s) torn or corrupt in the region open at the last shutdown \
-                 (never served; see the warnings above; counted at every open until that region is sealed: \
-                 `verify --repair` seals it)"
+                "dropped at open: {at_open} chunk(s) found torn or corrupt while the store opened \
+                 (never served; see the warnings above; counted at every open until the open \
+                 region is sealed: `verify --repair` seals it)"
             );
         }
         if damaged > 0 && sealed {
             outln!(
-                "damaged at open: {damaged} region slot(s), summary(ies) or batch record(s) \
-                 (see the warnings above for what was recovered); rewritten now"
+                "damaged at open: {damaged} region slot(s), summary(ies), batch record(s) or \
+                 deletes-journal record(s) (see the warnings above for what was recovered); \
+                 rewritten now"
             );
         } else if damaged > 0 {
             outln!(
-                "damaged at open: {damaged} region slot(s), summary(ies) or batch record(s) \
-                 (see the warnings above for what was recovered; counted at every open until \
-                 the region is reused, or `verify --repair` rewrites them)"
+                "damaged at open: {damaged} region slot(s), summary(ies), batch record(s) or \
+                 deletes-journal record(s) (see the warnings above for what was recovered; \
+                 counted at every open until the region is reused, or `verify --repair` \
+                 rewrites them; a damaged delete's chunk may be back)"
             );
         }
         outln!(

@@ -12,7 +12,9 @@
 //!
 //! Format: records of [`RECORD`] bytes: namespace (16), key (32), group
 //! (u16 LE), CRC32C of those 50 bytes (u32 LE). A torn last record (a crash
-//! during an append) fails its CRC and ends the read.
+//! during an append) fails its CRC and ends the read; a bad record with
+//! whole records after it is damage (bit rot): it is skipped and counted,
+//! and the records after it are still replayed.
 
 use std::collections::HashSet;
 use std::fs::{self, File, OpenOptions};
@@ -50,27 +52,64 @@ fn decode(r: &[u8]) -> Option<ChunkId> {
 }
 
 /// The ids in the journal of `dir` (none when there is no journal), up to
-/// the first torn or corrupt record.
+/// a torn or corrupt last record.
 pub fn read(dir: &Path) -> io::Result<Vec<ChunkId>> {
+    read_all(dir).map(|r| r.ids)
+}
+
+/// What [`read_all`] found.
+#[derive(Debug, Default)]
+pub struct Read {
+    /// The good records' ids, in file order.
+    pub ids: Vec<ChunkId>,
+    /// Bad records with good ones after them: damage, not a torn append
+    /// (each one a delete lost: its chunk may come back).
+    pub damaged: u64,
+    /// Where the last good record ends (appends go there).
+    pub end: u64,
+}
+
+/// The journal of `dir`: its good records, the damaged ones skipped (QA:
+/// one flipped byte in the first record undid every delete after it,
+/// with a warning only, and the journal was then removed).
+pub fn read_all(dir: &Path) -> io::Result<Read> {
     let bytes = match crate::store::read_data_file(&dir.join(FILE_NAME)) {
         Ok(b) => b,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Read::default()),
         Err(e) => return Err(e),
     };
-    let mut ids = Vec::with_capacity(bytes.len() / RECORD);
-    for r in bytes.chunks(RECORD) {
+    let mut out = Read {
+        ids: Vec::with_capacity(bytes.len() / RECORD),
+        ..Read::default()
+    };
+    let mut bad = 0u64;
+    for (i, r) in bytes.chunks(RECORD).enumerate() {
         match (r.len() == RECORD).then(|| decode(r)).flatten() {
-            Some(id) => ids.push(id),
-            None => {
-                tracing::warn!(
-                    kept = ids.len(),
-                    "deletes journal: a torn or corrupt record ends it"
-                );
-                break;
+            Some(id) => {
+                out.ids.push(id);
+                out.end = ((i + 1) * RECORD) as u64;
+                // Bad ones before a good one were damage, not a torn tail.
+                out.damaged += bad;
+                bad = 0;
             }
+            None => bad += 1,
         }
     }
-    Ok(ids)
+    if out.damaged > 0 {
+        tracing::error!(
+            damaged = out.damaged,
+            kept = out.ids.len(),
+            "deletes journal: damaged records skipped; the chunks they deleted may be back \
+             (counted in damaged_metadata)"
+        );
+    }
+    if bad > 0 {
+        tracing::warn!(
+            kept = out.ids.len(),
+            "deletes journal: a torn or corrupt last record is cut off"
+        );
+    }
+    Ok(out)
 }
 
 fn sync_dir(dir: &Path) -> io::Result<()> {
@@ -91,15 +130,18 @@ pub(crate) struct Journal {
 }
 
 impl Journal {
-    /// The journal of `dir`, with the ids its file already holds. A torn
-    /// or corrupt tail is cut off (the file is opened for writing only
-    /// then), so that appends land right after the last good record.
-    pub(crate) fn open(dir: &Path) -> io::Result<Self> {
+    /// The journal of `dir`, with the ids its file already holds, and
+    /// how many damaged records it skipped. A torn or corrupt tail is cut
+    /// off (the file is opened for writing only then), so that appends land
+    /// right after the last good record.
+    pub(crate) fn open(dir: &Path) -> io::Result<(Self, u64)> {
         let path = dir.join(FILE_NAME);
-        let (order, exists) = match fs::symlink_metadata(&path) {
+        let mut damaged = 0;
+        let (order, exists, len) = match fs::symlink_metadata(&path) {
             Ok(m) => {
-                let good = read(dir)?;
-                let len = (good.len() * RECORD) as u64;
+                let found = read_all(dir)?;
+                damaged = found.damaged;
+                let (good, len) = (found.ids, found.end);
                 // Opened with the data dir's checks (no links) first.
                 let open =
                     || crate::store::open_data_file(&path, OpenOptions::new().write(true), 0);
@@ -110,27 +152,28 @@ impl Journal {
                     drop(open()?);
                     fs::remove_file(&path)?;
                     sync_dir(dir)?;
-                    (good, false)
+                    (good, false, 0)
                 } else {
                     if m.len() != len {
                         let f = open()?;
                         f.set_len(len)?;
                         f.sync_all()?;
                     }
-                    (good, true)
+                    (good, true, len)
                 }
             }
-            Err(e) if e.kind() == io::ErrorKind::NotFound => (Vec::new(), false),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => (Vec::new(), false, 0),
             Err(e) => return Err(e),
         };
-        Ok(Self {
+        let journal = Self {
             dir: dir.to_path_buf(),
-            len: (order.len() * RECORD) as u64,
+            len,
             ids: order.iter().copied().collect(),
             order,
             file: None,
             exists,
-        })
+        };
+        Ok((journal, damaged))
     }
 
     /// The ids the journal holds, in the order they were added.
@@ -249,7 +292,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join(FILE_NAME);
         fs::write(&path, b"").unwrap();
-        let mut j = Journal::open(dir.path()).unwrap();
+        let mut j = Journal::open(dir.path()).unwrap().0;
         assert!(!path.exists());
         assert!(j.ids().is_empty());
         // It is created anew by the next append.
@@ -257,7 +300,7 @@ mod tests {
         assert_eq!(read(dir.path()).unwrap(), vec![id(1)]);
         // A torn first record is nothing too.
         fs::write(&path, &encode(&id(2))[..20]).unwrap();
-        assert!(Journal::open(dir.path()).unwrap().ids().is_empty());
+        assert!(Journal::open(dir.path()).unwrap().0.ids().is_empty());
         assert!(!path.exists());
     }
 
@@ -265,13 +308,13 @@ mod tests {
     fn appends_once_reads_back_and_stops_at_a_torn_record() {
         let dir = tempfile::tempdir().unwrap();
         assert!(read(dir.path()).unwrap().is_empty());
-        let mut j = Journal::open(dir.path()).unwrap();
+        let mut j = Journal::open(dir.path()).unwrap().0;
         j.add_all(&[id(1), id(2), id(1)]).unwrap();
         j.add_all(&[id(2)]).unwrap();
         assert!(j.contains(&id(2)) && !j.contains(&id(3)));
         assert_eq!(read(dir.path()).unwrap(), vec![id(1), id(2)]);
         // A reopened journal knows its ids (no second append).
-        let mut j = Journal::open(dir.path()).unwrap();
+        let mut j = Journal::open(dir.path()).unwrap().0;
         assert_eq!(j.ids(), &[id(1), id(2)]);
         j.add_all(&[id(2)]).unwrap();
         assert_eq!(read(dir.path()).unwrap(), vec![id(1), id(2)]);
@@ -285,7 +328,7 @@ mod tests {
         fs::write(&path, &bytes).unwrap();
         assert_eq!(read(dir.path()).unwrap(), vec![id(1)]);
         // Opening cuts the bad tail off: a new record follows the good one.
-        let mut j = Journal::open(dir.path()).unwrap();
+        let mut j = Journal::open(dir.path()).unwrap().0;
         j.add_all(&[id(4)]).unwrap();
         assert_eq!(read(dir.path()).unwrap(), vec![id(1), id(4)]);
         j.clear().unwrap();
@@ -296,10 +339,79 @@ mod tests {
         assert_eq!(read(dir.path()).unwrap(), vec![id(1)]);
     }
 
+    /// QA: one flipped byte in the first record ended the read there, so
+    /// every later delete was undone (a warning only), and the journal was
+    /// then removed. A bad record with good ones after it is damage: the
+    /// rest is replayed and the bad one counted.
+    #[test]
+    fn a_damaged_record_before_good_ones_is_skipped_and_counted() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut j = Journal::open(dir.path()).unwrap().0;
+        j.add_all(&[id(1), id(2), id(3)]).unwrap();
+        drop(j);
+        let path = dir.path().join(FILE_NAME);
+        let mut bytes = fs::read(&path).unwrap();
+        bytes[10] ^= 0x40;
+        fs::write(&path, &bytes).unwrap();
+        let r = read_all(dir.path()).unwrap();
+        assert_eq!(
+            (r.ids, r.damaged, r.end),
+            (vec![id(2), id(3)], 1, 3 * RECORD as u64)
+        );
+        let (mut j, damaged) = Journal::open(dir.path()).unwrap();
+        assert_eq!((j.ids(), damaged), (&[id(2), id(3)][..], 1));
+        assert_eq!(fs::metadata(&path).unwrap().len(), 3 * RECORD as u64);
+        j.add_all(&[id(4)]).unwrap();
+        assert_eq!(read(dir.path()).unwrap(), vec![id(2), id(3), id(4)]);
+    }
+
+    /// The same through a store: the deletes after the damaged record are
+    /// applied at open, and the damage is counted (`verify` exits 5).
+    #[test]
+    fn a_store_replays_the_deletes_after_a_damaged_record_and_counts_it() {
+        use crate::{ChunkStore, NamespaceRecord, TierConfig};
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = TierConfig {
+            data_dir: dir.path().to_path_buf(),
+            ram_budget: 4 << 20,
+            disk_budget: 8 << 20,
+            region_size: 1 << 20,
+            direct_io: false,
+            ..TierConfig::default()
+        };
+        let s = ChunkStore::open(cfg.clone()).unwrap();
+        let ns = s
+            .register_namespace(&NamespaceRecord {
+                model: "m".into(),
+                ..Default::default()
+            })
+            .unwrap();
+        let ids: Vec<ChunkId> = (0..3u8)
+            .map(|n| ChunkId::new(ns, ChunkKey([n; 32]), 0))
+            .collect();
+        for x in &ids {
+            s.put(*x, bytes::Bytes::from(vec![7u8; 1000])).unwrap();
+        }
+        s.close(std::time::Duration::from_secs(30)).unwrap();
+        drop(s);
+        // As if the disk had refused their tombstones: deletes of all
+        // three in the journal, the first record damaged.
+        let mut bytes = Vec::new();
+        for x in &ids {
+            bytes.extend_from_slice(&encode(x));
+        }
+        bytes[3] ^= 1;
+        fs::write(dir.path().join(FILE_NAME), &bytes).unwrap();
+        let s = ChunkStore::open(cfg).unwrap();
+        assert!(s.get(&ids[0]).is_some(), "its delete record was damaged");
+        assert!(s.get(&ids[1]).is_none() && s.get(&ids[2]).is_none());
+        assert_eq!(s.stats().damaged_metadata, 1);
+    }
+
     #[test]
     fn a_partial_record_left_by_a_failed_append_never_hides_later_ones() {
         let dir = tempfile::tempdir().unwrap();
-        let mut j = Journal::open(dir.path()).unwrap();
+        let mut j = Journal::open(dir.path()).unwrap().0;
         j.add_all(&[id(1)]).unwrap();
         // As if a write had landed half a record and failed.
         let path = dir.path().join(FILE_NAME);

@@ -1045,11 +1045,18 @@ impl ChunkStore {
                 // The deletes a poisoned or full disk did not take: applied
                 // to the index only (a writable open writes their
                 // tombstones).
-                let pending = crate::deletes::read(&config.data_dir).map_err(|e| Error::Io {
+                let crate::deletes::Read {
+                    ids: pending,
+                    damaged,
+                    ..
+                } = crate::deletes::read_all(&config.data_dir).map_err(|e| Error::Io {
                     op: "read the deletes journal (deletes.pending) in",
                     path: config.data_dir.clone(),
                     source: e,
                 })?;
+                d.counters
+                    .damaged_metadata
+                    .fetch_add(damaged, Ordering::Relaxed);
                 let gone: Vec<_> = {
                     let mut ix = d.index.write();
                     pending.iter().filter_map(|id| ix.remove(id)).collect()
@@ -1065,12 +1072,15 @@ impl ChunkStore {
                 // Before the writer's channel exists: a failure here must not
                 // leave a store whose drop waits for a writer that never
                 // started.
-                let journal =
+                let (journal, damaged) =
                     crate::deletes::Journal::open(&config.data_dir).map_err(|e| Error::Io {
                         op: "open the deletes journal (deletes.pending) in",
                         path: config.data_dir.clone(),
                         source: e,
                     })?;
+                d.counters
+                    .damaged_metadata
+                    .fetch_add(damaged, Ordering::Relaxed);
                 (Some(Arc::new(d)), Some((rec, journal)))
             }
         };
