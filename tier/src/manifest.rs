@@ -276,6 +276,15 @@ pub fn store(dir: &Path, namespaces: &BTreeMap<Namespace, NsEntry>) -> Result<()
 pub(crate) fn write_atomic(dir: &Path, name: &str, body: &[u8]) -> Result<()> {
     let path = dir.join(name);
     let tmp = dir.join(format!("{name}.tmp"));
+    // Failpoint `tier::manifest::write` (feature `failpoints`): the
+    // temporary file cannot be written (`return(enospc)`: a full
+    // filesystem).
+    #[cfg(feature = "failpoints")]
+    fail::fail_point!("tier::manifest::write", |arg| Err(io(
+        "write",
+        &tmp,
+        crate::segment::failpoint_error(arg)
+    )));
     // Created afresh (`O_EXCL`, after removing a leftover): nothing planted
     // under the temporary name is written, or chowned.
     match fs::remove_file(&tmp) {

@@ -1297,7 +1297,30 @@ impl ChunkStore {
                 last_used_ms: crate::layout::now_ms(),
             },
         );
-        manifest::store(&self.inner.config.data_dir, &snapshot)?;
+        match manifest::store(&self.inner.config.data_dir, &snapshot) {
+            Ok(()) => {}
+            // A full (or read-only) filesystem: the namespace is served
+            // from memory, and the next flush or stop that can writes the
+            // manifest (QA: a new engine could not use the RAM tier at all
+            // while the preallocated store itself still had room). Until
+            // then a crash forgets the record, not its chunks: they are
+            // listed without one, and the client's next HELLO registers it.
+            Err(Error::Io { source, .. })
+                if matches!(
+                    source.raw_os_error(),
+                    Some(libc::ENOSPC | libc::EDQUOT | libc::EROFS)
+                ) =>
+            {
+                tracing::warn!(
+                    namespace = %id,
+                    error = %source,
+                    "namespace registered in memory only: the namespace manifest could not be \
+                     written; the next flush or stop that can writes it"
+                );
+                self.inner.last_used_failing.store(true, Ordering::Relaxed);
+            }
+            Err(e) => return Err(e),
+        }
         *self.inner.namespaces.write() = snapshot;
         Ok(id)
     }

@@ -101,6 +101,7 @@ fn failpoints() {
     split_reads_recover_from_failed_pieces_and_refused_contexts();
     a_gc_stopped_before_its_deletes_is_finished_at_the_next_open();
     a_disk_hit_whose_region_is_reclaimed_during_its_read_is_not_promoted();
+    a_namespace_registers_in_memory_when_its_manifest_cannot_be_written();
     scenario.teardown();
 }
 
@@ -588,4 +589,35 @@ fn a_disk_hit_whose_region_is_reclaimed_during_its_read_is_not_promoted() {
         "promoted with no disk copy behind it"
     );
     assert!(s.get(&first).is_none());
+}
+
+/// Disk QA: on a full filesystem (the preallocated store itself still had
+/// room) HELLO of a new namespace failed, so that engine could not use the
+/// RAM tier at all. It registers in memory; the next flush that can writes
+/// the manifest.
+fn a_namespace_registers_in_memory_when_its_manifest_cannot_be_written() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = ChunkStore::open(cfg(dir.path())).unwrap();
+    fail::cfg("tier::manifest::write", "return(enospc)").unwrap();
+    let ns = s
+        .register_namespace(&record())
+        .expect("registered in memory");
+    s.put(id(ns, 1), payload(1)).unwrap();
+    assert_eq!(s.get(&id(ns, 1)).unwrap().data, payload(1));
+    s.flush().unwrap();
+    // Any other error still fails the registration.
+    fail::cfg("tier::manifest::write", "return").unwrap();
+    let other = NamespaceRecord {
+        model: "other".into(),
+        ..Default::default()
+    };
+    assert!(s.register_namespace(&other).is_err());
+    fail::remove("tier::manifest::write");
+    // Room again: the next flush writes the manifest.
+    s.flush().unwrap();
+    s.close(Duration::from_secs(10)).unwrap();
+    drop(s);
+    let s = ChunkStore::open(cfg(dir.path())).unwrap();
+    assert_eq!(s.namespace_record(&ns), Some(record()));
+    assert_eq!(s.get(&id(ns, 1)).unwrap().data, payload(1));
 }
