@@ -720,7 +720,7 @@ impl Collector for NodeCollector {
         gauge(
             &mut enc,
             "writer_queue_depth",
-            "Chunks queued for the disk writer",
+            "Messages queued for the disk writer, plus evictions waiting beside its full queue",
             gauge_value(s.writer_queue_depth),
         )?;
         gauge(

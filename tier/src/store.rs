@@ -637,10 +637,14 @@ pub struct StoreStats {
     pub evicted_chunks: u64,
     /// Reads that failed verification (CRC, identity, length) or I/O.
     pub verify_failures: u64,
-    /// Region slots, summaries or batch records found damaged (bit rot) when
-    /// the store opened; logged with what was done about each.
+    /// Region slots, summaries, batch records or deletes-journal records
+    /// found damaged (bit rot) when the store opened; logged with what was
+    /// done about each.
     pub damaged_metadata: u64,
-    /// Chunks currently queued for the writer.
+    /// Messages in the writer's queue (`writer_queue` places: a put's
+    /// evictions, a flush's or idle pass's writes, a delete, each one
+    /// message) plus the evictions waiting beside it while it is full: at
+    /// `writer_queue` and over, the writer is behind.
     pub writer_queue_depth: u64,
     /// Time the last open spent rebuilding the index, in microseconds.
     pub recovery_micros: u64,
