@@ -124,6 +124,17 @@ impl DataDirLock {
                          of the data dir"
                     ),
                 )
+            } else if e.raw_os_error() == Some(libc::EROFS) {
+                // The usual state after a disk error (ext4 errors=remount-ro),
+                // when `verify` is what the operator runs (QA).
+                std::io::Error::new(
+                    e.kind(),
+                    format!(
+                        "{e}: the data dir's filesystem is read-only (after a disk error?); check \
+                         a copy: `cp -a --sparse=always DATA_DIR COPY`, then `kvtier verify \
+                         --data-dir COPY`"
+                    ),
+                )
             } else {
                 e
             },
