@@ -601,16 +601,16 @@ class KvtierClient:
             self._sock.close()
             self._sock = None
             self._closed_why = "the client is closed (close() was called)"
+        if self._region is not None:
+            if self._owns_region:
+                self._region.close()
+            self._region = None
 
     def _close_because(self, error: BaseException) -> None:
         """Closes the client after ``error``; later calls say so (QA: they
         said that close() was called)."""
         self.close()
         self._closed_why = f"the client is closed: {error}"
-        if self._region is not None:
-            if self._owns_region:
-                self._region.close()
-            self._region = None
 
     @property
     def closed(self) -> bool:

@@ -132,4 +132,6 @@ def _json_scalar(v: Any) -> str:
         return "true" if v else "false"
     if isinstance(v, (int, float)):
         return str(v)
-    return json.dumps(str(v), ensure_ascii=False)
+    # ASCII only: YAML refuses (or folds) raw DEL, C1 controls and lone
+    # surrogates, which JSON leaves unescaped otherwise (review).
+    return json.dumps(str(v)).replace("\x7f", "\\u007f")

@@ -1136,3 +1136,14 @@ def test_many_small_values_are_staged_around_ranges_and_read_back(client: Kvtier
     assert client.get_bytes(ns, bkey(9003)) == half
     assert client.get_bytes(ns, bkey(9004)) == fill
     assert client.get_bytes(ns, bkey(9001)) == b"r" * 100
+
+
+def test_close_closes_the_region_the_client_owns(daemon) -> None:  # type: ignore[no-untyped-def]
+    """Review: a change of this session left ``close()`` without its
+    region's close (its memfd stayed mapped until the client was collected)."""
+    c = KvtierClient(daemon.socket_path, region_size=1 << 20, timeout=5)
+    r = c.region
+    c.close()
+    assert r.fd < 0
+    with pytest.raises(KvtierError):
+        c.region

@@ -66,6 +66,10 @@ impl ByteSize {
     }
 }
 
+/// The reason given for a value that is another flag.
+const FLAG_FOR_VALUE: &str =
+    "this is a flag, not a value: the option before it needs its value first";
+
 impl FromStr for ByteSize {
     type Err = ParseError;
 
@@ -81,6 +85,10 @@ impl FromStr for ByteSize {
             return Err(err("empty"));
         }
         match s.as_bytes()[0] {
+            // A flag where the value should be (`--ram-budget --disk-budget
+            // 1GiB`: flags take values that start with `-`, for the error
+            // below).
+            b'-' if s.starts_with("--") => return Err(err(FLAG_FOR_VALUE)),
             b'-' => return Err(err("a size cannot be negative")),
             b'+' => return Err(err("write the number without a sign")),
             _ => {}
@@ -258,6 +266,9 @@ impl FromStr for HumanDuration {
             examples: DURATION_EXAMPLES,
         };
         let t = input.trim();
+        if t.starts_with("--") {
+            return Err(err(FLAG_FOR_VALUE.into()));
+        }
         // humantime says "expected number at 0" for "-5s".
         if t.starts_with('-') {
             return Err(err("a duration cannot be negative".into()));

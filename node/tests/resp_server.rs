@@ -883,7 +883,7 @@ async fn pinned_bytes(c: &mut TcpStream) -> u64 {
 /// connection kept an evicted value's bytes (past the RAM budget) until it
 /// closed. They go when their time is up.
 #[tokio::test]
-async fn pins_go_when_their_time_is_up_on_an_idle_connection() {
+async fn pins_go_when_their_time_is_up_on_idle_and_busy_connections() {
     let opts = RespOptions {
         pin_ttl: Duration::from_millis(300),
         ..RespOptions::default()
@@ -908,6 +908,40 @@ async fn pins_go_when_their_time_is_up_on_an_idle_connection() {
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    // A connection that keeps sending (its reads never wait: a pipeline
+    // always in flight) drops them too (review).
+    rt(&mut c, b"EXISTS p1\r\n", b":1\r\n").await;
+    assert_eq!(pinned_bytes(&mut c2).await, 1000);
+    let (mut rd, mut wr) = c.into_split();
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let (s1, s2) = (Arc::clone(&stop), Arc::clone(&stop));
+    let pings = b"PING\r\n".repeat(2000);
+    let writer = tokio::spawn(async move {
+        while !s1.load(std::sync::atomic::Ordering::Relaxed) {
+            if wr.write_all(&pings).await.is_err() {
+                break;
+            }
+        }
+    });
+    let reader = tokio::spawn(async move {
+        let mut buf = vec![0u8; 1 << 16];
+        while !s2.load(std::sync::atomic::Ordering::Relaxed) {
+            match tokio::time::timeout(Duration::from_millis(100), rd.read(&mut buf)).await {
+                Ok(Ok(0)) | Ok(Err(_)) => break,
+                _ => {}
+            }
+        }
+    });
+    let deadline = std::time::Instant::now() + T;
+    let mut held = pinned_bytes(&mut c2).await;
+    while held != 0 && std::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        held = pinned_bytes(&mut c2).await;
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let _ = writer.await;
+    let _ = reader.await;
+    assert_eq!(held, 0, "a busy connection's pin still holds {held} bytes");
     s.stop().await;
 }
 

@@ -37,7 +37,7 @@ def test_resp_url_refuses_what_is_not_host_and_port() -> None:
             resp_url(bad)
 
 
-@pytest.mark.parametrize("password", ['a\tb', "a\nb", 'q"\\x', "ünï"])
+@pytest.mark.parametrize("password", ['a\tb', "a\nb", 'q"\\x', "ünï", "p\x85w", "p\x7fw", "p\x9bw"])
 def test_a_password_with_any_characters_reads_back_the_same(password: str) -> None:
     """QA: only backslash and double quote were escaped: a tab made the
     env JSON invalid, a newline read back from the YAML as a space."""

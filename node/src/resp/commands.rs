@@ -58,8 +58,9 @@ pub struct Shared {
     // served while its slot is unchanged, so a pin never outlives a write.
     epochs: Box<[AtomicU64]>,
     /// Bytes held by pins over all connections (INFO's
-    /// `kvtier_pinned_bytes`): a pinned key evicted since holds its bytes
-    /// outside the RAM budget until the pin goes.
+    /// `kvtier_pinned_bytes`; shared with RAM while the key is there): a
+    /// pinned key evicted since holds its bytes outside the RAM budget
+    /// until the pin goes.
     pub pinned_bytes: Arc<AtomicU64>,
 }
 
@@ -159,6 +160,9 @@ impl Session {
     /// have evicted since (QA: an idle connection held them until it
     /// closed, past the RAM budget).
     pub fn drop_old_pins(&mut self) {
+        if self.pins.is_empty() {
+            return;
+        }
         let ttl = self.pin_ttl;
         self.pins.retain(|p| p.at.elapsed() < ttl);
     }

@@ -202,6 +202,9 @@ async fn connection(shared: &Shared, mut sock: TcpStream) -> io::Result<()> {
     let mut rbuf = BytesMut::with_capacity(READ_BUF);
     let mut out = Output::default();
     loop {
+        // Pins past their time go here too: a connection whose pipeline
+        // keeps bytes arriving never waits in the read below (review).
+        session.drop_old_pins();
         loop {
             match parser.parse(&mut rbuf) {
                 Ok(Parsed::Command(args)) => {
