@@ -3577,6 +3577,40 @@ mod race_tests {
         (crate::index::hash_id(id) as u32 as usize) & (crate::ram::DEFAULT_SHARDS - 1)
     }
 
+    /// Opens the first region (a chunk put, flushed and dropped from
+    /// RAM), then puts four 256 KiB chunks, the first two `a` and `b` with
+    /// `a` in a lower RAM shard, and evicts `a` then `b` (spilled) by two
+    /// inserts whose evictions are returned, not handed off yet.
+    fn two_spilled(
+        s: &ChunkStore,
+        ns: Namespace,
+    ) -> (ChunkId, ChunkId, Vec<Evicted>, Vec<Evicted>) {
+        let inner = &s.inner;
+        let id = |n: u64| ChunkId::new(ns, key(n), 0);
+        s.put(id(10_000), Bytes::from(vec![1u8; 4096])).unwrap();
+        s.flush().unwrap();
+        assert!(inner.ram.remove(&id(10_000)).is_some());
+        let (an, bn) = (0..)
+            .map(|n| (n, n + 1))
+            .find(|&(a, b)| shard_of(&id(a)) < shard_of(&id(b)))
+            .unwrap();
+        let (a, b) = (id(an), id(bn));
+        for n in [an, bn, 1000, 1001] {
+            s.put(id(n), data(n, 1)).unwrap();
+        }
+        let (_, ev_a) = inner
+            .ram
+            .insert(id(1002), data(1002, 1), None, true)
+            .unwrap();
+        let (_, ev_b) = inner
+            .ram
+            .insert(id(1003), data(1003, 1), None, true)
+            .unwrap();
+        assert!(ev_a.len() == 1 && ev_a[0].id == a && ev_a[0].spilled);
+        assert!(ev_b.len() == 1 && ev_b[0].id == b && ev_b[0].spilled);
+        (a, b, ev_a, ev_b)
+    }
+
     fn until(what: &str, mut f: impl FnMut() -> bool) {
         let deadline = Instant::now() + WAIT;
         while !f() {
@@ -3961,32 +3995,9 @@ mod race_tests {
         });
         let (s, ns) = open_on(dir.path(), gate.clone(), 4 << 20, NO_IDLE);
         let inner = &s.inner;
-        let id = |n: u64| ChunkId::new(ns, key(n), 0);
-        // The region is open (its open slot synced).
-        s.put(id(10_000), Bytes::from(vec![1u8; 4096])).unwrap();
-        s.flush().unwrap();
-        assert!(inner.ram.remove(&id(10_000)).is_some());
-        // y and x, the first two put (evicted first), y in a lower shard.
-        let (yn, xn) = (0..)
-            .map(|n| (n, n + 1))
-            .find(|&(a, b)| shard_of(&id(a)) < shard_of(&id(b)))
-            .unwrap();
-        let (y, x) = (id(yn), id(xn));
-        for n in [yn, xn, 1000, 1001] {
-            s.put(id(n), data(n, 1)).unwrap();
-        }
-        // Two puts evict y then x; both are preempted before their
-        // hand-offs.
-        let (_, ev_y) = inner
-            .ram
-            .insert(id(1002), data(1002, 1), None, true)
-            .unwrap();
-        let (_, ev_x) = inner
-            .ram
-            .insert(id(1003), data(1003, 1), None, true)
-            .unwrap();
-        assert!(ev_y.len() == 1 && ev_y[0].id == y && ev_y[0].spilled);
-        assert!(ev_x.len() == 1 && ev_x[0].id == x && ev_x[0].spilled);
+        // y and x, the first two put (evicted first), y in a lower shard;
+        // two puts evict y then x, both preempted before their hand-offs.
+        let (y, x, ev_y, ev_x) = two_spilled(&s, ns);
         gate.hold();
         std::thread::scope(|scope| {
             let flush = scope.spawn(|| s.flush().unwrap());
@@ -5408,28 +5419,7 @@ mod race_tests {
         });
         let (s, ns) = open_on(dir.path(), gate.clone(), 4 << 20, NO_IDLE);
         let inner = &s.inner;
-        let id = |n: u64| ChunkId::new(ns, key(n), 0);
-        s.put(id(10_000), Bytes::from(vec![1u8; 4096])).unwrap();
-        s.flush().unwrap();
-        assert!(inner.ram.remove(&id(10_000)).is_some());
-        let (xn, yn) = (0..)
-            .map(|n| (n, n + 1))
-            .find(|&(a, b)| shard_of(&id(a)) < shard_of(&id(b)))
-            .unwrap();
-        let (x, y) = (id(xn), id(yn));
-        for n in [xn, yn, 1000, 1001] {
-            s.put(id(n), data(n, 1)).unwrap();
-        }
-        let (_, ev_x) = inner
-            .ram
-            .insert(id(1002), data(1002, 1), None, true)
-            .unwrap();
-        let (_, ev_y) = inner
-            .ram
-            .insert(id(1003), data(1003, 1), None, true)
-            .unwrap();
-        assert!(ev_x.len() == 1 && ev_x[0].id == x && ev_x[0].spilled);
-        assert!(ev_y.len() == 1 && ev_y[0].id == y && ev_y[0].spilled);
+        let (x, y, ev_x, ev_y) = two_spilled(&s, ns);
         gate.hold();
         std::thread::scope(|scope| {
             let flush = scope.spawn(|| s.flush());
