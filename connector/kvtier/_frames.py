@@ -8,6 +8,7 @@ are checked by both implementations.
 from __future__ import annotations
 
 import json
+import operator
 import struct
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple, Sequence
@@ -218,9 +219,19 @@ def check_body(h: Header, body: bytes) -> None:
 # --- requests -------------------------------------------------------------
 
 
+def _json_int(o: Any) -> int:
+    """An integer type json does not know (numpy's, as `tp-size` or `rank`
+    often come from a config): as a plain int; anything else is refused as
+    json refuses it (QA: numpy integers raised TypeError)."""
+    try:
+        return operator.index(o)
+    except TypeError:
+        raise TypeError(f"Object of type {type(o).__name__} is not JSON serializable") from None
+
+
 def record_json(record: dict[str, Any]) -> bytes:
     """The namespace record as sent in HELLO / CLUSTER_LOOKUP (compact JSON, keys as given)."""
-    return json.dumps(record, separators=(",", ":"), ensure_ascii=False).encode()
+    return json.dumps(record, separators=(",", ":"), ensure_ascii=False, default=_json_int).encode()
 
 
 def check_key_list(keys: Sequence[bytes]) -> None:

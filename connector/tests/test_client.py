@@ -1147,3 +1147,13 @@ def test_close_closes_the_region_the_client_owns(daemon) -> None:  # type: ignor
     assert r.fd < 0
     with pytest.raises(KvtierError):
         c.region
+
+
+def test_a_record_with_numpy_integers_registers_like_plain_ones(client: KvtierClient) -> None:
+    """QA: numpy integers in a record (a rank read from a config array)
+    raised TypeError from json."""
+    np = pytest.importorskip("numpy")
+    plain = record(1)
+    assert client.hello({**plain, "rank": np.int64(1), "tp-size": np.int32(plain["tp-size"])}) == client.hello(plain)
+    with pytest.raises(TypeError):
+        client.hello({**plain, "salt": object()})
