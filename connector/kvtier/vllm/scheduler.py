@@ -48,6 +48,9 @@ class _Req:
     #: Chunk index (and key) of each block of the restore in flight: a failed
     #: restore stores again from its first failed chunk.
     loading_chunks: dict[int, tuple[int, bytes]] = field(default_factory=dict)
+    #: Blocks of the restore in flight that a rank reported invalid (in any
+    #: step before every rank reported the restore finished).
+    failed_blocks: set[int] = field(default_factory=set)
     #: A restore failed: never offer one again for this request (vLLM recomputes).
     load_failed: bool = False
     #: on-evict: keys of the chunks this request's blocks were tracked under.
@@ -245,18 +248,31 @@ class KvtierScheduler:
             return
         failed = set(output.failed_recving or ())
         invalid = set(output.invalid_block_ids or ())
+        if invalid:
+            # vLLM acts on invalid blocks in the step they arrive (it
+            # truncates the request and may ask again at once), while it
+            # lists the request finished only once every rank reported: a
+            # rank that failed fast and one a step slower split the two
+            # (review: with TP 2 the failure went unnoticed, the lost chunks
+            # were never stored again, and a request whose first chunk
+            # failed was offered the same restore again and again).
+            for st in self._reqs.values():
+                hit = st.loading_blocks & invalid
+                if hit:
+                    st.load_failed = True
+                    st.failed_blocks |= hit
         for req_id in output.finished_recving or ():
             st = self._reqs.get(req_id)
             if st is None:
                 continue
-            if req_id in failed or (st.loading_blocks & invalid):
+            if req_id in failed or st.failed_blocks:
                 st.load_failed = True
                 # vLLM recomputes from the first failed block on: those chunks
                 # are stored again from the recomputed bytes (the lookup had
                 # counted them present; the daemon lost them since, or a rank
                 # failed to read them). PUT of a chunk the daemon still has
                 # stores the same bytes again: harmless.
-                bad = st.loading_blocks if req_id in failed else st.loading_blocks & invalid
+                bad = st.loading_blocks if req_id in failed else st.failed_blocks
                 if bad:
                     first = min(st.loading_chunks[b][0] for b in bad if b in st.loading_chunks)
                     st.stored_chunks = min(st.stored_chunks, first)
@@ -264,6 +280,7 @@ class KvtierScheduler:
                         self.evict.forget_stored([k for c, k in st.loading_chunks.values() if c >= first])
             st.loading_blocks = set()
             st.loading_chunks = {}
+            st.failed_blocks = set()
 
     # ---- saves -------------------------------------------------------------
 
