@@ -950,8 +950,9 @@ impl NodeConfig {
         // files hold already need no new room (QA: a store that filled its
         // budget could not restart with that budget set on a full shared
         // filesystem).
-        let free = space.available_to_store.saturating_sub(space.allocated);
-        let usable = space.allocated.saturating_add(free.saturating_sub(margin));
+        let usable = space
+            .allocated
+            .saturating_add(space.free.saturating_sub(margin));
         // The effective value, so `config check` prints it.
         self.disk_reserve = Some(ByteSize(margin));
         match self.disk_budget {
@@ -978,7 +979,7 @@ impl NodeConfig {
                          available; set `disk-budget` explicitly (0 keeps chunks in RAM only) \
                          or choose another `data-dir`",
                         self.data_dir.display(),
-                        ByteSize(space.available_to_store).approx()
+                        ByteSize(space.available_to_store()).approx()
                     )));
                 }
                 self.disk_budget = Some(ByteSize(auto));
@@ -993,7 +994,7 @@ impl NodeConfig {
                     self.data_dir.display(),
                     ByteSize(usable).approx(),
                     ByteSize(space.allocated).approx(),
-                    ByteSize(free).approx(),
+                    ByteSize(space.free).approx(),
                     ByteSize(margin).approx(),
                 )));
             }
@@ -1189,10 +1190,17 @@ fn existing_store_len(data_dir: &Path) -> u64 {
 
 struct DiskSpace {
     total: u64,
-    /// Free space plus what the store's files already occupy.
-    available_to_store: u64,
-    /// What the store's files already occupy (part of `available_to_store`).
+    /// Free space (for this user).
+    free: u64,
+    /// What the store's files already occupy.
     allocated: u64,
+}
+
+impl DiskSpace {
+    /// Free space plus what the store's files already occupy.
+    fn available_to_store(&self) -> u64 {
+        self.free.saturating_add(self.allocated)
+    }
 }
 
 /// Space of the filesystem holding `dir` (or its nearest existing ancestor).
@@ -1212,11 +1220,10 @@ fn disk_space(dir: &Path) -> Result<DiskSpace> {
     let frsize = st.f_frsize.max(1);
     let total = st.f_blocks.saturating_mul(frsize);
     let free = st.f_bavail.saturating_mul(frsize);
-    let allocated = allocated_bytes(dir);
     Ok(DiskSpace {
         total,
-        available_to_store: free.saturating_add(allocated),
-        allocated,
+        free,
+        allocated: allocated_bytes(dir),
     })
 }
 
@@ -1678,7 +1685,7 @@ mod tests {
     fn roomy() -> DiskSpace {
         DiskSpace {
             total: 100 << 30,
-            available_to_store: 40 << 30,
+            free: 40 << 30,
             allocated: 0,
         }
     }
@@ -2502,7 +2509,7 @@ mod tests {
         let mut c = l.config.clone();
         let some = DiskSpace {
             total: 100 << 30,
-            available_to_store: 10 << 30,
+            free: 10 << 30,
             allocated: 0,
         };
         c.resolve_with(&l, some).unwrap();
@@ -2511,7 +2518,7 @@ mod tests {
         // Too little room for two regions: the error says what to set.
         let tight = || DiskSpace {
             total: 100 << 30,
-            available_to_store: 1 << 30,
+            free: 1 << 30,
             allocated: 0,
         };
         let e = l.config.clone().resolve_with(&l, tight()).unwrap_err();
@@ -2523,7 +2530,7 @@ mod tests {
         // of them), as an explicit one would.
         let small = DiskSpace {
             total: 100 << 30,
-            available_to_store: 2 << 30,
+            free: 2 << 30,
             allocated: 0,
         };
         let mut c_small = l.config.clone();
@@ -2537,7 +2544,7 @@ mod tests {
         // more region would need new room, which is not there.
         let full = || DiskSpace {
             total: 300 << 20,
-            available_to_store: 240 << 20,
+            free: 0,
             allocated: 240 << 20,
         };
         for (budget, fits) in [(240u64 << 20, true), (256 << 20, false)] {
