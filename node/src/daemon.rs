@@ -253,7 +253,7 @@ static RUNNING: parking_lot::Mutex<Option<std::sync::Weak<ChunkStore>>> =
 pub fn unwritten_now() -> Option<u64> {
     let store = RUNNING.lock().as_ref()?.upgrade()?;
     let s = store.stats();
-    (s.disk_budget > 0).then_some(s.dirty_bytes + s.spilled_bytes)
+    (s.disk_budget > 0).then_some(s.unwritten_bytes())
 }
 
 /// What the node found when it started.
@@ -773,8 +773,7 @@ impl NodeHandle {
             let r = store.close(remaining);
             // What a failed close leaves unwritten (QA: a stop after the
             // disk turned read-only did not say how much it lost).
-            let s = store.stats();
-            (r, s.dirty_bytes + s.spilled_bytes)
+            (r, store.stats().unwritten_bytes())
         })
         .await
         .map_err(|e| NodeError::Serve {

@@ -696,6 +696,14 @@ pub struct StoreStats {
     pub buffer_pool_fresh: u64,
 }
 
+impl StoreStats {
+    /// Bytes of chunks not on disk yet: dirty in RAM, or evicted on their
+    /// way to the disk writer (what an exit now would lose).
+    pub fn unwritten_bytes(&self) -> u64 {
+        self.dirty_bytes + self.spilled_bytes
+    }
+}
+
 /// Result of [`ChunkStore::flush`].
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct FlushReport {
@@ -1938,7 +1946,7 @@ impl ChunkStore {
                 .disk
                 .as_ref()
                 .map_or(0, |d| d.abandoned_bytes.load(Ordering::Relaxed));
-            let unwritten = st.dirty_bytes + st.spilled_bytes + dropped;
+            let unwritten = st.unwritten_bytes() + dropped;
             if unwritten == 0 && stopped.is_ok() {
                 // The deadline passed (a zero one at once), but the stop's
                 // final sync made everything durable: nothing is lost.
