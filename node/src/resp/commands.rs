@@ -958,8 +958,8 @@ fn pin(shared: &Shared, s: &mut Session, key: &Bytes, id: &ChunkId) {
     let Some(data) = shared.ctx.store.peek_ram(id, Some(key)) else {
         return;
     };
-    let ttl = s.pin_ttl;
-    s.pins.retain(|p| p.key != *key && p.at.elapsed() < ttl);
+    s.drop_old_pins();
+    s.pins.retain(|p| p.key != *key);
     if s.pins.len() >= PINS_MAX {
         s.pins.pop_front();
     }

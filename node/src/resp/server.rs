@@ -330,15 +330,13 @@ async fn connection(shared: &Shared, mut sock: TcpStream) -> io::Result<()> {
             }
         };
         // Pins (a positive EXISTS's bytes) go when their time is up, also
-        // on a connection that sends nothing more (reads are cancel-safe).
+        // on a connection that sends nothing more: the wait ends then, and
+        // the loop's top drops them (reads are cancel-safe).
         let n = match session.pins_expire_in() {
             None => read.await?,
             Some(left) => match tokio::time::timeout(left, read).await {
                 Ok(r) => r?,
-                Err(_) => {
-                    session.drop_old_pins();
-                    continue;
-                }
+                Err(_) => continue,
             },
         };
         if n == 0 {
