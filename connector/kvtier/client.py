@@ -606,12 +606,6 @@ class KvtierClient:
                 self._region.close()
             self._region = None
 
-    def _close_because(self, error: BaseException) -> None:
-        """Closes the client after ``error``; later calls say so (QA: they
-        said that close() was called)."""
-        self.close()
-        self._closed_why = f"the client is closed: {error}"
-
     @property
     def closed(self) -> bool:
         return self._sock is None
@@ -631,9 +625,7 @@ class KvtierClient:
             f"{what}: {e}" if e else what, closed_by_peer=closed_by_peer and self._rend == self._rpos
         )
         err.__cause__ = e
-        self._fail_in_flight(err)
-        self.close()
-        self._closed_why = f"the client is closed: {err}"
+        self._broken_in_flight(err)
         return err
 
     def _after_fork_in_child(self) -> None:
@@ -670,8 +662,7 @@ class KvtierClient:
         except OSError as e:
             said = self._parting_error()
             if said is not None:
-                self._fail_in_flight(said)
-                self._close_because(said)
+                self._broken_in_flight(said)
                 raise said from e
             raise self._broken("lost the connection to the kvtier daemon", e, _peer_closed(e)) from e
 
@@ -875,8 +866,11 @@ class KvtierClient:
             self._broken_in_flight(head._error)
 
     def _broken_in_flight(self, error: KvtierError) -> None:
+        """Fails every request in flight with ``error`` and closes the
+        client; later calls say why (QA: they said that close() was called)."""
         self._fail_in_flight(error)
-        self._close_because(error)
+        self.close()
+        self._closed_why = f"the client is closed: {error}"
 
     def _call(self, build: Any, *args: Any, fd: int | None = None, reply_bytes: int = 64) -> Any:
         return self._submit(_identity, build, *args, fd=fd, reply_bytes=reply_bytes).wait()
