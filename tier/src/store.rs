@@ -2526,7 +2526,7 @@ impl Inner {
                 // (in `spilled_bytes`) until an overwrite or a delete
                 // replaces its copy: summing the two counted it twice
                 // (review); what waits is at most twice the limit (plus a
-                // chunk) when every job beside outlived its copy.
+                // put's evictions) when every job beside outlived its copy.
                 WritePolicy::NoTax
                     if spilled && {
                         let beside = self.overflow_bytes.load(Ordering::Relaxed);
@@ -5491,8 +5491,9 @@ mod race_tests {
     }
 
     /// Review: the same QA case with the large value evicted first (it is
-    /// the oldest): its bytes count (`taken`) against the small ones after
-    /// it in the same call, which are dropped unwritten with the disk idle.
+    /// the oldest): a first fix counted the evictions handed off before a
+    /// chunk against it, and dropped the small ones after the large one
+    /// unwritten with the disk idle.
     #[test]
     fn one_puts_evictions_do_not_count_against_each_other_in_either_order() {
         let dir = tempfile::tempdir().unwrap();
