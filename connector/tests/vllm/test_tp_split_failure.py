@@ -42,15 +42,35 @@ def _delete_on_rank0(e: Engine, daemon: Daemon, chunk: int, keys: list[bytes]):
     return hook
 
 
+def _tp2_losing_chunk(daemon: Daemon, chunk: int, delay: bool) -> tuple[Engine, list[bytes], list[int]]:
+    """Two ranks over stored chunks; rank 0's copy of `chunk` is deleted as
+    its load starts, and with `delay` rank 1 reports its load a step late."""
+    store(daemon.socket, tp_size=2)
+    e = Engine({"socket": daemon.socket, "min_tokens_for_disk": 0}, tp_size=2)
+    keys: list[bytes] = []
+    e.before_workers = _delete_on_rank0(e, daemon, chunk, keys)
+    delayed = _delay_rank1_recv(e, "m") if delay else [1]
+    return e, keys, delayed
+
+
+def _count_loads(worker) -> list[int]:  # type: ignore[no-untyped-def]
+    """One entry per request load `worker` starts."""
+    attempts: list[int] = []
+    orig = worker.start_load_kv
+
+    def start_load_kv(meta):  # type: ignore[no-untyped-def]
+        attempts.extend(1 for _ in meta.loads)
+        return orig(meta)
+
+    worker.start_load_kv = start_load_kv
+    return attempts
+
+
 @pytest.mark.parametrize("delay", [False, True])
 def test_tp2_partial_restore_failure_reported_in_two_steps_stores_lost_chunk_again(daemon: Daemon, delay):
     from kvtier.client import KvtierClient
 
-    store(daemon.socket, tp_size=2)
-    e = Engine({"socket": daemon.socket, "min_tokens_for_disk": 0}, tp_size=2)
-    keys: list[bytes] = []
-    e.before_workers = _delete_on_rank0(e, daemon, 1, keys)
-    delayed = _delay_rank1_recv(e, "m") if delay else [1]
+    e, keys, delayed = _tp2_losing_chunk(daemon, 1, delay)
     try:
         run_one(e, "m")
         assert delayed, "rank 1's report was not delayed"
@@ -67,20 +87,8 @@ def test_tp2_partial_restore_failure_reported_in_two_steps_stores_lost_chunk_aga
 
 @pytest.mark.parametrize("delay", [False, True])
 def test_tp2_restore_failure_at_chunk0_reported_in_two_steps_is_not_offered_again(daemon: Daemon, delay):
-    store(daemon.socket, tp_size=2)
-    e = Engine({"socket": daemon.socket, "min_tokens_for_disk": 0}, tp_size=2)
-    keys: list[bytes] = []
-    e.before_workers = _delete_on_rank0(e, daemon, 0, keys)
-    delayed = _delay_rank1_recv(e, "m") if delay else [1]
-    attempts: list[int] = []
-    w0 = e.workers[0].worker
-    orig = w0.start_load_kv
-
-    def start_load_kv(meta):
-        attempts.extend(1 for _ in meta.loads)
-        return orig(meta)
-
-    w0.start_load_kv = start_load_kv
+    e, _, delayed = _tp2_losing_chunk(daemon, 0, delay)
+    attempts = _count_loads(e.workers[0].worker)
     try:
         run_one(e, "m")
         assert delayed
@@ -117,14 +125,7 @@ def test_tp2_rank0_daemon_unreachable_rank1_a_step_slower_restores_once(daemon: 
         return s, back, f
 
     w1.get_finished = get_finished
-    attempts: list[int] = []
-    orig_start = w0.start_load_kv
-
-    def start_load_kv(meta):
-        attempts.extend(1 for _ in meta.loads)
-        return orig_start(meta)
-
-    w0.start_load_kv = start_load_kv
+    attempts = _count_loads(w0)
     try:
         e.add(make_request("m", PROMPT, max_tokens=3))
         try:
