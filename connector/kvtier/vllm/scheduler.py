@@ -314,6 +314,19 @@ class KvtierScheduler:
         meta.preempted = sorted(scheduler_output.preempted_req_ids or ())
         if not self.cfg.store:
             return meta
+        if self.evict is None:
+            for req_id in meta.preempted:
+                st = self._reqs.get(req_id)
+                if st is not None:
+                    # The workers drop this request's saves not done yet (its
+                    # blocks go to others), so what it planned is not known
+                    # stored any more: the lookup at its resume says what is,
+                    # and its recompute saves the rest (review: the dropped
+                    # chunks were never saved again, a miss for every later
+                    # request). A save that did finish is stored again: the
+                    # same bytes, harmless.
+                    st.stored_chunks = 0
+                    st.prefill_open = True
         self._plan_step(meta, scheduler_output)
         if self.evict is not None:
             # vLLM allocated this step's blocks already: the head of its free

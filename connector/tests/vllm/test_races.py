@@ -292,3 +292,41 @@ def test_a_waiting_request_asks_again_but_counts_its_tokens_once(daemon: Daemon,
         assert t["lookups"] == 3 and t["lookup_tokens"] == 512, t
     finally:
         e.shutdown()
+
+
+def test_a_preempted_requests_dropped_saves_are_stored_again(daemon: Daemon):
+    """A request preempted while the save of its prompt's chunks is held: the
+    save is dropped (its blocks go to others), so the chunks must be saved
+    again from the recomputed blocks. The scheduler counted them stored at
+    planning and never saved them again: a miss for every later request."""
+    import threading
+
+    e = Engine({"socket": daemon.socket, "min_tokens_for_disk": 0})
+    gate = threading.Event()
+    w = e.workers[0].worker
+    real = w._check_daemon_limits
+
+    def held(link, _real=real):
+        gate.wait(30)  # the saver is busy until released
+        return _real(link)
+
+    w._check_daemon_limits = held
+    try:
+        e.add(make_request("A", PROMPT, max_tokens=100))
+        e.step()  # the whole prompt: its two chunks' save is planned, then held
+        assert e.requests["A"].num_computed_tokens >= 512
+        assert e.scheduler.reset_prefix_cache(reset_running_requests=True)
+        e.step()  # A preempted (and resumed): its held save is dropped after PREEMPT_WAIT_S
+        assert e.requests["A"].num_preemptions == 1
+        gate.set()
+        e.run(lambda: "A" in e.finished)
+        e.run(lambda: "A" not in e.scheduler.requests)
+        t = e.totals()
+        assert t["save_dropped_chunks"] >= 2 and t["save_chunks"] >= 2, t
+        assert e.scheduler.reset_prefix_cache()  # B's prompt comes from kvtier
+        e.add(make_request("B", PROMPT, max_tokens=3))
+        e.run(lambda: "B" in e.finished)
+        assert e.totals()["hit_tokens"] >= 512
+    finally:
+        gate.set()
+        e.shutdown()
