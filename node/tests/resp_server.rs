@@ -204,6 +204,14 @@ async fn basic_commands_reply_like_redis() {
         b"-ERR syntax error\r\n-ERR syntax error\r\n-ERR syntax error\r\n-ERR value is not an integer or out of range\r\n-ERR invalid expire time in 'set' command\r\n-ERR syntax error\r\n",
     )
     .await;
+    // The same expiry option twice: the last one counts, as in Redis 7.0
+    // (QA: a syntax error here).
+    rt(
+        &mut c,
+        b"SET k v EX 5 EX 0\r\nSET k v px 5 PX 7\r\nSET k v EX 5 EX\r\n",
+        b"-ERR invalid expire time in 'set' command\r\n-ERR SET option 'PX' is not supported by kvtier: keys do not expire (the cache evicts by size)\r\n-ERR syntax error\r\n",
+    )
+    .await;
     rt(
         &mut c,
         b"SELECT 0\r\nSELECT 1\r\nSELECT x\r\nSELECT 99999999999\r\n",

@@ -1054,8 +1054,11 @@ async fn set(shared: &Shared, args: &[Bytes], out: &mut Output) -> Res {
             b"XX" if !nx => xx = true,
             b"GET" => get_old = true,
             b"KEEPTTL" if expire.is_none() => keepttl = true,
+            // The same one again replaces it, as in Redis 7.0.
             b"EX" | b"PX" | b"EXAT" | b"PXAT"
-                if !keepttl && expire.is_none() && i + 1 < args.len() =>
+                if !keepttl
+                    && expire.as_ref().is_none_or(|(o, _)| *o == opt)
+                    && i + 1 < args.len() =>
             {
                 i += 1;
                 expire = Some((opt, &args[i]));
