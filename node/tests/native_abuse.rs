@@ -341,36 +341,39 @@ fn bad_regions_are_refused() {
     w.check();
 }
 
+/// Descriptors sent with frames other than REGISTER_REGION are closed with
+/// their frame: they neither pile up in the daemon nor serve a later
+/// REGISTER_REGION.
 #[test]
-fn too_many_descriptors_close_the_connection() {
+fn descriptors_sent_with_other_frames_are_closed() {
     let server = TestServer::start();
     let mut w = Witness::new(&server);
+    // Descriptors of this process (the server runs in it) open on the memfd.
+    let held = || {
+        std::fs::read_dir("/proc/self/fd")
+            .unwrap()
+            .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+            .filter(|l| l.to_string_lossy().contains("kvtier-fd-probe"))
+            .count()
+    };
     let mut s = raw(&server);
-    let region = OwnedRegion::create("f", 4096).unwrap();
-    // Descriptors attached to PINGs are never claimed; the fifth pending one
-    // is a protocol violation.
+    let region = OwnedRegion::create("kvtier-fd-probe", 4096).unwrap();
+    assert_eq!(held(), 1);
     for id in 0..6 {
         let f = frame(Op::Ping as u16, 0, id, b"");
-        if send_with_fd(s.as_fd(), &f, Some(region.fd())).is_err() {
-            break;
-        }
+        send_with_fd(s.as_fd(), &f, Some(region.fd())).unwrap();
     }
-    let mut got_error = false;
-    loop {
-        let mut hdr = [0u8; codec::HEADER_LEN];
-        match s.read_exact(&mut hdr) {
-            Ok(()) => {
-                let h = codec::decode_header(&hdr, u32::MAX).unwrap().unwrap();
-                let mut body = vec![0u8; h.body_len as usize];
-                s.read_exact(&mut body).unwrap();
-                if h.status == ErrorCode::Malformed as u16 {
-                    got_error = true;
-                }
-            }
-            Err(_) => break,
-        }
+    for id in 0..6 {
+        let (h, r) = read_reply(&mut s);
+        assert_eq!(h.id, id);
+        assert!(matches!(r, Reply::Ok(Response::Pong)));
     }
-    assert!(got_error, "no error before the close");
+    // The server holds none of them: only the client's own is open.
+    assert!(wait_until(5, || held() == 1), "{} open", held());
+    let mut out = Vec::new();
+    codec::encode_request(&mut out, 7, &codec::Request::RegisterRegion { len: 4096 });
+    s.write_all(&out).unwrap();
+    expect_error(&mut s, ErrorCode::NoRegion);
     w.check();
 }
 
@@ -824,4 +827,61 @@ fn concurrent_atomic_puts_past_the_copy_bound_all_land() {
     }
     let mut c = server.client();
     c.ping().unwrap();
+}
+
+/// A descriptor belongs to the frame it was sent with: one whose
+/// REGISTER_REGION was refused, or that came with another op, is closed,
+/// never mapped for a later REGISTER_REGION (review: the next one mapped
+/// the refused frame's memfd, answered success, and its PUT stored that
+/// memfd's bytes).
+#[test]
+fn a_descriptor_is_never_taken_for_a_later_frame() {
+    let server = TestServer::start();
+    let mut w = Witness::new(&server);
+    let mut c = server.client();
+    let ns = c.hello(&record(0)).unwrap();
+    let mut s = raw(&server);
+    let mut a = OwnedRegion::create("a", 4096).unwrap();
+    a.as_mut_slice()[..16].copy_from_slice(&[b'A'; 16]);
+    let mut b = OwnedRegion::create("b", 4096).unwrap();
+    b.as_mut_slice()[..16].copy_from_slice(&[b'B'; 16]);
+    // A REGISTER_REGION whose body is short, with memfd A.
+    send_with_fd(
+        s.as_fd(),
+        &frame(Op::RegisterRegion as u16, 0, 1, &[0; 7]),
+        Some(a.fd()),
+    )
+    .unwrap();
+    expect_error(&mut s, ErrorCode::BadRequest);
+    // A PING that carries memfd A again, then a REGISTER_REGION without one.
+    send_with_fd(s.as_fd(), &frame(Op::Ping as u16, 0, 2, b""), Some(a.fd())).unwrap();
+    assert!(matches!(read_reply(&mut s).1, Reply::Ok(Response::Pong)));
+    let mut out = Vec::new();
+    codec::encode_request(&mut out, 3, &codec::Request::RegisterRegion { len: 4096 });
+    s.write_all(&out).unwrap();
+    expect_error(&mut s, ErrorCode::NoRegion);
+    // A good REGISTER_REGION with memfd B maps B: its PUT stores B's bytes.
+    out.clear();
+    codec::encode_request(&mut out, 4, &codec::Request::RegisterRegion { len: 4096 });
+    send_with_fd(s.as_fd(), &out, Some(b.fd())).unwrap();
+    assert!(matches!(
+        read_reply(&mut s).1,
+        Reply::Ok(Response::RegionRegistered { len: 4096 })
+    ));
+    out.clear();
+    let put = codec::Request::Put {
+        ns,
+        group: 0,
+        atomic: false,
+        entries: vec![RegionEntry {
+            key: key(9),
+            offset: 0,
+            len: 16,
+        }],
+    };
+    codec::encode_request(&mut out, 5, &put);
+    s.write_all(&out).unwrap();
+    assert!(matches!(read_reply(&mut s).1, Reply::Ok(_)));
+    assert_eq!(c.get_bytes(ns, 0, key(9)).unwrap().unwrap(), [b'B'; 16]);
+    w.check();
 }

@@ -249,8 +249,15 @@ struct Connection {
     copying: Arc<Semaphore>,
     /// Shared with the copies running on the blocking pool.
     region: Option<Arc<MappedRegion>>,
-    /// Descriptors received and not yet claimed by a REGISTER_REGION, oldest first.
-    fds: VecDeque<OwnedFd>,
+    /// Descriptors received and not yet claimed by a REGISTER_REGION,
+    /// oldest first, each with the stream bytes of the read that brought it
+    /// (absolute offsets): it belongs to a frame that starts among them
+    /// ([`Connection::claim_fd`]).
+    fds: VecDeque<(std::ops::Range<u64>, OwnedFd)>,
+    /// Stream offset of `rbuf[start]`: bytes of the connection handled so far.
+    consumed: u64,
+    /// Stream offset of the frame being handled.
+    frame_at: u64,
     /// `rbuf[start..end]` holds received, unprocessed bytes.
     rbuf: Vec<u8>,
     /// Bytes of all connections' read buffers past [`READ_BUF`] each
@@ -306,6 +313,8 @@ impl Connection {
             copying,
             region: None,
             fds: VecDeque::new(),
+            consumed: 0,
+            frame_at: 0,
             rbuf: vec![0; READ_BUF],
             buffered,
             held: 0,
@@ -357,13 +366,25 @@ impl Connection {
             let need = loop {
                 match self.next_step() {
                     Step::Frame(header, req, len) => {
+                        self.frame_at = self.consumed;
                         self.start += len;
+                        self.consumed += len as u64;
                         self.frame_deadline = None;
                         self.ahead_refused = false;
                         NodeCounters::inc(&self.ctx.counters.native_requests);
                         match *req {
                             Ok(req) => self.handle(header.id, req).await,
                             Err(e) => self.error(header.id, header.op, e.code(), &e.to_string()),
+                        }
+                        // A descriptor that came with this frame (or before
+                        // it) and was not claimed by it is closed: it must
+                        // never be taken for a later frame's (review: a
+                        // REGISTER_REGION refused for its body left its memfd
+                        // queued, and the next one mapped that memfd instead
+                        // of its own and answered success).
+                        let end = self.consumed;
+                        while self.fds.front().is_some_and(|(at, _)| at.end <= end) {
+                            self.fds.pop_front();
                         }
                         if self.wbuf.len() >= WRITE_FLUSH {
                             self.flush_writes().await?;
@@ -593,7 +614,7 @@ impl Connection {
             let sock = self.stream.as_fd();
             match region::recv_with_fds(sock, &mut self.rbuf[self.end..], &mut fds) {
                 Ok(r) => {
-                    self.fds.extend(fds);
+                    self.keep_fds(std::mem::take(&mut fds), r.bytes);
                     return Ok(Some(r));
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
@@ -628,8 +649,33 @@ impl Connection {
         let r = self.stream.try_io(Interest::READABLE, || {
             region::recv_with_fds(sock, buf, &mut fds)
         })?;
-        self.fds.extend(fds);
+        self.keep_fds(fds, r.bytes);
         Ok(r)
+    }
+
+    /// Queues the descriptors a read of `bytes` bytes after the buffered
+    /// ones brought, tagged with the stream offsets of those bytes.
+    fn keep_fds(&mut self, fds: Vec<OwnedFd>, bytes: usize) {
+        let at = self.consumed + (self.end - self.start) as u64;
+        self.fds
+            .extend(fds.into_iter().map(|fd| (at..at + bytes as u64, fd)));
+    }
+
+    /// The descriptor sent with the frame being handled: the oldest one
+    /// queued, if the read that brought it began at or before the frame's
+    /// first byte and took that byte in (a descriptor is received with the
+    /// first byte of the `sendmsg` that carried it, and a read ends with
+    /// the message that carries descriptors). Older ones were not claimed
+    /// by their frames and are closed.
+    fn claim_fd(&mut self) -> Option<OwnedFd> {
+        let at = self.frame_at;
+        while self.fds.front().is_some_and(|(r, _)| r.end <= at) {
+            self.fds.pop_front();
+        }
+        if self.fds.front().is_some_and(|(r, _)| r.contains(&at)) {
+            return self.fds.pop_front().map(|(_, fd)| fd);
+        }
+        None
     }
 
     /// Writes pending replies. While the socket is full it reads ahead the
@@ -704,7 +750,7 @@ impl Connection {
                 }))
             }
             Request::RegisterRegion { len } => {
-                let fd = self.fds.pop_front().ok_or((
+                let fd = self.claim_fd().ok_or((
                     ErrorCode::NoRegion,
                     "REGISTER_REGION carried no file descriptor (send the memfd with SCM_RIGHTS on the frame's first byte)".to_string(),
                 ))?;
