@@ -340,7 +340,7 @@ impl NodeContext {
         let mut out = Vec::with_capacity(ranks.len());
         let mut tiers = Vec::with_capacity(keys.len());
         for &rank in ranks {
-            let ns = record.with_rank(rank).id();
+            let ns = record.id_of_rank(rank);
             let mut prefix = self.store.lookup_prefix(ns, group, keys, &mut tiers);
             let mut ram_prefix = tiers.iter().take_while(|t| **t == Some(Tier::Ram)).count();
             if let Some(c) = &self.cluster {

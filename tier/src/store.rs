@@ -1456,6 +1456,9 @@ impl ChunkStore {
         let inner = &self.inner;
         inner.check_writable("a put")?;
         let mut ids: Vec<ChunkId> = Vec::with_capacity(chunks.len());
+        // Distinct ids in put order (a `Vec` search was quadratic: review,
+        // 32,768 members took 0.8 s).
+        let mut seen = hashbrown::HashSet::with_capacity(chunks.len());
         let mut total = 0u64;
         for (id, data) in &chunks {
             if !inner.namespaces.read().contains_key(&id.ns) {
@@ -1463,7 +1466,7 @@ impl ChunkStore {
             }
             inner.check_fits_region(0, data.len())?;
             total = total.saturating_add(self.ram_charge(data.len() as u64, 0));
-            if !ids.contains(id) {
+            if seen.insert(*id) {
                 ids.push(*id);
             }
         }

@@ -180,7 +180,7 @@ pub struct NamespaceRecord {
 }
 
 impl NamespaceRecord {
-    fn hash_fences(&self, domain: &[u8], with_rank: bool) -> [u8; 16] {
+    fn hash_fences(&self, domain: &[u8], rank: Option<u32>) -> [u8; 16] {
         let mut h = Sha256::new();
         h.update(domain);
         let mut field = |b: &[u8]| {
@@ -192,8 +192,8 @@ impl NamespaceRecord {
         field(self.engine.as_bytes());
         field(self.engine_version.as_bytes());
         field(&self.tp_size.to_le_bytes());
-        if with_rank {
-            field(&self.rank.to_le_bytes());
+        if let Some(rank) = rank {
+            field(&rank.to_le_bytes());
         }
         field(self.kv_dtype.as_bytes());
         field(&self.block_size.to_le_bytes());
@@ -210,12 +210,18 @@ impl NamespaceRecord {
 
     /// The namespace id: a hash of every fence field, rank included.
     pub fn id(&self) -> Namespace {
-        Namespace(self.hash_fences(NAMESPACE_DOMAIN, true))
+        Namespace(self.hash_fences(NAMESPACE_DOMAIN, Some(self.rank)))
+    }
+
+    /// The id of this record with another rank: `self.with_rank(rank).id()`
+    /// without copying the record.
+    pub fn id_of_rank(&self, rank: u32) -> Namespace {
+        Namespace(self.hash_fences(NAMESPACE_DOMAIN, Some(rank)))
     }
 
     /// The family id: a hash of every fence field except the rank.
     pub fn family(&self) -> NamespaceFamily {
-        NamespaceFamily(self.hash_fences(FAMILY_DOMAIN, false))
+        NamespaceFamily(self.hash_fences(FAMILY_DOMAIN, None))
     }
 
     /// This record with another rank (same family).
@@ -278,6 +284,8 @@ mod tests {
         let r1 = base.with_rank(1);
         assert_ne!(r1.id(), base.id());
         assert_eq!(r1.family(), base.family());
+        assert_eq!(base.id_of_rank(1), r1.id());
+        assert_eq!(r1.id_of_rank(0), base.id());
         assert_ne!(NamespaceFamily(base.id().0), base.family());
     }
 

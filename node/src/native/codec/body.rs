@@ -35,8 +35,26 @@ impl<'de> serde::Deserialize<'de> for ObjectKeys {
     }
 }
 
+/// Most bytes of a namespace record's JSON in a request: the store keeps
+/// records of at most 16 KiB (compact), this leaves room for whitespace.
+/// Checked before parsing (review: a 16 MiB HELLO of `[0,0,...]` parsed
+/// into 256 MiB of JSON values on a runtime worker).
+pub const MAX_RECORD_JSON: usize = 64 << 10;
+
+/// Most ranks one CLUSTER_LOOKUP may name (each costs a hash of the record
+/// and the rank's probes on a blocking thread).
+pub const MAX_CLUSTER_RANKS: usize = 4096;
+
 fn decode_record(json: &[u8], op: &'static str) -> Result<NamespaceRecord, CodecError> {
     let bad = |detail: String| CodecError::BadBody { op, detail };
+    if json.len() > MAX_RECORD_JSON {
+        return Err(CodecError::TooLong {
+            op,
+            what: "namespace record (bytes of JSON)",
+            len: json.len(),
+            max: MAX_RECORD_JSON,
+        });
+    }
     // A fence field given twice is ambiguous: refused like a misspelt one.
     if let Ok(ObjectKeys(keys)) = serde_json::from_slice::<ObjectKeys>(json) {
         let mut seen = std::collections::HashSet::new();
@@ -211,6 +229,14 @@ pub fn decode_request(
             let nkeys = c.u32("key count")?;
             let rec_len = c.u32("record length")?;
             let nranks = c.count(nranks, 4, Some(limits), "ranks")?;
+            if nranks > MAX_CLUSTER_RANKS {
+                return Err(CodecError::TooLong {
+                    op: op.name(),
+                    what: "rank list (ranks)",
+                    len: nranks,
+                    max: MAX_CLUSTER_RANKS,
+                });
+            }
             let ranks = (0..nranks)
                 .map(|_| c.u32("rank"))
                 .collect::<Result<Vec<_>, _>>()?;

@@ -30,8 +30,8 @@ mod body;
 mod messages;
 
 pub use body::{
-    decode_reply, decode_request, encode_error, encode_keys_request, encode_request,
-    encode_response,
+    MAX_CLUSTER_RANKS, MAX_RECORD_JSON, decode_reply, decode_request, encode_error,
+    encode_keys_request, encode_request, encode_response,
 };
 pub use messages::{
     FlushReply, GetResult, GetStatus, HelloReply, LookupLocation, RankPrefixReply, RegionEntry,
@@ -300,6 +300,19 @@ pub enum CodecError {
         /// The limit.
         max: u64,
     },
+    /// A namespace record, or a CLUSTER_LOOKUP's rank list, longer than
+    /// the receiver accepts.
+    #[error("{op}: {what} of {len} exceeds the limit of {max}")]
+    TooLong {
+        /// The op.
+        op: &'static str,
+        /// What is too long, with its unit.
+        what: &'static str,
+        /// Its length.
+        len: usize,
+        /// The limit.
+        max: usize,
+    },
     /// A body that does not match its op's layout.
     #[error("{op}: malformed body: {detail}")]
     BadBody {
@@ -332,7 +345,8 @@ impl CodecError {
             CodecError::UnsupportedVersion { .. } => ErrorCode::UnsupportedVersion,
             CodecError::FrameTooLarge { .. }
             | CodecError::BatchTooLarge { .. }
-            | CodecError::TooManyProbes { .. } => ErrorCode::TooLarge,
+            | CodecError::TooManyProbes { .. }
+            | CodecError::TooLong { .. } => ErrorCode::TooLarge,
             CodecError::UnknownOp(_) => ErrorCode::UnknownOp,
             CodecError::UnknownFlags { .. } | CodecError::BadBody { .. } => ErrorCode::BadRequest,
         }
@@ -1114,6 +1128,49 @@ mod tests {
         let (code, msg) = decode(0, ranks, 65_536).unwrap_err();
         assert_eq!(code, ErrorCode::TooLarge);
         assert!(msg.contains("probes"), "{msg}");
+        // At most 4,096 ranks, whatever the keys (review: 1,500 ranks of one
+        // key and a large record held a runtime worker for seconds).
+        decode(0, (0..4096).collect(), 1).expect("4,096 ranks");
+        let (code, msg) = decode(0, (0..4097).collect(), 1).unwrap_err();
+        assert_eq!(code, ErrorCode::TooLarge);
+        assert!(msg.contains("rank list") && msg.contains("4096"), "{msg}");
+    }
+
+    /// A namespace record of more than 64 KiB of JSON is refused before
+    /// it is parsed, in HELLO and in CLUSTER_LOOKUP (review: 16 MiB of
+    /// `[0,0,...]` parsed into 256 MiB of JSON values first).
+    #[test]
+    fn a_record_over_64_kib_is_refused_unparsed() {
+        let decode = |op: Op, body: &[u8]| {
+            let mut out = Vec::new();
+            encode_frame(&mut out, op as u16, 0, 0, 1, |b| b.extend_from_slice(body));
+            let Decoded::Frame { header, body, .. } = decode_frame(&out, 64 << 20).unwrap() else {
+                panic!()
+            };
+            let limits = Limits { max_batch: 1 << 20 };
+            decode_request(&header, body, &limits).map_err(|e| (e.code(), e.to_string()))
+        };
+        let json = |n: usize| format!(r#"{{"model":"m","salt":"{}"}}"#, "s".repeat(n));
+        let fits = json(MAX_RECORD_JSON - 23);
+        assert_eq!(fits.len(), MAX_RECORD_JSON);
+        decode(Op::Hello, fits.as_bytes()).expect("64 KiB");
+        let mut junk = vec![b'['];
+        junk.extend(b"0,".repeat(MAX_RECORD_JSON / 2));
+        junk.push(b']');
+        let (code, msg) = decode(Op::Hello, &junk).unwrap_err();
+        assert_eq!(code, ErrorCode::TooLarge);
+        assert!(msg.contains("namespace record"), "{msg}");
+        let mut body = Vec::new();
+        body.extend(0u16.to_le_bytes());
+        body.extend(0u16.to_le_bytes());
+        body.extend(1u32.to_le_bytes());
+        body.extend(0u32.to_le_bytes());
+        body.extend((junk.len() as u32).to_le_bytes());
+        body.extend(0u32.to_le_bytes());
+        body.extend(&junk);
+        let (code, msg) = decode(Op::ClusterLookup, &body).unwrap_err();
+        assert_eq!(code, ErrorCode::TooLarge);
+        assert!(msg.contains("namespace record"), "{msg}");
     }
 
     mod props {
