@@ -786,7 +786,10 @@ impl Connection {
             } => {
                 let ctx = Arc::clone(&self.ctx);
                 let probes = keys.len().saturating_mul(ranks.len());
-                run_heavy(&self.slots, probes >= OFFLOAD_KEYS, move || {
+                // Each rank also hashes the record (up to 64 KiB): many
+                // ranks go to the blocking pool whatever their keys.
+                let heavy = probes >= OFFLOAD_KEYS || ranks.len() > 64;
+                run_heavy(&self.slots, heavy, move || {
                     let (min, per_rank) = ctx.cluster_lookup(&record, &ranks, group, &keys);
                     Response::ClusterLookup {
                         min_prefix: min as u32,
