@@ -9,7 +9,10 @@
 //! 1,024 absent keys per request. Every throughput is also printed as a
 //! ratio to its limit measured in the same run: RAM figures against a cold
 //! memcpy of the same size, disk reads against O_DIRECT sequential reads of
-//! the same block size.
+//! the same block size (one thread, one read at a time: the issue's targets
+//! are the one-client rows; rows of more clients show scaling). The
+//! clients' copies rotate through 256 MiB of regions, as cold as the
+//! baseline's.
 
 use std::path::{Path, PathBuf};
 use std::sync::Barrier;
@@ -126,13 +129,26 @@ fn run_cell(
         for t in 0..threads {
             let barrier = &barrier;
             handles.push(s.spawn(move || -> Result<Outcome> {
+                // Each client's copies rotate through slots of its region,
+                // ROTATE_BYTES over all clients, so that the client side
+                // of a copy is as cold as the baseline's two sides (audit:
+                // one slot stayed in the CPU caches, worth 1.3-1.8x on a
+                // copy against a baseline cold on both sides).
+                let slots = (ROTATE_BYTES / threads as u64)
+                    .checked_div(size)
+                    .unwrap_or(1)
+                    .max(1);
                 let setup = (|| -> Result<(Client, Namespace)> {
                     let mut c = Client::connect(socket).context("connect")?;
                     let ns = c.hello(rec).context("HELLO")?;
-                    c.create_region(size.max(4096).next_multiple_of(4096))
+                    c.create_region((slots * size).max(4096).next_multiple_of(4096))
                         .context("create region")?;
                     let region = c.region_mut().expect("created").as_mut_slice();
-                    fill_payload(&bench_key(99, t as u64), &mut region[..size as usize]);
+                    let one = size as usize;
+                    fill_payload(&bench_key(99, t as u64), &mut region[..one]);
+                    for k in 1..slots as usize {
+                        region.copy_within(..one, k * one);
+                    }
                     Ok((c, ns))
                 })();
                 barrier.wait();
@@ -144,12 +160,13 @@ fn run_cell(
                 let hist = out.hist.as_mut().expect("set");
                 let mut i = t;
                 while i < ops {
+                    let offset = ((i / threads) as u64 % slots) * size;
                     let t0 = Instant::now();
                     match op {
                         Op::Put => {
                             let e = RegionEntry {
                                 key: keys[i % keys.len()],
-                                offset: 0,
+                                offset,
                                 len: size,
                             };
                             let st = c.put(ns, 0, &[e], false)?;
@@ -168,7 +185,7 @@ fn run_cell(
                         Op::Get => {
                             let e = RegionEntry {
                                 key: keys[i % keys.len()],
-                                offset: 0,
+                                offset,
                                 len: size,
                             };
                             let r = c.get(ns, 0, &[e])?;
@@ -251,6 +268,15 @@ fn make_cell(
         moved * size
     };
     let g = gbps(bytes, wall);
+    // The limits are one thread's copy and one read at a time: with more
+    // clients the ratio says how the daemon scales past them, not whether
+    // it reaches them (audit: 8.26x "of the limit" read as a target met).
+    let limit_name = match (concurrency > 1, limit_name) {
+        (true, "memcpy cold") => "memcpy cold (1 thread)",
+        (true, "O_DIRECT read") => "O_DIRECT read (QD1)",
+        (true, "buffered read") => "buffered read (QD1)",
+        (_, n) => n,
+    };
     Cell {
         op,
         size,
@@ -273,6 +299,11 @@ fn make_cell(
 
 /// Most clients of one cell.
 const MAX_CLIENTS: usize = 1000;
+
+/// Bytes of client regions the copies of one cell rotate through, over all
+/// its clients (as the memcpy baseline's cold pools, more than any CPU
+/// cache holds).
+const ROTATE_BYTES: u64 = 256 << 20;
 
 /// Fewest chunks in the set of each size.
 const MIN_SET_CHUNKS: u64 = 32;
@@ -538,7 +569,9 @@ pub(crate) fn run(args: &LocalArgs) -> Result<u8> {
 
 fn print_cells(cells: &[Cell]) -> anyhow::Result<()> {
     let mut t = Table::new(
-        "native socket + shared memory (GB/s, latency in µs; ratio = throughput / limit at the same size)",
+        "native socket + shared memory (GB/s, latency in µs; ratio = throughput / limit at the same \
+         size; with more than one client the limit is still one thread's copy or one read at a \
+         time: that ratio is scaling, not the target)",
         &[
             "op",
             "size",
