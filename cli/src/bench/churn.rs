@@ -124,10 +124,14 @@ fn counters(c: &mut Client) -> Result<serde_json::Value> {
     Ok(c.stats()?["store"].clone())
 }
 
-fn delta(a: &serde_json::Value, b: &serde_json::Value, k: &str) -> u64 {
-    b[k].as_u64()
-        .unwrap_or(0)
-        .saturating_sub(a[k].as_u64().unwrap_or(0))
+/// `b[k] - a[k]`; a counter missing from either fails the bench (read as
+/// 0, a renamed field made "0 bytes written while idle": audit).
+fn delta(a: &serde_json::Value, b: &serde_json::Value, k: &str) -> Result<u64> {
+    let get = |v: &serde_json::Value| {
+        v[k].as_u64()
+            .with_context(|| format!("the daemon's STATS has no store.{k}"))
+    };
+    Ok(get(b)?.saturating_sub(get(a)?))
 }
 
 /// Runs `kvtier bench churn`.
@@ -203,13 +207,13 @@ pub(crate) fn run(a: &ChurnArgs) -> Result<u8> {
             "background_rate_mbps": if bg.is_some() { a.bg_rate } else { 0 },
             "background_puts": bg_puts.load(Ordering::Relaxed),
             "latency": Lat::of(&hist),
-            "disk_write_bytes": delta(&before, &after, "disk_write_bytes"),
+            "disk_write_bytes": delta(&before, &after, "disk_write_bytes")?,
             // Share of the phase the disk spent in the writer's writes (one
             // I/O thread: they never overlap).
-            "disk_busy_fraction": delta(&before, &after, "disk_write_micros") as f64
+            "disk_busy_fraction": delta(&before, &after, "disk_write_micros")? as f64
                 / a.phase.0.as_micros().max(1) as f64,
-            "ram_evictions": delta(&before, &after, "ram_evictions"),
-            "dropped_unwritten": delta(&before, &after, "dropped_unwritten"),
+            "ram_evictions": delta(&before, &after, "ram_evictions")?,
+            "dropped_unwritten": delta(&before, &after, "dropped_unwritten")?,
         }));
         pb.inc(1);
     }
@@ -229,8 +233,8 @@ pub(crate) fn run(a: &ChurnArgs) -> Result<u8> {
     let before = counters(&mut admin)?;
     std::thread::sleep(a.idle.0);
     let after = counters(&mut admin)?;
-    let idle_bytes = delta(&before, &after, "disk_write_bytes");
-    let idle_writes = delta(&before, &after, "disk_writes");
+    let idle_bytes = delta(&before, &after, "disk_write_bytes")?;
+    let idle_writes = delta(&before, &after, "disk_writes")?;
     pb.finish_and_clear();
     drop(admin);
     daemon.stop()?;
