@@ -348,9 +348,13 @@ fn bench(_c: &mut Criterion) {
             // Reads: drop RAM by reopening (promote off keeps RAM empty).
             drop(s);
             let s = ChunkStore::open(cfg.clone()).expect("reopen");
-            rd_raw.push(raw_read(&raw, &mut hot, record as usize, n - 1, record));
-            rd_cold.push(raw_read(&raw, &mut cold, record as usize, n - 1, record));
-            strategies.push(read_strategies(&raw, record as usize, n - 1, record));
+            // Only blocks the raw writes wrote (audit: n - 1 records of
+            // 68 KiB at 64 KiB chunks ran 6 % past the written 512 MiB,
+            // into preallocated blocks that read about 100x faster).
+            let rd_n = (n - 1).min(TOTAL / record);
+            rd_raw.push(raw_read(&raw, &mut hot, record as usize, rd_n, record));
+            rd_cold.push(raw_read(&raw, &mut cold, record as usize, rd_n, record));
+            strategies.push(read_strategies(&raw, record as usize, rd_n, record));
             let before = s.stats();
             let t = Instant::now();
             let mut bytes = 0;
