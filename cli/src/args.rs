@@ -197,7 +197,8 @@ pub struct ConfigArgs {
     pub log_level: Option<String>,
     /// This node's name; with peers it must equal the name in its
     /// certificate. Default: the certificate's name, dev-<peer port> with
-    /// --insecure-dev, else the host name.
+    /// --insecure-dev (dev-<address>-<port> off 127.0.0.1), else the host
+    /// name.
     #[arg(long, value_name = "NAME")]
     pub node_name: Option<String>,
     /// Peer (QUIC, mutual TLS) listen address, or `off`. Default: off.

@@ -217,6 +217,23 @@ impl Drop for Waiting {
     }
 }
 
+/// The default name of an `insecure-dev` node listening on `listen`:
+/// `dev-<port>` on 127.0.0.1 (or an unspecified address), else with the
+/// address too, `dev-127-0-0-4-7401`.
+fn dev_name(listen: std::net::SocketAddr) -> String {
+    let ip = listen.ip();
+    if ip.is_unspecified() || ip == std::net::IpAddr::from([127, 0, 0, 1]) {
+        format!("dev-{}", listen.port())
+    } else {
+        let ip: String = ip
+            .to_string()
+            .chars()
+            .map(|c| if c.is_ascii_alphanumeric() { c } else { '-' })
+            .collect();
+        format!("dev-{}-{}", ip.trim_matches('-'), listen.port())
+    }
+}
+
 impl Cluster {
     /// The TLS setup `opts` asks for: the certificates of `tls-dir`
     /// (checked: read, signed by their CA, naming `node-name` when set), or
@@ -231,8 +248,10 @@ impl Cluster {
                 .clone()
                 // Insecure nodes all run on this host (loopback only): the
                 // port tells them apart (one shared default name made each
-                // skip the other as itself).
-                .unwrap_or_else(|| format!("dev-{}", opts.listen.port()));
+                // skip the other as itself), and the address when it is
+                // not 127.0.0.1 (QA: nodes on 127.0.0.4 and 127.0.0.5 with
+                // one port refused each other as this node).
+                .unwrap_or_else(|| dev_name(opts.listen));
             TlsSetup::insecure_dev(&name).map_err(|e| peer_err("insecure-dev certificate", e))?
         } else {
             let dir = opts.tls_dir.as_ref().ok_or_else(|| {
@@ -581,5 +600,23 @@ impl Cluster {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::dev_name;
+
+    /// Insecure-dev nodes on other loopback addresses with one port get
+    /// names of their own (QA: 127.0.0.4:7401 and 127.0.0.5:7401 were both
+    /// `dev-7401` and refused each other as this node).
+    #[test]
+    fn insecure_dev_names_tell_addresses_apart() {
+        let name = |a: &str| dev_name(a.parse().unwrap());
+        assert_eq!(name("127.0.0.1:7401"), "dev-7401");
+        assert_eq!(name("0.0.0.0:7401"), "dev-7401");
+        assert_eq!(name("127.0.0.4:7401"), "dev-127-0-0-4-7401");
+        assert_ne!(name("127.0.0.4:7401"), name("127.0.0.5:7401"));
+        assert_eq!(name("[::1]:7401"), "dev-1-7401");
     }
 }

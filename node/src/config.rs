@@ -263,8 +263,8 @@ pub struct NodeConfig {
     #[serde(deserialize_with = "lenient_string")]
     pub log_level: String,
     /// This node's name in logs and status. Default: unset, meaning the
-    /// certificate's name with peers, `dev-<peer port>` with `insecure-dev`,
-    /// else the host name.
+    /// certificate's name with peers, `dev-<peer port>` with `insecure-dev`
+    /// (`dev-<address>-<port>` off 127.0.0.1), else the host name.
     #[serde(
         default,
         skip_serializing_if = "Option::is_none",
