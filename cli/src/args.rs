@@ -205,7 +205,7 @@ pub struct ConfigArgs {
     #[arg(long, value_name = "ADDR|off")]
     pub peer_listen: Option<Listen>,
     /// Seed peers, HOST:PORT (repeatable or comma-separated). Default: none.
-    #[arg(long, value_name = "HOST:PORT", value_delimiter = ',')]
+    #[arg(long, value_name = "HOST:PORT", value_delimiter = ',', value_parser = parse_peer)]
     pub peers: Vec<String>,
     /// Directory with ca.pem, node.pem, node.key (`kvtier cert issue
     /// --out DIR`). Required with --peer-listen unless --insecure-dev.
@@ -548,6 +548,17 @@ pub struct CompletionsArgs {
     /// The shell.
     #[arg(value_enum)]
     pub shell: Shell,
+}
+
+/// A `--peers` entry: host:port with a port of 1 to 65535, refused by
+/// the parser (a usage error, exit 2, as `--peer-listen garbage` is; QA).
+fn parse_peer(s: &str) -> Result<String, String> {
+    match s.rsplit_once(':') {
+        Some((host, port)) if !host.is_empty() && port.parse::<u16>().is_ok_and(|n| n > 0) => {
+            Ok(s.to_string())
+        }
+        _ => Err(format!("{s:?} is not host:port with a port of 1 to 65535")),
+    }
 }
 
 #[cfg(test)]

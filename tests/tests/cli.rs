@@ -2341,3 +2341,15 @@ fn a_put_into_an_unknown_namespace_hints_at_namespace_record() {
     );
     assert_eq!(d.stop_with(libc::SIGTERM).code(), Some(0), "{}", d.log());
 }
+
+/// A `--peers` value that is not host:port is a usage error (exit 2), as
+/// `--peer-listen garbage` is (QA: it exited 1 once parsed as a string).
+#[test]
+fn a_malformed_peers_flag_is_a_usage_error() {
+    for bad in ["garbage", "127.0.0.4:99999", ":7401", "127.0.0.4:0"] {
+        let out = run_kvtier(&["config", "check", "--peers", bad], &[]);
+        let err = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{bad}: {err}");
+        assert!(err.contains("not host:port"), "{bad}: {err}");
+    }
+}
