@@ -20,7 +20,8 @@ pub struct PeersArgs {
     /// bytes_served, ...).
     #[arg(long)]
     pub json: bool,
-    /// Refresh until interrupted.
+    /// Refresh until interrupted (with --json: one compact JSON array per
+    /// line, JSON Lines).
     #[arg(long)]
     pub watch: bool,
     /// Refresh interval of --watch (which it requires).
@@ -46,7 +47,12 @@ pub fn run(args: &PeersArgs) -> Result<u8> {
             .get("peers")
             .cloned()
             .unwrap_or(Value::Array(Vec::new()));
-        if args.json {
+        if args.json && args.watch {
+            // One document per line (JSON Lines), so that a reader can
+            // take each refresh as it comes (QA: pretty arrays one after
+            // another were no JSON a parser could read).
+            outln!("{}", serde_json::to_string(&peers)?);
+        } else if args.json {
             outln!("{}", serde_json::to_string_pretty(&peers)?);
         } else {
             if args.watch && std::io::stdout().is_terminal() {

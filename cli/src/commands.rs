@@ -321,10 +321,15 @@ fn config_check(args: &ConfigCheckArgs) -> Result<u8> {
                 ByteSize(max_chunk).approx_floor()
             );
         } else {
+            // Said only when it was (QA: printed for 256MiB = 8 x 32MiB).
+            let rounded = if layout.bytes() < cfg.tier_config().disk_budget {
+                " (disk-budget rounded down to whole regions)"
+            } else {
+                ""
+            };
             let _ = writeln!(
                 text,
-                "# store: {} × {} regions = {} (disk-budget rounded down to whole regions); chunks \
-                 up to {}",
+                "# store: {} × {} regions = {}{rounded}; chunks up to {}",
                 layout.region_count,
                 ByteSize(layout.region_size).approx(),
                 ByteSize(layout.bytes()).approx(),
