@@ -2353,3 +2353,25 @@ fn a_malformed_peers_flag_is_a_usage_error() {
         assert!(err.contains("not host:port"), "{bad}: {err}");
     }
 }
+
+/// `config check` says the disk budget was rounded down to whole regions
+/// only when it was (QA: always).
+#[test]
+fn config_check_says_rounded_only_when_it_was() {
+    for (budget, rounded) in [("256MiB", false), ("250MiB", true)] {
+        let out = run_kvtier(
+            &[
+                "config",
+                "check",
+                "--disk-budget",
+                budget,
+                "--region-size",
+                "32MiB",
+            ],
+            &[],
+        );
+        let s = text(&out.stdout);
+        assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+        assert_eq!(s.contains("rounded down"), rounded, "{budget}: {s}");
+    }
+}
