@@ -16,15 +16,30 @@ set -euo pipefail
 KVTIER=${KVTIER_BIN:-${KVTIER:-kvtier}}
 out=${1:?usage: make-certs.sh OUT_DIR [CLUSTER] [NODE=ADDR ...]}
 cluster=${2:-kvtier}
+cluster_given=$(( $# >= 2 ))
 shift $(( $# >= 2 ? 2 : $# ))
 nodes=("$@")
 if [ ${#nodes[@]} -eq 0 ]; then
   nodes=(spark1 spark2 spark3 spark4)
 fi
 if [ -e "$out/ca/ca.pem" ] && [ -e "$out/ca/ca.key" ]; then
+  # The CA's certificates carry its own cluster id, whatever CLUSTER says:
+  # a different one is refused rather than printed as if it were used.
+  if [ -f "$out/ca/cluster" ]; then
+    ca_cluster=$(cat "$out/ca/cluster")
+    if [ "$cluster_given" = 1 ] && [ "$ca_cluster" != "$cluster" ]; then
+      echo "make-certs.sh: the CA in $out/ca is of cluster $ca_cluster, not $cluster; use another OUT_DIR for a new cluster" >&2
+      exit 1
+    fi
+    cluster=$ca_cluster
+  elif [ "$cluster_given" = 1 ]; then
+    echo "warning: the CA in $out/ca records no cluster name; its certificates carry the cluster it was made for, which may not be $cluster" >&2
+    cluster="(the CA's)"
+  fi
   echo "using the existing CA in $out/ca"
 else
   "$KVTIER" cert init-ca --cluster "$cluster" --out "$out/ca"
+  echo "$cluster" > "$out/ca/cluster"
 fi
 for spec in "${nodes[@]}"; do
   name=${spec%%=*}

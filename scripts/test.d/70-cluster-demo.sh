@@ -18,3 +18,17 @@ timeout 300 "$KVTIER" bench crash --iterations "$ITER"
 
 echo "scripts/cluster-demo"
 KVTIER_BIN=$KVTIER CLUSTER_DEMO_TIMEOUT=60 timeout 90 scripts/cluster-demo
+
+echo "deploy/certs/make-certs.sh"
+certs=$(mktemp -d)
+trap 'rm -rf "$certs"' EXIT
+KVTIER_BIN=$KVTIER deploy/certs/make-certs.sh "$certs" prod n1=127.0.0.1 > /dev/null
+[ -f "$certs/n1/node.pem" ] && [ "$(cat "$certs/ca/cluster")" = prod ]
+# Another cluster name over an existing CA is refused, nothing written.
+if KVTIER_BIN=$KVTIER deploy/certs/make-certs.sh "$certs" other n2 2> "$certs/err"; then
+  echo "make-certs.sh took a CA of cluster prod for cluster other" >&2
+  exit 1
+fi
+grep -q "of cluster prod, not other" "$certs/err" && [ ! -e "$certs/n2" ]
+KVTIER_BIN=$KVTIER deploy/certs/make-certs.sh "$certs" prod n2 | grep -q "^cluster prod:"
+echo "make-certs.sh: ok"
