@@ -1171,15 +1171,30 @@ impl PeerHandle {
             .iter()
             .filter_map(|s| s.name.read().as_deref().map(str::to_owned))
             .collect();
+        // A seed not linked yet has no name: a node that dials from a seed's
+        // address is listed all the same (QA: listed peers showed as "not
+        // in peers" while this node's own dials waited to retry).
+        let seeds: std::collections::HashSet<std::net::SocketAddr> = self
+            .shared
+            .slots
+            .iter()
+            .filter_map(|s| s.seed.parse::<std::net::SocketAddr>().ok())
+            .map(|a| std::net::SocketAddr::new(a.ip().to_canonical(), a.port()))
+            .collect();
         let mut out: Vec<(String, u64)> = self
             .shared
             .served
             .lock()
             .iter()
             .filter(|(n, st)| {
+                let conns = st.conns.lock();
                 !listed.contains(*n)
                     && **n != self.shared.node_name
-                    && (!connected_only || !st.conns.lock().is_empty())
+                    && (!connected_only || !conns.is_empty())
+                    && !conns.iter().any(|c| {
+                        let a = c.remote_address();
+                        seeds.contains(&std::net::SocketAddr::new(a.ip().to_canonical(), a.port()))
+                    })
             })
             .map(|(n, st)| (n.clone(), st.bytes.load(Ordering::Relaxed)))
             .collect();
