@@ -597,7 +597,7 @@ fn print_cells(cells: &[Cell]) -> anyhow::Result<()> {
             if c.bytes > 0 { f2(c.gbps) } else { "-".into() },
             format!("{:.0}", c.ops_per_sec),
             f1(c.latency.p50_us),
-            f1(c.latency.p99_us),
+            super::p99_cell(c.latency.p99_us, c.latency.count),
             if c.limit_gbps.is_finite() {
                 format!("{} {}", c.limit_name, f2(c.limit_gbps))
             } else {
@@ -612,7 +612,14 @@ fn print_cells(cells: &[Cell]) -> anyhow::Result<()> {
             },
         ]);
     }
-    t.print()
+    t.print()?;
+    if cells
+        .iter()
+        .any(|c| c.latency.count > 0 && c.latency.count < super::P99_MIN_SAMPLES)
+    {
+        outln!("{}", super::P99_NOTE);
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -622,6 +622,23 @@ pub(crate) struct Lat {
     pub max_us: f64,
 }
 
+/// Fewest samples for a p99 that is not just the slowest one or two.
+pub(crate) const P99_MIN_SAMPLES: u64 = 200;
+
+/// A p99 for a table: marked `*` when it rests on fewer than
+/// [`P99_MIN_SAMPLES`] samples (then it is about the maximum: audit).
+pub(crate) fn p99_cell(p99_us: f64, count: u64) -> String {
+    if count < P99_MIN_SAMPLES {
+        format!("{p99_us:.1}*")
+    } else {
+        format!("{p99_us:.1}")
+    }
+}
+
+/// The note under a table with starred p99s.
+pub(crate) const P99_NOTE: &str =
+    "* p99 of fewer than 200 samples: about the slowest of them, not a tail percentile";
+
 pub(crate) fn new_hist() -> hdrhistogram::Histogram<u64> {
     hdrhistogram::Histogram::new_with_bounds(1, 120_000_000_000, 3).expect("valid bounds")
 }

@@ -592,6 +592,12 @@ pub(crate) fn run(a: &VsArgs) -> Result<u8> {
             v["server"] == srv && v["op"] == op && v["size"] == size && v["concurrency"] == c
         })
     };
+    let mut starred = false;
+    let mut p99 = |v: &serde_json::Value| {
+        let n = v["latency"]["count"].as_u64().unwrap_or(0);
+        starred |= n < super::P99_MIN_SAMPLES;
+        super::p99_cell(v["latency"]["p99_us"].as_f64().unwrap_or(f64::NAN), n)
+    };
     let mut ratios = Vec::new();
     for op in ["SET", "GET"] {
         for &size in &a.sizes {
@@ -606,7 +612,7 @@ pub(crate) fn run(a: &VsArgs) -> Result<u8> {
                     c.to_string(),
                     f2(kg),
                     f1(k["latency"]["p50_us"].as_f64().unwrap_or(f64::NAN)),
-                    f1(k["latency"]["p99_us"].as_f64().unwrap_or(f64::NAN)),
+                    p99(k),
                 ];
                 for srv in ["redis", "lmcache"] {
                     match find(srv, op, size, c) {
@@ -614,7 +620,7 @@ pub(crate) fn run(a: &VsArgs) -> Result<u8> {
                             let g = v["gbps"].as_f64().unwrap_or(f64::NAN);
                             row.push(f2(g));
                             row.push(f2(g / kg));
-                            row.push(f1(v["latency"]["p99_us"].as_f64().unwrap_or(f64::NAN)));
+                            row.push(p99(v));
                             ratios.push(json!({"server": srv, "op": op, "size": size, "concurrency": c, "ratio_to_kvtier": g / kg}));
                         }
                         None => row.extend(["-".into(), "-".into(), "-".into()]),
@@ -625,6 +631,9 @@ pub(crate) fn run(a: &VsArgs) -> Result<u8> {
         }
     }
     t.print()?;
+    if starred {
+        outln!("{}", super::P99_NOTE);
+    }
     for n in &notes {
         outln!("{n}");
     }
