@@ -263,11 +263,23 @@ impl Pools {
     /// (destination slots rotate in a different order from the source's).
     fn memcpy_cold(&mut self, size: usize) -> f64 {
         let slots = (self.src.len() / size).max(1);
+        // A step prime to the slot count, so that every destination slot is
+        // written (7 alone left some out when it divided the count: audit).
+        let gcd = |mut a: usize, mut b: usize| {
+            while b != 0 {
+                (a, b) = (b, a % b);
+            }
+            a
+        };
+        let step = [7, 11, 13, 17, 19, 23, 29, 31]
+            .into_iter()
+            .find(|&p| gcd(p, slots) == 1)
+            .unwrap_or(1);
         let mut runs = Vec::new();
         for _ in 0..3 {
             let t0 = Instant::now();
             for i in 0..slots {
-                let j = (i * 7 + 3) % slots;
+                let j = (i * step + 3) % slots;
                 self.dst[j * size..(j + 1) * size]
                     .copy_from_slice(&self.src[i * size..(i + 1) * size]);
             }
