@@ -53,6 +53,11 @@ pub struct VsArgs {
     /// The redis-server binary.
     #[arg(long, default_value = "redis-server")]
     pub redis_server: PathBuf,
+    /// Passes over every cell, the servers' order alternating between
+    /// passes; each cell reports its median pass (by GB/s) and every
+    /// pass's GB/s (`runs` in --json).
+    #[arg(long, value_parser = crate::bench::parse_count::<usize>, default_value = "3")]
+    pub repeats: usize,
     /// Python of a venv with lmcache and torch (default: the test scripts'
     /// `~/.cache/kvtier-test/venv-torch`, else .cache/venv-lmcache or
     /// .cache/venv-torch, whichever imports both).
@@ -186,6 +191,33 @@ fn cell_json(
     })
 }
 
+/// One cell per (server, op, size, concurrency): the pass of median GB/s
+/// over the passes made, with every pass's GB/s in `runs`.
+fn median_cells(passes: Vec<Value>) -> Vec<Value> {
+    let mut groups: Vec<(String, Vec<Value>)> = Vec::new();
+    for v in passes {
+        let k = format!(
+            "{}|{}|{}|{}",
+            v["server"], v["op"], v["size"], v["concurrency"]
+        );
+        match groups.iter_mut().find(|(g, _)| *g == k) {
+            Some((_, vs)) => vs.push(v),
+            None => groups.push((k, vec![v])),
+        }
+    }
+    groups
+        .into_iter()
+        .map(|(_, mut vs)| {
+            let g = |v: &Value| v["gbps"].as_f64().unwrap_or(f64::NAN);
+            vs.sort_by(|a, b| g(a).total_cmp(&g(b)));
+            let runs: Vec<f64> = vs.iter().map(g).collect();
+            let mut m = vs.swap_remove(vs.len() / 2);
+            m["runs"] = json!(runs);
+            m
+        })
+        .collect()
+}
+
 /// SET then GET a working set over RESP at `addr`.
 fn resp_cells(server: &str, addr: SocketAddr, size: u64, c: usize, n: u64) -> Result<Vec<Value>> {
     let mut out = Vec::new();
@@ -238,7 +270,18 @@ fn resp_cells(server: &str, addr: SocketAddr, size: u64, c: usize, n: u64) -> Re
             h.add(&hh).expect("same bounds");
             bad += b;
         }
-        out.push(cell_json(server, op, size, c, n, wall, Lat::of(&h), bad));
+        // A GET that missed moved nothing (audit: counted as a chunk).
+        let moved = n.saturating_sub(bad);
+        out.push(cell_json(
+            server,
+            op,
+            size,
+            c,
+            moved,
+            wall,
+            Lat::of(&h),
+            bad,
+        ));
     }
     Ok(out)
 }
@@ -542,30 +585,64 @@ pub(crate) fn run(a: &VsArgs) -> Result<u8> {
     }
 
     let servers = 1 + usize::from(redis.is_some()) + usize::from(lm.is_some());
-    let pb = bar((a.sizes.len() * a.concurrency.len() * servers) as u64, "vs");
-    let mut cells = Vec::new();
+    let repeats = a.repeats.max(1);
+    let pb = bar(
+        (a.sizes.len() * a.concurrency.len() * servers * repeats) as u64,
+        "vs",
+    );
+    let mut passes = Vec::new();
     for &size in &a.sizes {
         let n = a.set_bytes.0 / size;
         for &c in &a.concurrency {
-            pb.set_message(format!("kvtier {} x{c}", size_name(size)));
-            cells.extend(resp_cells("kvtier", kv_addr, size, c, n)?);
-            pb.inc(1);
-            if redis.is_some() {
-                pb.set_message(format!("redis {} x{c}", size_name(size)));
-                cells.extend(resp_cells("redis", redis_addr, size, c, n)?);
-                pb.inc(1);
-            }
-            if let Some((py, _, addr)) = &lm {
-                pb.set_message(format!("lmcache {} x{c}", size_name(size)));
-                match lmcache_cells(py, *addr, &lm_script, size, c, n) {
-                    Ok(v) => cells.extend(v),
-                    Err(e) => notes.push(format!("LMCache {} x{c}: {e:#}", size_name(size))),
+            // The servers take turns going first (audit: one short pass per
+            // cell, kvtier always first, swung by up to 2.5x between runs).
+            for rep in 0..repeats {
+                let mut order = vec!["kvtier"];
+                if redis.is_some() {
+                    order.push("redis");
                 }
-                pb.inc(1);
+                if lm.is_some() {
+                    order.push("lmcache");
+                }
+                let first = rep % order.len();
+                order.rotate_left(first);
+                for srv in order {
+                    pb.set_message(format!(
+                        "{srv} {} x{c} ({}/{repeats})",
+                        size_name(size),
+                        rep + 1
+                    ));
+                    match srv {
+                        "kvtier" => passes.extend(resp_cells("kvtier", kv_addr, size, c, n)?),
+                        "redis" => passes.extend(resp_cells("redis", redis_addr, size, c, n)?),
+                        _ => {
+                            let (py, _, addr) = lm.as_ref().expect("in the order only if started");
+                            match lmcache_cells(py, *addr, &lm_script, size, c, n) {
+                                Ok(v) => passes.extend(v),
+                                Err(e) => {
+                                    notes.push(format!("LMCache {} x{c}: {e:#}", size_name(size)))
+                                }
+                            }
+                        }
+                    }
+                    pb.inc(1);
+                }
             }
         }
     }
     pb.finish_and_clear();
+    let cells = median_cells(passes);
+    notes.push(format!(
+        "each cell: the median of {repeats} pass(es), the servers taking turns to go first \
+         (every pass's GB/s: `runs` in --json)"
+    ));
+    if lm.is_some() {
+        notes.push(
+            "LMCache's SET latency is the send alone (its PUT has no reply); the others' are \
+             round trips"
+                .into(),
+        );
+    }
     drop(lm);
     drop(redis);
     kv.stop()?;
