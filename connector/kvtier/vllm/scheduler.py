@@ -55,6 +55,8 @@ class _Req:
     load_failed: bool = False
     #: on-evict: keys of the chunks this request's blocks were tracked under.
     tracked: list[bytes] = field(default_factory=list)
+    #: The request's preemptions handled so far (`_note_preemption`).
+    preemptions: int = 0
 
 
 #: Seconds a request's lookup answer is reused while it waits (vLLM asks again
@@ -162,6 +164,7 @@ class KvtierScheduler:
         layout = self.layout
         assert layout is not None
         st = self._state(request)
+        self._note_preemption(st)
         if not self.cfg.load:
             # Nothing is restored, but prefill-and-finish asks which chunks
             # kvtier has so that it stores only the missing ones (it stored
@@ -314,25 +317,34 @@ class KvtierScheduler:
         meta.preempted = sorted(scheduler_output.preempted_req_ids or ())
         if not self.cfg.store:
             return meta
-        if self.evict is None:
-            for req_id in meta.preempted:
-                st = self._reqs.get(req_id)
-                if st is not None:
-                    # The workers drop this request's saves not done yet (its
-                    # blocks go to others), so what it planned is not known
-                    # stored any more: the lookup at its resume says what is,
-                    # and its recompute saves the rest (review: the dropped
-                    # chunks were never saved again, a miss for every later
-                    # request). A save that did finish is stored again: the
-                    # same bytes, harmless.
-                    st.stored_chunks = 0
-                    st.prefill_open = True
+        for req_id in meta.preempted:
+            st = self._reqs.get(req_id)
+            if st is not None:
+                self._note_preemption(st)
         self._plan_step(meta, scheduler_output)
         if self.evict is not None:
             # vLLM allocated this step's blocks already: the head of its free
             # queue is what the next steps hand out.
             meta.evict_saves = self.evict.select()
         return meta
+
+    def _note_preemption(self, st: _Req) -> None:
+        """Once per preemption of the request, the first time it is seen (its
+        resume's lookup, or the step's preempted list, whichever comes first):
+        the workers drop its saves not done yet (its blocks go to others), so
+        what it planned is not known stored any more. The lookup at its resume
+        says what is, and its recompute saves the rest (review: the dropped
+        chunks were never saved again, a miss for every later request). Done
+        at the step's list alone, it undid the lookup of a request preempted
+        and resumed in one `schedule()`, which then saved its restored chunks
+        again (second review)."""
+        n = getattr(st.request, "num_preemptions", 0)
+        if n == st.preemptions:
+            return
+        st.preemptions = n
+        if self.evict is None:
+            st.stored_chunks = 0
+            st.prefill_open = True
 
     def _plan_step(self, meta: KvtierMetadata, scheduler_output: Any) -> None:
         sched = scheduler_output.num_scheduled_tokens

@@ -330,3 +330,19 @@ def test_a_preempted_requests_dropped_saves_are_stored_again(daemon: Daemon):
     finally:
         gate.set()
         e.shutdown()
+
+
+def test_a_request_preempted_and_restored_in_one_step_does_not_save_its_chunks_again(daemon: Daemon):
+    """A request preempted outside `schedule()` (reset_prefix_cache) and
+    restored by the same `schedule()`: the lookup of its resume says its
+    chunks are stored; the preemption must not undo that (a review found
+    every restored chunk saved again)."""
+    e = Engine({"socket": daemon.socket, "min_tokens_for_disk": 0}, num_blocks=128)
+    try:
+        e.add(make_request("A", PROMPT, max_tokens=400))
+        _resume_with_restore(e, "A")
+        before = e.totals()["save_chunks"]
+        e.run(lambda: e.requests["A"].num_computed_tokens >= 640)
+        assert e.totals()["save_chunks"] == before
+    finally:
+        e.shutdown()
