@@ -205,6 +205,20 @@ impl NodeContext {
         id: ChunkId,
         name: Option<bytes::Bytes>,
     ) -> Option<(bytes::Bytes, Location)> {
+        self.get_with_location_held(id, name, ()).await
+    }
+
+    /// [`NodeContext::get_with_location`], holding `held` (a bound's
+    /// permits) for as long as the local disk read runs: it goes with the
+    /// read onto the blocking pool, so a GET dropped meanwhile (its client
+    /// hung up) does not give it back before the read ends (review). It is
+    /// dropped before any peer fetch (the peer layer bounds those).
+    pub async fn get_with_location_held<G: Send + 'static>(
+        &self,
+        id: ChunkId,
+        name: Option<bytes::Bytes>,
+        held: G,
+    ) -> Option<(bytes::Bytes, Location)> {
         // RAM hits are answered inline; anything else may touch the disk and
         // runs on the blocking pool, never on a runtime worker.
         if let Some(hit) = self.get_ram(&id, name.as_deref()) {
@@ -215,11 +229,14 @@ impl NodeContext {
         // A local miss is counted below, once the peers missed too: a GET
         // a peer served is a hit (`hits_peer`), not a miss (QA: a node
         // restoring from its peers showed a hit ratio of 0).
-        let local =
-            tokio::task::spawn_blocking(move || store.get_local(&id, local_name.as_deref()))
-                .await
-                .ok()
-                .flatten();
+        let local = tokio::task::spawn_blocking(move || {
+            let hit = store.get_local(&id, local_name.as_deref());
+            drop(held);
+            hit
+        })
+        .await
+        .ok()
+        .flatten();
         if let Some(hit) = local {
             return Some((hit.data, hit.tier.into()));
         }

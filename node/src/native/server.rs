@@ -1126,10 +1126,11 @@ impl Connection {
                 self.settle(&mut pending, &mut results, &mut watch).await?;
             }
             // The bytes of disk reads are bounded over all connections by
-            // the RAM budget, and the reads (peer fetches too, which the
-            // peer layer bounds by its own means) by a count (review: 32
+            // the RAM budget, and the reads by a count (review: 32
             // connections of 16 reads of 4 MiB each took 2.9 GB and 481
-            // threads with a 64 MiB RAM budget).
+            // threads with a 64 MiB RAM budget), held until the read ends
+            // even when the GET is dropped; not for peer fetches, which
+            // the peer layer bounds by its own means.
             let bytes = self.ctx.store.disk_len(&id).unwrap_or(0);
             let held = tokio::select! {
                 biased;
@@ -1139,10 +1140,8 @@ impl Connection {
             let (ctx, region, e) = (Arc::clone(&self.ctx), Arc::clone(region), *e);
             let slots = Arc::clone(&self.slots);
             pending.spawn(async move {
-                let hit = ctx.get_with_location(id, None).await;
-                let placed = place_hits(&slots, region, vec![(i, e, hit)]).await;
-                drop(held);
-                placed
+                let hit = ctx.get_with_location_held(id, None, held).await;
+                place_hits(&slots, region, vec![(i, e, hit)]).await
             });
         }
         // RAM hits are copied in jobs of at most GET_JOB_BYTES, each taking
