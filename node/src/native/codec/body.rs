@@ -243,6 +243,17 @@ pub fn decode_request(
             let nkeys = c.count(nkeys, 32, Some(limits), "keys")?;
             let keys = c.keys(nkeys)?;
             let record = decode_record(c.take(rec_len as usize, "record")?, op.name())?;
+            // As stored (HELLO's limit): each rank hashes the record
+            // (review: 4,096 ranks of a 64 KiB record hashed 256 MiB).
+            let stored = serde_json::to_vec(&record).map_or(usize::MAX, |v| v.len());
+            if stored > tier::store::MAX_RECORD_BYTES {
+                return Err(CodecError::TooLong {
+                    op: op.name(),
+                    what: "namespace record (bytes as stored)",
+                    len: stored,
+                    max: tier::store::MAX_RECORD_BYTES,
+                });
+            }
             check_ranks(&record, &ranks, keys.len(), op.name())?;
             Request::ClusterLookup {
                 record,
