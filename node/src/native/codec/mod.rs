@@ -1160,32 +1160,25 @@ mod tests {
         let (code, msg) = decode(Op::Hello, &junk).unwrap_err();
         assert_eq!(code, ErrorCode::TooLarge);
         assert!(msg.contains("namespace record"), "{msg}");
-        let mut body = Vec::new();
-        body.extend(0u16.to_le_bytes());
-        body.extend(0u16.to_le_bytes());
-        body.extend(1u32.to_le_bytes());
-        body.extend(0u32.to_le_bytes());
-        body.extend((junk.len() as u32).to_le_bytes());
-        body.extend(0u32.to_le_bytes());
-        body.extend(&junk);
-        let (code, msg) = decode(Op::ClusterLookup, &body).unwrap_err();
-        assert_eq!(code, ErrorCode::TooLarge);
-        assert!(msg.contains("namespace record"), "{msg}");
-        // CLUSTER_LOOKUP's record is held to HELLO's 16 KiB as stored too
-        // (each rank hashes it).
-        let cl = |json: &str| {
+        // A CLUSTER_LOOKUP of one rank, no keys, and `record`.
+        let cl = |record: &[u8]| {
             let mut body = Vec::new();
             body.extend(0u16.to_le_bytes());
             body.extend(0u16.to_le_bytes());
             body.extend(1u32.to_le_bytes());
             body.extend(0u32.to_le_bytes());
-            body.extend((json.len() as u32).to_le_bytes());
+            body.extend((record.len() as u32).to_le_bytes());
             body.extend(0u32.to_le_bytes());
-            body.extend(json.as_bytes());
+            body.extend(record);
             decode(Op::ClusterLookup, &body)
         };
-        cl(&json(1000)).expect("a small record");
-        let (code, msg) = cl(&json(20_000)).unwrap_err();
+        let (code, msg) = cl(&junk).unwrap_err();
+        assert_eq!(code, ErrorCode::TooLarge);
+        assert!(msg.contains("namespace record"), "{msg}");
+        // CLUSTER_LOOKUP's record is held to HELLO's 16 KiB as stored too
+        // (each rank hashes it).
+        cl(json(1000).as_bytes()).expect("a small record");
+        let (code, msg) = cl(json(20_000).as_bytes()).unwrap_err();
         assert_eq!(code, ErrorCode::TooLarge);
         assert!(msg.contains("as stored"), "{msg}");
     }
