@@ -430,10 +430,26 @@ impl Cluster {
     }
 }
 
+/// What becomes of a chunk fetched from a peer ([`Fetcher::admission`]).
+enum Admission {
+    /// Not kept.
+    No,
+    /// Kept in RAM.
+    Yes,
+    /// Kept, once its namespace is registered from the record a peer
+    /// publishes.
+    Register(Box<tier::NamespaceRecord>),
+}
+
 impl Fetcher {
     /// One fetch of `id` (see [`Cluster::fetch_named`]).
     async fn fetch_once(&self, id: &ChunkId, name: Option<Bytes>) -> Option<Bytes> {
-        let admit = self.admit && self.admits(id);
+        let admission = if self.admit {
+            self.admission(id)
+        } else {
+            Admission::No
+        };
+        let admit = !matches!(admission, Admission::No);
         // A GET that missed locally just before another one's fetch of the
         // chunk was admitted: served from RAM (counted as the peer hit it
         // nearly was), not fetched again.
@@ -453,7 +469,12 @@ impl Fetcher {
                     let res = crate::context::insert_off_runtime(
                         &self.store,
                         "admission task",
-                        move || store.put_clean(id, name, data),
+                        move || {
+                            if let Admission::Register(rec) = admission {
+                                store.register_namespace(&rec)?;
+                            }
+                            store.put_clean(id, name, data)
+                        },
                     )
                     .await;
                     if let Err(e) = res {
@@ -470,14 +491,30 @@ impl Fetcher {
         }
     }
 
-    /// Whether a chunk fetched for `id` may be admitted: its namespace is
-    /// registered here and its keys are immutable (not a RESP namespace).
-    fn admits(&self, id: &ChunkId) -> bool {
-        // Plain RESP keys are mutable; LMCache's keys name their chunk's
-        // content hash, like the native engines' keys.
-        self.store
-            .namespace_record(&id.ns)
-            .is_some_and(|r| r.engine != crate::resp::keys::RESP_ENGINE)
+    /// Whether a chunk fetched for `id` may be admitted: its keys are
+    /// immutable (not a plain RESP namespace: LMCache's keys name their
+    /// chunk's content hash, like the native engines' keys), and its
+    /// namespace is registered here, or a peer publishes its record, which
+    /// is registered with the admission (QA: a node that only read LMCache
+    /// values from its peers, never SET one, fetched them again each time).
+    /// Only a namespace a peer holds chunks of can be registered so, never
+    /// one a client's GET names.
+    fn admission(&self, id: &ChunkId) -> Admission {
+        let immutable = |r: &tier::NamespaceRecord| r.engine != crate::resp::keys::RESP_ENGINE;
+        if let Some(r) = self.store.namespace_record(&id.ns) {
+            return if immutable(&r) {
+                Admission::Yes
+            } else {
+                Admission::No
+            };
+        }
+        self.handle
+            .namespace_records()
+            .into_iter()
+            .filter(|(_, ns, _)| ns.0 == id.ns.0)
+            .filter_map(|(_, _, json)| serde_json::from_slice::<tier::NamespaceRecord>(&json).ok())
+            .find(|r| r.id() == id.ns && immutable(r))
+            .map_or(Admission::No, |r| Admission::Register(Box::new(r)))
     }
 }
 

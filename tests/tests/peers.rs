@@ -693,6 +693,37 @@ fn resp_set_on_one_node_is_found_by_get_and_exists_on_another() {
     assert_eq!(resp(rb, &[b"EXISTS", b"lmcache:other"]), b":0\r\n");
 }
 
+/// An LMCache value read on a node that never SET one in its namespace is
+/// kept there once fetched: the namespace is registered from the record
+/// its holder publishes (QA: fetched from the peer again on every GET).
+/// A plain RESP value is still read from its holder each time.
+#[test]
+fn an_lmcache_value_fetched_by_a_node_that_never_set_one_is_kept() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let Two { a, b, .. } = two_nodes(dir.path());
+    let (ra, rb) = (a.resp.expect("resp on a"), b.resp.expect("resp on b"));
+    let key: &[u8] = b"qa-model@2@0@5eed1234abcd@bfloat16";
+    let value: Vec<u8> = (0..200_000u32).map(|i| (i * 7 % 251) as u8).collect();
+    assert_eq!(resp(ra, &[b"SET", key, &value]), b"+OK\r\n");
+    assert_eq!(resp(ra, &[b"SET", b"plain:1", b"v"]), b"+OK\r\n");
+    poll("EXISTS on b", Duration::from_secs(15), || {
+        (resp(rb, &[b"EXISTS", key]) == b":1\r\n"
+            && resp(rb, &[b"EXISTS", b"plain:1"]) == b":1\r\n")
+            .then_some(())
+    });
+    let mut want = format!("${}\r\n", value.len()).into_bytes();
+    want.extend_from_slice(&value);
+    want.extend_from_slice(b"\r\n");
+    for _ in 0..3 {
+        assert!(resp(rb, &[b"GET", key]) == want, "GET on b: other bytes");
+        assert_eq!(resp(rb, &[b"GET", b"plain:1"]), b"$1\r\nv\r\n");
+    }
+    // One fetch of the LMCache value (then RAM hits), three of the plain one.
+    assert_eq!(peer_field(&b, "a", "fetches_ok"), Some(4));
+    let st = b.client().stats().expect("STATS");
+    assert_eq!(st["store"]["hits_ram"], 2, "{}", st["store"]);
+}
+
 #[test]
 fn a_stopped_peer_never_hangs_a_get_past_its_timeout() {
     let dir = tempfile::tempdir().expect("temp dir");
