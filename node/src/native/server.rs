@@ -205,11 +205,15 @@ pub fn copy_slots() -> usize {
     std::thread::available_parallelism().map_or(4, |n| (2 * n.get()).max(4))
 }
 
-/// The bound on GETs' disk and peer reads in flight over all connections:
-/// their bytes (KiB, as [`copy_kib_bound`]) and their number.
+/// The bound on GETs' disk reads in flight over all connections: their
+/// bytes (KiB, as [`copy_kib_bound`]) and their number; and on DELETEs
+/// running on the blocking pool (one of 65,536 keys holds a thread for
+/// about 0.2 s, and a delete may wait for room in the writer's queue:
+/// review).
 struct ReadBound {
     kib: Arc<Semaphore>,
     count: Arc<Semaphore>,
+    deletes: Arc<Semaphore>,
 }
 
 impl ReadBound {
@@ -217,6 +221,7 @@ impl ReadBound {
         Self {
             kib: Arc::new(Semaphore::new(copy_kib_bound(ram_budget))),
             count: Arc::new(Semaphore::new(MAX_READS_IN_FLIGHT)),
+            deletes: Arc::new(Semaphore::new(copy_slots())),
         }
     }
 
@@ -866,8 +871,13 @@ impl Connection {
             Request::Get { ns, group, entries } => self.get(ns, group, &entries).await,
             Request::Delete { ns, group, keys } => {
                 let store = Arc::clone(&self.ctx.store);
+                let permit = Arc::clone(&self.reading.deletes)
+                    .acquire_owned()
+                    .await
+                    .expect("the delete bound is never closed");
                 let existed = joined(
                     tokio::task::spawn_blocking(move || {
+                        let _permit = permit;
                         keys.iter()
                             .map(|k| store.delete(&ChunkId::new(ns, *k, group)))
                             .collect::<Vec<bool>>()
