@@ -550,15 +550,10 @@ pub struct CompletionsArgs {
     pub shell: Shell,
 }
 
-/// A `--peers` entry: host:port with a port of 1 to 65535, refused by
-/// the parser (a usage error, exit 2, as `--peer-listen garbage` is; QA).
+/// A `--peers` entry, checked as the config's `peers` are, by the parser
+/// (a usage error, exit 2, as `--peer-listen garbage` is; QA).
 fn parse_peer(s: &str) -> Result<String, String> {
-    match s.rsplit_once(':') {
-        Some((host, port)) if !host.is_empty() && port.parse::<u16>().is_ok_and(|n| n > 0) => {
-            Ok(s.to_string())
-        }
-        _ => Err(format!("{s:?} is not host:port with a port of 1 to 65535")),
-    }
+    node::config::check_peer_addr(s).map(|()| s.to_string())
 }
 
 #[cfg(test)]

@@ -767,15 +767,7 @@ impl NodeConfig {
             ));
         }
         for p in &self.peers.0 {
-            let Some((host, port)) = p.rsplit_once(':') else {
-                return Err(bad("peers", format!("{p:?} is not host:port")));
-            };
-            if host.is_empty() || !port.parse::<u16>().is_ok_and(|n| n > 0) {
-                return Err(bad(
-                    "peers",
-                    format!("{p:?} is not host:port with a port of 1 to 65535"),
-                ));
-            }
+            check_peer_addr(p).map_err(|why| bad("peers", why))?;
         }
         if self.insecure_dev {
             if !listen.ip().is_loopback() {
@@ -1675,6 +1667,18 @@ fn default_region_size(disk_budget: ByteSize) -> ByteSize {
         1 << (63 - eighth.leading_zeros())
     };
     ByteSize(pow2.clamp(MIN, DEFAULT_REGION_SIZE))
+}
+
+/// Whether `p` is a `peers` entry: host:port with a port of 1 to 65535
+/// (the `--peers` flag's parser uses it too); why not, otherwise.
+pub fn check_peer_addr(p: &str) -> std::result::Result<(), String> {
+    let Some((host, port)) = p.rsplit_once(':') else {
+        return Err(format!("{p:?} is not host:port"));
+    };
+    if host.is_empty() || !port.parse::<u16>().is_ok_and(|n| n > 0) {
+        return Err(format!("{p:?} is not host:port with a port of 1 to 65535"));
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -1174,12 +1174,14 @@ impl PeerHandle {
         // A seed not linked yet has no name: a node that dials from a seed's
         // address is listed all the same (QA: listed peers showed as "not
         // in peers" while this node's own dials waited to retry).
+        let canonical =
+            |a: std::net::SocketAddr| std::net::SocketAddr::new(a.ip().to_canonical(), a.port());
         let seeds: std::collections::HashSet<std::net::SocketAddr> = self
             .shared
             .slots
             .iter()
-            .filter_map(|s| s.seed.parse::<std::net::SocketAddr>().ok())
-            .map(|a| std::net::SocketAddr::new(a.ip().to_canonical(), a.port()))
+            .filter_map(|s| s.seed.parse().ok())
+            .map(canonical)
             .collect();
         let mut out: Vec<(String, u64)> = self
             .shared
@@ -1191,10 +1193,9 @@ impl PeerHandle {
                 !listed.contains(*n)
                     && **n != self.shared.node_name
                     && (!connected_only || !conns.is_empty())
-                    && !conns.iter().any(|c| {
-                        let a = c.remote_address();
-                        seeds.contains(&std::net::SocketAddr::new(a.ip().to_canonical(), a.port()))
-                    })
+                    && !conns
+                        .iter()
+                        .any(|c| seeds.contains(&canonical(c.remote_address())))
             })
             .map(|(n, st)| (n.clone(), st.bytes.load(Ordering::Relaxed)))
             .collect();

@@ -1284,7 +1284,7 @@ impl ChunkStore {
             return Ok(id);
         }
         self.inner.check_writable("registering a namespace")?;
-        let len = serde_json::to_vec(record).map_or(usize::MAX, |v| v.len());
+        let len = record.stored_len();
         if len > MAX_RECORD_BYTES {
             return Err(Error::RecordTooLarge {
                 len,

@@ -210,7 +210,13 @@ impl NamespaceRecord {
 
     /// The namespace id: a hash of every fence field, rank included.
     pub fn id(&self) -> Namespace {
-        Namespace(self.hash_fences(NAMESPACE_DOMAIN, Some(self.rank)))
+        self.id_of_rank(self.rank)
+    }
+
+    /// Bytes of this record as the store keeps it (compact JSON, every
+    /// field written out), which [`crate::store::MAX_RECORD_BYTES`] limits.
+    pub fn stored_len(&self) -> usize {
+        serde_json::to_vec(self).map_or(usize::MAX, |v| v.len())
     }
 
     /// The id of this record with another rank: `self.with_rank(rank).id()`

@@ -11,8 +11,10 @@
 //! memcpy of the same size, disk reads against O_DIRECT sequential reads of
 //! the same block size (one thread, one read at a time: the targets
 //! are the one-client rows; rows of more clients show scaling). The
-//! clients' copies rotate through 256 MiB of regions, as cold as the
-//! baseline's.
+//! clients' RAM copies rotate through 256 MiB of regions, as cold as the
+//! baseline's, after an untimed pass that maps them in the daemon (as an
+//! engine's staging region is, once); disk reads go to one slot, as the
+//! read baseline's into one buffer.
 
 use std::path::{Path, PathBuf};
 use std::sync::Barrier;

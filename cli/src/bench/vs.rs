@@ -584,7 +584,14 @@ pub(crate) fn run(a: &VsArgs) -> Result<u8> {
         )),
     }
 
-    let servers = 1 + usize::from(redis.is_some()) + usize::from(lm.is_some());
+    let mut servers_run = vec!["kvtier"];
+    if redis.is_some() {
+        servers_run.push("redis");
+    }
+    if lm.is_some() {
+        servers_run.push("lmcache");
+    }
+    let servers = servers_run.len();
     let repeats = a.repeats.max(1);
     let pb = bar(
         (a.sizes.len() * a.concurrency.len() * servers * repeats) as u64,
@@ -597,15 +604,8 @@ pub(crate) fn run(a: &VsArgs) -> Result<u8> {
             // The servers take turns going first (audit: one short pass per
             // cell, kvtier always first, swung by up to 2.5x between runs).
             for rep in 0..repeats {
-                let mut order = vec!["kvtier"];
-                if redis.is_some() {
-                    order.push("redis");
-                }
-                if lm.is_some() {
-                    order.push("lmcache");
-                }
-                let first = rep % order.len();
-                order.rotate_left(first);
+                let mut order = servers_run.clone();
+                order.rotate_left(rep % servers);
                 for srv in order {
                     pb.set_message(format!(
                         "{srv} {} x{c} ({}/{repeats})",

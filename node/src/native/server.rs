@@ -63,8 +63,8 @@ const WRITE_FLUSH: usize = 1 << 20;
 /// Most disk or peer reads one GET keeps in flight.
 const MAX_CONCURRENT_READS: usize = 16;
 
-/// Disk and peer reads of GETs in flight at once over all connections
-/// (each holds a blocking thread while it reads from disk).
+/// Disk reads of GETs in flight at once over all connections (each holds
+/// a blocking thread).
 const MAX_READS_IN_FLIGHT: usize = 256;
 /// Most received descriptors waiting for their REGISTER_REGION frame.
 const MAX_PENDING_FDS: usize = 4;
@@ -101,7 +101,7 @@ pub async fn serve(
     let copying = Arc::new(Semaphore::new(copy_kib_bound(
         ctx.store.config().ram_budget,
     )));
-    let reading = Arc::new(ReadBound::new(ctx.store.config().ram_budget));
+    let bounds = Arc::new(Bounds::new(ctx.store.config().ram_budget));
     let buffered = Arc::new(AtomicUsize::new(0));
     let opts = Arc::new(opts);
     let mut tasks = JoinSet::new();
@@ -120,7 +120,7 @@ pub async fn serve(
                                 Arc::clone(&opts),
                                 Arc::clone(&slots),
                                 Arc::clone(&copying),
-                                Arc::clone(&reading),
+                                Arc::clone(&bounds),
                                 Arc::clone(&buffered),
                             );
                             let stop = stop_rx.clone();
@@ -205,42 +205,53 @@ pub fn copy_slots() -> usize {
     std::thread::available_parallelism().map_or(4, |n| (2 * n.get()).max(4))
 }
 
-/// The bound on GETs' disk reads in flight over all connections: their
-/// bytes (KiB, as [`copy_kib_bound`]) and their number; and on DELETEs
-/// running on the blocking pool (one of 65,536 keys holds a thread for
+/// Bounds over all connections on work the blocking pool runs for them:
+/// GETs' disk reads in flight, their bytes (KiB, as [`copy_kib_bound`])
+/// and their number; and DELETEs (one of 65,536 keys holds a thread for
 /// about 0.2 s, and a delete may wait for room in the writer's queue:
 /// review).
-struct ReadBound {
-    kib: Arc<Semaphore>,
-    count: Arc<Semaphore>,
+struct Bounds {
+    read_kib: Arc<Semaphore>,
+    /// `read_kib`'s size: the most one read takes.
+    read_kib_cap: usize,
+    reads: Arc<Semaphore>,
     deletes: Arc<Semaphore>,
 }
 
-impl ReadBound {
+const BOUND_CLOSED: &str = "the server's bounds are never closed";
+
+impl Bounds {
     fn new(ram_budget: u64) -> Self {
+        let cap = copy_kib_bound(ram_budget);
         Self {
-            kib: Arc::new(Semaphore::new(copy_kib_bound(ram_budget))),
-            count: Arc::new(Semaphore::new(MAX_READS_IN_FLIGHT)),
+            read_kib: Arc::new(Semaphore::new(cap)),
+            read_kib_cap: cap,
+            reads: Arc::new(Semaphore::new(MAX_READS_IN_FLIGHT)),
             deletes: Arc::new(Semaphore::new(copy_slots())),
         }
     }
 
-    /// Waits for room for a read of `bytes` (one larger than the whole
+    /// Waits for room for a disk read of `bytes` (one larger than the whole
     /// bound waits until it is alone); the room is held until the permits
     /// are dropped.
-    async fn acquire(
-        &self,
-        bytes: u64,
-        ram_budget: u64,
-    ) -> (OwnedSemaphorePermit, OwnedSemaphorePermit) {
-        const CLOSED: &str = "the read bound is never closed";
-        let count = Arc::clone(&self.count).acquire_owned().await.expect(CLOSED);
-        let n = copy_permits(bytes, copy_kib_bound(ram_budget));
-        let kib = Arc::clone(&self.kib)
-            .acquire_many_owned(n)
+    async fn read(&self, bytes: u64) -> (OwnedSemaphorePermit, OwnedSemaphorePermit) {
+        let count = Arc::clone(&self.reads)
+            .acquire_owned()
             .await
-            .expect(CLOSED);
+            .expect(BOUND_CLOSED);
+        let kib = Arc::clone(&self.read_kib)
+            .acquire_many_owned(copy_permits(bytes, self.read_kib_cap))
+            .await
+            .expect(BOUND_CLOSED);
         (count, kib)
+    }
+
+    /// Waits for one of the DELETE slots.
+    async fn delete(&self) -> OwnedSemaphorePermit {
+        Arc::clone(&self.deletes)
+            .acquire_owned()
+            .await
+            .expect(BOUND_CLOSED)
     }
 }
 
@@ -292,8 +303,8 @@ struct Connection {
     /// KiB that PUTs may hold copied out of regions at once, over all
     /// connections ([`copy_kib_bound`]).
     copying: Arc<Semaphore>,
-    /// GET reads in flight over all connections.
-    reading: Arc<ReadBound>,
+    /// Blocking-pool work over all connections.
+    bounds: Arc<Bounds>,
     /// Shared with the copies running on the blocking pool.
     region: Option<Arc<MappedRegion>>,
     /// Descriptors received and not yet claimed by a REGISTER_REGION,
@@ -350,7 +361,7 @@ impl Connection {
         opts: Arc<NativeOptions>,
         slots: Arc<Semaphore>,
         copying: Arc<Semaphore>,
-        reading: Arc<ReadBound>,
+        bounds: Arc<Bounds>,
         buffered: Arc<AtomicUsize>,
     ) -> Self {
         Self {
@@ -359,7 +370,7 @@ impl Connection {
             opts,
             slots,
             copying,
-            reading,
+            bounds,
             region: None,
             fds: VecDeque::new(),
             consumed: 0,
@@ -431,10 +442,7 @@ impl Connection {
                         // REGISTER_REGION refused for its body left its memfd
                         // queued, and the next one mapped that memfd instead
                         // of its own and answered success).
-                        let end = self.consumed;
-                        while self.fds.front().is_some_and(|(at, _)| at.end <= end) {
-                            self.fds.pop_front();
-                        }
+                        self.close_fds_before(self.consumed);
                         if self.wbuf.len() >= WRITE_FLUSH {
                             self.flush_writes().await?;
                         }
@@ -726,13 +734,19 @@ impl Connection {
     /// by their frames and are closed.
     fn claim_fd(&mut self) -> Option<OwnedFd> {
         let at = self.frame_at;
-        while self.fds.front().is_some_and(|(r, _)| r.end <= at) {
-            self.fds.pop_front();
-        }
+        self.close_fds_before(at);
         if self.fds.front().is_some_and(|(r, _)| r.contains(&at)) {
             return self.fds.pop_front().map(|(_, fd)| fd);
         }
         None
+    }
+
+    /// Closes the queued descriptors whose reads ended at or before stream
+    /// offset `at`.
+    fn close_fds_before(&mut self, at: u64) {
+        while self.fds.front().is_some_and(|(r, _)| r.end <= at) {
+            self.fds.pop_front();
+        }
     }
 
     /// Writes pending replies. While the socket is full it reads ahead the
@@ -843,7 +857,7 @@ impl Connection {
             } => {
                 let ctx = Arc::clone(&self.ctx);
                 let probes = keys.len().saturating_mul(ranks.len());
-                // Each rank also hashes the record (up to 64 KiB): many
+                // Each rank also hashes the record (up to 16 KiB): many
                 // ranks go to the blocking pool whatever their keys.
                 let heavy = probes >= OFFLOAD_KEYS || ranks.len() > 64;
                 run_heavy(&self.slots, heavy, move || {
@@ -871,10 +885,7 @@ impl Connection {
             Request::Get { ns, group, entries } => self.get(ns, group, &entries).await,
             Request::Delete { ns, group, keys } => {
                 let store = Arc::clone(&self.ctx.store);
-                let permit = Arc::clone(&self.reading.deletes)
-                    .acquire_owned()
-                    .await
-                    .expect("the delete bound is never closed");
+                let permit = self.bounds.delete().await;
                 let existed = joined(
                     tokio::task::spawn_blocking(move || {
                         let _permit = permit;
@@ -1125,7 +1136,8 @@ impl Connection {
                 hits.push((i, *e, Some((data, Location::Ram))));
                 continue;
             }
-            if let Some(len) = self.ctx.store.disk_len(&id).filter(|&n| n > e.len) {
+            let disk_len = self.ctx.store.disk_len(&id);
+            if let Some(len) = disk_len.filter(|&n| n > e.len) {
                 results[i] = GetResult {
                     status: GetStatus::TooSmall,
                     len,
@@ -1141,10 +1153,9 @@ impl Connection {
             // threads with a 64 MiB RAM budget), held until the read ends
             // even when the GET is dropped; not for peer fetches, which
             // the peer layer bounds by its own means.
-            let bytes = self.ctx.store.disk_len(&id).unwrap_or(0);
             let held = tokio::select! {
                 biased;
-                held = self.reading.acquire(bytes, self.ctx.store.config().ram_budget) => held,
+                held = self.bounds.read(disk_len.unwrap_or(0)) => held,
                 () = watch.hung_up(&self.stream) => return Err(self.abandon(&mut pending)),
             };
             let (ctx, region, e) = (Arc::clone(&self.ctx), Arc::clone(region), *e);

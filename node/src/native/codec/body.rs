@@ -245,7 +245,7 @@ pub fn decode_request(
             let record = decode_record(c.take(rec_len as usize, "record")?, op.name())?;
             // As stored (HELLO's limit): each rank hashes the record
             // (review: 4,096 ranks of a 64 KiB record hashed 256 MiB).
-            let stored = serde_json::to_vec(&record).map_or(usize::MAX, |v| v.len());
+            let stored = record.stored_len();
             if stored > tier::store::MAX_RECORD_BYTES {
                 return Err(CodecError::TooLong {
                     op: op.name(),
